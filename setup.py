@@ -1,0 +1,24 @@
+"""bv_sharding: sharding plans for params and optimizer state in big_vision-style JAX training."""
+import setuptools
+
+setuptools.setup(
+    name="bv_sharding",
+    version="0.1.0",
+    description="Config-driven sharding plans for Flax params and any optax optimizer state.",
+    packages=setuptools.find_packages(include=["bv_sharding*", "trainers*", "configs*"]),
+    python_requires=">=3.11,<3.13",
+    install_requires=[
+        "jax>=0.10.2,<0.11",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "numpy>=1.26,<3",
+        "ml_collections>=1.0,<2",
+        "absl-py>=2.0,<3",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8,<10",
+            "pytest-timeout>=2.3,<3",
+        ],
+    },
+)
