@@ -1,0 +1,118 @@
+"""How an optimizer-state leaf relates to the param it belongs to.
+
+State leaves are tied to params through tree paths (the param's path, without
+the leading ``params``, appears inside the state leaf's path whatever wraps it)
+and through shapes, never through optimizer names. The relation decides the
+state leaf's spec:
+
+* same shape (Adam moments, momentum, EMA, ...): the param's spec;
+* a list entry under the param, one per param dim (PSGD Kron ``Q_i``): the
+  factor of dim ``i``: ``(d_i, d_i)``, ``(d_i,)`` or scanned ``(L, d_i, d_i)``;
+  the param's axis for dim ``i`` goes on :data:`FACTOR_DIM` of the factor;
+* dims kept in order (Adafactor's row/column statistics): each kept dim keeps
+  its axis;
+* nothing in common (Shampoo block stacks): the size-based fallback.
+
+Example:
+  >>> relate((512,), (), "params/w", (512, 1024), ("data", None)).spec
+  ('data',)
+  >>> f = relate((1024, 1024), ("1",), "params/w", (512, 1024), (None, "data"))
+  >>> f.how, f.spec
+  ('factor of dim 1', ('data', None))
+"""
+import dataclasses
+import functools
+import itertools
+
+from bv_sharding.specs import Spec
+
+# Which dim of a square Kron factor (d_i, d_i) takes param dim i's axis. Dim 0
+# (rows) is the default: see benchmarks/communication.py for the measurement;
+# `preconditioner(dim=...)` overrides it per strategy entry.
+FACTOR_DIM = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Follow:
+  """A state leaf's param (name, shape, spec), how they relate, and the spec carried over.
+
+  ``factor`` is ``(param_dim, n_leading)`` for a preconditioner factor, else ``None``;
+  ``spec`` is ``None`` when nothing can be carried (the fallback).
+  """
+  param: str
+  param_shape: tuple[int, ...]
+  param_spec: Spec
+  how: str
+  spec: Spec | None
+  factor: tuple[int, int] | None = None
+
+
+def find_param(components: tuple[str, ...], params: dict[tuple[str, ...], str]):
+  """The longest param path (key of ``params``) inside ``components``, and the components after it."""
+  best = None
+  for start in range(len(components)):
+    for stop in range(len(components), start, -1):
+      key = components[start:stop]
+      if key in params and (best is None or len(key) > len(best[0])):
+        best = (key, components[stop:])
+        break
+  return (params[best[0]], best[1]) if best else (None, ())
+
+
+def relate(shape, rest, param: str, param_shape, param_spec,
+           factor_dim: int = FACTOR_DIM) -> Follow:
+  """How a state leaf of ``shape``, found at ``rest`` below ``param``, follows it."""
+  shape, param_shape, param_spec = tuple(shape), tuple(param_shape), tuple(param_spec)
+  follow = functools.partial(Follow, param, param_shape, param_spec)
+  index = _list_index(rest)
+  factor = None if index is None else factor_of(shape, param_shape, index)
+  if factor is not None:
+    dim, lead = factor
+    return follow(f"factor of dim {dim}",
+                  factor_spec(shape, param_spec, dim, lead, factor_dim), factor)
+  if shape == param_shape:
+    return follow("same shape", param_spec)
+  kept = _kept_dims(shape, param_shape, param_spec)
+  if kept is not None:
+    return follow("dims carried", tuple(param_spec[d] for d in kept))
+  return follow("fallback", None)
+
+
+def factor_of(shape, param_shape, index: int) -> tuple[int, int] | None:
+  """``(param_dim, n_leading)`` when a list entry at ``index`` is a preconditioner factor.
+
+  Entry ``i`` is the factor of dim ``i`` (``(d_i, d_i)`` or diagonal ``(d_i,)``), or
+  of dim ``i + 1`` behind a leading scanned-layer axis (``(L, d, d)`` or ``(L, d)``).
+  """
+  for dim, lead in ((index, ()), (index + 1, param_shape[:1])):
+    if dim < len(param_shape):
+      d = param_shape[dim]
+      if shape in (lead + (d, d), lead + (d,)):
+        return dim, len(lead)
+  return None
+
+
+def factor_spec(shape, param_spec, factor: int, lead: int, factor_dim: int) -> Spec:
+  """A factor's spec: param dim ``factor``'s axis on ``factor_dim`` of its square (or diagonal)
+  part; a leading layer axis keeps the param's first-dim axis."""
+  spec = [None] * len(shape)
+  if lead:
+    spec[0] = param_spec[0]
+  spec[lead + factor_dim % (len(shape) - lead)] = param_spec[factor]
+  return tuple(spec)
+
+
+def _list_index(rest: tuple[str, ...]) -> int | None:
+  digits = [int(c) for c in rest if c.isdigit()]
+  return digits[-1] if digits else None
+
+
+def _kept_dims(shape, param_shape, param_spec) -> tuple[int, ...] | None:
+  """Param dims that ``shape`` keeps in order (most sharded first), or ``None``."""
+  if len(shape) >= len(param_shape):
+    return None
+  fits = [dims for dims in itertools.combinations(range(len(param_shape)), len(shape))
+          if all(param_shape[d] == s for d, s in zip(dims, shape))]
+  if not fits:
+    return None
+  return max(fits, key=lambda dims: sum(param_spec[d] is not None for d in dims))

@@ -1,0 +1,268 @@
+"""Plans: a spec and a reason for every leaf of params and optimizer state, before any array exists.
+
+Data flows one way: config strategy -> parsed ops -> :class:`Plan` (one
+:class:`Entry` per leaf) -> ``NamedSharding`` trees for ``jax.jit``.
+
+When the tree has a top-level ``params`` entry (dict key, attribute or field, as
+in big_vision's ``{"params", "opt"}`` or flax's ``TrainState``), the leaves under
+it are the params and every other leaf is state that follows them (see
+:mod:`bv_sharding.following`); a tree without one is all params.
+
+Example:
+  >>> mesh = bvs.make_abstract_mesh([("data", -1)], 256)
+  >>> p = bvs.plan({"params": params_shape, "opt": opt_shape}, 'fsdp(axis="data")', mesh)
+  >>> print(p.report())
+  >>> params = jax.jit(model.init, out_shardings=p.shardings["params"])(rng, batch)
+"""
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from bv_sharding import following, names, patterns, specs
+from bv_sharding.specs import MiB, Leaf, Spec
+
+PARAMS = "params"
+DEFAULT_MIN_SIZE_MB = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One leaf's decision: ``spec`` and ``why`` (which entry and op decided, or why not sharded)."""
+  name: str
+  shape: tuple[int, ...]
+  dtype: Any
+  spec: PartitionSpec
+  why: str
+  nbytes: int
+  bytes_per_device: int
+  follows: str | None = None
+
+  @property
+  def sharded(self) -> bool:
+    return any(axis is not None for axis in self.spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-leaf specs for a tree on a mesh (a ``Mesh`` or an ``AbstractMesh``)."""
+  entries: tuple[Entry, ...]
+  treedef: Any
+  mesh: Any
+
+  @property
+  def specs(self):
+    """``PartitionSpec`` tree with the input's structure (boxes unboxed, ``None`` kept)."""
+    return self.treedef.unflatten([e.spec for e in self.entries])
+
+  @property
+  def shardings(self):
+    """``NamedSharding`` tree for ``jax.jit(in_shardings=..., out_shardings=...)``."""
+    return self.treedef.unflatten([NamedSharding(self.mesh, e.spec) for e in self.entries])
+
+  @property
+  def total_bytes(self) -> int:
+    return sum(e.nbytes for e in self.entries)
+
+  @property
+  def bytes_per_device(self) -> int:
+    return sum(e.bytes_per_device for e in self.entries)
+
+  @property
+  def num_devices(self) -> int:
+    return math.prod(self.mesh.shape.values())
+
+  @property
+  def coverage(self) -> float:
+    """Fraction of all bytes that is sharded."""
+    return sum(e.nbytes for e in self.entries if e.sharded) / max(self.total_bytes, 1)
+
+  def unsharded(self, min_bytes: int = 0) -> list[Entry]:
+    """Unsharded entries of at least ``min_bytes``, largest first."""
+    left = [e for e in self.entries if not e.sharded and e.nbytes >= min_bytes]
+    return sorted(left, key=lambda e: -e.nbytes)
+
+  def report(self, largest_unsharded: int = 5) -> str:
+    """A readable table: one row per leaf, then totals and the largest unsharded leaves."""
+    rows = [("name", "shape", "dtype", "spec", "MiB/device", "why")]
+    rows += [(e.name, str(e.shape), str(e.dtype), _spec_text(e.spec),
+              f"{e.bytes_per_device / MiB:.3f}", e.why) for e in self.entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
+    ideal = self.total_bytes / self.num_devices
+    lines.append(
+        f"mesh {dict(self.mesh.shape)}: {len(self.entries)} leaves, "
+        f"{self.total_bytes / MiB:.2f} MiB in all, {self.bytes_per_device / MiB:.2f} MiB per "
+        f"device ({self.bytes_per_device / max(ideal, 1):.3f}x the ideal), "
+        f"{100 * self.coverage:.1f}% of bytes sharded")
+    for e in self.unsharded()[:largest_unsharded]:
+      lines.append(f"  unsharded: {e.name} {e.shape} {e.nbytes / MiB:.3f} MiB: {e.why}")
+    return "\n".join(lines)
+
+
+def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = False) -> Plan:
+  """Plans every leaf of ``tree`` (arrays, ``ShapeDtypeStruct``s or flax boxes).
+
+  ``strategy``: ``[(regex, op_chain), ...]`` or one op chain; ``rules``:
+  ``config.sharding_rules`` for ``logical_partitioning()``; ``strict``: an
+  indivisible requested dim raises ``ShardingError`` instead of staying unsharded.
+  """
+  sizes = dict(mesh.shape)
+  pats = patterns.parse_strategy(strategy, sizes)
+  rules = patterns.parse_rules(rules, sizes)
+  named, treedef = names.flatten(tree)
+  leaves = [_leaf(name, x, sizes, rules, strict) for name, x in named]
+  has_params = any(_is_param(leaf) for leaf in leaves)
+  params = {leaf.name: (leaf, _decide_param(leaf, pats)) for leaf in leaves
+            if _is_param(leaf) or not has_params}
+  by_path = {_relative(name): name for name in params} if has_params else {}
+  entries = []
+  for leaf in leaves:
+    if leaf.name in params and params[leaf.name][0] is leaf:
+      spec, why = params[leaf.name][1]
+    else:
+      leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, params)
+      spec, why = _decide_state(leaf, pats)
+    entries.append(_entry(leaf, spec, why, sizes))
+  return Plan(tuple(entries), treedef, mesh)
+
+
+def infer_sharding(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = False):
+  """``(shardings, specs)`` trees for ``tree``: the big_vision-style entry point.
+
+  Example:
+    >>> shardings, specs = infer_sharding(abstract, [(".*", 'fsdp(axis="data")')], mesh)
+    >>> params = jax.jit(model.init, out_shardings=shardings)(rng, batch)
+  """
+  result = plan(tree, strategy, mesh, rules=rules, strict=strict)
+  return result.shardings, result.specs
+
+
+def _leaf(name, x, sizes, rules, strict) -> Leaf:
+  value = x.unbox() if names.is_box(x) else x
+  shape = tuple(getattr(value, "shape", np.shape(value)))
+  dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+  box_names = tuple(x.names) if isinstance(x, nn.Partitioned) else None
+  logical = isinstance(x, nn.LogicallyPartitioned)
+  box_rules = rules or tuple(getattr(x, "rules", None) or ())
+  return Leaf(name, shape, dtype, sizes, box_names, logical, box_rules, strict)
+
+
+def _is_param(leaf: Leaf) -> bool:
+  return leaf.components[0] == PARAMS
+
+
+def _relative(name: str) -> tuple[str, ...]:
+  return tuple(name.split("/"))[1:]
+
+
+def _with_follow(leaf: Leaf, by_path: dict, params: dict) -> Leaf:
+  name, rest = following.find_param(leaf.components, by_path)
+  if name is None or leaf.ndim == 0:
+    return leaf
+  param, (param_spec, _) = params[name]
+  follow = following.relate(leaf.shape, rest, name, param.shape, param_spec)
+  return dataclasses.replace(leaf, follow=follow)
+
+
+def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str]:
+  pattern = patterns.match(pats, leaf.name)
+  if pattern is None:
+    return _replicated(leaf), "no strategy entry matches: replicated"
+  spec, notes = _run(pattern.ops, leaf)
+  return spec, f"{pattern.regex!r} -> {notes}"
+
+
+def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str]:
+  pattern = patterns.match(pats, leaf.name)
+  follow = leaf.follow
+  if follow is None:
+    if leaf.ndim == 0:
+      return _replicated(leaf), "scalar state: replicated"
+    if pattern is None:
+      return _replicated(leaf), "no param to follow, no strategy entry: replicated"
+    spec, notes = _run(pattern.ops, leaf)
+    return spec, f"no param to follow; {pattern.regex!r} -> {notes}"
+  ops = pattern.ops if pattern else ()
+  spec, notes = _run(ops, leaf, carry=not ops or any(op.follows for op in ops))
+  where = f"{pattern.regex!r} -> " if pattern else "default: "
+  return spec, f"follows {follow.param} ({follow.how}); {where}{notes}"
+
+
+def _run(ops, leaf: Leaf, carry: bool = False) -> tuple[Spec, str]:
+  """Applies a chain. On a state leaf with ``carry``, sharding ops carry the param's spec
+  over (once), and a big leaf left unsharded goes to the size-based fallback."""
+  spec, notes, carried = _replicated(leaf), [], False
+  for op in ops:
+    if leaf.follow is not None and op.follows:
+      if not carried:
+        spec, note = _carry(leaf, spec)
+        notes.append(note)
+        carried = True
+      continue
+    spec, note = op.rule(leaf, spec)
+    notes.append(f"{op.name}: {note}")
+  if carry and not ops:
+    spec, note = _carry(leaf, spec)
+    notes.append(note)
+  if carry and not any(spec):
+    threshold = _threshold(ops)
+    if leaf.nbytes >= threshold * MiB:
+      spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops))
+      notes.append(f"fallback (>= {threshold:g} MiB): {note}")
+  return spec, "; ".join(notes) or "replicated"
+
+
+def _carry(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
+  follow = leaf.follow
+  if follow.spec is None:
+    return spec, "no dims in common"
+  for dim, axis in enumerate(follow.spec):
+    if axis is not None:
+      spec, _ = specs.place(leaf, spec, dim, axis, requested=False)
+  return spec, f"carried {_spec_text(PartitionSpec(*spec))}"
+
+
+def _fallback(leaf: Leaf, spec: Spec, candidates) -> tuple[Spec, str]:
+  """Size-based rule: the block-batch dim 0 of a 3+-d stack first, else the largest divisible dim."""
+  note = "no mesh axis to use"
+  for axis in candidates:
+    if leaf.ndim >= 3:
+      new, note = specs.place(leaf, spec, 0, axis, requested=False)
+      if new != spec:
+        return new, note
+    new, note = specs.place_largest(dataclasses.replace(leaf, strict=False), spec, axis)
+    if new != spec:
+      return new, note
+  return spec, note
+
+
+def _fallback_axes(leaf: Leaf, ops) -> list:
+  """Axes for the fallback: the chain's ``axis`` arguments, else the param's, else the mesh's."""
+  from_ops = [op.arguments["axis"] for op in ops if op.follows and "axis" in op.arguments]
+  from_param = [a for a in leaf.follow.param_spec if a is not None]
+  return from_ops or from_param or list(leaf.mesh)
+
+
+def _threshold(ops) -> float:
+  sizes = [op.arguments["min_size_to_shard_mb"] for op in ops
+           if "min_size_to_shard_mb" in op.arguments]
+  return sizes[0] if sizes else DEFAULT_MIN_SIZE_MB
+
+
+def _replicated(leaf: Leaf) -> Spec:
+  return (None,) * leaf.ndim
+
+
+def _entry(leaf: Leaf, spec: Spec, why: str, sizes) -> Entry:
+  per_device = leaf.nbytes // specs.shards(spec, sizes)
+  follows = leaf.follow.param if leaf.follow is not None else None
+  return Entry(leaf.name, leaf.shape, leaf.dtype, PartitionSpec(*spec), why, leaf.nbytes,
+               per_device, follows)
+
+
+def _spec_text(spec: PartitionSpec) -> str:
+  return "P(" + ", ".join(repr(a) if a is not None else "None" for a in spec) + ")"

@@ -1,0 +1,149 @@
+"""Registry of sharding ops and the parser for op-chain config strings.
+
+An op is registered as a factory: its arguments come from the config string, and
+it returns a rule ``rule(leaf, spec) -> (spec, note)`` (see ``bv_sharding.specs``).
+Config strings are parsed with ``ast``; arguments must be literals, nothing is
+evaluated.
+
+Example:
+  >>> import bv_sharding as bvs
+  >>> ops = bvs.parse_chain('shard_dim(axis="model", dim=-1)|fsdp(axis="data")')
+  >>> [op.name for op in ops]
+  ['shard_dim', 'fsdp']
+"""
+import ast
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from bv_sharding.errors import ShardingError, closest
+
+MAX_CHAIN_CHARS = 2000
+_OPS: dict[str, "OpInfo"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+  """A registered op: its factory and how it treats optimizer state.
+
+  ``follows=True`` (sharding ops): on a state leaf that follows a param the op
+  carries that param's spec over instead of choosing dims itself.
+  ``follows=False`` (``replicate`` and state-specific ops): the op always acts.
+  """
+  name: str
+  factory: Callable[..., Callable]
+  follows: bool
+
+  @property
+  def signature(self) -> str:
+    return f"{self.name}{inspect.signature(self.factory)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One parsed and bound op of a chain: ``text`` as written, ``rule`` to apply."""
+  name: str
+  text: str
+  arguments: dict[str, Any]
+  rule: Callable
+  follows: bool
+
+
+def register(name: str, *, follows: bool = True):
+  """Decorator registering an op factory under ``name``.
+
+  Example:
+    >>> @bvs.register("shard_last")
+    ... def shard_last(axis):
+    ...   return lambda leaf, spec: bvs.specs.place(leaf, spec, -1, axis)
+  """
+  def decorate(factory):
+    if name in _OPS and _OPS[name].factory is not factory:
+      raise ShardingError(f"op {name!r} is already registered; pick another name")
+    _OPS[name] = OpInfo(name, factory, follows)
+    return factory
+  return decorate
+
+
+def registered() -> tuple[str, ...]:
+  """Names of all registered ops, sorted."""
+  return tuple(sorted(_OPS))
+
+
+def lookup(name: str) -> OpInfo:
+  """The registered op ``name``; unknown names raise with the closest ones."""
+  if name not in _OPS:
+    raise ShardingError(f"unknown op {name!r}{closest(name, _OPS)} "
+                        f"Registered ops: {', '.join(registered())}.")
+  return _OPS[name]
+
+
+def parse_chain(text: str) -> tuple[Op, ...]:
+  """Parses ``'op(args)|op(args)'`` into bound ops, raising ``ShardingError`` on any mistake."""
+  if not isinstance(text, str):
+    raise ShardingError(f"op chain must be a string like 'fsdp(axis=\"data\")', got {text!r}")
+  if len(text) > MAX_CHAIN_CHARS:
+    raise ShardingError(f"op chain {text[:60]!r}... is {len(text)} characters; "
+                        f"at most {MAX_CHAIN_CHARS} are accepted")
+  try:
+    tree = ast.parse(text.strip(), mode="eval").body
+  except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+    raise ShardingError(f"cannot parse op chain {text!r}: {e}. "
+                        "Write ops as name(arg, key=value) joined by '|'.") from None
+  return tuple(_bind(call, text) for call in _split_pipes(tree, text))
+
+
+def _split_pipes(node: ast.AST, text: str) -> list[ast.Call]:
+  if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+    return _split_pipes(node.left, text) + _split_pipes(node.right, text)
+  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+    return [node]
+  if isinstance(node, ast.Name):
+    raise ShardingError(f"in op chain {text!r}: {node.id!r} needs parentheses: write "
+                        f"'{node.id}()' or '{node.id}(axis=...)'")
+  raise ShardingError(f"in op chain {text!r}: {_excerpt(node, text)!r} is not an op call; "
+                      "write ops as plain names with literal arguments, e.g. "
+                      "'fsdp(axis=\"data\")', joined by '|'")
+
+
+def _bind(call: ast.Call, text: str) -> Op:
+  info = lookup(call.func.id)
+  where = f"in op chain {text!r}, {_excerpt(call, text)!r}"
+  args = [_literal(a, where, text) for a in call.args]
+  kwargs = {}
+  for kw in call.keywords:
+    if kw.arg is None:
+      raise ShardingError(f"{where}: '**' arguments are not accepted; "
+                          f"signature: {info.signature}")
+    kwargs[kw.arg] = _literal(kw.value, where, text)
+  try:
+    bound = inspect.signature(info.factory).bind(*args, **kwargs)
+  except TypeError as e:
+    raise ShardingError(f"{where}: {e}; signature: {info.signature}") from None
+  bound.apply_defaults()
+  return Op(info.name, _excerpt(call, text), dict(bound.arguments),
+            info.factory(*bound.args, **bound.kwargs), info.follows)
+
+
+def _literal(node: ast.AST, where: str, text: str):
+  if isinstance(node, ast.Starred):
+    raise ShardingError(f"{where}: '*' arguments are not accepted")
+  try:
+    value = ast.literal_eval(node)
+  except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+    raise ShardingError(f"{where}: argument {_excerpt(node, text)!r} is not a literal; "
+                        "use strings, numbers, booleans, None or tuples of them") from None
+  if not _plain(value):
+    raise ShardingError(f"{where}: argument {value!r} is not accepted; "
+                        "use strings, numbers, booleans, None or tuples of them")
+  return value
+
+
+def _plain(value) -> bool:
+  if isinstance(value, (tuple, list)):
+    return all(_plain(v) for v in value)
+  return value is None or isinstance(value, (str, bool, int, float))
+
+
+def _excerpt(node: ast.AST, text: str) -> str:
+  return ast.get_source_segment(text.strip(), node) or ast.dump(node)[:60]

@@ -1,0 +1,183 @@
+"""The built-in sharding ops.
+
+Each op is a factory registered by name; the config string's arguments go to the
+factory, which returns ``rule(leaf, spec) -> (spec, note)``. Rules only add mesh
+axes through :func:`bv_sharding.specs.place`, so chains compose: a later op only
+fills dims and axes an earlier one left free.
+
+Example:
+  >>> strategy = [(".*embedding", 'shard_dim(axis="model", dim=-1)'),
+  ...             (".*", 'tensor_parallel(axis="model")|fsdp(axis="data")')]
+"""
+import flax.linen as nn
+
+from bv_sharding import specs
+from bv_sharding.errors import ShardingError
+from bv_sharding.registry import register
+from bv_sharding.specs import Leaf, Spec
+
+NEVER_SHARDED = frozenset({"scale", "bias"})
+LAST_DIM = frozenset({"embedding", "out_kernel", "down_kernel"})
+SECOND_LAST_DIM = frozenset({"q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel"})
+COLUMN_PARALLEL = SECOND_LAST_DIM
+ROW_PARALLEL = frozenset({"out_kernel", "down_kernel"})
+VOCAB_PARALLEL = frozenset({"embedding"})
+
+
+@register("replicate", follows=False)
+def replicate():
+  """Every dim replicated: ``'replicate()'``."""
+  return lambda leaf, spec: ((None,) * leaf.ndim, "replicated")
+
+
+@register("fsdp")
+def fsdp(axis, min_size_to_shard_mb=4):
+  """big_vision's FSDP: the largest free dim ``axis`` divides, for leaves of at least the threshold.
+
+  ``axis`` may be a tuple of mesh axes: ``'fsdp(axis=("data", "model"))'``.
+  """
+  axis = specs.check_axis("fsdp", axis)
+  threshold = specs.check_number("fsdp", "min_size_to_shard_mb", min_size_to_shard_mb)
+
+  def rule(leaf: Leaf, spec: Spec):
+    return _too_small(leaf, spec, threshold) or specs.place_largest(leaf, spec, axis)
+  return rule
+
+
+@register("shard_dim")
+def shard_dim(axis, dim):
+  """``axis`` on dim ``dim`` (negative counts from the end): ``'shard_dim(axis="model", dim=-1)'``."""
+  axis = specs.check_axis("shard_dim", axis)
+  if isinstance(dim, bool) or not isinstance(dim, int):
+    raise ShardingError(f"shard_dim: dim must be an integer like 0 or -1, got {dim!r}")
+  return lambda leaf, spec: specs.place(leaf, spec, dim, axis)
+
+
+@register("llm_fsdp")
+def llm_fsdp(axis, min_size_to_shard_mb=1):
+  """FSDP by parameter name, for Llama-style models.
+
+  Matching is on whole path components: norm ``scale`` and ``bias`` are never
+  sharded; ``embedding``/``out_kernel``/``down_kernel`` go on the last dim;
+  ``q/k/v/gate/up_kernel`` on dim -2; any other leaf on the largest divisible of
+  its last two dims. Dims count from the end, so a leading scanned-layer axis is
+  never sharded. Only leaves with 2+ dims and at least the threshold are sharded.
+  """
+  axis = specs.check_axis("llm_fsdp", axis)
+  threshold = specs.check_number("llm_fsdp", "min_size_to_shard_mb", min_size_to_shard_mb)
+
+  def rule(leaf: Leaf, spec: Spec):
+    parts = set(leaf.components)
+    if parts & NEVER_SHARDED:
+      return spec, "norm scale or bias: never sharded"
+    if leaf.ndim < 2:
+      return spec, "fewer than 2 dims: not sharded"
+    skip = _too_small(leaf, spec, threshold)
+    if skip:
+      return skip
+    if parts & LAST_DIM:
+      return specs.place(leaf, spec, -1, axis)
+    if parts & SECOND_LAST_DIM:
+      return specs.place(leaf, spec, -2, axis)
+    return specs.place_largest(leaf, spec, axis, dims=(leaf.ndim - 2, leaf.ndim - 1))
+  return rule
+
+
+@register("tensor_parallel")
+def tensor_parallel(axis):
+  """Megatron layout over ``axis``: column-parallel q/k/v/gate/up kernels (dim -1),
+  row-parallel out/down kernels (dim -2), vocab-parallel embedding (dim -2).
+
+  Compose with FSDP on another axis: ``'tensor_parallel(axis="model")|fsdp(axis="data")'``.
+  """
+  axis = specs.check_axis("tensor_parallel", axis)
+
+  def rule(leaf: Leaf, spec: Spec):
+    parts = set(leaf.components)
+    if leaf.ndim < 2 or parts & NEVER_SHARDED:
+      return spec, "not a tensor-parallel kernel"
+    if parts & COLUMN_PARALLEL:
+      return specs.place(leaf, spec, -1, axis)
+    if parts & (ROW_PARALLEL | VOCAB_PARALLEL):
+      return specs.place(leaf, spec, -2, axis)
+    return spec, "not a tensor-parallel kernel"
+  return rule
+
+
+@register("logical_partitioning")
+def logical_partitioning():
+  """Axes from flax boxes: ``nn.with_logical_partitioning`` names resolved through the
+  plan's ``rules`` (``config.sharding_rules``; a logical name listed twice is a
+  fallback, as in flax), or ``nn.Partitioned`` mesh axis names as they are.
+  """
+  def rule(leaf: Leaf, spec: Spec):
+    if leaf.names is None:
+      return spec, "no axis names (not a boxed param)"
+    mesh_axes = _resolve(leaf) if leaf.logical else tuple(leaf.names)
+    notes = []
+    for dim, axis in enumerate(mesh_axes):
+      if axis is not None:
+        spec, note = specs.place(leaf, spec, dim, axis)
+        notes.append(note)
+    return spec, "; ".join(notes) or f"names {leaf.names} map to no mesh axis"
+  return rule
+
+
+def _resolve(leaf: Leaf) -> tuple:
+  try:
+    return tuple(nn.logical_to_mesh_axes(leaf.names, leaf.rules))
+  except ValueError as e:
+    raise ShardingError(f"leaf {leaf.name!r}: logical names {leaf.names} do not resolve "
+                        f"with sharding_rules {list(leaf.rules)}: {e}") from None
+
+
+def _too_small(leaf: Leaf, spec: Spec, threshold: float):
+  note = specs.too_small(leaf, threshold)
+  return (spec, note) if note else None
+
+
+@register("preconditioner", follows=False)
+def preconditioner(axis=None, dim=0):
+  """Places preconditioner factors; acts on optimizer state only.
+
+  On a factor of param dim ``i`` (Kron ``Q_i``: ``(d_i, d_i)``, ``(L, d_i, d_i)``), the
+  param dim's axis (or ``axis`` when given) goes on ``dim`` of the factor's square
+  part (0: rows, 1: columns). On any other state leaf (e.g. Shampoo block stacks
+  ``(n_blocks, b, b)``), ``axis`` goes on leaf dim ``dim``.
+  ``(".*Qs_preconditioners.*", 'preconditioner(dim=1)')`` overrides the default rows.
+  """
+  axis = None if axis is None else specs.check_axis("preconditioner", axis)
+  if isinstance(dim, bool) or not isinstance(dim, int):
+    raise ShardingError(f"preconditioner: dim must be an integer like 0 or 1, got {dim!r}")
+
+  def rule(leaf: Leaf, spec: Spec):
+    follow = leaf.follow
+    if not leaf.state:
+      return spec, "params are left as they are (preconditioner acts on state)"
+    if follow is not None and follow.factor is not None:
+      param_dim, lead = follow.factor
+      target = axis if axis is not None else follow.param_spec[param_dim]
+      if target is None:
+        return spec, f"param dim {param_dim} is not sharded"
+      return specs.place(leaf, spec, lead + dim % (leaf.ndim - lead), target)
+    if axis is None:
+      return spec, "not a preconditioner factor and no axis given"
+    return specs.place(leaf, spec, dim, axis)
+  return rule
+
+
+@register("zero1", follows=False)
+def zero1(axis, min_size_to_shard_mb=1):
+  """ZeRO-1: shards optimizer state over ``axis`` (largest free divisible dim), even
+  where the params are replicated; params are left to other ops.
+
+  ``[(".*", 'zero1(axis="data")')]`` keeps params replicated and shards state.
+  """
+  axis = specs.check_axis("zero1", axis)
+  threshold = specs.check_number("zero1", "min_size_to_shard_mb", min_size_to_shard_mb)
+
+  def rule(leaf: Leaf, spec: Spec):
+    if not leaf.state:
+      return spec, "params are left as they are (zero1 shards state)"
+    return _too_small(leaf, spec, threshold) or specs.place_largest(leaf, spec, axis)
+  return rule
