@@ -14,6 +14,8 @@ Example:
 import ast
 import dataclasses
 import inspect
+import io
+import tokenize
 from typing import Any, Callable
 
 from bv_sharding.errors import ShardingError, closest
@@ -87,9 +89,14 @@ def parse_chain(text: str) -> tuple[Op, ...]:
                         f"at most {MAX_CHAIN_CHARS} are accepted")
   try:
     tree = ast.parse(text.strip(), mode="eval").body
-  except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+    comments = [t for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                if t.type == tokenize.COMMENT]
+  except (SyntaxError, ValueError, RecursionError, MemoryError, tokenize.TokenError) as e:
     raise ShardingError(f"cannot parse op chain {text!r}: {e}. "
                         "Write ops as name(arg, key=value) joined by '|'.") from None
+  if comments:
+    raise ShardingError(f"op chain {text!r} has a comment {comments[0].string!r}; "
+                        "remove it (put notes in the config file, not in the op string)")
   return tuple(_bind(call, text) for call in _split_pipes(tree, text))
 
 
@@ -114,6 +121,9 @@ def _bind(call: ast.Call, text: str) -> Op:
   for kw in call.keywords:
     if kw.arg is None:
       raise ShardingError(f"{where}: '**' arguments are not accepted; "
+                          f"signature: {info.signature}")
+    if kw.arg in kwargs:
+      raise ShardingError(f"{where}: argument {kw.arg!r} is given twice; "
                           f"signature: {info.signature}")
     kwargs[kw.arg] = _literal(kw.value, where, text)
   try:

@@ -1,0 +1,200 @@
+"""Op-chain parsing: literal arguments only, one error type with a fix in every message."""
+import builtins
+import os
+
+import pytest
+
+import bv_sharding as bvs
+
+
+def test_parses_chain_with_positional_keyword_and_tuple_args():
+  ops = bvs.parse_chain('shard_dim("model", dim=-1) | fsdp(axis=("data", "model"), '
+                        'min_size_to_shard_mb=0.5)')
+  assert [op.name for op in ops] == ["shard_dim", "fsdp"]
+  assert ops[0].arguments == {"axis": "model", "dim": -1}
+  assert ops[1].arguments == {"axis": ("data", "model"), "min_size_to_shard_mb": 0.5}
+  assert ops[0].text == 'shard_dim("model", dim=-1)'
+
+
+def test_defaults_are_bound():
+  (op,) = bvs.parse_chain('fsdp(axis="data")')
+  assert op.arguments["min_size_to_shard_mb"] == 4
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("fsdpp(axis='data')", ["unknown op 'fsdpp'", "did you mean 'fsdp'", "Registered ops:"]),
+    ("fsdp(axis='data', size=3)", ["unexpected keyword argument 'size'",
+                                    "fsdp(axis, min_size_to_shard_mb=4)"]),
+    ("shard_dim(axis='data')", ["missing a required argument: 'dim'", "shard_dim(axis, dim)"]),
+    ("fsdp(axis=data)", ["not a literal", "'data'"]),
+    ("fsdp(axis='data'", ["cannot parse", "name(arg, key=value)"]),
+    ("fsdp", ["needs parentheses", "fsdp()"]),
+    ("fsdp(axis='data') + replicate()", ["not an op call"]),
+    ("fsdp(axis=3)", ["axis must be a mesh axis name"]),
+    ("fsdp(axis=('data', 'data'))", ["names a mesh axis twice"]),
+    ("fsdp(axis='data', min_size_to_shard_mb=-1)", ["must be a number >= 0"]),
+    ("shard_dim(axis='data', dim=1.5)", ["dim must be an integer"]),
+    ("fsdp(**{'axis': 'data'})", ["'**' arguments are not accepted"]),
+    ("fsdp(*['data'])", ["'*' arguments are not accepted"]),
+    ("fsdp(axis={'a': 1})", ["is not accepted"]),
+])
+def test_errors_name_the_string_and_the_fix(text, fragments):
+  with pytest.raises(bvs.ShardingError) as info:
+    bvs.parse_chain(text)
+  for fragment in fragments:
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_unknown_op_error_is_a_value_error():
+  with pytest.raises(ValueError):
+    bvs.lookup("nope")
+
+
+def test_register_adds_an_op_and_refuses_a_second_with_the_same_name():
+  @bvs.register("test_only_shard_first")
+  def shard_first(axis):
+    return lambda leaf, spec: bvs.specs.place(leaf, spec, 0, axis)
+
+  assert "test_only_shard_first" in bvs.registered()
+  assert bvs.lookup("test_only_shard_first").factory is shard_first
+  with pytest.raises(bvs.ShardingError, match="already registered"):
+    bvs.register("test_only_shard_first")(lambda axis: None)
+
+
+HOSTILE = [
+    "__import__('os').system('touch /tmp/pwned')",
+    "__import__('os')",
+    "fsdp(axis=__import__('os').getcwd())",
+    "fsdp(axis=open('/etc/passwd').read())",
+    "os.system('x')",
+    "fsdp.__class__",
+    "fsdp(axis='data').__class__.__bases__",
+    "(lambda: 1)()",
+    "fsdp(axis=(lambda: 'data')())",
+    "fsdp(axis=f'{1}')",
+    "fsdp(axis=f'data')",
+    "fsdp(axis='data' if True else 'model')",
+    "fsdp(axis=[x for x in 'data'])",
+    "fsdp(axis={x for x in 'ab'})",
+    "fsdp(axis=exec('1'))",
+    "fsdp(axis=eval('1'))",
+    "fsdp(axis=globals())",
+    "fsdp(axis=__builtins__)",
+    "fsdp(axis='data', min_size_to_shard_mb=10**100000)",
+    "fsdp(axis='data', min_size_to_shard_mb=9**9**9)",
+    "fsdp(axis='data', min_size_to_shard_mb=" + "9" * 5000 + ")",
+    "fsdp(axis='data', min_size_to_shard_mb=1e400 * 0)",
+    "fsdp(axis='" + "a" * 5000 + "')",
+    "(" * 500 + "fsdp(axis='data')" + ")" * 500,
+    "fsdp(axis=" + "(" * 200 + "'data'" + ")" * 200 + ")",
+    "fsdp(axis='data'); import os",
+    "import os",
+    "fsdp(axis='data')\nimport os",
+    "yield 1",
+    "await fsdp()",
+    "fsdp(axis:='data')",
+    "fsdp(axis=(a:='data'))",
+    "fsdp(axis='data')[0]",
+    "fsdp(axis='data')(1)",
+    "fsdp()()",
+    "fsdp(axis='data') or replicate()",
+    "fsdp(axis='data') and replicate()",
+    "fsdp(axis='data') & replicate()",
+    "fsdp(axis='data') || replicate()",
+    "fsdp(axis='data') | ",
+    "| fsdp(axis='data')",
+    "|",
+    "",
+    "   ",
+    "()",
+    "[]",
+    "{}",
+    "1",
+    "'fsdp'",
+    "None",
+    "True",
+    "...",
+    "fsdp(...)",
+    "fsdp(axis=...)",
+    "fsdp(axis=b'data')",
+    "fsdp(axis=1j)",
+    "fsdp(axis=-'data')",
+    "fsdp(axis=not 'data')",
+    "fsdp(axis='da' 'ta', min_size_to_shard_mb=[1])",
+    "fsdp(axis='data', min_size_to_shard_mb=True)",
+    "fsdp(axis='data', min_size_to_shard_mb='1')",
+    "fsdp(axis='data', min_size_to_shard_mb=None)",
+    "fsdp(axis='data', min_size_to_shard_mb=float('nan'))",
+    "fsdp(axis='data', axis='model')",
+    "fsdp('data', axis='model')",
+    "fsdp('data', 1, 2)",
+    "shard_dim(axis='data', dim=True)",
+    "shard_dim(axis='data', dim=None)",
+    "shard_dim(axis='data', dim='0')",
+    "replicate(1)",
+    "replicate(axis='data')",
+    "tensor_parallel()",
+    "tensor_parallel(axis=None)",
+    "tensor_parallel(axis=())",
+    "tensor_parallel(axis=('',))",
+    "logical_partitioning(rules=[])",
+    "zero1()",
+    "preconditioner(dim='x')",
+    "preconditioner(axis=0)",
+    "llm_fsdp(axis='')",
+    "llm_fsdp(axis=['data', 5])",
+    "FSDP(axis='data')",
+    "fsdp_(axis='data')",
+    "__init__()",
+    "__class__()",
+    "print('hello')",
+    "exit()",
+    "breakpoint()",
+    "getattr(fsdp, 'x')",
+    "fsdp(axis='data') if True else replicate()",
+    "[fsdp(axis='data')]",
+    "(fsdp(axis='data'),)",
+    "{'fsdp': 1}",
+    "fsdp(axis='data') is replicate()",
+    "fsdp(axis='data') == replicate()",
+    "-fsdp(axis='data')",
+    "~fsdp(axis='data')",
+    "fsdp(axis='data').x",
+    "a.b.c()",
+    "fsdp(axis='data') # comment | replicate()",
+    "\x00",
+    "fsdp(axis='\\x00')|unknown()",
+    "async def f(): pass",
+    "def f(): pass",
+    "class A: pass",
+    "x = 1",
+    "del x",
+    "assert False",
+    "raise SystemExit",
+    "fsdp(axis=sys.modules)",
+    "fsdp(axis=().__class__.__base__.__subclasses__())",
+]
+
+
+def test_fuzz_hostile_strings_raise_sharding_error_and_run_nothing(monkeypatch, tmp_path):
+  """Every malformed or hostile string raises ShardingError and no builtin side effect runs."""
+  assert len(HOSTILE) >= 100
+  called = []
+  for module, name in [(builtins, n) for n in ("open", "exec", "eval", "print", "exit",
+                                               "breakpoint")] + [(os, "system")]:
+    monkeypatch.setattr(module, name, lambda *a, _n=name, **k: called.append(_n))
+  raised = []
+  for text in HOSTILE:
+    try:
+      bvs.parse_chain(text)
+    except bvs.ShardingError:
+      raised.append(text)
+  monkeypatch.undo()
+  assert [t for t in HOSTILE if t not in raised] == []
+  assert called == []
+  assert not (tmp_path / "pwned").exists()
+
+
+def test_non_string_chain_is_our_error():
+  with pytest.raises(bvs.ShardingError, match="must be a string"):
+    bvs.parse_chain(["fsdp(axis='data')"])

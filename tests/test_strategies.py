@@ -1,0 +1,166 @@
+"""Every built-in op on single leaves, through plans on an abstract 4x2 mesh."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import bv_sharding as bvs
+
+MESH = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
+MiB_F32 = 2**18  # float32 elements in one MiB
+
+
+def sds(*shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def spec_of(tree, strategy, name, **kw):
+  """(spec without trailing Nones, why) of leaf ``name``."""
+  entries = {e.name: e for e in bvs.plan(tree, strategy, MESH, **kw).entries}
+  spec = list(entries[name].spec)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return tuple(spec), entries[name].why
+
+
+def test_replicate():
+  assert spec_of({"w": sds(1024, 1024)}, "replicate()", "w")[0] == ()
+
+
+def test_fsdp_largest_divisible_dim_and_threshold():
+  tree = {"big": sds(512, 4096), "small": sds(4, 8), "odd": sds(1023, 1025)}
+  assert spec_of(tree, 'fsdp(axis="data")', "big")[0] == (None, "data")
+  spec, why = spec_of(tree, 'fsdp(axis="data")', "small")
+  assert spec == () and "MiB threshold" in why
+  spec, why = spec_of(tree, 'fsdp(axis="data", min_size_to_shard_mb=0)', "odd")
+  assert spec == () and "no free dim" in why
+
+
+def test_fsdp_tie_prefers_last_dim_and_skips_taken_dim():
+  tree = {"w": sds(1024, 1024)}
+  assert spec_of(tree, 'fsdp(axis="data")', "w")[0] == (None, "data")
+  chain = 'shard_dim(axis="model", dim=1)|fsdp(axis="data")'
+  assert spec_of(tree, chain, "w")[0] == ("data", "model")
+
+
+def test_fsdp_tuple_axis_uses_product_of_sizes():
+  tree = {"w": sds(1024, 1028)}   # 1028 % 8 != 0, 1024 % 8 == 0
+  assert spec_of(tree, 'fsdp(axis=("data", "model"))', "w")[0] == (("data", "model"),)
+
+
+def test_fsdp_never_uses_an_axis_twice():
+  spec, why = spec_of({"w": sds(1024, 1024)}, 'shard_dim(axis="data", dim=0)|fsdp(axis="data")',
+                      "w")
+  assert spec == ("data",) and "already used" in why
+
+
+@pytest.mark.parametrize("dim, expected", [(0, ("model",)), (-1, (None, None, "model")),
+                                           (-3, ("model",)), (1, (None, "model"))])
+def test_shard_dim_negative_dims(dim, expected):
+  tree = {"w": sds(8, 8, 8)}
+  assert spec_of(tree, f'shard_dim(axis="model", dim={dim})', "w")[0] == expected
+
+
+def test_shard_dim_out_of_range_and_indivisible_are_recorded_or_strict_errors():
+  tree = {"w": sds(6, 8)}
+  spec, why = spec_of(tree, 'shard_dim(axis="data", dim=0)', "w")
+  assert spec == () and "not divisible" in why
+  spec, why = spec_of(tree, 'shard_dim(axis="data", dim=-3)', "w")
+  assert spec == () and "out of range" in why
+  with pytest.raises(bvs.ShardingError, match=r"'w' \(6, 8\): dim 0 \(6\) not divisible"):
+    bvs.plan(tree, 'shard_dim(axis="data", dim=0)', MESH, strict=True)
+
+
+def test_strict_fsdp_raises_only_for_big_indivisible_leaves():
+  with pytest.raises(bvs.ShardingError, match="no free dim"):
+    bvs.plan({"w": sds(2047, 1025)}, 'fsdp(axis="data")', MESH, strict=True)
+  bvs.plan({"w": sds(3, 5)}, 'fsdp(axis="data")', MESH, strict=True)  # too small: fine
+
+
+LLAMA = {
+    "embed": {"embedding": sds(4096, 512)},
+    "layers": {"attn": {"q_kernel": sds(512, 512), "out_kernel": sds(512, 1024)},
+               "mlp": {"up_kernel": sds(512, 2048), "down_kernel": sds(2048, 512),
+                       "other": sds(1024, 512)},
+               "norm": {"scale": sds(4096, 512)}, "upscale_conv": {"kernel": sds(512, 1024)}},
+    "scanned": {"q_kernel": sds(32, 512, 512), "mlp": sds(32, 512, 1024), "bias": sds(512, 512)},
+}
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("embed/embedding", (None, "data")),
+    ("layers/attn/q_kernel", ("data",)),
+    ("layers/attn/out_kernel", (None, "data")),
+    ("layers/mlp/up_kernel", ("data",)),
+    ("layers/mlp/down_kernel", (None, "data")),
+    ("layers/mlp/other", ("data",)),
+    ("layers/norm/scale", ()),
+    ("layers/upscale_conv/kernel", (None, "data")),    # not a `scale`
+    ("scanned/q_kernel", (None, "data")),          # dim -2, layer axis untouched
+    ("scanned/mlp", (None, None, "data")),               # last two dims only
+    ("scanned/bias", ()),
+])
+def test_llm_fsdp_name_rules(name, expected):
+  assert spec_of(LLAMA, 'llm_fsdp(axis="data")', name)[0] == expected
+
+
+def test_llm_fsdp_small_and_1d_leaves_are_not_sharded():
+  tree = {"w": sds(64, 64), "v": sds(4 * MiB_F32)}
+  assert "threshold" in spec_of(tree, 'llm_fsdp(axis="data")', "w")[1]
+  assert "fewer than 2 dims" in spec_of(tree, 'llm_fsdp(axis="data")', "v")[1]
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("embed/embedding", ("model", "data")),
+    ("layers/attn/q_kernel", ("data", "model")),
+    ("layers/attn/out_kernel", ("model", "data")),
+    ("layers/mlp/up_kernel", ("data", "model")),
+    ("layers/mlp/down_kernel", ("model", "data")),
+    ("layers/norm/scale", ("data",)),
+    ("scanned/q_kernel", (None, "data", "model")),
+])
+def test_tensor_parallel_composes_with_fsdp(name, expected):
+  chain = 'tensor_parallel(axis="model")|fsdp(axis="data", min_size_to_shard_mb=0)'
+  assert spec_of(LLAMA, chain, name)[0] == expected
+
+
+def test_tensor_parallel_leaves_other_leaves_alone():
+  spec, why = spec_of(LLAMA, 'tensor_parallel(axis="model")', "layers/mlp/other")
+  assert spec == () and "not a tensor-parallel kernel" in why
+
+
+class Boxed(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")), (x.shape[-1], 64))
+    table = self.param("table", nn.with_partitioning(nn.initializers.zeros, ("model", None)),
+                       (16, 8))
+    odd = self.param("odd", nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)), (6,))
+    return x @ kernel + table.sum() + odd.sum()
+
+
+def boxed_tree():
+  return jax.eval_shape(Boxed().init, jax.random.key(0), jnp.ones((1, 32)))
+
+
+def test_logical_partitioning_resolves_rules_with_fallbacks():
+  rules = [("embed", "data"), ("mlp", "data"), ("mlp", "model")]
+  tree = boxed_tree()
+  assert spec_of(tree, "logical_partitioning()", "params/kernel", rules=rules)[0] == (
+      "data", "model")
+  assert spec_of(tree, "logical_partitioning()", "params/table", rules=rules)[0] == ("model",)
+  spec, why = spec_of(tree, "logical_partitioning()", "params/odd", rules=rules)
+  assert spec == () and "not divisible" in why
+
+
+def test_logical_partitioning_on_unboxed_leaf_is_recorded():
+  spec, why = spec_of({"w": sds(8, 8)}, "logical_partitioning()", "w")
+  assert spec == () and "not a boxed param" in why
+
+
+def test_preconditioner_and_zero1_leave_params_alone():
+  spec, why = spec_of({"w": sds(1024, 1024)}, 'zero1(axis="data")', "w")
+  assert spec == () and "zero1 shards state" in why
+  spec, why = spec_of({"w": sds(1024, 1024)}, 'preconditioner(axis="data")', "w")
+  assert spec == () and "acts on state" in why
