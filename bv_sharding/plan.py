@@ -80,6 +80,15 @@ class Plan:
     """Fraction of all bytes that is sharded."""
     return sum(e.nbytes for e in self.entries if e.sharded) / max(self.total_bytes, 1)
 
+  def by_name(self) -> dict[str, Entry]:
+    return {e.name: e for e in self.entries}
+
+  def mismatches(self, tree) -> list[str]:
+    """Names of arrays in ``tree`` (same structure) whose sharding is not the planned one."""
+    arrays, _ = names.flatten(tree)
+    return [name for (name, x), e in zip(arrays, self.entries)
+            if not x.sharding.is_equivalent_to(NamedSharding(self.mesh, e.spec), x.ndim)]
+
   def unsharded(self, min_bytes: int = 0) -> list[Entry]:
     """Unsharded entries of at least ``min_bytes``, largest first."""
     left = [e for e in self.entries if not e.sharded and e.nbytes >= min_bytes]
