@@ -136,7 +136,8 @@ def test_kron_factors_take_their_param_dims_axis_on_rows_including_square_and_sc
   assert entries["params/scan"].spec == P(None, "data", "model")
   assert entries["opt/Qs_preconditioners/scan/0"].spec == P(None, "data", None)
   assert entries["opt/Qs_preconditioners/scan/1"].spec == P(None, "model", None)
-  assert entries["opt/Qs_preconditioners/vec/0"].spec == P("data")
+  assert entries["params/vec"].spec == P("model")   # dim -2 is out of range for 1-d
+  assert entries["opt/Qs_preconditioners/vec/0"].spec == P("model")
 
 
 def test_preconditioner_op_overrides_the_factor_dim():
@@ -199,7 +200,7 @@ def test_state_inside_flax_struct_dataclasses_and_masked_states():
   params = {"w": sds(512, 1024), "b": sds(1024)}
   masked = jax.eval_shape(optax.masked(optax.adam(1e-3), {"w": True, "b": False}).init, params)
   state = {"inner": Inner({"w": sds(512, 1024)}, sds()), "masked": masked, "empty": []}
-  entries = plan_state(params, state, (".*", 'fsdp(axis="data")'))
+  entries = plan_state(params, state, (".*", 'fsdp(axis="data", min_size_to_shard_mb=1)'))
   assert entries["opt/inner/trace/w"].spec == P(None, "data")
   assert entries["opt/masked/inner_state/0/mu/w"].spec == P(None, "data")
   assert entries["opt/masked/inner_state/0/mu/w"].follows == "params/w"
