@@ -16,9 +16,15 @@ setuptools.setup(
         "absl-py>=2.0,<3",
     ],
     extras_require={
+        "vision": ["scikit-learn>=1.4,<2"],
         "test": [
             "pytest>=8,<10",
             "pytest-timeout>=2.3,<3",
+            "scikit-learn>=1.4,<2",
+            "chex>=0.1.87,<0.2",
+            # Third-party optimizer states the tests plan (imported with aliases in tests/zoo.py).
+            "psgd-jax==0.2.9",
+            "precondition-opt==0.3.0",
         ],
     },
 )

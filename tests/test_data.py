@@ -1,0 +1,161 @@
+"""Tests for trainers.data: determinism, held-out splits, per-process slicing."""
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from trainers import data
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STREAM = (np.arange(10_000) % 251).astype(np.uint8)
+IMAGES = {"image": np.arange(50 * 4, dtype=np.float32).reshape(50, 2, 2, 1),
+          "label": np.arange(50, dtype=np.int32)}
+
+
+def _take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def _text(step=0, seed=0, process_index=0, process_count=1):
+  """Step `step` of an 8 x 9 window pipeline over STREAM."""
+  return next(data.text_batches(
+      STREAM, seq_len=8, global_batch=8, seed=seed, start_step=step,
+      process_index=process_index, process_count=process_count))
+
+
+def test_stdlib_bytes_are_capped_and_deterministic():
+  tokens = data.load_stdlib_bytes(max_bytes=100_000)
+  assert tokens.shape == (100_000,) and tokens.dtype == np.uint8
+  np.testing.assert_array_equal(tokens, data.load_stdlib_bytes(100_000))
+
+
+def test_holdout_split_is_a_disjoint_tail():
+  train, held_out = data.holdout_split(STREAM, 0.1)
+  assert len(held_out) == 1000
+  np.testing.assert_array_equal(np.concatenate([train, held_out]), STREAM)
+  train, held_out = data.holdout_split(IMAGES, 0.2)
+  assert set(train["label"]).isdisjoint(held_out["label"])
+  assert len(train["image"]) + len(held_out["image"]) == 50
+
+
+def test_load_text_split():
+  train, held_out = data.load_text(max_bytes=200_000, eval_fraction=0.25)
+  assert (len(train), len(held_out)) == (150_000, 50_000)
+
+
+def test_text_batches_are_windows_of_the_stream():
+  batch = _text()
+  assert batch.shape == (8, 9) and batch.dtype == np.int32
+  # STREAM is arange mod 251, so every window counts up by one (mod 251).
+  np.testing.assert_array_equal(np.diff(batch, axis=1) % 251, 1)
+
+
+def test_batches_are_deterministic_per_step():
+  it = data.text_batches(STREAM, seq_len=8, global_batch=8, seed=0,
+                         process_index=0, process_count=1)
+  steps = _take(it, 3)
+  for step, batch in enumerate(steps):
+    np.testing.assert_array_equal(batch, _text(step=step))  # Resumable.
+  assert not np.array_equal(steps[0], steps[1])
+  assert not np.array_equal(_text(seed=1), steps[0])
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_slices_concatenate_to_the_global_batch(process_count):
+  for step in range(3):
+    local = [_text(step, process_index=p, process_count=process_count)
+             for p in range(process_count)]
+    np.testing.assert_array_equal(np.concatenate(local), _text(step))
+
+
+def test_image_process_slices_concatenate_to_the_global_batch():
+  def batch(p, n):
+    return next(data.image_batches(IMAGES, global_batch=8, seed=3,
+                                   process_index=p, process_count=n))
+  full = batch(0, 1)
+  assert full["image"].shape == (8, 2, 2, 1)
+  np.testing.assert_array_equal(full["image"][:, 0, 0, 0],
+                                full["label"] * 4)  # Rows stay paired.
+  halves = [batch(p, 2) for p in range(2)]
+  for key in full:
+    np.testing.assert_array_equal(
+        np.concatenate([h[key] for h in halves]), full[key])
+
+
+def test_global_batch_must_divide_by_process_count():
+  with pytest.raises(ValueError, match="divisible"):
+    data.text_batches(STREAM, seq_len=8, global_batch=6, seed=0,
+                      process_index=0, process_count=4)
+
+
+def test_to_global_shards_rows_over_devices():
+  n = jax.device_count()  # 8 under tests/conftest.py.
+  mesh = jax.make_mesh((n,), ("data",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  local = next(data.image_batches(IMAGES, global_batch=2 * n, seed=0))
+  batch = data.to_global(local, sharding)
+  assert batch["image"].shape == (2 * n, 2, 2, 1)
+  assert len(batch["label"].addressable_shards) == n
+  for shard in batch["label"].addressable_shards:
+    np.testing.assert_array_equal(shard.data, local["label"][shard.index])
+
+
+_WORKER = textwrap.dedent("""
+    import sys
+    import jax
+    import numpy as np
+    from trainers import data
+
+    process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2,
+                               process_id=process_id)
+    mesh = jax.make_mesh((8,), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    stream = (np.arange(10_000) % 251).astype(np.uint8)
+    local = next(data.text_batches(stream, seq_len=8, global_batch=8, seed=0,
+                                   start_step=2))
+    batch = data.to_global(local, sharding)
+    np.savez(out, **{str(s.index[0].start): s.data
+                     for s in batch.addressable_shards})
+""")
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_of_four_devices_build_the_one_process_batch(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+  port = _free_port()
+  workers = [subprocess.Popen(
+      [sys.executable, "-c", _WORKER, str(p), str(port), tmp_path / f"{p}.npz"],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for p in range(2)]
+  for w in workers:
+    assert w.wait(timeout=60) == 0, w.stdout.read().decode()[-2000:]
+  rows = {}
+  for p in range(2):
+    with np.load(tmp_path / f"{p}.npz") as shards:
+      rows.update({int(k): shards[k] for k in shards})
+  assembled = np.concatenate([rows[i] for i in range(8)])
+  np.testing.assert_array_equal(assembled, _text(step=2))
+
+
+def test_load_digits():
+  pytest.importorskip("sklearn")
+  train, held_out = data.load_digits(eval_fraction=0.2)
+  assert train["image"].shape == (1438, 8, 8, 1)
+  assert held_out["label"].shape == (359,)
+  assert train["image"].dtype == np.float32 and train["label"].dtype == np.int32
+  assert 0.0 <= train["image"].min() and train["image"].max() <= 1.0
+  assert set(held_out["label"]) == set(range(10))

@@ -1,0 +1,154 @@
+"""Deterministic per-process input pipelines: byte-level text and digit images.
+
+Every step's *global* batch is a pure function of (seed, step): its row ids are
+drawn from `np.random.default_rng((seed, step))`. Each process then keeps only
+its contiguous slice of rows, so 1 process x 8 devices and 2 processes x 4
+devices see the same global batch, and `to_global` stitches the slices into
+global `jax.Array`s.
+
+Example:
+  >>> train, held_out = load_text()
+  >>> it = text_batches(train, seq_len=128, global_batch=32, seed=0)
+  >>> local = next(it)            # (32 // jax.process_count(), 129) int32
+  >>> sharding = jax.sharding.NamedSharding(mesh, P("data"))
+  >>> tokens = to_global(local, sharding)  # (32, 129) global jax.Array
+"""
+import itertools
+import pathlib
+import sysconfig
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+DEFAULT_MAX_TEXT_BYTES = 4 * 2**20
+
+
+def load_stdlib_bytes(max_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> np.ndarray:
+  """Returns the sorted top-level stdlib *.py files as one uint8 byte stream.
+
+  Reading stops after `max_bytes` (keeps start-up well under a second).
+
+  Example: `load_stdlib_bytes(1024).shape == (1024,)`.
+  """
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  chunks, size = [], 0
+  for path in sorted(root.glob("*.py")):
+    if size >= max_bytes:
+      break
+    chunks.append(path.read_bytes())
+    size += len(chunks[-1])
+  return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
+  """Splits every leaf of `data` along axis 0 into (head, last eval_fraction).
+
+  Example: `holdout_split(np.arange(10), 0.2)` -> (arange(8), [8, 9]).
+  """
+  n = len(jax.tree.leaves(data)[0])
+  cut = n - round(n * eval_fraction)
+  return (jax.tree.map(lambda x: x[:cut], data),
+          jax.tree.map(lambda x: x[cut:], data))
+
+
+def load_text(max_bytes: int = DEFAULT_MAX_TEXT_BYTES,
+              eval_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+  """Returns (train, eval) byte streams; eval is the tail of the stream.
+
+  Example: `train, held_out = load_text(eval_fraction=0.1)`.
+  """
+  return holdout_split(load_stdlib_bytes(max_bytes), eval_fraction)
+
+
+def load_digits(eval_fraction: float = 0.2) -> tuple[dict, dict]:
+  """Returns (train, eval) dicts of sklearn's 1797 8x8 digits.
+
+  "image" is float32 (N, 8, 8, 1) in [0, 1]; "label" is int32 (N,). The eval
+  split is the last `eval_fraction` of the (fixed) dataset order.
+
+  Example: `train, test = load_digits(); train["image"].shape[1:] == (8, 8, 1)`.
+  """
+  try:
+    from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        "Image data needs scikit-learn: `pip install scikit-learn`.") from e
+  digits = datasets.load_digits()
+  data = {"image": (digits.images[..., None] / 16.0).astype(np.float32),
+          "label": digits.target.astype(np.int32)}
+  return holdout_split(data, eval_fraction)
+
+
+def local_rows(seed: int, step: int, global_batch: int, num_choices: int,
+               process_index: int, process_count: int) -> np.ndarray:
+  """Row ids (into `num_choices` rows) of this process's slice of a step.
+
+  The global batch depends only on (seed, step); process p keeps rows
+  [p * global_batch // process_count, (p + 1) * global_batch // process_count).
+
+  Example: `local_rows(0, 3, 8, 100, 1, 2)` is the last 4 of the 8 ids that
+  `local_rows(0, 3, 8, 100, 0, 1)` returns.
+  """
+  rows = np.random.default_rng((seed, step)).integers(
+      0, num_choices, size=global_batch)
+  per_process = global_batch // process_count
+  return rows[process_index * per_process:(process_index + 1) * per_process]
+
+
+def batches(take: Callable[[np.ndarray], Any], num_choices: int, *,
+            global_batch: int, seed: int, start_step: int = 0,
+            process_index: int | None = None,
+            process_count: int | None = None) -> Iterator[Any]:
+  """Infinite iterator of `take(local_rows(...))` for steps start_step, ...
+
+  process_index / process_count default to jax's; global_batch must be
+  divisible by process_count. `start_step` resumes a run deterministically.
+
+  Example: `next(batches(lambda ids: ids, 100, global_batch=4, seed=0))`.
+  """
+  if process_index is None:
+    process_index = jax.process_index()
+  if process_count is None:
+    process_count = jax.process_count()
+  if global_batch % process_count:
+    raise ValueError(f"global_batch={global_batch} is not divisible by "
+                     f"process_count={process_count}")
+  return (take(local_rows(seed, step, global_batch, num_choices,
+                          process_index, process_count))
+          for step in itertools.count(start_step))
+
+
+def text_batches(tokens: np.ndarray, *, seq_len: int,
+                 **sampling) -> Iterator[np.ndarray]:
+  """Yields int32 (local_batch, seq_len + 1) windows of the `tokens` stream.
+
+  `sampling` are the keyword arguments of `batches` (global_batch, seed, ...).
+  Inputs are `w[:, :-1]`, next-token targets `w[:, 1:]`.
+
+  Example: `text_batches(train, seq_len=128, global_batch=32, seed=0)`.
+  """
+  offsets = np.arange(seq_len + 1)
+  take = lambda starts: tokens[starts[:, None] + offsets].astype(np.int32)
+  return batches(take, len(tokens) - seq_len, **sampling)
+
+
+def image_batches(split: dict, **sampling) -> Iterator[dict]:
+  """Yields {"image", "label"} local batches sampled from a `load_digits` split.
+
+  `sampling` are the keyword arguments of `batches` (global_batch, seed, ...).
+
+  Example: `image_batches(train, global_batch=64, seed=0)`.
+  """
+  take = lambda ids: jax.tree.map(lambda x: x[ids], split)
+  return batches(take, len(split["label"]), **sampling)
+
+
+def to_global(local_batch: Any, sharding: jax.sharding.Sharding) -> Any:
+  """Assembles every leaf of this process's rows into a global jax.Array.
+
+  Example: `to_global(local, NamedSharding(mesh, P("data")))`.
+  """
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, x),
+      local_batch)

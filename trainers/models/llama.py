@@ -1,0 +1,233 @@
+"""Llama-style decoder-only language model (RoPE, causal attention, SwiGLU).
+
+Parameter names are part of the API: sharding rules match them as path
+components. Every parameter is boxed with `nn.with_logical_partitioning`:
+
+  embed/embedding                  (vocab, d_model)        ("vocab", "embed")
+  layers_{i}/attention_norm/scale  (d_model,)              ("norm",)
+  layers_{i}/attention/q_kernel    (d_model, heads*hd)     ("embed", "heads")
+  layers_{i}/attention/k_kernel    (d_model, heads*hd)     ("embed", "heads")
+  layers_{i}/attention/v_kernel    (d_model, heads*hd)     ("embed", "heads")
+  layers_{i}/attention/out_kernel  (heads*hd, d_model)     ("heads", "embed")
+  layers_{i}/mlp_norm/scale        (d_model,)              ("norm",)
+  layers_{i}/mlp/gate_kernel       (d_model, d_ff)         ("embed", "mlp")
+  layers_{i}/mlp/up_kernel         (d_model, d_ff)         ("embed", "mlp")
+  layers_{i}/mlp/down_kernel       (d_ff, d_model)         ("mlp", "embed")
+  final_norm/scale                 (d_model,)              ("norm",)
+  lm_head/kernel                   (d_model, vocab)        ("embed", "vocab")
+
+With `scan_layers=True` the blocks live under a single `layers/...` subtree and
+every per-layer parameter gets a leading axis of size n_layers named "layers",
+e.g. layers/attention/q_kernel has shape (n_layers, d_model, heads*hd) and
+logical axes ("layers", "embed", "heads").
+
+The output head is untied from the input embedding (`lm_head/kernel`).
+
+Activations are constrained with `nn.with_logical_constraint` using the names
+in `ACT_*` below ("act_batch", "act_len", "act_embed", "act_heads", "act_mlp",
+"act_vocab"); outside an `nn.logical_axis_rules` context these are no-ops.
+
+Example:
+  >>> model = build("tiny", scan_layers=True)
+  >>> tokens = jnp.zeros((2, 16), jnp.int32)
+  >>> params = model.init(jax.random.key(0), tokens)["params"]
+  >>> model.apply({"params": params}, tokens).shape
+  (2, 16, 256)
+"""
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from trainers.models import _presets
+
+ACT_EMBED = ("act_batch", "act_len", "act_embed")
+ACT_HEADS = ("act_batch", "act_len", "act_heads", None)
+ACT_MLP = ("act_batch", "act_len", "act_mlp")
+ACT_VOCAB = ("act_batch", "act_len", "act_vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Architecture hyper-parameters; see `PRESETS` for named sizes."""
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  d_ff: int
+  max_len: int  # Default training sequence length; RoPE itself is unbounded.
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+
+# Byte-level presets (vocab 256) train on CPU; "125m"/"7b" are Llama-shaped.
+PRESETS = {
+    "tiny": LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4,
+                        d_ff=384, max_len=128),
+    "small": LlamaConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4,
+                         d_ff=768, max_len=256),
+    "medium": LlamaConfig(vocab_size=256, d_model=512, n_layers=8, n_heads=8,
+                          d_ff=1536, max_len=512),
+    "125m": LlamaConfig(vocab_size=32_000, d_model=768, n_layers=12,
+                        n_heads=12, d_ff=2048, max_len=2048),
+    "7b": LlamaConfig(vocab_size=32_000, d_model=4096, n_layers=32,
+                      n_heads=32, d_ff=11_008, max_len=4096),
+}
+
+
+def llama_config(size: str, **overrides) -> LlamaConfig:
+  """Returns the preset `size`, with any field replaced by `overrides`.
+
+  Example: `llama_config("tiny", n_layers=4).n_layers == 4`.
+  """
+  return _presets.pick(PRESETS, size, **overrides)
+
+
+def _kernel(module: nn.Module, name: str, shape: tuple[int, int],
+            axes: tuple[str, str], dtype: Any) -> jax.Array:
+  """Declares a 2-D lecun-normal kernel `name` and returns it cast to dtype."""
+  init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
+  return module.param(name, init, shape, jnp.float32).astype(dtype)
+
+
+def _rms_norm(name: str, cfg: LlamaConfig, dtype: Any) -> nn.RMSNorm:
+  """RMSNorm whose `scale` param is boxed with logical axes ("norm",)."""
+  return nn.RMSNorm(
+      epsilon=cfg.norm_eps, dtype=dtype, name=name,
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))
+
+
+def apply_rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding ("rotate half" form) of x: (B, T, heads, hd).
+
+  Example: `apply_rope(q, 10_000.0)` rotates position t by angles t * freqs.
+  """
+  half = x.shape[-1] // 2
+  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs
+  sin = jnp.sin(angles)[None, :, None, :]
+  cos = jnp.cos(angles)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+  return rotated.astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Causal multi-head self-attention with RoPE on queries and keys."""
+  config: LlamaConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    inner = cfg.n_heads * cfg.head_dim
+
+    def project(name):
+      kernel = _kernel(self, name, (cfg.d_model, inner), ("embed", "heads"),
+                       self.dtype)
+      y = (x @ kernel).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
+      return nn.with_logical_constraint(y, ACT_HEADS)
+
+    q = apply_rope(project("q_kernel"), cfg.rope_theta)
+    k = apply_rope(project("k_kernel"), cfg.rope_theta)
+    v = project("v_kernel")
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    y = y.reshape(*x.shape[:2], inner)
+    out = _kernel(self, "out_kernel", (inner, cfg.d_model), ("heads", "embed"),
+                  self.dtype)
+    return nn.with_logical_constraint(y @ out, ACT_EMBED)
+
+
+class Mlp(nn.Module):
+  """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
+  config: LlamaConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    gate = _kernel(self, "gate_kernel", (cfg.d_model, cfg.d_ff),
+                   ("embed", "mlp"), self.dtype)
+    up = _kernel(self, "up_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"),
+                 self.dtype)
+    down = _kernel(self, "down_kernel", (cfg.d_ff, cfg.d_model),
+                   ("mlp", "embed"), self.dtype)
+    h = nn.with_logical_constraint(nn.silu(x @ gate) * (x @ up), ACT_MLP)
+    return nn.with_logical_constraint(h @ down, ACT_EMBED)
+
+
+class DecoderBlock(nn.Module):
+  """Pre-norm residual block; (x, _) -> (x, None) so it can be nn.scan'ned."""
+  config: LlamaConfig
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
+    cfg = self.config
+    x = x + Attention(cfg, self.dtype, name="attention")(
+        _rms_norm("attention_norm", cfg, self.dtype)(x))
+    x = x + Mlp(cfg, self.dtype, name="mlp")(
+        _rms_norm("mlp_norm", cfg, self.dtype)(x))
+    return nn.with_logical_constraint(x, ACT_EMBED), None
+
+
+class Llama(nn.Module):
+  """Decoder LM: int tokens (B, T) -> float32 logits (B, T, vocab).
+
+  Attributes:
+    config: architecture sizes.
+    scan_layers: stack the blocks with nn.scan (per-layer params get a leading
+      "layers" axis; compile time no longer grows with depth).
+    remat: rematerialise each block's activations in the backward pass.
+    dtype: activation / compute dtype; params are always float32.
+  """
+  config: LlamaConfig
+  scan_layers: bool = False
+  remat: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.config
+    embed = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=self.dtype, name="embed",
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(stddev=0.02), ("vocab", "embed")))
+    x = nn.with_logical_constraint(embed(tokens), ACT_EMBED)
+
+    block = DecoderBlock
+    if self.remat:
+      block = nn.remat(block, prevent_cse=not self.scan_layers)
+    if self.scan_layers:
+      layers = nn.scan(
+          block, length=cfg.n_layers,
+          variable_axes={"params": 0}, split_rngs={"params": True},
+          metadata_params={nn.PARTITION_NAME: "layers"})
+      x, _ = layers(cfg, self.dtype, name="layers")(x, None)
+    else:
+      for i in range(cfg.n_layers):
+        x, _ = block(cfg, self.dtype, name=f"layers_{i}")(x, None)
+
+    x = _rms_norm("final_norm", cfg, self.dtype)(x)
+    logits = nn.Dense(
+        cfg.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head",
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "vocab")))(x)
+    return nn.with_logical_constraint(logits.astype(jnp.float32), ACT_VOCAB)
+
+
+def build(size: str = "tiny", *, scan_layers: bool = False,
+          remat: bool = False, dtype: Any = jnp.float32,
+          **config_overrides) -> Llama:
+  """Returns a `Llama` of preset `size`; extra kwargs override config fields.
+
+  Example: `build("tiny", scan_layers=True, n_layers=4, dtype=jnp.bfloat16)`.
+  """
+  return Llama(llama_config(size, **config_overrides),
+               scan_layers=scan_layers, remat=remat, dtype=dtype)
