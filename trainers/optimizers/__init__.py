@@ -1,0 +1,27 @@
+"""Optimizers for the trainers: a name-based registry plus PSGD Kron and Shampoo.
+
+Example:
+    >>> from trainers.optimizers import make_optimizer
+    >>> tx = make_optimizer("shampoo", 1e-3, block_size=256, clip_norm=1.0)
+"""
+
+from trainers.optimizers.errors import OptimizerError
+from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
+from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
+from trainers.optimizers.schedules import make_schedule
+from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
+
+__all__ = [
+    "OPTIMIZERS",
+    "OptimizerError",
+    "ShampooParamState",
+    "ShampooState",
+    "decay_mask",
+    "kron",
+    "make_optimizer",
+    "make_schedule",
+    "precond_update_prob_schedule",
+    "scale_by_kron",
+    "scale_by_shampoo",
+    "shampoo",
+]

@@ -1,0 +1,298 @@
+"""Blocked Shampoo with grafting, as an optax transformation.
+
+Shampoo (Gupta et al. 2018; Anil et al. 2020, "Scalable Second Order
+Optimization for Deep Learning") keeps, for every dim i of a gradient G, the
+statistics ``S_i = EMA(G_(i) G_(i)^T)`` and preconditions with
+``G x_i S_i^{-1/p}`` (p = 2 * number of factors). Large dims are split into
+blocks of at most ``block_size`` (dims that are not a multiple are zero-padded,
+which is equivalent to a smaller last block). The preconditioned direction is
+rescaled to the norm of a first-order "graft" direction (RMSProp, Adam or SGD),
+then momentum is applied.
+
+State layout (tearfree-like)::
+
+    ShampooState(
+        count=int32[],
+        per_param=<params-like tree of> ShampooParamState(
+            stats=[(n_blocks, b_i, b_i) per factor],  # list, one per dim > 1;
+                                                      # start at matrix_epsilon * I
+            roots=[(n_blocks, b_i, b_i) per factor],  # inverse p-th roots
+            graft_nu=<like param> or None,            # None for graft "sgd"
+            momentum=<like param> or None))           # None when beta1 == 0
+
+Params whose dims are all 1 (scalars) have empty ``stats``/``roots`` lists and
+use the graft direction only; unit dims of other params are dropped before
+blocking, so a 1-D param is a single factor.
+
+Roots come from ``eigh`` and are computed on every step, then kept with
+``jnp.where`` only every ``update_preconditioners_freq`` steps: there is no
+LAPACK call inside ``lax.cond``, which can deadlock XLA:CPU with several
+devices. This costs one ``eigh`` per block and step.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> opt = shampoo(0.1, block_size=4)
+    >>> state = opt.init({"w": jnp.ones((8, 3))})
+    >>> [s.shape for s in state[0].per_param["w"].stats]
+    [(2, 4, 4), (2, 3, 3)]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from trainers.optimizers.tensor_ops import gram_along, matmul_along
+
+_GRAFT_TYPES = ("rmsprop", "adam", "sgd")
+_NORM_EPS = 1e-25
+
+
+class ShampooParamState(NamedTuple):
+    """Per-parameter Shampoo state; see the module docstring."""
+
+    stats: list[jax.Array]
+    roots: list[jax.Array]
+    graft_nu: Optional[jax.Array]
+    momentum: Optional[jax.Array]
+
+
+class ShampooState(NamedTuple):
+    count: jax.Array
+    per_param: Any
+
+
+def _factor_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape with unit dims dropped: the dims that get a preconditioner."""
+    return tuple(d for d in shape if d > 1)
+
+
+def _block_layout(shape, block_size) -> tuple[list[int], list[int]]:
+    """(block size, number of blocks) per dim."""
+    sizes = [min(d, block_size) for d in shape]
+    return sizes, [-(-d // b) for d, b in zip(shape, sizes)]
+
+
+def blockify(x: jax.Array, block_size: int) -> jax.Array:
+    """Splits every dim into blocks: ``(n_blocks, b_0, ..., b_k)``.
+
+    Example:
+        >>> blockify(jnp.zeros((6, 3)), 4).shape  # dim 0 padded to 8
+        (2, 4, 3)
+    """
+    sizes, counts = _block_layout(x.shape, block_size)
+    x = jnp.pad(x, [(0, n * b - d) for d, n, b in zip(x.shape, counts, sizes)])
+    x = x.reshape([v for nb in zip(counts, sizes) for v in nb])
+    rank = len(sizes)
+    x = x.transpose([2 * i for i in range(rank)] + [2 * i + 1 for i in range(rank)])
+    return x.reshape((math.prod(counts), *sizes))
+
+
+def unblockify(blocks: jax.Array, shape: tuple[int, ...], block_size: int) -> jax.Array:
+    """Inverse of :func:`blockify`.
+
+    Example:
+        >>> x = jnp.arange(18.0).reshape(6, 3)
+        >>> bool((unblockify(blockify(x, 4), (6, 3), 4) == x).all())
+        True
+    """
+    sizes, counts = _block_layout(shape, block_size)
+    rank = len(shape)
+    x = blocks.reshape(counts + sizes)
+    x = x.transpose([v for i in range(rank) for v in (i, rank + i)])
+    x = x.reshape([n * b for n, b in zip(counts, sizes)])
+    return x[tuple(slice(0, d) for d in shape)]
+
+
+def inverse_pth_root(stats: jax.Array, p: int, matrix_epsilon: float) -> jax.Array:
+    """``(S + eps * lambda_max * I)^(-1/p)`` of a stack of PSD matrices via eigh.
+
+    Example:
+        >>> s = jnp.diag(jnp.array([16.0, 1.0]))[None]
+        >>> inverse_pth_root(s, 2, 0.0)[0].round(3).tolist()
+        [[0.25, 0.0], [0.0, 1.0]]
+    """
+    eigvals, eigvecs = jnp.linalg.eigh(stats)
+    eigvals = jnp.maximum(eigvals, 0.0)
+    max_ev = jnp.max(eigvals, axis=-1, keepdims=True)
+    ridge = matrix_epsilon * jnp.maximum(max_ev, 1e-16)
+    scale = (eigvals + ridge) ** (-1.0 / p)
+    return jnp.einsum("...ik,...k,...jk->...ij", eigvecs, scale, eigvecs)
+
+
+def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array:
+    """Applies each factor's root to its dim, block by block."""
+
+    def one_block(x, *block_roots):
+        for axis, root in enumerate(block_roots):
+            x = matmul_along(x, axis, root)
+        return x
+
+    return jax.vmap(one_block)(blocks, *roots)
+
+
+def _cast_like(new: Optional[jax.Array], old: Optional[jax.Array]):
+    """Keeps state dtypes stable across steps (e.g. bf16 params, f32 math)."""
+    return None if old is None else new.astype(old.dtype)
+
+
+def _ema(old, new, decay):
+    return old + new if decay == 1.0 else decay * old + (1.0 - decay) * new
+
+
+def scale_by_shampoo(
+    block_size: int = 1024,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    epsilon: float = 1e-8,
+    matrix_epsilon: float = 1e-6,
+    update_preconditioners_freq: int = 1,
+    start_preconditioning_step: int = 1,
+    graft_type: str = "rmsprop",
+    nesterov: bool = True,
+    exponent_override: Optional[int] = None,
+) -> optax.GradientTransformation:
+    """Blocked Shampoo direction, grafted and with momentum (no learning rate).
+
+    Args:
+      block_size: max size of a preconditioner block (per dim).
+      beta1: momentum (heavy-ball sum ``m = beta1 m + d``); 0 disables it.
+      beta2: EMA decay of the Shampoo statistics and the graft's second moment
+        (1.0 sums, as Adagrad).
+      epsilon: graft denominator epsilon.
+      matrix_epsilon: ridge added to the statistics, relative to their largest
+        eigenvalue, before the inverse root; statistics also start at
+        ``matrix_epsilon * I`` (as in distributed Shampoo).
+      update_preconditioners_freq: recompute roots when ``count % freq == 0``.
+      start_preconditioning_step: steps with ``count`` below this use the graft
+        direction only.
+      graft_type: "rmsprop" (``g / (sqrt(nu) + eps)``), "adam" (same with
+        bias-corrected ``nu``) or "sgd" (``g``); sets the per-param step norm.
+      nesterov: Nesterov momentum ``d + beta1 m`` instead of ``m``.
+      exponent_override: use ``S^{-1/p}`` with this p instead of 2 * factors.
+
+    Example:
+        >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
+        >>> state = tx.init({"w": jnp.ones((4, 2))})
+        >>> state.per_param["w"].roots[0].shape
+        (2, 2, 2)
+    """
+    if graft_type not in _GRAFT_TYPES:
+        raise ValueError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
+    if block_size < 1 or update_preconditioners_freq < 1:
+        raise ValueError("block_size and update_preconditioners_freq must be >= 1")
+
+    def init_leaf(param):
+        sizes, counts = _block_layout(_factor_shape(param.shape), block_size)
+        eye = [jnp.broadcast_to(jnp.eye(b), (math.prod(counts), b, b)) for b in sizes]
+        return ShampooParamState(
+            stats=[matrix_epsilon * e for e in eye],
+            roots=eye,
+            graft_nu=None if graft_type == "sgd" else jnp.zeros_like(param),
+            momentum=None if beta1 == 0 else jnp.zeros_like(param),
+        )
+
+    def init_fn(params):
+        return ShampooState(
+            count=jnp.zeros([], jnp.int32), per_param=jax.tree.map(init_leaf, params)
+        )
+
+    def graft(g, nu, count):
+        if graft_type == "sgd":
+            return g, None
+        nu = _ema(nu, jnp.square(g), beta2)
+        denom = nu / (1.0 - beta2**count) if graft_type == "adam" else nu
+        return g / (jnp.sqrt(denom) + epsilon), nu
+
+    def precondition(g, state: ShampooParamState, count):
+        """New stats/roots and the Shampoo direction of one param."""
+        shape = _factor_shape(g.shape)
+        blocks = blockify(g.reshape(shape), block_size)
+        stats = [
+            _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2)
+            for axis, s in enumerate(state.stats)
+        ]
+        p = exponent_override or 2 * len(stats)
+        refresh = count % update_preconditioners_freq == 0
+        roots = [
+            jnp.where(refresh, inverse_pth_root(s, p, matrix_epsilon), r)
+            for s, r in zip(stats, state.roots)
+        ]
+        direction = _precondition_blocks(blocks, roots)
+        return stats, roots, unblockify(direction, shape, block_size).reshape(g.shape)
+
+    def update_leaf(g, state: ShampooParamState, count):
+        graft_dir, nu = graft(g, state.graft_nu, count + 1)
+        stats, roots, direction = state.stats, state.roots, graft_dir
+        if stats:
+            stats, roots, precond = precondition(g, state, count)
+            scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
+            direction = jnp.where(
+                count >= start_preconditioning_step, precond * scale, graft_dir
+            )
+        momentum = state.momentum
+        if momentum is not None:
+            momentum = beta1 * momentum + direction
+            direction = direction + beta1 * momentum if nesterov else momentum
+        new_state = ShampooParamState(
+            stats, roots, _cast_like(nu, state.graft_nu), _cast_like(momentum, state.momentum)
+        )
+        return direction.astype(g.dtype), new_state
+
+    def update_fn(updates, state, params=None):
+        del params
+        grads, treedef = jax.tree.flatten(updates)
+        per_param = treedef.flatten_up_to(state.per_param)
+        results = [update_leaf(g, s, state.count) for g, s in zip(grads, per_param)]
+        new_updates = treedef.unflatten([r[0] for r in results])
+        new_per_param = treedef.unflatten([r[1] for r in results])
+        return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def shampoo(
+    learning_rate: optax.ScalarOrSchedule,
+    block_size: int = 1024,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    epsilon: float = 1e-8,
+    matrix_epsilon: float = 1e-6,
+    update_preconditioners_freq: int = 1,
+    start_preconditioning_step: int = 1,
+    graft_type: str = "rmsprop",
+    nesterov: bool = True,
+    exponent_override: Optional[int] = None,
+    weight_decay: float = 0.0,
+    mask: Optional[Any] = None,
+) -> optax.GradientTransformation:
+    """Shampoo with decoupled weight decay and a learning rate.
+
+    Arguments are those of :func:`scale_by_shampoo` plus ``learning_rate``,
+    ``weight_decay`` and ``mask`` (which params get weight decay).
+
+    Example:
+        >>> opt = shampoo(1e-3, block_size=128, weight_decay=1e-4)
+        >>> params = {"w": jnp.ones((4, 4))}
+        >>> updates, _ = opt.update(params, opt.init(params), params)
+    """
+    return optax.chain(
+        scale_by_shampoo(
+            block_size=block_size,
+            beta1=beta1,
+            beta2=beta2,
+            epsilon=epsilon,
+            matrix_epsilon=matrix_epsilon,
+            update_preconditioners_freq=update_preconditioners_freq,
+            start_preconditioning_step=start_preconditioning_step,
+            graft_type=graft_type,
+            nesterov=nesterov,
+            exponent_override=exponent_override,
+        ),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
