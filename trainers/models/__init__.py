@@ -8,6 +8,8 @@ from typing import Callable
 
 import flax.linen as nn
 
+from bv_sharding import ShardingError
+
 from trainers.models import llama
 from trainers.models import vit
 
@@ -17,7 +19,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-class UnknownModelError(ValueError):
+class UnknownModelError(ShardingError):
   """Raised by `get_model` for a name that is not in `MODELS`."""
 
 
