@@ -137,14 +137,15 @@ def _too_small(leaf: Leaf, spec: Spec, threshold: float):
 
 
 @register("preconditioner", follows=False)
-def preconditioner(axis=None, dim=0):
+def preconditioner(axis=None, dim=1):
   """Places preconditioner factors; acts on optimizer state only.
 
   On a factor of param dim ``i`` (Kron ``Q_i``: ``(d_i, d_i)``, ``(L, d_i, d_i)``), the
-  param dim's axis (or ``axis`` when given) goes on ``dim`` of the factor's square
-  part (0: rows, 1: columns). On any other state leaf (e.g. Shampoo block stacks
+  param dim's axis (or ``axis`` when given; or, when dim ``i`` is not sharded, the
+  param's first axis) goes on ``dim`` of the factor's square part (0: rows,
+  1: columns). On any other state leaf (e.g. Shampoo block stacks
   ``(n_blocks, b, b)``), ``axis`` goes on leaf dim ``dim``.
-  ``(".*Qs_preconditioners.*", 'preconditioner(dim=1)')`` overrides the default rows.
+  ``(".*Qs_preconditioners.*", 'preconditioner(dim=0)')`` puts factors on rows.
   """
   axis = None if axis is None else specs.check_axis("preconditioner", axis)
   if isinstance(dim, bool) or not isinstance(dim, int):
@@ -156,9 +157,10 @@ def preconditioner(axis=None, dim=0):
       return spec, "params are left as they are (preconditioner acts on state)"
     if follow is not None and follow.factor is not None:
       param_dim, lead = follow.factor
-      target = axis if axis is not None else follow.param_spec[param_dim]
+      param_axes = [a for a in follow.param_spec if a is not None]
+      target = axis or follow.param_spec[param_dim] or (param_axes or [None])[0]
       if target is None:
-        return spec, f"param dim {param_dim} is not sharded"
+        return spec, "the param is not sharded"
       return specs.place(leaf, spec, lead + dim % (leaf.ndim - lead), target)
     if axis is None:
       return spec, "not a preconditioner factor and no axis given"

@@ -1,0 +1,76 @@
+"""The placements the benchmarks compare: the project's default plan and the baselines.
+
+* ``default``: ``llm_fsdp`` on the named kernels, then ``fsdp`` on whatever else divides
+  (norm scales too: at 256 devices their copies would cost more than 2%); optimizer
+  state follows its params.
+* ``big_vision_fsdp``: big_vision's ``fsdp`` rule applied to params and state alike,
+  each leaf on its own (no following).
+* ``seed_rules``: the seed's heuristics on every leaf on its own: substring name
+  rules, and list entries (preconditioner lists) on dim -2.
+* ``factors_replicated``: the default plan with Kron/Shampoo factors replicated.
+"""
+import dataclasses
+from typing import Any
+
+import bv_sharding as bvs
+from bv_sharding import specs
+
+MiB = 2**20
+DEFAULT = [(".*", 'llm_fsdp(axis="data", min_size_to_shard_mb=0)|fsdp(axis="data", min_size_to_shard_mb=0)')]
+FACTORS = r".*/(Qs_preconditioners|statistics|preconditioners|stats|roots)/.*"
+
+
+@bvs.register("seed_rules")
+def seed_rules(axis, min_size_to_shard_mb=1):
+  """The seed's FSDP heuristics, kept as a baseline (substring matching, list entries on -2)."""
+
+  def rule(leaf, spec):
+    if leaf.ndim < 2 or leaf.nbytes < min_size_to_shard_mb * MiB:
+      return spec, "small"
+    if leaf.components[-1].isdigit():
+      return specs.place(leaf, spec, -2, axis, requested=False)
+    name = leaf.name
+    if "scale" in name or "bias" in name:
+      return spec, "scale/bias"
+    if any(s in name for s in ("embedding", "out_kernel", "down_kernel")):
+      return specs.place(leaf, spec, -1, axis, requested=False)
+    if any(s in name for s in ("q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel")):
+      return specs.place(leaf, spec, -2, axis, requested=False)
+    return specs.place_largest(leaf, spec, axis)
+  return rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Shardings for the params and the optimizer state, and the plan that made them."""
+  params: Any
+  opt: Any
+  plan: bvs.Plan
+
+  def state_bytes_per_device(self, state_root: str) -> int:
+    return sum(e.bytes_per_device for e in self.plan.entries
+               if e.name.split("/")[0] == state_root)
+
+
+def placements(params_shape, opt_shape, mesh, second_order: bool) -> dict[str, Placement]:
+  """``{name: Placement}`` of one optimizer's params and state, the default and the baselines."""
+  result = {
+      "default": _following(params_shape, opt_shape, DEFAULT, mesh),
+      "big_vision_fsdp": _independent(params_shape, opt_shape, 'fsdp(axis="data")', mesh),
+      "seed_rules": _independent(params_shape, opt_shape, 'seed_rules(axis="data")', mesh),
+  }
+  if second_order:
+    result["factors_replicated"] = _following(params_shape, opt_shape,
+                                              [(FACTORS, "replicate()")] + DEFAULT, mesh)
+  return result
+
+
+def _following(params_shape, opt_shape, strategy, mesh) -> Placement:
+  plan = bvs.plan({"params": params_shape, "opt": opt_shape}, strategy, mesh)
+  return Placement(plan.shardings["params"], plan.shardings["opt"], plan)
+
+
+def _independent(params_shape, opt_shape, chain, mesh) -> Placement:
+  """Every leaf planned on its own: without a top-level "params" entry nothing follows."""
+  plan = bvs.plan({"p": params_shape, "opt": opt_shape}, chain, mesh)
+  return Placement(plan.shardings["p"], plan.shardings["opt"], plan)

@@ -1,0 +1,37 @@
+"""Llama 7B on a 256-device pod: FSDP over "data" (64) x tensor parallelism over "model" (4).
+
+For planning tools, not for running here: `config.num_devices` (256) is the pod
+size to plan for with `bvs.make_abstract_mesh(config.mesh, config.num_devices)`,
+which allocates nothing, e.g.
+
+  >>> config = lm_7b_pod.get_config()
+  >>> mesh = bvs.make_abstract_mesh(config.mesh, config.num_devices)
+  >>> model = models.get_model(config.model_name, **config.model)
+  >>> init = lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  >>> plan = bvs.plan(steps.abstract_state(init, tx), config.sharding_strategy, mesh,
+  ...                 rules=config.sharding_rules)
+
+trainers/train.py ignores `num_devices` and uses the devices it has.
+"""
+from configs import lm
+
+
+def get_config(arg=None):
+  """arg: unused (the size is 7b)."""
+  del arg
+  config = lm.get_config()
+  config.num_devices = 256  # Devices to plan for; see the docstring.
+  config.model = dict(size="7b", scan_layers=True, remat=True)
+  config.seq_len = 4096
+  config.batch_size = 256
+  config.mesh = (("data", -1), ("model", 4))
+  config.sharding_strategy = (
+      (".*", 'tensor_parallel(axis="model")|llm_fsdp(axis="data")'),)
+  config.sharding_rules = (("act_batch", "data"), ("act_heads", "model"), ("act_mlp", "model"),
+                           ("act_vocab", "model"))
+  config.total_steps = 100_000
+  config.log_every = 100
+  config.eval_every = 2_000
+  config.lr = 3e-4
+  config.schedule = dict(warmup_steps=2_000, decay="cosine", end_value=3e-5)
+  return config

@@ -1,0 +1,93 @@
+"""Starts N `trainers.train` processes on this host as one jax.distributed job.
+
+  python -m trainers.launch --processes 2 --devices-per-process 4 -- \
+      --config configs/lm.py --workdir /tmp/lm2
+
+Process 0 coordinates on 127.0.0.1 at a free port. Every line a process prints is
+prefixed with `[pN] `. If one process fails the others are killed, and the exit
+status is the first failure's (124 if `--timeout` seconds pass first).
+"""
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+TIMED_OUT = 124
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago.
+
+  Example: `f"127.0.0.1:{free_port()}"`.
+  """
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def commands(processes: int, devices: int, train_args: list[str]) -> list[list[str]]:
+  """One `python -m trainers.train` command line per process.
+
+  Example: `commands(2, 4, ["--config", "configs/lm.py"])[1]` ends with the train args.
+  """
+  address = f"127.0.0.1:{free_port()}"
+  return [[sys.executable, "-m", "trainers.train", f"--coordinator_address={address}",
+           f"--num_processes={processes}", f"--process_id={i}",
+           f"--devices_per_process={devices}", *train_args] for i in range(processes)]
+
+
+def stream(prefix: str, pipe) -> None:
+  """Copies `pipe` to stdout line by line with `prefix`."""
+  for line in pipe:
+    sys.stdout.write(prefix + line)
+    sys.stdout.flush()
+
+
+def run(cmds: list[list[str]], timeout: float) -> int:
+  """Runs `cmds` together; 0 if all succeed, else the first failure's status.
+
+  Example: `run([["python", "-c", "pass"]] * 2, timeout=60) == 0`.
+  """
+  env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
+  procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env) for cmd in cmds]
+  threads = [threading.Thread(target=stream, args=(f"[p{i}] ", p.stdout), daemon=True)
+             for i, p in enumerate(procs)]
+  for t in threads:
+    t.start()
+  deadline, status = time.monotonic() + timeout, 0
+  while status == 0 and any(p.poll() is None for p in procs):
+    if time.monotonic() > deadline:
+      status = TIMED_OUT
+      print(f"launch: timed out after {timeout:g} s", flush=True)
+    status = status or next((p.returncode for p in procs if p.poll()), 0)
+    time.sleep(0.1)
+  status = status or next((p.returncode for p in procs if p.returncode), 0)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+    p.wait()
+  for t in threads:
+    t.join()
+  return status
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--processes", type=int, default=2)
+  parser.add_argument("--devices-per-process", type=int, default=4)
+  parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole job")
+  parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                      help="after --: arguments for trainers.train")
+  args = parser.parse_args(argv)
+  train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+  cmds = commands(args.processes, args.devices_per_process, train_args)
+  return run(cmds, args.timeout)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
