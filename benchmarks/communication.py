@@ -24,7 +24,8 @@ from benchmarks import placements  # noqa: E402
 from tests import zoo  # noqa: E402
 
 MB = 1e6
-SECOND_ORDER = {"psgd_kron", "distributed_shampoo", "tearfree_layout", "kron", "shampoo"}
+SECOND_ORDER = {"psgd_kron", "distributed_shampoo", "tearfree_layout", "kron", "kron_blocks",
+                "shampoo"}
 COLLECTIVE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
                         r"collective-permute)(-done)?\(")
 ARRAY = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")

@@ -15,7 +15,8 @@ from benchmarks import placements
 from tests import zoo
 from trainers.models import get_model
 
-SECOND_ORDER = {"psgd_kron", "distributed_shampoo", "tearfree_layout", "kron", "shampoo"}
+SECOND_ORDER = {"psgd_kron", "distributed_shampoo", "tearfree_layout", "kron", "kron_blocks",
+                "shampoo"}
 
 
 def llama_shape(size: str):

@@ -12,7 +12,7 @@ from tests import zoo
 MESHES = {"4x2": [("data", 4), ("model", 2)], "8x1": [("data", 8), ("model", 1)]}
 STRATEGY = [(".*", 'tensor_parallel(axis="model")|fsdp(axis="data", min_size_to_shard_mb=0)')]
 CASES = [(name, mesh, False) for name in zoo.optimizers(zoo.llama_params()) for mesh in MESHES]
-CASES += [(name, mesh, True) for name in ("psgd_kron", "kron") for mesh in MESHES]
+CASES += [(name, mesh, True) for name in ("psgd_kron", "kron", "kron_blocks") for mesh in MESHES]
 
 
 def random_like(shapes, seed):

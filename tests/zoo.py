@@ -18,6 +18,8 @@ for _old, _new in (("tree_map", jax.tree.map), ("tree_flatten", jax.tree_util.tr
 from precondition import distributed_shampoo as _shampoo  # noqa: E402
 from psgd_jax import kron as _kron  # noqa: E402
 
+from trainers import optimizers as _ours  # noqa: E402
+
 LR = 1e-3
 
 
@@ -88,8 +90,9 @@ def tearfree_layout(block=16):
   return optax.GradientTransformation(init, update)
 
 
-def optimizers(params, scanned=False):
-  """``{name: GradientTransformation}`` for every optimizer the state tests cover."""
+def optimizers(params, scanned=False, block_size=64):
+  """``{name: GradientTransformation}`` for every optimizer the state tests cover;
+  ``block_size`` is the Shampoo-style optimizers' block size."""
   zoo = {
       "adamw": optax.adamw(LR, weight_decay=0.1, mask=decay_mask(params)),
       "adafactor": optax.adafactor(LR, min_dim_size_to_factor=32),
@@ -111,8 +114,14 @@ def optimizers(params, scanned=False):
       # matrix_epsilon 1e-3: inverse 4th roots of near-singular statistics amplify rounding
       # (the order of sharded reductions) past the 1e-5 comparison; this keeps them conditioned.
       "distributed_shampoo": _shampoo.distributed_shampoo(
-          LR, block_size=64, start_preconditioning_step=1, preconditioning_compute_steps=1,
+          LR, block_size=block_size, start_preconditioning_step=1, preconditioning_compute_steps=1,
           matrix_epsilon=1e-3),
-      "tearfree_layout": optax.chain(tearfree_layout(), optax.scale(-LR)),
+      "tearfree_layout": optax.chain(tearfree_layout(block_size // 4), optax.scale(-LR)),
+      "kron": _ours.kron(LR, preconditioner_update_probability=1.0,
+                         scanned_layers=scanned_mask(params, scanned)),
+      "kron_blocks": _ours.kron(LR, preconditioner_update_probability=1.0,
+                                scanned_layers=scanned_mask(params, scanned),
+                                block_size=block_size),
+      "shampoo": _ours.shampoo(LR, block_size=block_size // 2, matrix_epsilon=1e-3),
   }
   return zoo

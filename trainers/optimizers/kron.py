@@ -10,8 +10,27 @@ sharding rules written for it carry over::
      "Qs_preconditioners": params-like tree whose leaves are LISTS of Q,
                            # one Q per param dim: (d, d) upper triangular or
                            # (d,) diagonal; scanned params get (L, d, d)/(L, d);
+                           # blocked params get (n_blocks, b, b)/(n_blocks, b);
                            # scalars get one () diagonal Q
      "update_counter": int32[]}         # steps since the last Q update
+
+With ``block_size`` set (as distributed_kron's ``partition_grads_into_blocks``),
+every param whose (per-layer) dims number at least 2 is split with
+:func:`~trainers.optimizers.tensor_ops.blockify` into blocks of at most
+``block_size`` per dim, and each block gets its own Kron preconditioner:
+``Qs = [(n_blocks, b_0, b_0), (n_blocks, b_1, b_1), ...]``, vmapped like
+scanned layers. ``mu`` stays param-shaped. A scanned param is blocked layer by
+layer and its layer axis folded into the block axis (layer-major:
+``n_blocks = L * blocks_per_layer``). Blocks are ordered row-major over the
+block grid, so if dim 0 of a param is sharded with shard boundaries on block
+boundaries, dim 0 of its Q stacks can be sharded the same way and
+preconditioning needs no communication. Padding (dims not a multiple of
+``block_size``) is zero in grads and probes, so Q's padded rows and columns
+stay decoupled from the real ones: a padded block acts like a smaller one.
+Blocked params solve ``v Q^{-1}`` with :func:`triangular_inverse` (matmuls)
+instead of a batched LAPACK ``triangular_solve``, which deadlocks XLA:CPU with
+several devices once each device holds a few large blocks; scanned-only params
+keep LAPACK.
 
 Design difference to psgd-jax: the preconditioner update (which needs a
 triangular solve) is computed on every step and selected with ``jnp.where``
@@ -42,7 +61,12 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from trainers.optimizers.tensor_ops import gram_along, matmul_along
+from trainers.optimizers.tensor_ops import (
+    blockify,
+    gram_along,
+    matmul_along,
+    unblockify,
+)
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
 _BALANCE_PROBABILITY = 0.01
@@ -124,10 +148,52 @@ def _apply_along(x: jax.Array, axis: int, q: jax.Array) -> jax.Array:
     return matmul_along(x, axis, q)
 
 
-def _solve_along(x: jax.Array, axis: int, q: jax.Array) -> jax.Array:
-    """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular)."""
+def triangular_inverse(q: jax.Array) -> jax.Array:
+    """Inverse of an upper triangular ``(..., n, n)`` matrix, with matmuls only.
+
+    Blockwise doubling: ``inv([[A, B], [0, D]]) = [[iA, -iA B iD], [0, iD]]``,
+    starting from the reciprocal diagonal, log2(n) batched steps (n is padded
+    to a power of 2 with identity). Unlike a batched ``triangular_solve`` it
+    calls no LAPACK kernel: jaxlib's batched CPU kernels split large batches
+    over the intra-op thread pool and wait for them, which deadlocks when
+    several simulated CPU devices occupy that pool.
+
+    Example:
+        >>> q = jnp.array([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0], [0.0, 0.0, 4.0]])
+        >>> bool(jnp.allclose(triangular_inverse(q) @ q, jnp.eye(3)))
+        True
+    """
+    n = q.shape[-1]
+    size = 1 << (n - 1).bit_length()
+    pad = [(0, 0)] * (q.ndim - 2) + [(0, size - n)] * 2
+    full = jnp.pad(q, pad) + jnp.diag(jnp.arange(size) >= n).astype(q.dtype)
+    batch = q.shape[:-2]
+    # Diagonals via masks: jnp.diagonal traces a platform-dependent lax.cond.
+    inv = (1 / jnp.sum(full * jnp.eye(size, dtype=q.dtype), -1))[..., None, None]
+    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+    for level in range(size.bit_length() - 1):
+        s, pairs = 2**level, size // 2 ** (level + 1)
+        grid = full.reshape(*batch, pairs, 2 * s, pairs, 2 * s)
+        on_diagonal = jnp.eye(pairs, dtype=q.dtype)[:, None, :, None]
+        b = jnp.sum(grid * on_diagonal, -2)[..., :s, s:]  # (..., pairs, s, s)
+        inv_a, inv_d = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        top = jnp.concatenate([inv_a, -matmul(matmul(inv_a, b), inv_d)], -1)
+        bottom = jnp.concatenate([jnp.zeros_like(inv_d), inv_d], -1)
+        inv = jnp.concatenate([top, bottom], -2)
+    return inv[..., 0, :n, :n]
+
+
+def _solve_along(
+    x: jax.Array, axis: int, q: jax.Array, by_inverse: bool = False
+) -> jax.Array:
+    """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular).
+
+    ``by_inverse`` uses :func:`triangular_inverse` instead of LAPACK.
+    """
     if q.ndim == 1:
         return x / jnp.expand_dims(q, range(1, x.ndim - axis))
+    if by_inverse:
+        return matmul_along(x, axis, triangular_inverse(q).T.astype(x.dtype))
     moved = jnp.moveaxis(x, axis, -1)
     flat = moved.reshape(-1, moved.shape[-1]).astype(q.dtype)
     solved = jax.lax.linalg.triangular_solve(q, flat, left_side=False, lower=False)
@@ -171,11 +237,18 @@ def _as_vector(x):
     return x.reshape(1) if x.ndim == 0 else x
 
 
-def update_qs(qs: list[jax.Array], g: jax.Array, v: jax.Array, lr: float):
+def update_qs(
+    qs: list[jax.Array],
+    g: jax.Array,
+    v: jax.Array,
+    lr: float,
+    solve_by_inverse: bool = False,
+):
     """Fits Q so that ``P = Q^T Q`` whitens ``g``, using the probe ``v``.
 
     Implements psgd's Kron update: ``A = Q g`` and ``conjB = v Q^{-1}``
-    (a triangular solve per dim); each factor moves along
+    (a triangular solve per dim, or a product with :func:`triangular_inverse`
+    if ``solve_by_inverse``); each factor moves along
     ``triu(A A^T - conjB^T conjB)`` normalised by a spectral-norm bound.
 
     Example:
@@ -190,7 +263,7 @@ def update_qs(qs: list[jax.Array], g: jax.Array, v: jax.Array, lr: float):
     a, conj_b = g, v
     for axis, q in enumerate(qs):
         a = _apply_along(a, axis, q)
-        conj_b = _solve_along(conj_b, axis, q)
+        conj_b = _solve_along(conj_b, axis, q, solve_by_inverse)
     new_qs = []
     for axis, q in enumerate(qs):
         term1 = _gram_along(a, axis, diagonal=q.ndim == 1)
@@ -243,6 +316,64 @@ def _maybe_vmap(scanned: bool, fn: Callable) -> Callable:
     return jax.vmap(fn) if scanned else fn
 
 
+def leaf_block_size(
+    param: jax.Array, scanned: bool, block_size: Optional[int]
+) -> Optional[int]:
+    """``block_size`` if ``param`` is split into blocks, else None.
+
+    Params with fewer than 2 dims (not counting a scanned layer axis) keep
+    their single preconditioner.
+
+    Example:
+        >>> leaf_block_size(jnp.ones((4, 3)), False, 2)
+        2
+        >>> print(leaf_block_size(jnp.ones((2, 3)), True, 2))  # 1-D per layer
+        None
+    """
+    if block_size is None or param.ndim - scanned < 2:
+        return None
+    return block_size
+
+
+def split_blocks(x: jax.Array, block_size: Optional[int], scanned: bool) -> jax.Array:
+    """Param-shaped ``x`` as a stack of blocks (unchanged if block_size is None).
+
+    A scanned ``x`` is blocked per layer and the layer axis folded into the
+    block axis, layer-major.
+
+    Example:
+        >>> split_blocks(jnp.ones((5, 4)), 2, False).shape  # dim 0 padded to 6
+        (6, 2, 2)
+        >>> split_blocks(jnp.ones((3, 5, 4)), 2, True).shape  # 3 layers x 6 blocks
+        (18, 2, 2)
+    """
+    if block_size is None:
+        return x
+    if not scanned:
+        return blockify(x, block_size)
+    per_layer = jax.vmap(functools.partial(blockify, block_size=block_size))(x)
+    return per_layer.reshape(-1, *per_layer.shape[2:])
+
+
+def merge_blocks(
+    blocks: jax.Array, shape: tuple[int, ...], block_size: Optional[int], scanned: bool
+) -> jax.Array:
+    """Inverse of :func:`split_blocks`: back to the param ``shape``.
+
+    Example:
+        >>> x = jnp.arange(60.0).reshape(3, 5, 4)
+        >>> bool((merge_blocks(split_blocks(x, 2, True), x.shape, 2, True) == x).all())
+        True
+    """
+    if block_size is None:
+        return blocks
+    if not scanned:
+        return unblockify(blocks, shape, block_size)
+    per_layer = blocks.reshape(shape[0], -1, *blocks.shape[1:])
+    merge = functools.partial(unblockify, shape=shape[1:], block_size=block_size)
+    return jax.vmap(merge)(per_layer)
+
+
 def scale_by_kron(
     b1: float = 0.9,
     preconditioner_update_probability: Probability = precond_update_prob_schedule(),
@@ -257,6 +388,7 @@ def scale_by_kron(
     precond_update_precision: Optional[str] = "tensorfloat32",
     precond_grads_precision: Optional[str] = None,
     scanned_layers: Optional[optax.Params] = None,
+    block_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
@@ -275,13 +407,21 @@ def scale_by_kron(
         the Q fit / of preconditioning.
       scanned_layers: pytree of bools like params; a True leaf has a leading
         layer axis that gets its own Qs (stacked as ``(L, d, d)``).
+      block_size: if set, params with >= 2 (per-layer) dims are split into
+        blocks of at most this size per dim, each with its own Qs (stacked as
+        ``(n_blocks, b, b)``); see the module docstring.
 
     Example:
         >>> tx = scale_by_kron(preconditioner_update_probability=1.0)
         >>> state = tx.init({"w": jnp.ones((2, 3, 4))})
         >>> sorted(state)
         ['Qs_preconditioners', 'count', 'mu', 'update_counter']
+        >>> state = scale_by_kron(block_size=2).init({"w": jnp.ones((2, 3, 4))})
+        >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # 1 x 2 x 2 blocks
+        [(4, 2, 2), (4, 2, 2), (4, 2, 2)]
     """
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"block_size={block_size}; expected None or >= 1")
 
     def scanned_tree(params):
         if scanned_layers is None:
@@ -290,14 +430,18 @@ def scale_by_kron(
 
     def init_fn(params):
         def init_leaf(param, scanned):
-            shape = param.shape[1:] if scanned else param.shape
+            blocks = leaf_block_size(param, scanned, block_size)
+            split = functools.partial(split_blocks, block_size=blocks, scanned=scanned)
+            stack = jax.eval_shape(split, param).shape
+            stacked = scanned or blocks is not None
+            shape = stack[1:] if stacked else stack
             tri = triangular_dims(
                 shape, max_size_triangular, min_ndim_triangular, memory_save_mode
             )
             dtype = param.dtype if precond_dtype is None else precond_dtype
             qs = init_qs(shape, tri, preconditioner_init_scale, dtype)
-            if scanned:
-                qs = [jnp.broadcast_to(q, (param.shape[0],) + q.shape) for q in qs]
+            if stacked:
+                qs = [jnp.broadcast_to(q, (stack[0],) + q.shape) for q in qs]
             return qs
 
         mu = None
@@ -333,16 +477,21 @@ def scale_by_kron(
         do_update = counter >= 1 / prob
         counter = jnp.where(do_update, 0, counter)
 
+        blocks = [leaf_block_size(g, s, block_size) for g, s in zip(grads, scanned)]
+
         _, update_key = jax.random.split(key)
         fit_to = momentum if momentum_into_precond_update else grads
-        new_qs = fit_preconditioners(update_key, qs, fit_to, scanned)
+        new_qs = fit_preconditioners(update_key, qs, fit_to, scanned, blocks)
         qs = jax.tree.map(lambda n, o: jnp.where(do_update, n, o), new_qs, qs)
 
+        out = []
         with jax.default_matmul_precision(precond_grads_precision):
-            out = [
-                _clip_rms(_maybe_vmap(s, precondition)(q, m)).astype(g.dtype)
-                for q, m, g, s in zip(qs, momentum, grads, scanned)
-            ]
+            for q, m, g, s, b in zip(qs, momentum, grads, scanned, blocks):
+                stacked = _maybe_vmap(s or b is not None, precondition)(
+                    q, split_blocks(m, b, s)
+                )
+                direction = merge_blocks(stacked, m.shape, b, s)
+                out.append(_clip_rms(direction).astype(g.dtype))
         new_state = dict(
             count=count,
             mu=otu.tree_cast(mu, mu_dtype),
@@ -351,18 +500,31 @@ def scale_by_kron(
         )
         return treedef.unflatten(out), new_state
 
-    def fit_preconditioners(key, qs, grads, scanned):
-        """Balanced-and-updated Qs for every param (no control flow)."""
+    def fit_preconditioners(key, qs, grads, scanned, blocks):
+        """Balanced-and-updated Qs for every param (no control flow).
+
+        Probes and damping are drawn param-shaped and blocked with the grad,
+        so padding stays zero and one block equals the unblocked fit. Blocked
+        params solve with :func:`triangular_inverse` (their many-block batches
+        would hit jaxlib's deadlocking batched LAPACK path on CPU).
+        """
         do_balance, probes = _probe_vectors(key, grads)
         damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
         new_qs = []
         with jax.default_matmul_precision(precond_update_precision):
-            for q, g, v, s in zip(qs, grads, probes, scanned):
+            for q, g, v, s, b in zip(qs, grads, probes, scanned, blocks):
                 g = g + damp.astype(g.dtype) * jnp.mean(jnp.abs(g)) * v
-                balanced = _maybe_vmap(s, balance_qs)(q)
-                q = [jnp.where(do_balance, b, o) for b, o in zip(balanced, q)]
-                fit = functools.partial(update_qs, lr=preconditioner_lr)
-                fitted = _maybe_vmap(s, fit)(q, g, v)
+                g, v = split_blocks(g, b, s), split_blocks(v, b, s)
+                stacked = s or b is not None
+                balanced = _maybe_vmap(stacked, balance_qs)(q)
+                q = [jnp.where(do_balance, n, o) for n, o in zip(balanced, q)]
+                # Stacked Qs never reach LAPACK: jaxlib spreads a batched solve over
+                # XLA's CPU thread pool and waits, which deadlocks when several
+                # (simulated) devices hold the pool's threads.
+                fit = functools.partial(
+                    update_qs, lr=preconditioner_lr, solve_by_inverse=stacked
+                )
+                fitted = _maybe_vmap(stacked, fit)(q, g, v)
                 new_qs.append([n.astype(o.dtype) for n, o in zip(fitted, q)])
         return new_qs
 
@@ -386,6 +548,7 @@ def kron(
     precond_update_precision: Optional[str] = "tensorfloat32",
     precond_grads_precision: Optional[str] = None,
     scanned_layers: Optional[optax.Params] = None,
+    block_size: Optional[int] = None,
 ) -> optax.GradientTransformation:
     """PSGD Kron with decoupled weight decay and a learning rate.
 
@@ -412,6 +575,7 @@ def kron(
             precond_update_precision=precond_update_precision,
             precond_grads_precision=precond_grads_precision,
             scanned_layers=scanned_layers,
+            block_size=block_size,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

@@ -46,7 +46,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainers.optimizers.tensor_ops import gram_along, matmul_along
+from trainers.optimizers.tensor_ops import (
+    block_layout,
+    blockify,
+    gram_along,
+    matmul_along,
+    unblockify,
+)
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
 _NORM_EPS = 1e-25
@@ -71,52 +77,19 @@ def _factor_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d > 1)
 
 
-def _block_layout(shape, block_size) -> tuple[list[int], list[int]]:
-    """(block size, number of blocks) per dim."""
-    sizes = [min(d, block_size) for d in shape]
-    return sizes, [-(-d // b) for d, b in zip(shape, sizes)]
-
-
-def blockify(x: jax.Array, block_size: int) -> jax.Array:
-    """Splits every dim into blocks: ``(n_blocks, b_0, ..., b_k)``.
-
-    Example:
-        >>> blockify(jnp.zeros((6, 3)), 4).shape  # dim 0 padded to 8
-        (2, 4, 3)
-    """
-    sizes, counts = _block_layout(x.shape, block_size)
-    x = jnp.pad(x, [(0, n * b - d) for d, n, b in zip(x.shape, counts, sizes)])
-    x = x.reshape([v for nb in zip(counts, sizes) for v in nb])
-    rank = len(sizes)
-    x = x.transpose([2 * i for i in range(rank)] + [2 * i + 1 for i in range(rank)])
-    return x.reshape((math.prod(counts), *sizes))
-
-
-def unblockify(blocks: jax.Array, shape: tuple[int, ...], block_size: int) -> jax.Array:
-    """Inverse of :func:`blockify`.
-
-    Example:
-        >>> x = jnp.arange(18.0).reshape(6, 3)
-        >>> bool((unblockify(blockify(x, 4), (6, 3), 4) == x).all())
-        True
-    """
-    sizes, counts = _block_layout(shape, block_size)
-    rank = len(shape)
-    x = blocks.reshape(counts + sizes)
-    x = x.transpose([v for i in range(rank) for v in (i, rank + i)])
-    x = x.reshape([n * b for n, b in zip(counts, sizes)])
-    return x[tuple(slice(0, d) for d in shape)]
-
-
 def inverse_pth_root(stats: jax.Array, p: int, matrix_epsilon: float) -> jax.Array:
     """``(S + eps * lambda_max * I)^(-1/p)`` of a stack of PSD matrices via eigh.
+
+    One ``eigh`` per block (``lax.map``): a batched ``eigh`` makes jaxlib spread the
+    batch over XLA's CPU thread pool and wait, which deadlocks when several
+    (simulated) devices hold the pool's threads.
 
     Example:
         >>> s = jnp.diag(jnp.array([16.0, 1.0]))[None]
         >>> inverse_pth_root(s, 2, 0.0)[0].round(3).tolist()
         [[0.25, 0.0], [0.0, 1.0]]
     """
-    eigvals, eigvecs = jnp.linalg.eigh(stats)
+    eigvals, eigvecs = jax.lax.map(jnp.linalg.eigh, stats)
     eigvals = jnp.maximum(eigvals, 0.0)
     max_ev = jnp.max(eigvals, axis=-1, keepdims=True)
     ridge = matrix_epsilon * jnp.maximum(max_ev, 1e-16)
@@ -187,7 +160,7 @@ def scale_by_shampoo(
         raise ValueError("block_size and update_preconditioners_freq must be >= 1")
 
     def init_leaf(param):
-        sizes, counts = _block_layout(_factor_shape(param.shape), block_size)
+        sizes, counts = block_layout(_factor_shape(param.shape), block_size)
         eye = [jnp.broadcast_to(jnp.eye(b), (math.prod(counts), b, b)) for b in sizes]
         return ShampooParamState(
             stats=[matrix_epsilon * e for e in eye],
