@@ -59,7 +59,8 @@ def test_vit_digits_runs(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("override, message", [
-    ("--config.optax_name=adamww", "Unknown optimizer 'adamww'. Did you mean 'adamw'?"),
+    ("--config.optax_name=adamww",
+     "config.optax_name / config.optax: Unknown optimizer 'adamww'. Did you mean 'adamw'?"),
     ("--config.mesh=(('data', 3),)", "config.mesh [('data', 3)] covers 3 devices but there are 8"),
     ("--config.batch_size=30", "config.batch_size=30 must be a positive multiple of 8"),
 ])

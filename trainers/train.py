@@ -88,9 +88,12 @@ def main(argv):
 
   schedule = None if config.schedule is None else {"total_steps": config.total_steps,
                                                    **config.schedule.to_dict()}
-  tx = optimizers.make_optimizer(config.optax_name, config.lr, schedule=schedule,
-                                 weight_decay=config.wd, clip_norm=config.grad_clip_norm,
-                                 **config.optax.to_dict())
+  try:
+    tx = optimizers.make_optimizer(config.optax_name, config.lr, schedule=schedule,
+                                   weight_decay=config.wd, clip_norm=config.grad_clip_norm,
+                                   **config.optax.to_dict())
+  except optimizers.OptimizerError as e:
+    raise optimizers.OptimizerError(f"config.optax_name / config.optax: {e}") from None
   lr = optimizers.make_schedule(config.lr, **schedule) if schedule else lambda _: config.lr
 
   plan = bvs.plan(steps.abstract_state(init, tx), config.sharding_strategy, mesh,
