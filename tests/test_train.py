@@ -28,11 +28,10 @@ def train(workdir, *overrides, config="configs/lm.py", timeout=240):
   return done.returncode, done.stdout + done.stderr, records
 
 
-# Shampoo with lm.py's adamw lr and RMSProp grafting diverges early; configs/lm_shampoo.py
-# grafts Adam at a lower lr (block_size=128 hangs XLA:CPU: see the issue #5 report).
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("optimizer, config", [("adamw", "configs/lm.py"),
                                                ("kron", "configs/lm.py"),
+                                               ("shampoo", "configs/lm.py"),
                                                ("shampoo", "configs/lm_shampoo.py")])
 def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
   status, out, records = train(tmp_path, *SHORT, f"--config.optax_name={optimizer}",

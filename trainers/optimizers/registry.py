@@ -91,7 +91,9 @@ _REGISTRY: dict[str, _Entry] = {
     # Shard-aligned blocks by default: 11.6x less update traffic than psgd-jax's Kron under
     # the seed's placement (python -m benchmarks.communication; README).
     "kron": _Entry(kron, defaults={"block_size": 256}),
-    "shampoo": _Entry(shampoo),
+    # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
+    # one or two gradients, and RMSProp grafting of those overshoots at adamw's lr.
+    "shampoo": _Entry(shampoo, defaults={"graft_type": "adam", "start_preconditioning_step": 10}),
 }
 OPTIMIZERS = tuple(_REGISTRY)
 
