@@ -3,7 +3,8 @@
 Params and grads are sharded by each placement (``benchmarks/placements.py``), the
 update is compiled for 8 simulated CPU devices and the collectives are read off the
 compiled HLO; the state bytes per device are printed next to them. Model: a small
-Llama (V=8192, C=512, F=2048, 2 unscanned layers).
+Llama (V=8192, C=512, F=2048, 2 unscanned layers); Shampoo-style blocks of 128, Kron
+blocks of 256 (the registry's default).
 
   python -m benchmarks.communication [--optimizers kron,psgd_kron]
 """

@@ -121,7 +121,7 @@ def optimizers(params, scanned=False, block_size=64):
                          scanned_layers=scanned_mask(params, scanned)),
       "kron_blocks": _ours.kron(LR, preconditioner_update_probability=1.0,
                                 scanned_layers=scanned_mask(params, scanned),
-                                block_size=block_size),
+                                block_size=2 * block_size),
       "shampoo": _ours.shampoo(LR, block_size=block_size // 2, matrix_epsilon=1e-3),
   }
   return zoo
