@@ -1,5 +1,18 @@
 """bv_sharding: sharding plans for params and optimizer state in big_vision-style JAX training."""
+
 import setuptools
+
+STYLE = ["pyink==26.5.1", "ruff==0.17.6"]  # The house style (pyproject.toml), checked in CI.
+TEST = [
+    "pytest>=8,<10",
+    "pytest-timeout>=2.3,<3",
+    "scikit-learn>=1.4,<2",
+    "chex>=0.1.87,<0.2",
+    # Third-party optimizer states the tests plan (imported with aliases in tests/zoo.py).
+    "psgd-jax==0.2.9",
+    "precondition-opt==0.3.0",
+    *STYLE,
+]
 
 setuptools.setup(
     name="bv_sharding",
@@ -17,14 +30,7 @@ setuptools.setup(
     ],
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],
-        "test": [
-            "pytest>=8,<10",
-            "pytest-timeout>=2.3,<3",
-            "scikit-learn>=1.4,<2",
-            "chex>=0.1.87,<0.2",
-            # Third-party optimizer states the tests plan (imported with aliases in tests/zoo.py).
-            "psgd-jax==0.2.9",
-            "precondition-opt==0.3.0",
-        ],
+        "test": TEST,
+        "dev": TEST,  # The tests, the formatter and the linter.
     },
 )

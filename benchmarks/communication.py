@@ -8,13 +8,14 @@ blocks of 256 (the registry's default).
 
   python -m benchmarks.communication [--optimizers kron,psgd_kron]
 """
+
 import argparse
 import os
 import re
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -25,10 +26,18 @@ from benchmarks import placements  # noqa: E402
 from tests import zoo  # noqa: E402
 
 MB = 1e6
-SECOND_ORDER = {"psgd_kron", "distributed_shampoo", "tearfree_layout", "kron", "kron_blocks",
-                "shampoo"}
-COLLECTIVE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
-                        r"collective-permute)(-done)?\(")
+SECOND_ORDER = {
+    "psgd_kron",
+    "distributed_shampoo",
+    "tearfree_layout",
+    "kron",
+    "kron_blocks",
+    "shampoo",
+}
+COLLECTIVE = re.compile(
+    r"=\s*(\(.*?\)|\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
+    r"collective-permute)(-done)?\("
+)
 ARRAY = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 BITS = {"pred": 8, "bf16": 16}
 
@@ -55,8 +64,11 @@ def update_traffic(tx, params_shape, opt_shape, placement) -> int:
     updates, opt = tx.update(grads, opt, params)
     return optax.apply_updates(params, updates), opt
 
-  step = jax.jit(update, in_shardings=(placement.params, placement.opt, placement.params),
-                 out_shardings=(placement.params, placement.opt))
+  step = jax.jit(
+      update,
+      in_shardings=(placement.params, placement.opt, placement.params),
+      out_shardings=(placement.params, placement.opt),
+  )
   return collective_bytes(step.lower(params_shape, opt_shape, params_shape).compile().as_text())
 
 
@@ -65,8 +77,13 @@ def main():
   parser.add_argument("--optimizers", default="", help="comma-separated subset of tests/zoo.py")
   args = parser.parse_args()
   params = zoo.llama_params(d=512, vocab=8192, ff=2048)
-  params = {"embed": params["embed"], "layers_0": params["block"], "layers_1": params["block"],
-            "final_norm": params["final_norm"], "head": params["head"]}
+  params = {
+      "embed": params["embed"],
+      "layers_0": params["block"],
+      "layers_1": params["block"],
+      "final_norm": params["final_norm"],
+      "head": params["head"],
+  }
   mesh = bvs.make_mesh([("data", -1)])
   chosen = [n for n in args.optimizers.split(",") if n]
   print("| optimizer | placement | update traffic MB/device | state MB/device |")
@@ -75,8 +92,7 @@ def main():
     if chosen and name not in chosen:
       continue
     opt = jax.eval_shape(tx.init, params)
-    for label, placement in placements.placements(params, opt, mesh,
-                                                  name in SECOND_ORDER).items():
+    for label, placement in placements.placements(params, opt, mesh, name in SECOND_ORDER).items():
       traffic = update_traffic(tx, params, opt, placement)
       state = placement.state_bytes_per_device("opt")
       print(f"| {name} | {label} | {traffic / MB:.1f} | {state / MB:.1f} |", flush=True)

@@ -6,17 +6,24 @@ the baselines of ``benchmarks/placements.py``. Goal: ratio <= 1.02.
 
   python -m benchmarks.memory
 """
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 import bv_sharding as bvs
 from benchmarks import placements
 from tests import zoo
 from trainers.models import get_model
 
-SECOND_ORDER = {"psgd_kron", "distributed_shampoo", "tearfree_layout", "kron", "kron_blocks",
-                "shampoo"}
+SECOND_ORDER = {
+    "psgd_kron",
+    "distributed_shampoo",
+    "tearfree_layout",
+    "kron",
+    "kron_blocks",
+    "shampoo",
+}
 
 
 def llama_shape(size: str):
@@ -32,8 +39,15 @@ def rows(size: str, devices: int):
     opt = jax.eval_shape(tx.init, params)
     for placement, p in placements.placements(params, opt, mesh, name in SECOND_ORDER).items():
       ratio = p.plan.bytes_per_device / (p.plan.total_bytes / devices)
-      yield (size, devices, name, placement, p.plan.total_bytes / 2**30,
-             p.plan.bytes_per_device / 2**20, ratio)
+      yield (
+          size,
+          devices,
+          name,
+          placement,
+          p.plan.total_bytes / 2**30,
+          p.plan.bytes_per_device / 2**20,
+          ratio,
+      )
 
 
 def main():
@@ -43,8 +57,11 @@ def main():
     for devices in (8, 256):
       for size_, n, name, placement, total, per_device, ratio in rows(size, devices):
         mark = "" if placement != "default" or ratio <= 1.02 else " (over 1.02)"
-        print(f"| {size_} | {n} | {name} | {placement} | {total:.2f} | {per_device:.1f} | "
-              f"{ratio:.3f}{mark} |", flush=True)
+        print(
+            f"| {size_} | {n} | {name} | {placement} | {total:.2f} | {per_device:.1f} | "
+            f"{ratio:.3f}{mark} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

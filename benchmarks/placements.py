@@ -9,6 +9,7 @@
   rules, and list entries (preconditioner lists) on dim -2.
 * ``factors_replicated``: the default plan with Kron/Shampoo factors replicated.
 """
+
 import dataclasses
 from typing import Any
 
@@ -16,7 +17,12 @@ import bv_sharding as bvs
 from bv_sharding import specs
 
 MiB = 2**20
-DEFAULT = [(".*", 'llm_fsdp(axis="data", min_size_to_shard_mb=0)|fsdp(axis="data", min_size_to_shard_mb=0)')]
+DEFAULT = [
+    (
+        ".*",
+        'llm_fsdp(axis="data", min_size_to_shard_mb=0)|fsdp(axis="data", min_size_to_shard_mb=0)',
+    )
+]
 FACTORS = r".*/(Qs_preconditioners|statistics|preconditioners|stats|roots)/.*"
 
 
@@ -37,19 +43,20 @@ def seed_rules(axis, min_size_to_shard_mb=1):
     if any(s in name for s in ("q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel")):
       return specs.place(leaf, spec, -2, axis, requested=False)
     return specs.place_largest(leaf, spec, axis)
+
   return rule
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """Shardings for the params and the optimizer state, and the plan that made them."""
+
   params: Any
   opt: Any
   plan: bvs.Plan
 
   def state_bytes_per_device(self, state_root: str) -> int:
-    return sum(e.bytes_per_device for e in self.plan.entries
-               if e.name.split("/")[0] == state_root)
+    return sum(e.bytes_per_device for e in self.plan.entries if e.name.split("/")[0] == state_root)
 
 
 def placements(params_shape, opt_shape, mesh, second_order: bool) -> dict[str, Placement]:
@@ -60,8 +67,9 @@ def placements(params_shape, opt_shape, mesh, second_order: bool) -> dict[str, P
       "seed_rules": _independent(params_shape, opt_shape, 'seed_rules(axis="data")', mesh),
   }
   if second_order:
-    result["factors_replicated"] = _following(params_shape, opt_shape,
-                                              [(FACTORS, "replicate()")] + DEFAULT, mesh)
+    result["factors_replicated"] = _following(
+        params_shape, opt_shape, [(FACTORS, "replicate()")] + DEFAULT, mesh
+    )
   return result
 
 

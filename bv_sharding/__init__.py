@@ -9,14 +9,26 @@ Example:
   >>> shardings, specs = bvs.infer_sharding(abstract, strategy, mesh)
   >>> params = jax.jit(model.init, out_shardings=shardings)(rng, batch)
 """
+
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
-from bv_sharding.errors import ShardingError
+from bv_sharding.errors import Error, ShardingError
 from bv_sharding.mesh import make_abstract_mesh, make_mesh
 from bv_sharding.names import flatten as flatten_with_names
 from bv_sharding.plan import Entry, Plan, infer_sharding, plan
 from bv_sharding.registry import lookup, parse_chain, register, registered
 
 __all__ = [
-    "Entry", "Plan", "ShardingError", "flatten_with_names", "infer_sharding", "lookup",
-    "make_abstract_mesh", "make_mesh", "parse_chain", "plan", "register", "registered",
+    "Entry",
+    "Error",
+    "Plan",
+    "ShardingError",
+    "flatten_with_names",
+    "infer_sharding",
+    "lookup",
+    "make_abstract_mesh",
+    "make_mesh",
+    "parse_chain",
+    "plan",
+    "register",
+    "registered",
 ]

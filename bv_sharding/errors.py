@@ -1,21 +1,36 @@
-"""The one exception type raised for every user mistake.
+"""The project's errors: one root, one subclass per kind.
+
+Every mistake in a config, strategy, mesh or input raises a subclass of
+:class:`Error` (a ``ValueError``) whose message names the offending value and
+the fix. The library raises :class:`ShardingError`; the trainer raises
+``trainers.errors.ConfigError``; ``except bvs.Error`` catches both.
 
 Example:
   >>> import bv_sharding as bvs
   >>> try:
   ...   bvs.lookup("fsdpp")
-  ... except bvs.ShardingError as e:
-  ...   print(e)
-  unknown op 'fsdpp'; did you mean 'fsdp'? Registered ops: ...
+  ... except bvs.Error as e:
+  ...   print(type(e).__name__, str(e)[:44])
+  ShardingError unknown op 'fsdpp'; did you mean 'fsdp'?
 """
+
 import difflib
 
 
-class ShardingError(ValueError):
-  """A config, strategy, mesh or leaf the plugin cannot use; the message names it and the fix."""
+class Error(ValueError):
+  """Root of the project's errors: a user mistake, named with its fix, caught before any work."""
+
+
+class ShardingError(Error):
+  """A strategy, rule, mesh or plan the library cannot use; the message names it and the fix."""
 
 
 def closest(name: str, choices) -> str:
-  """A ``"; did you mean 'x'?"`` hint for ``name`` among ``choices``, or ``""``."""
+  """A ``"; did you mean 'x'?"`` hint for ``name`` among ``choices``, or ``""``.
+
+  Example:
+    >>> closest("fsdpp", ["fsdp", "replicate"])
+    "; did you mean 'fsdp'?"
+  """
   match = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)
   return f"; did you mean {match[0]!r}?" if match else ""

@@ -20,6 +20,7 @@ Example:
   >>> f.how, f.spec
   ('factor of dim 1', (None, 'data'))
 """
+
 import dataclasses
 import functools
 import itertools
@@ -40,6 +41,7 @@ class Follow:
   ``factor`` is ``(param_dim, n_leading)`` for a preconditioner factor, else ``None``;
   ``spec`` is ``None`` when nothing can be carried (the fallback).
   """
+
   param: str
   param_shape: tuple[int, ...]
   param_spec: Spec
@@ -60,8 +62,9 @@ def find_param(components: tuple[str, ...], params: dict[tuple[str, ...], str]):
   return (params[best[0]], best[1]) if best else (None, ())
 
 
-def relate(shape, rest, param: str, param_shape, param_spec,
-           factor_dim: int = FACTOR_DIM) -> Follow:
+def relate(
+    shape, rest, param: str, param_shape, param_spec, factor_dim: int = FACTOR_DIM
+) -> Follow:
   """How a state leaf of ``shape``, found at ``rest`` below ``param``, follows it."""
   shape, param_shape, param_spec = tuple(shape), tuple(param_shape), tuple(param_spec)
   follow = functools.partial(Follow, param, param_shape, param_spec)
@@ -69,8 +72,9 @@ def relate(shape, rest, param: str, param_shape, param_spec,
   factor = None if index is None else factor_of(shape, param_shape, index)
   if factor is not None:
     dim, lead = factor
-    return follow(f"factor of dim {dim}",
-                  factor_spec(shape, param_spec, dim, lead, factor_dim), factor)
+    return follow(
+        f"factor of dim {dim}", factor_spec(shape, param_spec, dim, lead, factor_dim), factor
+    )
   if shape == param_shape:
     return follow("same shape", param_spec)
   kept = _kept_dims(shape, param_shape, param_spec)
@@ -112,8 +116,11 @@ def _kept_dims(shape, param_shape, param_spec) -> tuple[int, ...] | None:
   """Param dims that ``shape`` keeps in order (most sharded first), or ``None``."""
   if len(shape) >= len(param_shape):
     return None
-  fits = [dims for dims in itertools.combinations(range(len(param_shape)), len(shape))
-          if all(param_shape[d] == s for d, s in zip(dims, shape))]
+  fits = [
+      dims
+      for dims in itertools.combinations(range(len(param_shape)), len(shape))
+      if all(param_shape[d] == s for d, s in zip(dims, shape))
+  ]
   if not fits:
     return None
   return max(fits, key=lambda dims: sum(param_spec[d] is not None for d in dims))

@@ -8,8 +8,9 @@ Example:
   >>> mesh = make_mesh([("data", -1), ("model", 2)])             # 8 devices: data=4
   >>> pod = make_abstract_mesh([("data", -1), ("model", 8)], 256)  # plan, allocate nothing
 """
+
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh
@@ -23,18 +24,24 @@ def axis_sizes(config_mesh: Sequence, num_devices: int) -> tuple[tuple[str, ...]
   names = tuple(name for name, _ in pairs)
   sizes = [size for _, size in pairs]
   if sizes.count(-1) > 1:
-    raise ShardingError(f"config.mesh {list(pairs)} has more than one -1; at most one axis "
-                        "may take the rest of the devices")
+    raise ShardingError(
+        f"config.mesh {list(pairs)} has more than one -1; at most one axis "
+        "may take the rest of the devices"
+    )
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ShardingError(f"config.mesh {list(pairs)}: the fixed axes ({known} devices) do not "
-                          f"divide the {num_devices} devices; make {num_devices} a multiple")
+      raise ShardingError(
+          f"config.mesh {list(pairs)}: the fixed axes ({known} devices) do not "
+          f"divide the {num_devices} devices; make {num_devices} a multiple"
+      )
     sizes[sizes.index(-1)] = num_devices // known
   elif known != num_devices:
-    raise ShardingError(f"config.mesh {list(pairs)} covers {known} devices but there are "
-                        f"{num_devices}; make the sizes multiply to {num_devices} or use -1 "
-                        "for one axis")
+    raise ShardingError(
+        f"config.mesh {list(pairs)} covers {known} devices but there are "
+        f"{num_devices}; make the sizes multiply to {num_devices} or use -1 "
+        "for one axis"
+    )
   return names, tuple(sizes)
 
 
@@ -56,11 +63,19 @@ def _pairs(config_mesh) -> tuple[tuple[str, int], ...]:
     pairs = tuple((name, size) for name, size in config_mesh)
   except (TypeError, ValueError):
     pairs = ()
-  ok = pairs and all(isinstance(n, str) and n and isinstance(s, int) and not isinstance(s, bool)
-                     and (s > 0 or s == -1) for n, s in pairs)
+  ok = pairs and all(
+      isinstance(n, str)
+      and n
+      and isinstance(s, int)
+      and not isinstance(s, bool)
+      and (s > 0 or s == -1)
+      for n, s in pairs
+  )
   if not ok:
-    raise ShardingError(f"config.mesh must be a non-empty list of (axis_name, size) pairs with "
-                        f"sizes > 0 or -1, e.g. [(\"data\", -1), (\"model\", 2)]; got {config_mesh!r}")
+    raise ShardingError(
+        f"config.mesh must be a non-empty list of (axis_name, size) pairs with "
+        f'sizes > 0 or -1, e.g. [("data", -1), ("model", 2)]; got {config_mesh!r}'
+    )
   names = [n for n, _ in pairs]
   if len(set(names)) != len(names):
     raise ShardingError(f"config.mesh {list(pairs)} names an axis twice; axis names must be unique")

@@ -9,6 +9,7 @@ Example:
   >>> flatten({"params": {"dense": {"kernel": w}}, "opt": [mu]})[0]
   [('params/dense/kernel', w), ('opt/0', mu)]
 """
+
 import flax.linen as nn
 import jax
 

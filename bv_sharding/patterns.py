@@ -9,9 +9,10 @@ Example:
   >>> match(pats, "params/embed/embedding").chain_text
   'shard_dim(axis="model", dim=-1)'
 """
+
 import dataclasses
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from bv_sharding import registry, specs
 from bv_sharding.errors import ShardingError
@@ -20,6 +21,7 @@ from bv_sharding.errors import ShardingError
 @dataclasses.dataclass(frozen=True)
 class Pattern:
   """One strategy entry: the regex as written, compiled, and its bound op chain."""
+
   regex: str
   compiled: re.Pattern
   chain_text: str
@@ -33,9 +35,10 @@ def parse_strategy(strategy, mesh_axes: dict[str, int]) -> tuple[Pattern, ...]:
   try:
     pairs = [(regex, chain) for regex, chain in strategy]
   except (TypeError, ValueError):
-    raise ShardingError(f"sharding_strategy must be a list of (regex, op_chain) pairs or one op "
-                        f"chain string, e.g. [(\".*\", 'fsdp(axis=\"data\")')]; got {strategy!r}"
-                        ) from None
+    raise ShardingError(
+        f"sharding_strategy must be a list of (regex, op_chain) pairs or one op "
+        f'chain string, e.g. [(".*", \'fsdp(axis="data")\')]; got {strategy!r}'
+    ) from None
   return tuple(_pattern(regex, chain, mesh_axes) for regex, chain in pairs)
 
 
@@ -51,22 +54,31 @@ def parse_rules(rules, mesh_axes: dict[str, int]) -> tuple:
   try:
     pairs = tuple((name, target) for name, target in rules)
   except (TypeError, ValueError):
-    raise ShardingError(f"sharding_rules must be a list of (logical_name, mesh_axis) pairs, "
-                        f"e.g. [(\"act_batch\", \"data\")]; got {rules!r}") from None
+    raise ShardingError(
+        f"sharding_rules must be a list of (logical_name, mesh_axis) pairs, "
+        f'e.g. [("act_batch", "data")]; got {rules!r}'
+    ) from None
   for name, target in pairs:
     if not isinstance(name, str):
-      raise ShardingError(f"sharding_rules entry {(name, target)!r}: the logical name must be a string")
+      raise ShardingError(
+          f"sharding_rules entry {(name, target)!r}: the logical name must be a string"
+      )
     if target is not None:
-      check_mesh_axes(specs.check_axis(f"sharding_rules entry {(name, target)!r}", target),
-                      mesh_axes, f"sharding_rules entry {(name, target)!r}")
+      check_mesh_axes(
+          specs.check_axis(f"sharding_rules entry {(name, target)!r}", target),
+          mesh_axes,
+          f"sharding_rules entry {(name, target)!r}",
+      )
   return tuple((n, tuple(t) if isinstance(t, list) else t) for n, t in pairs)
 
 
 def check_mesh_axes(axis, mesh_axes: dict[str, int], where: str) -> None:
   for a in specs.axes_of(axis):
     if a not in mesh_axes:
-      raise ShardingError(f"{where}: the mesh has no axis {a!r}; its axes are {list(mesh_axes)}. "
-                          "Use one of those or add the axis to config.mesh.")
+      raise ShardingError(
+          f"{where}: the mesh has no axis {a!r}; its axes are {list(mesh_axes)}. "
+          "Use one of those or add the axis to config.mesh."
+      )
 
 
 def _pattern(regex, chain, mesh_axes) -> Pattern:
@@ -75,8 +87,10 @@ def _pattern(regex, chain, mesh_axes) -> Pattern:
   try:
     compiled = re.compile(regex)
   except re.error as e:
-    raise ShardingError(f"strategy regex {regex!r} does not compile: {e}. "
-                        "Escape special characters, e.g. '.*\\\\.bias'.") from None
+    raise ShardingError(
+        f"strategy regex {regex!r} does not compile: {e}. "
+        "Escape special characters, e.g. '.*\\\\.bias'."
+    ) from None
   ops = registry.parse_chain(chain)
   for op in ops:
     if "axis" in op.arguments:

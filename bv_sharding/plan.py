@@ -14,16 +14,18 @@ Example:
   >>> print(p.report())
   >>> params = jax.jit(model.init, out_shardings=p.shardings["params"])(rng, batch)
 """
+
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from bv_sharding import following, names, patterns, specs
-from bv_sharding.specs import MiB, Leaf, Spec
+from bv_sharding.specs import Leaf, MiB, Spec
 
 PARAMS = "params"
 DEFAULT_MIN_SIZE_MB = 1
@@ -32,6 +34,7 @@ DEFAULT_MIN_SIZE_MB = 1
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One leaf's decision: ``spec`` and ``why`` (which entry and op decided, or why not sharded)."""
+
   name: str
   shape: tuple[int, ...]
   dtype: Any
@@ -49,6 +52,7 @@ class Entry:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """Per-leaf specs for a tree on a mesh (a ``Mesh`` or an ``AbstractMesh``)."""
+
   entries: tuple[Entry, ...]
   treedef: Any
   mesh: Any
@@ -86,8 +90,11 @@ class Plan:
   def mismatches(self, tree) -> list[str]:
     """Names of arrays in ``tree`` (same structure) whose sharding is not the planned one."""
     arrays, _ = names.flatten(tree)
-    return [name for (name, x), e in zip(arrays, self.entries)
-            if not x.sharding.is_equivalent_to(NamedSharding(self.mesh, e.spec), x.ndim)]
+    return [
+        name
+        for (name, x), e in zip(arrays, self.entries)
+        if not x.sharding.is_equivalent_to(NamedSharding(self.mesh, e.spec), x.ndim)
+    ]
 
   def unsharded(self, min_bytes: int = 0) -> list[Entry]:
     """Unsharded entries of at least ``min_bytes``, largest first."""
@@ -97,8 +104,17 @@ class Plan:
   def report(self, largest_unsharded: int = 5) -> str:
     """A readable table: one row per leaf, then totals and the largest unsharded leaves."""
     rows = [("name", "shape", "dtype", "spec", "MiB/device", "why")]
-    rows += [(e.name, str(e.shape), str(e.dtype), _spec_text(e.spec),
-              f"{e.bytes_per_device / MiB:.3f}", e.why) for e in self.entries]
+    rows += [
+        (
+            e.name,
+            str(e.shape),
+            str(e.dtype),
+            _spec_text(e.spec),
+            f"{e.bytes_per_device / MiB:.3f}",
+            e.why,
+        )
+        for e in self.entries
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
     ideal = self.total_bytes / self.num_devices
@@ -106,7 +122,8 @@ class Plan:
         f"mesh {dict(self.mesh.shape)}: {len(self.entries)} leaves, "
         f"{self.total_bytes / MiB:.2f} MiB in all, {self.bytes_per_device / MiB:.2f} MiB per "
         f"device ({self.bytes_per_device / max(ideal, 1):.3f}x the ideal), "
-        f"{100 * self.coverage:.1f}% of bytes sharded")
+        f"{100 * self.coverage:.1f}% of bytes sharded"
+    )
     for e in self.unsharded()[:largest_unsharded]:
       lines.append(f"  unsharded: {e.name} {e.shape} {e.nbytes / MiB:.3f} MiB: {e.why}")
     return "\n".join(lines)
@@ -125,8 +142,11 @@ def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = Fal
   named, treedef = names.flatten(tree)
   leaves = [_leaf(name, x, sizes, rules, strict) for name, x in named]
   has_params = any(_is_param(leaf) for leaf in leaves)
-  params = {leaf.name: (leaf, _decide_param(leaf, pats)) for leaf in leaves
-            if _is_param(leaf) or not has_params}
+  params = {
+      leaf.name: (leaf, _decide_param(leaf, pats))
+      for leaf in leaves
+      if _is_param(leaf) or not has_params
+  }
   by_path = {_relative(name): name for name in params} if has_params else {}
   entries = []
   for leaf in leaves:
@@ -257,8 +277,9 @@ def _fallback_axes(leaf: Leaf, ops) -> list:
 
 
 def _threshold(ops) -> float:
-  sizes = [op.arguments["min_size_to_shard_mb"] for op in ops
-           if "min_size_to_shard_mb" in op.arguments]
+  sizes = [
+      op.arguments["min_size_to_shard_mb"] for op in ops if "min_size_to_shard_mb" in op.arguments
+  ]
   return sizes[0] if sizes else DEFAULT_MIN_SIZE_MB
 
 
@@ -269,8 +290,9 @@ def _replicated(leaf: Leaf) -> Spec:
 def _entry(leaf: Leaf, spec: Spec, why: str, sizes) -> Entry:
   per_device = leaf.nbytes // specs.shards(spec, sizes)
   follows = leaf.follow.param if leaf.follow is not None else None
-  return Entry(leaf.name, leaf.shape, leaf.dtype, PartitionSpec(*spec), why, leaf.nbytes,
-               per_device, follows)
+  return Entry(
+      leaf.name, leaf.shape, leaf.dtype, PartitionSpec(*spec), why, leaf.nbytes, per_device, follows
+  )
 
 
 def _spec_text(spec: PartitionSpec) -> str:

@@ -11,12 +11,14 @@ Example:
   >>> [op.name for op in ops]
   ['shard_dim', 'fsdp']
 """
+
 import ast
 import dataclasses
 import inspect
 import io
 import tokenize
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bv_sharding.errors import ShardingError, closest
 
@@ -32,6 +34,7 @@ class OpInfo:
   carries that param's spec over instead of choosing dims itself.
   ``follows=False`` (``replicate`` and state-specific ops): the op always acts.
   """
+
   name: str
   factory: Callable[..., Callable]
   follows: bool
@@ -44,6 +47,7 @@ class OpInfo:
 @dataclasses.dataclass(frozen=True)
 class Op:
   """One parsed and bound op of a chain: ``text`` as written, ``rule`` to apply."""
+
   name: str
   text: str
   arguments: dict[str, Any]
@@ -59,11 +63,13 @@ def register(name: str, *, follows: bool = True):
     ... def shard_last(axis):
     ...   return lambda leaf, spec: bvs.specs.place(leaf, spec, -1, axis)
   """
+
   def decorate(factory):
     if name in _OPS and _OPS[name].factory is not factory:
       raise ShardingError(f"op {name!r} is already registered; pick another name")
     _OPS[name] = OpInfo(name, factory, follows)
     return factory
+
   return decorate
 
 
@@ -75,8 +81,9 @@ def registered() -> tuple[str, ...]:
 def lookup(name: str) -> OpInfo:
   """The registered op ``name``; unknown names raise with the closest ones."""
   if name not in _OPS:
-    raise ShardingError(f"unknown op {name!r}{closest(name, _OPS)} "
-                        f"Registered ops: {', '.join(registered())}.")
+    raise ShardingError(
+        f"unknown op {name!r}{closest(name, _OPS)} " f"Registered ops: {', '.join(registered())}."
+    )
   return _OPS[name]
 
 
@@ -85,18 +92,26 @@ def parse_chain(text: str) -> tuple[Op, ...]:
   if not isinstance(text, str):
     raise ShardingError(f"op chain must be a string like 'fsdp(axis=\"data\")', got {text!r}")
   if len(text) > MAX_CHAIN_CHARS:
-    raise ShardingError(f"op chain {text[:60]!r}... is {len(text)} characters; "
-                        f"at most {MAX_CHAIN_CHARS} are accepted")
+    raise ShardingError(
+        f"op chain {text[:60]!r}... is {len(text)} characters; "
+        f"at most {MAX_CHAIN_CHARS} are accepted"
+    )
   try:
     tree = ast.parse(text.strip(), mode="eval").body
-    comments = [t for t in tokenize.generate_tokens(io.StringIO(text).readline)
-                if t.type == tokenize.COMMENT]
+    comments = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(text).readline)
+        if t.type == tokenize.COMMENT
+    ]
   except (SyntaxError, ValueError, RecursionError, MemoryError, tokenize.TokenError) as e:
-    raise ShardingError(f"cannot parse op chain {text!r}: {e}. "
-                        "Write ops as name(arg, key=value) joined by '|'.") from None
+    raise ShardingError(
+        f"cannot parse op chain {text!r}: {e}. " "Write ops as name(arg, key=value) joined by '|'."
+    ) from None
   if comments:
-    raise ShardingError(f"op chain {text!r} has a comment {comments[0].string!r}; "
-                        "remove it (put notes in the config file, not in the op string)")
+    raise ShardingError(
+        f"op chain {text!r} has a comment {comments[0].string!r}; "
+        "remove it (put notes in the config file, not in the op string)"
+    )
   return tuple(_bind(call, text) for call in _split_pipes(tree, text))
 
 
@@ -106,11 +121,15 @@ def _split_pipes(node: ast.AST, text: str) -> list[ast.Call]:
   if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
     return [node]
   if isinstance(node, ast.Name):
-    raise ShardingError(f"in op chain {text!r}: {node.id!r} needs parentheses: write "
-                        f"'{node.id}()' or '{node.id}(axis=...)'")
-  raise ShardingError(f"in op chain {text!r}: {_excerpt(node, text)!r} is not an op call; "
-                      "write ops as plain names with literal arguments, e.g. "
-                      "'fsdp(axis=\"data\")', joined by '|'")
+    raise ShardingError(
+        f"in op chain {text!r}: {node.id!r} needs parentheses: write "
+        f"'{node.id}()' or '{node.id}(axis=...)'"
+    )
+  raise ShardingError(
+      f"in op chain {text!r}: {_excerpt(node, text)!r} is not an op call; "
+      "write ops as plain names with literal arguments, e.g. "
+      "'fsdp(axis=\"data\")', joined by '|'"
+  )
 
 
 def _bind(call: ast.Call, text: str) -> Op:
@@ -120,19 +139,26 @@ def _bind(call: ast.Call, text: str) -> Op:
   kwargs = {}
   for kw in call.keywords:
     if kw.arg is None:
-      raise ShardingError(f"{where}: '**' arguments are not accepted; "
-                          f"signature: {info.signature}")
+      raise ShardingError(
+          f"{where}: '**' arguments are not accepted; " f"signature: {info.signature}"
+      )
     if kw.arg in kwargs:
-      raise ShardingError(f"{where}: argument {kw.arg!r} is given twice; "
-                          f"signature: {info.signature}")
+      raise ShardingError(
+          f"{where}: argument {kw.arg!r} is given twice; " f"signature: {info.signature}"
+      )
     kwargs[kw.arg] = _literal(kw.value, where, text)
   try:
     bound = inspect.signature(info.factory).bind(*args, **kwargs)
   except TypeError as e:
     raise ShardingError(f"{where}: {e}; signature: {info.signature}") from None
   bound.apply_defaults()
-  return Op(info.name, _excerpt(call, text), dict(bound.arguments),
-            info.factory(*bound.args, **bound.kwargs), info.follows)
+  return Op(
+      info.name,
+      _excerpt(call, text),
+      dict(bound.arguments),
+      info.factory(*bound.args, **bound.kwargs),
+      info.follows,
+  )
 
 
 def _literal(node: ast.AST, where: str, text: str):
@@ -141,11 +167,15 @@ def _literal(node: ast.AST, where: str, text: str):
   try:
     value = ast.literal_eval(node)
   except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-    raise ShardingError(f"{where}: argument {_excerpt(node, text)!r} is not a literal; "
-                        "use strings, numbers, booleans, None or tuples of them") from None
+    raise ShardingError(
+        f"{where}: argument {_excerpt(node, text)!r} is not a literal; "
+        "use strings, numbers, booleans, None or tuples of them"
+    ) from None
   if not _plain(value):
-    raise ShardingError(f"{where}: argument {value!r} is not accepted; "
-                        "use strings, numbers, booleans, None or tuples of them")
+    raise ShardingError(
+        f"{where}: argument {value!r} is not accepted; "
+        "use strings, numbers, booleans, None or tuples of them"
+    )
   return value
 
 

@@ -12,6 +12,7 @@ Example:
   >>> place(leaf, (None, None), 1, "data")[1]
   'dim 1 (6) not divisible by data (4)'
 """
+
 import dataclasses
 import math
 from typing import Any
@@ -35,6 +36,7 @@ class Leaf:
   marks optimizer state (leaves outside ``params``) and ``follow`` is its
   :class:`bv_sharding.following.Follow` when it belongs to a param.
   """
+
   name: str
   shape: tuple[int, ...]
   dtype: np.dtype
@@ -88,8 +90,10 @@ def check_axis(op: str, axis: Any) -> Axis:
     if len(set(axis)) != len(axis):
       raise ShardingError(f"{op}: axis {tuple(axis)!r} names a mesh axis twice")
     return tuple(axis)
-  raise ShardingError(f"{op}: axis must be a mesh axis name or a tuple of names, "
-                      f"e.g. axis=\"data\" or axis=(\"data\", \"model\"); got {axis!r}")
+  raise ShardingError(
+      f"{op}: axis must be a mesh axis name or a tuple of names, "
+      f'e.g. axis="data" or axis=("data", "model"); got {axis!r}'
+  )
 
 
 def check_number(op: str, name: str, value: Any) -> float:
@@ -103,8 +107,7 @@ def normalize_dim(leaf: Leaf, dim: int) -> int | None:
   return dim + leaf.ndim if -leaf.ndim <= dim < 0 else (dim if 0 <= dim < leaf.ndim else None)
 
 
-def place(leaf: Leaf, spec: Spec, dim: int, axis: Axis,
-          requested: bool = True) -> tuple[Spec, str]:
+def place(leaf: Leaf, spec: Spec, dim: int, axis: Axis, requested: bool = True) -> tuple[Spec, str]:
   """Puts ``axis`` on ``dim`` of ``spec`` if ``jax.jit`` would accept it.
 
   Returns the new spec and a note; when the axis cannot go there, the spec is
@@ -113,8 +116,10 @@ def place(leaf: Leaf, spec: Spec, dim: int, axis: Axis,
   """
   missing = [a for a in axes_of(axis) if a not in leaf.mesh]
   if missing:
-    raise ShardingError(f"leaf {leaf.name!r}: the mesh has no axis {missing[0]!r}; its axes are "
-                        f"{list(leaf.mesh)}. Fix the strategy, the sharding_rules or config.mesh.")
+    raise ShardingError(
+        f"leaf {leaf.name!r}: the mesh has no axis {missing[0]!r}; its axes are "
+        f"{list(leaf.mesh)}. Fix the strategy, the sharding_rules or config.mesh."
+    )
   index = normalize_dim(leaf, dim)
   if index is None:
     return _refuse(leaf, spec, f"dim {dim} out of range for shape {leaf.shape}", requested)
@@ -125,9 +130,13 @@ def place(leaf: Leaf, spec: Spec, dim: int, axis: Axis,
     return spec, f"{'/'.join(sorted(clash))} already used by this leaf"
   size = axis_size(leaf.mesh, axis)
   if leaf.shape[index] % size:
-    return _refuse(leaf, spec, f"dim {index} ({leaf.shape[index]}) not divisible by "
-                   f"{_show(axis)} ({size})", requested)
-  new = spec[:index] + (axis,) + spec[index + 1:]
+    return _refuse(
+        leaf,
+        spec,
+        f"dim {index} ({leaf.shape[index]}) not divisible by " f"{_show(axis)} ({size})",
+        requested,
+    )
+  new = spec[:index] + (axis,) + spec[index + 1 :]
   return new, f"dim {index} over {_show(axis)}"
 
 
@@ -140,8 +149,12 @@ def place_largest(leaf: Leaf, spec: Spec, axis: Axis, dims=None) -> tuple[Spec, 
   for index in order:
     if spec[index] is None and leaf.shape[index] % axis_size(leaf.mesh, axis) == 0:
       return place(leaf, spec, index, axis)
-  return _refuse(leaf, spec, f"no free dim of {leaf.shape} divisible by {_show(axis)} "
-                 f"({axis_size(leaf.mesh, axis)})", requested=bool(order))
+  return _refuse(
+      leaf,
+      spec,
+      f"no free dim of {leaf.shape} divisible by {_show(axis)} " f"({axis_size(leaf.mesh, axis)})",
+      requested=bool(order),
+  )
 
 
 def too_small(leaf: Leaf, min_size_mb: float) -> str | None:
@@ -153,9 +166,11 @@ def too_small(leaf: Leaf, min_size_mb: float) -> str | None:
 
 def _refuse(leaf: Leaf, spec: Spec, why: str, requested: bool) -> tuple[Spec, str]:
   if leaf.strict and requested:
-    raise ShardingError(f"leaf {leaf.name!r} {leaf.shape}: {why}. Change the mesh or the "
-                        "model dims, pick another dim, or plan with strict=False to leave it "
-                        "unsharded.")
+    raise ShardingError(
+        f"leaf {leaf.name!r} {leaf.shape}: {why}. Change the mesh or the "
+        "model dims, pick another dim, or plan with strict=False to leave it "
+        "unsharded."
+    )
   return spec, why
 
 

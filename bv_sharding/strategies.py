@@ -9,6 +9,7 @@ Example:
   >>> strategy = [(".*embedding", 'shard_dim(axis="model", dim=-1)'),
   ...             (".*", 'tensor_parallel(axis="model")|fsdp(axis="data")')]
 """
+
 import flax.linen as nn
 
 from bv_sharding import specs
@@ -41,6 +42,7 @@ def fsdp(axis, min_size_to_shard_mb=4):
 
   def rule(leaf: Leaf, spec: Spec):
     return _too_small(leaf, spec, threshold) or specs.place_largest(leaf, spec, axis)
+
   return rule
 
 
@@ -80,6 +82,7 @@ def llm_fsdp(axis, min_size_to_shard_mb=1):
     if parts & SECOND_LAST_DIM:
       return specs.place(leaf, spec, -2, axis)
     return specs.place_largest(leaf, spec, axis, dims=(leaf.ndim - 2, leaf.ndim - 1))
+
   return rule
 
 
@@ -101,6 +104,7 @@ def tensor_parallel(axis):
     if parts & (ROW_PARALLEL | VOCAB_PARALLEL):
       return specs.place(leaf, spec, -2, axis)
     return spec, "not a tensor-parallel kernel"
+
   return rule
 
 
@@ -110,6 +114,7 @@ def logical_partitioning():
   plan's ``rules`` (``config.sharding_rules``; a logical name listed twice is a
   fallback, as in flax), or ``nn.Partitioned`` mesh axis names as they are.
   """
+
   def rule(leaf: Leaf, spec: Spec):
     if leaf.names is None:
       return spec, "no axis names (not a boxed param)"
@@ -120,6 +125,7 @@ def logical_partitioning():
         spec, note = specs.place(leaf, spec, dim, axis)
         notes.append(note)
     return spec, "; ".join(notes) or f"names {leaf.names} map to no mesh axis"
+
   return rule
 
 
@@ -127,8 +133,10 @@ def _resolve(leaf: Leaf) -> tuple:
   try:
     return tuple(nn.logical_to_mesh_axes(leaf.names, leaf.rules))
   except ValueError as e:
-    raise ShardingError(f"leaf {leaf.name!r}: logical names {leaf.names} do not resolve "
-                        f"with sharding_rules {list(leaf.rules)}: {e}") from None
+    raise ShardingError(
+        f"leaf {leaf.name!r}: logical names {leaf.names} do not resolve "
+        f"with sharding_rules {list(leaf.rules)}: {e}"
+    ) from None
 
 
 def _too_small(leaf: Leaf, spec: Spec, threshold: float):
@@ -165,6 +173,7 @@ def preconditioner(axis=None, dim=1):
     if axis is None:
       return spec, "not a preconditioner factor and no axis given"
     return specs.place(leaf, spec, dim, axis)
+
   return rule
 
 
@@ -182,4 +191,5 @@ def zero1(axis, min_size_to_shard_mb=1):
     if not leaf.state:
       return spec, "params are left as they are (zero1 shards state)"
     return _too_small(leaf, spec, threshold) or specs.place_largest(leaf, spec, axis)
+
   return rule

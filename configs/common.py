@@ -4,7 +4,8 @@ Example:
   >>> parse_arg("size=small,steps=100", size="tiny", steps=200)
   {'size': 'small', 'steps': 100}
 """
-from bv_sharding import ShardingError
+
+from trainers.errors import ConfigError
 
 
 def parse_arg(arg: str | None, **defaults) -> dict:
@@ -13,7 +14,8 @@ def parse_arg(arg: str | None, **defaults) -> dict:
   for item in filter(None, (arg or "").split(",")):
     key, _, value = item.partition("=")
     if key not in defaults or not value:
-      raise ShardingError(f"config arg {item!r}: expected key=value with key in "
-                          f"{sorted(defaults)}")
+      raise ConfigError(
+          f"config arg {item!r}: expected key=value with key in " f"{sorted(defaults)}"
+      )
     values[key] = type(defaults[key])(value)
   return values

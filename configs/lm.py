@@ -6,6 +6,7 @@
 
 The default (tiny) runs in about a minute on a 2-core CPU with 8 simulated devices.
 """
+
 import ml_collections
 
 from configs.common import parse_arg

@@ -13,6 +13,7 @@ which allocates nothing, e.g.
 
 trainers/train.py ignores `num_devices` and uses the devices it has.
 """
+
 from configs import lm
 
 
@@ -25,10 +26,13 @@ def get_config(arg=None):
   config.seq_len = 4096
   config.batch_size = 256
   config.mesh = (("data", -1), ("model", 4))
-  config.sharding_strategy = (
-      (".*", 'tensor_parallel(axis="model")|llm_fsdp(axis="data")'),)
-  config.sharding_rules = (("act_batch", "data"), ("act_heads", "model"), ("act_mlp", "model"),
-                           ("act_vocab", "model"))
+  config.sharding_strategy = ((".*", 'tensor_parallel(axis="model")|llm_fsdp(axis="data")'),)
+  config.sharding_rules = (
+      ("act_batch", "data"),
+      ("act_heads", "model"),
+      ("act_mlp", "model"),
+      ("act_vocab", "model"),
+  )
   config.total_steps = 100_000
   config.log_every = 100
   config.eval_every = 2_000

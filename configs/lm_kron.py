@@ -1,7 +1,8 @@
 """configs/lm.py with PSGD Kron.
 
-  python -m trainers.train --config configs/lm_kron.py --workdir /tmp/lm_kron
+python -m trainers.train --config configs/lm_kron.py --workdir /tmp/lm_kron
 """
+
 from configs import lm
 
 

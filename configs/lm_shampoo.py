@@ -1,7 +1,8 @@
 """configs/lm.py with blocked Shampoo (RMSProp grafting).
 
-  python -m trainers.train --config configs/lm_shampoo.py --workdir /tmp/lm_shampoo
+python -m trainers.train --config configs/lm_shampoo.py --workdir /tmp/lm_shampoo
 """
+
 from configs import lm
 
 

@@ -1,7 +1,8 @@
 """configs/lm.py on a 2-D mesh: Megatron tensor parallelism over "model", FSDP over "data".
 
-  python -m trainers.train --config configs/lm_tp_fsdp.py --workdir /tmp/lm_tp
+python -m trainers.train --config configs/lm_tp_fsdp.py --workdir /tmp/lm_tp
 """
+
 from configs import lm
 
 
@@ -10,6 +11,7 @@ def get_config(arg=None):
   config = lm.get_config(arg)
   config.mesh = (("data", -1), ("model", 2))
   config.sharding_strategy = (
-      (".*", 'tensor_parallel(axis="model")|fsdp(axis="data", min_size_to_shard_mb=0)'),)
+      (".*", 'tensor_parallel(axis="model")|fsdp(axis="data", min_size_to_shard_mb=0)'),
+  )
   config.sharding_rules = (("act_batch", "data"), ("act_heads", "model"), ("act_mlp", "model"))
   return config

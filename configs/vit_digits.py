@@ -1,7 +1,8 @@
 """Tiny ViT on sklearn's 8x8 digits, FSDP over all devices.
 
-  python -m trainers.train --config configs/vit_digits.py --workdir /tmp/vit
+python -m trainers.train --config configs/vit_digits.py --workdir /tmp/vit
 """
+
 import ml_collections
 
 from configs.common import parse_arg

@@ -3,6 +3,7 @@ and prints the plan table.
 
   python examples/plan_and_init.py
 """
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -30,11 +31,13 @@ class Decoder(nn.Module):
 
 def main():
   mesh = bvs.make_mesh([("data", -1), ("model", 2)])
-  strategy = [(".*embedding", 'shard_dim(axis="model", dim=-1)|fsdp(axis="data")'),
-              (".*", 'fsdp(axis="data", min_size_to_shard_mb=1)')]
+  strategy = [
+      (".*embedding", 'shard_dim(axis="model", dim=-1)|fsdp(axis="data")'),
+      (".*", 'fsdp(axis="data", min_size_to_shard_mb=1)'),
+  ]
   model, tx = Decoder(), optax.adamw(1e-3)
   tokens = jnp.zeros((8, 16), jnp.int32)
-  init = lambda rng: model.init(rng, tokens)["params"]  # noqa: E731
+  init = lambda rng: model.init(rng, tokens)["params"]
   params_shape = jax.eval_shape(init, jax.random.key(0))
   opt_shape = jax.eval_shape(tx.init, params_shape)
   plan = bvs.plan({"params": params_shape, "opt": opt_shape}, strategy, mesh)

@@ -1,4 +1,5 @@
 """Tests for trainers.data: determinism, held-out splits, per-process slicing."""
+
 import os
 import pathlib
 import socket
@@ -14,8 +15,10 @@ from trainers import data
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STREAM = (np.arange(10_000) % 251).astype(np.uint8)
-IMAGES = {"image": np.arange(50 * 4, dtype=np.float32).reshape(50, 2, 2, 1),
-          "label": np.arange(50, dtype=np.int32)}
+IMAGES = {
+    "image": np.arange(50 * 4, dtype=np.float32).reshape(50, 2, 2, 1),
+    "label": np.arange(50, dtype=np.int32),
+}
 
 
 def _take(iterator, n):
@@ -24,9 +27,17 @@ def _take(iterator, n):
 
 def _text(step=0, seed=0, process_index=0, process_count=1):
   """Step `step` of an 8 x 9 window pipeline over STREAM."""
-  return next(data.text_batches(
-      STREAM, seq_len=8, global_batch=8, seed=seed, start_step=step,
-      process_index=process_index, process_count=process_count))
+  return next(
+      data.text_batches(
+          STREAM,
+          seq_len=8,
+          global_batch=8,
+          seed=seed,
+          start_step=step,
+          process_index=process_index,
+          process_count=process_count,
+      )
+  )
 
 
 def test_stdlib_bytes_are_capped_and_deterministic():
@@ -57,8 +68,9 @@ def test_text_batches_are_windows_of_the_stream():
 
 
 def test_batches_are_deterministic_per_step():
-  it = data.text_batches(STREAM, seq_len=8, global_batch=8, seed=0,
-                         process_index=0, process_count=1)
+  it = data.text_batches(
+      STREAM, seq_len=8, global_batch=8, seed=0, process_index=0, process_count=1
+  )
   steps = _take(it, 3)
   for step, batch in enumerate(steps):
     np.testing.assert_array_equal(batch, _text(step=step))  # Resumable.
@@ -69,29 +81,29 @@ def test_batches_are_deterministic_per_step():
 @pytest.mark.parametrize("process_count", [2, 4])
 def test_process_slices_concatenate_to_the_global_batch(process_count):
   for step in range(3):
-    local = [_text(step, process_index=p, process_count=process_count)
-             for p in range(process_count)]
+    local = [
+        _text(step, process_index=p, process_count=process_count) for p in range(process_count)
+    ]
     np.testing.assert_array_equal(np.concatenate(local), _text(step))
 
 
 def test_image_process_slices_concatenate_to_the_global_batch():
   def batch(p, n):
-    return next(data.image_batches(IMAGES, global_batch=8, seed=3,
-                                   process_index=p, process_count=n))
+    return next(
+        data.image_batches(IMAGES, global_batch=8, seed=3, process_index=p, process_count=n)
+    )
+
   full = batch(0, 1)
   assert full["image"].shape == (8, 2, 2, 1)
-  np.testing.assert_array_equal(full["image"][:, 0, 0, 0],
-                                full["label"] * 4)  # Rows stay paired.
+  np.testing.assert_array_equal(full["image"][:, 0, 0, 0], full["label"] * 4)  # Rows stay paired.
   halves = [batch(p, 2) for p in range(2)]
   for key in full:
-    np.testing.assert_array_equal(
-        np.concatenate([h[key] for h in halves]), full[key])
+    np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), full[key])
 
 
 def test_global_batch_must_divide_by_process_count():
   with pytest.raises(ValueError, match="divisible"):
-    data.text_batches(STREAM, seq_len=8, global_batch=6, seed=0,
-                      process_index=0, process_count=4)
+    data.text_batches(STREAM, seq_len=8, global_batch=6, seed=0, process_index=0, process_count=4)
 
 
 def test_to_global_shards_rows_over_devices():
@@ -137,10 +149,15 @@ def test_two_processes_of_four_devices_build_the_one_process_batch(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
   port = _free_port()
-  workers = [subprocess.Popen(
-      [sys.executable, "-c", _WORKER, str(p), str(port), tmp_path / f"{p}.npz"],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for p in range(2)]
+  workers = [
+      subprocess.Popen(
+          [sys.executable, "-c", _WORKER, str(p), str(port), tmp_path / f"{p}.npz"],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+      )
+      for p in range(2)
+  ]
   for w in workers:
     assert w.wait(timeout=60) == 0, w.stdout.read().decode()[-2000:]
   rows = {}

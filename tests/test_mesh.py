@@ -1,4 +1,5 @@
 """Meshes from big_vision's config.mesh."""
+
 import jax
 import pytest
 from jax.sharding import AxisType
@@ -23,16 +24,19 @@ def test_abstract_mesh_for_a_pod():
   assert dict(mesh.shape) == {"data": 32, "model": 8}
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ([("data", 3), ("model", 2)], "covers 6 devices but there are 8"),
-    ([("data", -1), ("model", -1)], "more than one -1"),
-    ([("data", -1), ("model", 3)], "do not divide the 8 devices"),
-    ([("data", 0)], "sizes > 0 or -1"),
-    ([("data", 8), ("data", 1)], "names an axis twice"),
-    ([], "non-empty list"),
-    ("data", "non-empty list"),
-    ([("data", 8.0)], "sizes > 0 or -1"),
-])
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ([("data", 3), ("model", 2)], "covers 6 devices but there are 8"),
+        ([("data", -1), ("model", -1)], "more than one -1"),
+        ([("data", -1), ("model", 3)], "do not divide the 8 devices"),
+        ([("data", 0)], "sizes > 0 or -1"),
+        ([("data", 8), ("data", 1)], "names an axis twice"),
+        ([], "non-empty list"),
+        ("data", "non-empty list"),
+        ([("data", 8.0)], "sizes > 0 or -1"),
+    ],
+)
 def test_bad_mesh_configs(config, fragment):
   with pytest.raises(bvs.ShardingError, match=fragment):
     bvs.make_mesh(config)

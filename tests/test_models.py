@@ -1,4 +1,5 @@
 """Tests for trainers.models: parameter names/shapes, partitioning, forward."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from trainers import models
+from trainers.errors import ConfigError
 from trainers.models import llama
 
 SEQ = 16
@@ -36,9 +38,10 @@ def _tokens(batch=2, seed=0):
 def _boxed_leaves(params):
   """{"a/b/c": leaf} keeping nn.Partitioned boxes as leaves."""
   is_box = lambda x: isinstance(x, nn.Partitioned)
-  return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
-          for path, leaf in jax.tree_util.tree_leaves_with_path(
-              params, is_leaf=is_box)}
+  return {
+      jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_box)
+  }
 
 
 def _abstract_params(model):
@@ -75,28 +78,24 @@ def test_llama_unscanned_param_tree():
 def test_llama_scanned_param_tree_has_leading_layer_axis():
   leaves = _boxed_leaves(_abstract_params(llama.build("tiny", scan_layers=True)))
   expected = dict(GLOBAL_SHAPES)
-  expected.update(
-      {f"layers/{k}": (LAYERS, *v) for k, v in PER_LAYER_SHAPES.items()})
+  expected.update({f"layers/{k}": (LAYERS, *v) for k, v in PER_LAYER_SHAPES.items()})
   assert {k: v.value.shape for k, v in leaves.items()} == expected
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_llama_params_are_logically_partitioned(scan_layers):
-  leaves = _boxed_leaves(
-      _abstract_params(llama.build("tiny", scan_layers=scan_layers)))
+  leaves = _boxed_leaves(_abstract_params(llama.build("tiny", scan_layers=scan_layers)))
   for path, box in leaves.items():
     assert isinstance(box, nn.LogicallyPartitioned), path
     assert len(box.names) == box.value.ndim, path
-    assert (box.names[0] == "layers") == (scan_layers and
-                                          path.startswith("layers/")), path
+    assert (box.names[0] == "layers") == (scan_layers and path.startswith("layers/")), path
   assert leaves["embed/embedding"].names == ("vocab", "embed")
   assert leaves["lm_head/kernel"].names == ("embed", "vocab")
   assert leaves["final_norm/scale"].names == ("norm",)
 
 
 def test_llama_forward_shape_and_dtype(params):
-  logits = _logits(llama.build("tiny", dtype=jnp.bfloat16), params,
-                   _tokens(batch=3))
+  logits = _logits(llama.build("tiny", dtype=jnp.bfloat16), params, _tokens(batch=3))
   assert logits.shape == (3, SEQ, VOCAB)
   assert logits.dtype == jnp.float32
   assert np.isfinite(logits).all()
@@ -106,8 +105,7 @@ def test_llama_is_causal(params):
   tokens = _tokens()
   t = SEQ // 2
   changed = tokens.at[:, t].set((tokens[:, t] + 1) % VOCAB)
-  logits = _logits(llama.build("tiny"), params,
-                   jnp.concatenate([tokens, changed]))
+  logits = _logits(llama.build("tiny"), params, jnp.concatenate([tokens, changed]))
   before, after = jnp.split(logits, 2)
   np.testing.assert_array_equal(before[:, :t], after[:, :t])
   assert not np.allclose(before[:, t:], after[:, t:])
@@ -116,10 +114,11 @@ def test_llama_is_causal(params):
 def test_scanned_matches_unscanned_with_stacked_params(params):
   tokens = _tokens()
   np.testing.assert_allclose(
-      _logits(llama.build("tiny", scan_layers=True), _stack_layers(params),
-              tokens),
+      _logits(llama.build("tiny", scan_layers=True), _stack_layers(params), tokens),
       _logits(llama.build("tiny"), params, tokens),
-      rtol=1e-5, atol=1e-5)
+      rtol=1e-5,
+      atol=1e-5,
+  )
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -133,25 +132,21 @@ def test_remat_gives_same_loss_and_grads(params, scan_layers):
     loss = lambda p: model.apply({"params": p}, tokens).mean()
     return jax.jit(jax.value_and_grad(loss))(params)
 
-  (loss_plain, g_plain), (loss_remat, g_remat) = map(loss_and_grad,
-                                                     (False, True))
+  (loss_plain, g_plain), (loss_remat, g_remat) = map(loss_and_grad, (False, True))
   np.testing.assert_allclose(loss_plain, loss_remat, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
-               g_plain, g_remat)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g_plain, g_remat)
 
 
 def test_activation_constraints_apply_under_rules_and_mesh(params):
   model = llama.build("tiny")
   tokens = _tokens(batch=jax.device_count())
-  mesh = jax.make_mesh((jax.device_count(),), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   with jax.set_mesh(mesh), nn.logical_axis_rules([("act_batch", "data")]):
     apply = jax.jit(model.apply)
     hlo = apply.lower({"params": params}, tokens).as_text()
     logits = apply({"params": params}, tokens)
   assert "sharding_constraint" in hlo and '"data"' in hlo
-  np.testing.assert_allclose(logits, _logits(model, params, tokens),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits, _logits(model, params, tokens), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("size,expected", [("125m", 134e6), ("7b", 6.74e9)])
@@ -170,16 +165,17 @@ def test_llama_config_overrides_and_unknown_size():
 def test_vit_param_names_and_forward():
   model = models.get_model("vit", size="tiny", num_classes=10)
   images = jnp.ones((2, 8, 8, 1))
-  logits, variables = jax.jit(model.init_with_output)(jax.random.key(0),
-                                                      images)
+  logits, variables = jax.jit(model.init_with_output)(jax.random.key(0), images)
   params = variables["params"]
-  assert set(params) == {"embedding", "cls", "pos_embedding", "Transformer",
-                         "head"}
-  assert set(params["Transformer"]) == {"encoderblock_0", "encoderblock_1",
-                                        "encoder_norm"}
+  assert set(params) == {"embedding", "cls", "pos_embedding", "Transformer", "head"}
+  assert set(params["Transformer"]) == {"encoderblock_0", "encoderblock_1", "encoder_norm"}
   block = params["Transformer"]["encoderblock_0"]
-  assert set(block) == {"LayerNorm_0", "LayerNorm_1", "MlpBlock_0",
-                        "MultiHeadDotProductAttention_0"}
+  assert set(block) == {
+      "LayerNorm_0",
+      "LayerNorm_1",
+      "MlpBlock_0",
+      "MultiHeadDotProductAttention_0",
+  }
   assert block["MlpBlock_0"]["Dense_0"]["kernel"].shape == (64, 256)
   assert params["pos_embedding"].shape == (1, 16, 64)
   assert params["head"]["kernel"].shape == (64, 10)
@@ -188,6 +184,6 @@ def test_vit_param_names_and_forward():
 
 def test_get_model_registry():
   assert isinstance(models.get_model("llama", size="tiny"), llama.Llama)
-  with pytest.raises(models.UnknownModelError, match="llama.*vit"):
+  with pytest.raises(ConfigError, match="llama.*vit"):
     models.get_model("resnet")
-  assert issubclass(models.UnknownModelError, ValueError)
+  assert issubclass(ConfigError, ValueError)

@@ -1,4 +1,5 @@
 """Optimizer state follows its params: every optimizer, one strategy, sharded steps match one device."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,14 +19,16 @@ CASES += [(name, mesh, True) for name in ("psgd_kron", "kron", "kron_blocks") fo
 def random_like(shapes, seed):
   leaves, treedef = jax.tree.flatten(shapes)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) * 0.1
-                            for k, x in zip(keys, leaves)])
+  return treedef.unflatten(
+      [jax.random.normal(k, x.shape, x.dtype) * 0.1 for k, x in zip(keys, leaves)]
+  )
 
 
 def make_step(tx):
   def step(params, opt, grads):
     updates, opt = tx.update(grads, opt, params)
     return optax.apply_updates(params, updates), opt
+
   return step
 
 
@@ -34,8 +37,9 @@ def relative_errors(tree, reference):
   residuals of its root solver (~1e-6), so their relative error is rounding noise of O(1)
   whenever the reduction order changes, and they feed nothing back into the update."""
   errors = {}
-  for (name, a), (_, b) in zip(bvs.flatten_with_names(tree)[0],
-                               bvs.flatten_with_names(reference)[0]):
+  for (name, a), (_, b) in zip(
+      bvs.flatten_with_names(tree)[0], bvs.flatten_with_names(reference)[0]
+  ):
     if "training_metrics" in name.split("/"):
       continue
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -44,8 +48,11 @@ def relative_errors(tree, reference):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name, mesh_name, scanned", CASES,
-                         ids=[f"{n}-{m}{'-scanned' if s else ''}" for n, m, s in CASES])
+@pytest.mark.parametrize(
+    "name, mesh_name, scanned",
+    CASES,
+    ids=[f"{n}-{m}{'-scanned' if s else ''}" for n, m, s in CASES],
+)
 def test_state_is_born_sharded_stays_sharded_and_matches_one_device(name, mesh_name, scanned):
   mesh = bvs.make_mesh(MESHES[mesh_name])
   shapes = zoo.llama_params(layers=2 if scanned else None)
@@ -77,14 +84,21 @@ def test_every_state_leaf_over_1mib_is_sharded_with_big_vision_fsdp(name):
   shapes = zoo.llama_params(d=512, vocab=8192, ff=2048)
   tx = zoo.optimizers(shapes)[name]
   mesh = bvs.make_abstract_mesh([("data", -1)], 8)
-  plan = bvs.plan({"params": shapes, "opt": jax.eval_shape(tx.init, shapes)},
-                  [(".*", 'fsdp(axis="data")')], mesh)
+  plan = bvs.plan(
+      {"params": shapes, "opt": jax.eval_shape(tx.init, shapes)},
+      [(".*", 'fsdp(axis="data")')],
+      mesh,
+  )
   stranded = [(e.name, e.shape, e.why) for e in plan.unsharded(min_bytes=2**20 + 1)]
   assert stranded == []
 
 
-def plan_state(params, state, strategy=(".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),
-               mesh=(("data", 4), ("model", 2))):
+def plan_state(
+    params,
+    state,
+    strategy=(".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),
+    mesh=(("data", 4), ("model", 2)),
+):
   strategy = [strategy] if isinstance(strategy, tuple) else strategy
   p = bvs.plan({"params": params, "opt": state}, strategy, bvs.make_abstract_mesh(mesh, 8))
   return p.by_name()
@@ -107,8 +121,9 @@ def test_same_shape_state_gets_the_param_spec_and_why_names_the_param():
 def test_adafactor_factors_keep_the_axes_of_the_dims_they_keep():
   params = {"w": sds(512, 1024)}
   state = jax.eval_shape(optax.adafactor(1e-3).init, params)
-  entries = plan_state(params, state, (".*", 'shard_dim(axis="data", dim=0)|'
-                                             'shard_dim(axis="model", dim=1)'))
+  entries = plan_state(
+      params, state, (".*", 'shard_dim(axis="data", dim=0)|' 'shard_dim(axis="model", dim=1)')
+  )
   assert entries["params/w"].spec == P("data", "model")
   assert entries["opt/0/v_row/w"].spec == P("data")
   assert entries["opt/0/v_col/w"].spec == P("model")
@@ -120,12 +135,18 @@ def kron_state(shapes):
 
 
 def test_kron_factors_take_their_param_dims_axis_on_columns_including_square_and_scanned():
-  params = {"rect": sds(256, 64), "square": sds(64, 64), "scan": sds(4, 64, 128),
-            "vec": sds(128)}
-  state = kron_state({"rect": [(256, 256), (64, 64)], "square": [(64, 64), (64, 64)],
-                      "scan": [(4, 64, 64), (4, 128, 128)], "vec": [(128,)]})
-  entries = plan_state(params, state, [(".*", 'shard_dim(axis="data", dim=-2)|'
-                                              'shard_dim(axis="model", dim=-1)')])
+  params = {"rect": sds(256, 64), "square": sds(64, 64), "scan": sds(4, 64, 128), "vec": sds(128)}
+  state = kron_state(
+      {
+          "rect": [(256, 256), (64, 64)],
+          "square": [(64, 64), (64, 64)],
+          "scan": [(4, 64, 64), (4, 128, 128)],
+          "vec": [(128,)],
+      }
+  )
+  entries = plan_state(
+      params, state, [(".*", 'shard_dim(axis="data", dim=-2)|' 'shard_dim(axis="model", dim=-1)')]
+  )
   assert entries["params/square"].spec == P("data", "model")
   assert entries["opt/Qs_preconditioners/rect/0"].spec == P(None, "data")
   assert entries["opt/Qs_preconditioners/rect/1"].spec == P(None, "model")
@@ -135,36 +156,44 @@ def test_kron_factors_take_their_param_dims_axis_on_columns_including_square_and
   assert entries["params/scan"].spec == P(None, "data", "model")
   assert entries["opt/Qs_preconditioners/scan/0"].spec == P(None, None, "data")
   assert entries["opt/Qs_preconditioners/scan/1"].spec == P(None, None, "model")
-  assert entries["params/vec"].spec == P("model")   # dim -2 is out of range for 1-d
+  assert entries["params/vec"].spec == P("model")  # dim -2 is out of range for 1-d
   assert entries["opt/Qs_preconditioners/vec/0"].spec == P("model")
 
 
 def test_preconditioner_op_overrides_the_factor_dim():
   params = {"w": sds(256, 64)}
   state = kron_state({"w": [(256, 256), (64, 64)]})
-  entries = plan_state(params, state, [(".*Qs_preconditioners.*", "preconditioner(dim=0)"),
-                                       (".*", 'fsdp(axis="data", min_size_to_shard_mb=0)')])
+  entries = plan_state(
+      params,
+      state,
+      [
+          (".*Qs_preconditioners.*", "preconditioner(dim=0)"),
+          (".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),
+      ],
+  )
   assert entries["params/w"].spec == P("data", None)
   assert entries["opt/Qs_preconditioners/w/0"].spec == P("data", None)
-  assert entries["opt/Qs_preconditioners/w/1"].spec == P("data", None)   # the param's axis
+  assert entries["opt/Qs_preconditioners/w/1"].spec == P("data", None)  # the param's axis
   assert "preconditioner: dim 0 over data" in entries["opt/Qs_preconditioners/w/0"].why
 
 
 def test_shampoo_block_stacks_fall_back_to_the_block_batch_dim():
   params = {"w": sds(512, 1024)}
-  state = {"w": {"stats": [sds(32, 128, 128), sds(32, 128, 128)], "roots": [sds(32, 128, 128)]},
-           "blocks": {"w": [sds(128, 128)] * 2}}
+  state = {
+      "w": {"stats": [sds(32, 128, 128), sds(32, 128, 128)], "roots": [sds(32, 128, 128)]},
+      "blocks": {"w": [sds(128, 128)] * 2},
+  }
   entries = plan_state(params, state, (".*", 'fsdp(axis="data", min_size_to_shard_mb=1)'))
   stats = entries["opt/w/stats/0"]
   assert stats.spec == P("data", None, None) and "fallback" in stats.why
-  assert entries["opt/blocks/w/0"].spec == P(None, None)   # 64 KiB: under the threshold
+  assert entries["opt/blocks/w/0"].spec == P(None, None)  # 64 KiB: under the threshold
 
 
 def test_following_never_strands_a_big_factor_of_a_small_param():
   params = {"w": sds(4096, 8)}
   state = kron_state({"w": [(4096, 4096), (8, 8)]})
   entries = plan_state(params, state, (".*", 'fsdp(axis="data")'))
-  assert entries["params/w"].spec == P(None, None)   # 128 KiB: under fsdp's 4 MiB
+  assert entries["params/w"].spec == P(None, None)  # 128 KiB: under fsdp's 4 MiB
   big = entries["opt/Qs_preconditioners/w/0"]
   assert big.spec in (P("data", None), P(None, "data")) and "fallback (>= 4 MiB)" in big.why
 

@@ -7,177 +7,176 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tests.test_optimizers_second_order import _final_loss, _ill_conditioned_regression
 from trainers.optimizers import kron, scale_by_kron
 
-SHAPES = lambda tree: jax.tree.map(lambda x: x.shape, tree)  # noqa: E731
+SHAPES = lambda tree: jax.tree.map(lambda x: x.shape, tree)
 
 _COLLECTIVE = re.compile(
-    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-    r"(?:-start)?\("
+    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)" r"(?:-start)?\("
 )
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 
 
 def collective_bytes(hlo: str) -> list[tuple[str, int]]:
-    """(op, result bytes) of every collective in compiled HLO text.
+  """(op, result bytes) of every collective in compiled HLO text.
 
-    Example:
-        >>> collective_bytes("%x = f32[4,2]{1,0} all-gather(f32[1,2] %p)")
-        [('all-gather', 32)]
-    """
-    found = []
-    for match in _COLLECTIVE.finditer(hlo):
-        size = 0
-        for dtype, dims in _ARRAY.findall(match.group(1)):
-            bits = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
-            count = np.prod([int(d) for d in dims.split(",") if d], dtype=int)
-            size += count * bits // 8
-        found.append((match.group(2), int(size)))
-    return found
+  Example:
+      >>> collective_bytes("%x = f32[4,2]{1,0} all-gather(f32[1,2] %p)")
+      [('all-gather', 32)]
+  """
+  found = []
+  for match in _COLLECTIVE.finditer(hlo):
+    size = 0
+    for dtype, dims in _ARRAY.findall(match.group(1)):
+      bits = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
+      count = np.prod([int(d) for d in dims.split(",") if d], dtype=int)
+      size += count * bits // 8
+    found.append((match.group(2), int(size)))
+  return found
 
 
 def _loss(params):
-    return sum(jnp.sum(jnp.sin(3 * p) * p) for p in jax.tree.leaves(params))
+  return sum(jnp.sum(jnp.sin(3 * p) * p) for p in jax.tree.leaves(params))
 
 
 def _run(tx, params, steps):
-    @jax.jit
-    def step(params, state):
-        updates, state = tx.update(jax.grad(_loss)(params), state, params)
-        return optax.apply_updates(params, updates), state
+  @jax.jit
+  def step(params, state):
+    updates, state = tx.update(jax.grad(_loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
 
-    state = tx.init(params)
-    for _ in range(steps):
-        params, state = step(params, state)
-    return params, state
+  state = tx.init(params)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
 
 
 def test_blocked_state_shapes_pad_and_fold_scanned_layers():
-    params = {
-        "w": jnp.ones((10, 7)),  # 3 x 2 blocks of 4, padded to (12, 8)
-        "stack": jnp.ones((2, 5, 6)),  # scanned: 2 layers x (2 x 2) blocks
-        "b": jnp.ones(7),
-        "s": jnp.ones(()),
-    }
-    scanned = {"w": False, "stack": True, "b": False, "s": False}
-    tx = scale_by_kron(block_size=4, scanned_layers=scanned)
-    state = tx.init(params)
-    assert SHAPES(state["Qs_preconditioners"]) == {
-        "w": [(6, 4, 4), (6, 4, 4)],
-        "stack": [(8, 4, 4), (8, 4, 4)],
-        "b": [(7,)],
-        "s": [()],
-    }
-    assert SHAPES(state["mu"]) == SHAPES(params)
-    one_diag = scale_by_kron(block_size=4, memory_save_mode="one_diag").init(params)
-    assert SHAPES(one_diag["Qs_preconditioners"]["w"]) == [(6, 4, 4), (6, 4)]
+  params = {
+      "w": jnp.ones((10, 7)),  # 3 x 2 blocks of 4, padded to (12, 8)
+      "stack": jnp.ones((2, 5, 6)),  # scanned: 2 layers x (2 x 2) blocks
+      "b": jnp.ones(7),
+      "s": jnp.ones(()),
+  }
+  scanned = {"w": False, "stack": True, "b": False, "s": False}
+  tx = scale_by_kron(block_size=4, scanned_layers=scanned)
+  state = tx.init(params)
+  assert SHAPES(state["Qs_preconditioners"]) == {
+      "w": [(6, 4, 4), (6, 4, 4)],
+      "stack": [(8, 4, 4), (8, 4, 4)],
+      "b": [(7,)],
+      "s": [()],
+  }
+  assert SHAPES(state["mu"]) == SHAPES(params)
+  one_diag = scale_by_kron(block_size=4, memory_save_mode="one_diag").init(params)
+  assert SHAPES(one_diag["Qs_preconditioners"]["w"]) == [(6, 4, 4), (6, 4)]
 
-    key = iter(jax.random.split(jax.random.PRNGKey(0), 4))
-    params = jax.tree.map(lambda p: jax.random.normal(next(key), p.shape), params)
-    tx = scale_by_kron(
-        block_size=4, scanned_layers=scanned, preconditioner_update_probability=1.0
-    )
-    _, state = _run(tx, params, 3)
-    q_last_rows = state["Qs_preconditioners"]["w"][0][4:]  # blocks of rows 8..11
-    assert np.all(np.isfinite(q_last_rows))
-    # Padding is inert: no coupling between the 2 real and 2 padded rows.
-    np.testing.assert_array_equal(q_last_rows[:, :2, 2:], 0.0)
-    np.testing.assert_array_equal(q_last_rows[:, 2:, :2], 0.0)
+  key = iter(jax.random.split(jax.random.PRNGKey(0), 4))
+  params = jax.tree.map(lambda p: jax.random.normal(next(key), p.shape), params)
+  tx = scale_by_kron(block_size=4, scanned_layers=scanned, preconditioner_update_probability=1.0)
+  _, state = _run(tx, params, 3)
+  q_last_rows = state["Qs_preconditioners"]["w"][0][4:]  # blocks of rows 8..11
+  assert np.all(np.isfinite(q_last_rows))
+  # Padding is inert: no coupling between the 2 real and 2 padded rows.
+  np.testing.assert_array_equal(q_last_rows[:, :2, 2:], 0.0)
+  np.testing.assert_array_equal(q_last_rows[:, 2:, :2], 0.0)
 
 
 def test_one_block_per_param_matches_unblocked_trajectory():
-    """Also checks the blocked path's matmul-only solve against LAPACK's."""
-    key = iter(jax.random.split(jax.random.PRNGKey(1), 3))
-    params = {
-        "w": jax.random.normal(next(key), (6, 5)),
-        "t": jax.random.normal(next(key), (3, 4, 2)),
-        "b": jax.random.normal(next(key), (5,)),
-    }
-    options = dict(preconditioner_update_probability=1.0, weight_decay=0.1)
-    plain, plain_state = _run(kron(0.1, **options), params, 5)
-    blocked, blocked_state = _run(kron(0.1, block_size=8, **options), params, 5)
-    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(blocked)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    plain_qs = plain_state[0]["Qs_preconditioners"]
-    blocked_qs = blocked_state[0]["Qs_preconditioners"]
-    assert SHAPES(blocked_qs) == {
-        "w": [(1, 6, 6), (1, 5, 5)], "t": [(1, 3, 3), (1, 4, 4), (1, 2, 2)], "b": [(5,)]
-    }
-    expected = jax.tree.map(lambda q, b: q[None] if b.ndim > q.ndim else q,
-                            plain_qs, blocked_qs)
-    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(blocked_qs)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  """Also checks the blocked path's matmul-only solve against LAPACK's."""
+  key = iter(jax.random.split(jax.random.PRNGKey(1), 3))
+  params = {
+      "w": jax.random.normal(next(key), (6, 5)),
+      "t": jax.random.normal(next(key), (3, 4, 2)),
+      "b": jax.random.normal(next(key), (5,)),
+  }
+  options = dict(preconditioner_update_probability=1.0, weight_decay=0.1)
+  plain, plain_state = _run(kron(0.1, **options), params, 5)
+  blocked, blocked_state = _run(kron(0.1, block_size=8, **options), params, 5)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(blocked)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  plain_qs = plain_state[0]["Qs_preconditioners"]
+  blocked_qs = blocked_state[0]["Qs_preconditioners"]
+  assert SHAPES(blocked_qs) == {
+      "w": [(1, 6, 6), (1, 5, 5)],
+      "t": [(1, 3, 3), (1, 4, 4), (1, 2, 2)],
+      "b": [(5,)],
+  }
+  expected = jax.tree.map(lambda q, b: q[None] if b.ndim > q.ndim else q, plain_qs, blocked_qs)
+  for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(blocked_qs)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(120)
 def test_blocked_kron_beats_adamw_on_ill_conditioned_problem():
-    """(16, 8) weight in 2 x 1 blocks of 8. AdamW at its best lr of the grid in
-    test_optimizers_second_order (1.0, loss ~1.8)."""
-    loss_fn = _ill_conditioned_regression()
-    adamw = _final_loss(loss_fn, "adamw", 1.0, 200)
-    blocked = _final_loss(
-        loss_fn, "kron", 0.1, 200, preconditioner_update_probability=1.0, block_size=8
-    )
-    assert blocked < 0.1 * adamw, (blocked, adamw)
+  """(16, 8) weight in 2 x 1 blocks of 8. AdamW at its best lr of the grid in
+  test_optimizers_second_order (1.0, loss ~1.8)."""
+  loss_fn = _ill_conditioned_regression()
+  adamw = _final_loss(loss_fn, "adamw", 1.0, 200)
+  blocked = _final_loss(
+      loss_fn, "kron", 0.1, 200, preconditioner_update_probability=1.0, block_size=8
+  )
+  assert blocked < 0.1 * adamw, (blocked, adamw)
 
 
 def test_blocked_update_has_no_control_flow_and_no_lapack():
-    """Block stacks are solved with matmuls: batched LAPACK kernels deadlock on
-    several simulated CPU devices once a device holds a few 64 x 64 blocks."""
-    tx = scale_by_kron(block_size=4, scanned_layers={"w": False, "stack": True})
-    params = {"w": jnp.ones((10, 7)), "stack": jnp.ones((2, 5, 6))}
-    jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
-    assert "triangular_solve" not in jaxpr
-    assert " cond[" not in jaxpr and " while[" not in jaxpr
+  """Block stacks are solved with matmuls: batched LAPACK kernels deadlock on
+  several simulated CPU devices once a device holds a few 64 x 64 blocks."""
+  tx = scale_by_kron(block_size=4, scanned_layers={"w": False, "stack": True})
+  params = {"w": jnp.ones((10, 7)), "stack": jnp.ones((2, 5, 6))}
+  jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+  assert "triangular_solve" not in jaxpr
+  assert " cond[" not in jaxpr and " while[" not in jaxpr
 
 
 def _sharded_update(block_size):
-    """Jitted update on 8 devices: params and Q stacks sharded on dim 0."""
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    key = iter(jax.random.split(jax.random.PRNGKey(2), 2))
-    params = {
-        "w": jax.random.normal(next(key), (512, 256)),
-        "emb": jax.random.normal(next(key), (1024, 128)),
-    }
-    tx = kron(1e-2, preconditioner_update_probability=1.0, block_size=block_size)
-    state = tx.init(params)
-    rows = lambda x: NamedSharding(  # noqa: E731
-        mesh, P("data") if x.ndim and x.shape[0] % 8 == 0 else P()
-    )
-    shardings = jax.tree.map(rows, (params, state))
+  """Jitted update on 8 devices: params and Q stacks sharded on dim 0."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  key = iter(jax.random.split(jax.random.PRNGKey(2), 2))
+  params = {
+      "w": jax.random.normal(next(key), (512, 256)),
+      "emb": jax.random.normal(next(key), (1024, 128)),
+  }
+  tx = kron(1e-2, preconditioner_update_probability=1.0, block_size=block_size)
+  state = tx.init(params)
+  rows = lambda x: NamedSharding(mesh, P("data") if x.ndim and x.shape[0] % 8 == 0 else P())
+  shardings = jax.tree.map(rows, (params, state))
 
-    def step(params, state):
-        updates, state = tx.update(jax.grad(_loss)(params), state, params)
-        return optax.apply_updates(params, updates), state
+  def step(params, state):
+    updates, state = tx.update(jax.grad(_loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
 
-    jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings)
-    return jitted, jax.device_put((params, state), shardings), shardings, step
+  jitted = jax.jit(step, in_shardings=shardings, out_shardings=shardings)
+  return jitted, jax.device_put((params, state), shardings), shardings, step
 
 
 @pytest.mark.timeout(120)
 def test_sharded_blocks_are_local_and_keep_their_sharding():
-    assert jax.device_count() >= 8, "needs jax_num_cpu_devices=8 (conftest)"
-    jitted, (params, state), shardings, step = _sharded_update(block_size=64)
-    assert SHAPES(state[0]["Qs_preconditioners"]) == {
-        "w": [(32, 64, 64)] * 2, "emb": [(32, 64, 64)] * 2
-    }
-    reference = jax.device_get((params, state))
-    for _ in range(5):
-        params, state = jitted(params, state)
-        reference = jax.jit(step)(*reference)
-    kept = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim),
-                        (params, state), shardings)
-    assert all(jax.tree.leaves(kept))
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference[0])):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert jax.device_count() >= 8, "needs jax_num_cpu_devices=8 (conftest)"
+  jitted, (params, state), shardings, step = _sharded_update(block_size=64)
+  assert SHAPES(state[0]["Qs_preconditioners"]) == {
+      "w": [(32, 64, 64)] * 2,
+      "emb": [(32, 64, 64)] * 2,
+  }
+  reference = jax.device_get((params, state))
+  for _ in range(5):
+    params, state = jitted(params, state)
+    reference = jax.jit(step)(*reference)
+  kept = jax.tree.map(
+      lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), (params, state), shardings
+  )
+  assert all(jax.tree.leaves(kept))
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference[0])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
-    hlo = jitted.lower(params, state).compile().as_text()
-    collectives = collective_bytes(hlo)
-    q_stack_bytes = 32 * 64 * 64 * 4
-    assert not [c for c in collectives if c[0] == "all-gather"], collectives
-    # Measured: three scalar all-reduces (grad-norm style means), 16 bytes;
-    # the unblocked update moves ~24 MB (all-gathers of full Qs and params).
-    assert sum(size for _, size in collectives) < q_stack_bytes // 1000, collectives
+  hlo = jitted.lower(params, state).compile().as_text()
+  collectives = collective_bytes(hlo)
+  q_stack_bytes = 32 * 64 * 64 * 4
+  assert not [c for c in collectives if c[0] == "all-gather"], collectives
+  # Measured: three scalar all-reduces (grad-norm style means), 16 bytes;
+  # the unblocked update moves ~24 MB (all-gathers of full Qs and params).
+  assert sum(size for _, size in collectives) < q_stack_bytes // 1000, collectives

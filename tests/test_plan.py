@@ -1,4 +1,5 @@
 """Plans: first-match strategies, root-independent names, tree structure, meshes, jit."""
+
 import collections
 
 import flax.linen as nn
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax.training import train_state
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
 
@@ -17,6 +19,7 @@ def sds(*shape, dtype=jnp.float32):
 
 
 class MLP(nn.Module):
+
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(1024, name="up")(x)
@@ -30,18 +33,25 @@ def mlp_shapes():
 
 def test_first_matching_entry_wins_and_uses_fullmatch():
   tree = {"a": {"kernel": sds(512, 1024)}, "b": {"kernel": sds(512, 1024)}}
-  strategy = [("a/.*", 'shard_dim(axis="model", dim=0)'), ("a/kernel", "replicate()"),
-              ("kernel", "replicate()"), (".*", 'fsdp(axis="data", min_size_to_shard_mb=0)')]
+  strategy = [
+      ("a/.*", 'shard_dim(axis="model", dim=0)'),
+      ("a/kernel", "replicate()"),
+      ("kernel", "replicate()"),
+      (".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),
+  ]
   mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
   entries = {e.name: e for e in bvs.plan(tree, strategy, mesh).entries}
   assert entries["a/kernel"].spec == P("model", None)
   assert entries["a/kernel"].why.startswith("'a/.*' -> shard_dim")
-  assert entries["b/kernel"].spec == P(None, "data")   # 'kernel' does not fullmatch 'b/kernel'
+  assert entries["b/kernel"].spec == P(None, "data")  # 'kernel' does not fullmatch 'b/kernel'
 
 
 def test_unmatched_leaf_is_replicated_and_reported():
-  p = bvs.plan({"w": sds(1024, 1024)}, [("nothing", "replicate()")],
-               bvs.make_abstract_mesh([("data", -1)], 8))
+  p = bvs.plan(
+      {"w": sds(1024, 1024)},
+      [("nothing", "replicate()")],
+      bvs.make_abstract_mesh([("data", -1)], 8),
+  )
   assert p.entries[0].spec == P(None, None)
   assert "no strategy entry matches" in p.entries[0].why
 
@@ -75,10 +85,17 @@ def test_non_string_keys_and_list_indices_in_names():
 
 
 def test_none_empty_and_masked_nodes_are_preserved():
-  tree = {"w": sds(1024, 1024), "none": None, "empty": {}, "masked": optax.MaskedNode(),
-          "state": optax.EmptyState(), "list": []}
-  shardings, specs = bvs.infer_sharding(tree, 'fsdp(axis="data", min_size_to_shard_mb=0)',
-                                        bvs.make_mesh([("data", -1)]))
+  tree = {
+      "w": sds(1024, 1024),
+      "none": None,
+      "empty": {},
+      "masked": optax.MaskedNode(),
+      "state": optax.EmptyState(),
+      "list": [],
+  }
+  shardings, specs = bvs.infer_sharding(
+      tree, 'fsdp(axis="data", min_size_to_shard_mb=0)', bvs.make_mesh([("data", -1)])
+  )
   assert jax.tree.structure(specs) == jax.tree.structure(jax.tree.map(lambda x: 0, tree))
   assert specs["none"] is None and specs["masked"] == optax.MaskedNode() and specs["list"] == []
   assert specs["w"] == P(None, "data")
@@ -87,29 +104,42 @@ def test_none_empty_and_masked_nodes_are_preserved():
 
 def test_boxed_params_come_out_unboxed():
   class Boxed(nn.Module):
+
     @nn.compact
     def __call__(self, x):
-      return nn.Dense(1024, kernel_init=nn.with_logical_partitioning(
-          nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
+      return nn.Dense(
+          1024,
+          kernel_init=nn.with_logical_partitioning(
+              nn.initializers.lecun_normal(), ("embed", "mlp")
+          ),
+      )(x)
+
   abstract = jax.eval_shape(Boxed().init, jax.random.key(0), jnp.ones((1, 512)))
   mesh = bvs.make_mesh([("data", 4), ("model", 2)])
   strategy = [(".*kernel", "logical_partitioning()"), (".*", "replicate()")]
-  shardings, specs = bvs.infer_sharding(abstract, strategy, mesh,
-                                        rules=[("embed", "data"), ("mlp", "model")])
+  shardings, specs = bvs.infer_sharding(
+      abstract, strategy, mesh, rules=[("embed", "data"), ("mlp", "model")]
+  )
   assert jax.tree.structure(specs) == jax.tree.structure(nn.unbox(abstract))
   assert specs["params"]["Dense_0"]["kernel"] == P("data", "model")
 
 
 def test_jit_init_with_inferred_shardings_places_every_array_as_planned():
   mesh = bvs.make_mesh([("data", -1), ("model", 2)])
-  strategy = [(".*up/kernel", 'shard_dim(axis="model", dim=-1)|fsdp(axis="data", '
-               'min_size_to_shard_mb=0)'), (".*", 'fsdp(axis="data", min_size_to_shard_mb=0)')]
-  init = lambda rng: MLP().init(rng, jnp.ones((2, 512)))  # noqa: E731
+  strategy = [
+      (
+          ".*up/kernel",
+          'shard_dim(axis="model", dim=-1)|fsdp(axis="data", ' "min_size_to_shard_mb=0)",
+      ),
+      (".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),
+  ]
+  init = lambda rng: MLP().init(rng, jnp.ones((2, 512)))
   abstract = jax.eval_shape(init, jax.random.key(0))
   shardings, specs = bvs.infer_sharding(abstract, strategy, mesh)
   variables = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
-  for (name, array), (_, sharding) in zip(bvs.flatten_with_names(variables)[0],
-                                          bvs.flatten_with_names(shardings)[0]):
+  for (name, array), (_, sharding) in zip(
+      bvs.flatten_with_names(variables)[0], bvs.flatten_with_names(shardings)[0]
+  ):
     assert array.sharding.is_equivalent_to(sharding, array.ndim), name
   up = variables["params"]["up"]["kernel"]
   assert specs["params"]["up"]["kernel"] == P("data", "model")
@@ -142,17 +172,20 @@ def test_bytes_per_device_and_report():
   assert "4.00 MiB in all" in report and "unsharded: tiny" in report
 
 
-@pytest.mark.parametrize("strategy, rules, fragments", [
-    ('fsdp(axis="modle")', None, ["no axis 'modle'", "['data', 'model']"]),
-    ([("(", "replicate()")], None, ["regex '(' does not compile"]),
-    ([(".*",)], None, ["list of (regex, op_chain) pairs"]),
-    (42, None, ["list of (regex, op_chain) pairs"]),
-    ([(3, "replicate()")], None, ["regex must be a string"]),
-    ([(".*", 'tensor_parallel(axis=("model", "x"))')], None, ["no axis 'x'"]),
-    ("logical_partitioning()", [("embed", "nope")], ["sharding_rules entry", "no axis 'nope'"]),
-    ("logical_partitioning()", "embed", ["sharding_rules must be a list"]),
-    ([(".*", "nope()")], None, ["unknown op 'nope'"]),
-])
+@pytest.mark.parametrize(
+    "strategy, rules, fragments",
+    [
+        ('fsdp(axis="modle")', None, ["no axis 'modle'", "['data', 'model']"]),
+        ([("(", "replicate()")], None, ["regex '(' does not compile"]),
+        ([(".*",)], None, ["list of (regex, op_chain) pairs"]),
+        (42, None, ["list of (regex, op_chain) pairs"]),
+        ([(3, "replicate()")], None, ["regex must be a string"]),
+        ([(".*", 'tensor_parallel(axis=("model", "x"))')], None, ["no axis 'x'"]),
+        ("logical_partitioning()", [("embed", "nope")], ["sharding_rules entry", "no axis 'nope'"]),
+        ("logical_partitioning()", "embed", ["sharding_rules must be a list"]),
+        ([(".*", "nope()")], None, ["unknown op 'nope'"]),
+    ],
+)
 def test_plan_errors_name_the_offender(strategy, rules, fragments):
   mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
   with pytest.raises(bvs.ShardingError) as info:

@@ -1,4 +1,5 @@
 """Op-chain parsing: literal arguments only, one error type with a fix in every message."""
+
 import builtins
 import os
 
@@ -8,8 +9,9 @@ import bv_sharding as bvs
 
 
 def test_parses_chain_with_positional_keyword_and_tuple_args():
-  ops = bvs.parse_chain('shard_dim("model", dim=-1) | fsdp(axis=("data", "model"), '
-                        'min_size_to_shard_mb=0.5)')
+  ops = bvs.parse_chain(
+      'shard_dim("model", dim=-1) | fsdp(axis=("data", "model"), ' "min_size_to_shard_mb=0.5)"
+  )
   assert [op.name for op in ops] == ["shard_dim", "fsdp"]
   assert ops[0].arguments == {"axis": "model", "dim": -1}
   assert ops[1].arguments == {"axis": ("data", "model"), "min_size_to_shard_mb": 0.5}
@@ -21,23 +23,28 @@ def test_defaults_are_bound():
   assert op.arguments["min_size_to_shard_mb"] == 4
 
 
-@pytest.mark.parametrize("text, fragments", [
-    ("fsdpp(axis='data')", ["unknown op 'fsdpp'", "did you mean 'fsdp'", "Registered ops:"]),
-    ("fsdp(axis='data', size=3)", ["unexpected keyword argument 'size'",
-                                    "fsdp(axis, min_size_to_shard_mb=4)"]),
-    ("shard_dim(axis='data')", ["missing a required argument: 'dim'", "shard_dim(axis, dim)"]),
-    ("fsdp(axis=data)", ["not a literal", "'data'"]),
-    ("fsdp(axis='data'", ["cannot parse", "name(arg, key=value)"]),
-    ("fsdp", ["needs parentheses", "fsdp()"]),
-    ("fsdp(axis='data') + replicate()", ["not an op call"]),
-    ("fsdp(axis=3)", ["axis must be a mesh axis name"]),
-    ("fsdp(axis=('data', 'data'))", ["names a mesh axis twice"]),
-    ("fsdp(axis='data', min_size_to_shard_mb=-1)", ["must be a number >= 0"]),
-    ("shard_dim(axis='data', dim=1.5)", ["dim must be an integer"]),
-    ("fsdp(**{'axis': 'data'})", ["'**' arguments are not accepted"]),
-    ("fsdp(*['data'])", ["'*' arguments are not accepted"]),
-    ("fsdp(axis={'a': 1})", ["is not accepted"]),
-])
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("fsdpp(axis='data')", ["unknown op 'fsdpp'", "did you mean 'fsdp'", "Registered ops:"]),
+        (
+            "fsdp(axis='data', size=3)",
+            ["unexpected keyword argument 'size'", "fsdp(axis, min_size_to_shard_mb=4)"],
+        ),
+        ("shard_dim(axis='data')", ["missing a required argument: 'dim'", "shard_dim(axis, dim)"]),
+        ("fsdp(axis=data)", ["not a literal", "'data'"]),
+        ("fsdp(axis='data'", ["cannot parse", "name(arg, key=value)"]),
+        ("fsdp", ["needs parentheses", "fsdp()"]),
+        ("fsdp(axis='data') + replicate()", ["not an op call"]),
+        ("fsdp(axis=3)", ["axis must be a mesh axis name"]),
+        ("fsdp(axis=('data', 'data'))", ["names a mesh axis twice"]),
+        ("fsdp(axis='data', min_size_to_shard_mb=-1)", ["must be a number >= 0"]),
+        ("shard_dim(axis='data', dim=1.5)", ["dim must be an integer"]),
+        ("fsdp(**{'axis': 'data'})", ["'**' arguments are not accepted"]),
+        ("fsdp(*['data'])", ["'*' arguments are not accepted"]),
+        ("fsdp(axis={'a': 1})", ["is not accepted"]),
+    ],
+)
 def test_errors_name_the_string_and_the_fix(text, fragments):
   with pytest.raises(bvs.ShardingError) as info:
     bvs.parse_chain(text)
@@ -180,8 +187,9 @@ def test_fuzz_hostile_strings_raise_sharding_error_and_run_nothing(monkeypatch, 
   """Every malformed or hostile string raises ShardingError and no builtin side effect runs."""
   assert len(HOSTILE) >= 100
   called = []
-  for module, name in [(builtins, n) for n in ("open", "exec", "eval", "print", "exit",
-                                               "breakpoint")] + [(os, "system")]:
+  for module, name in [
+      (builtins, n) for n in ("open", "exec", "eval", "print", "exit", "breakpoint")
+  ] + [(os, "system")]:
     monkeypatch.setattr(module, name, lambda *a, _n=name, **k: called.append(_n))
   raised = []
   for text in HOSTILE:

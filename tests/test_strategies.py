@@ -1,4 +1,5 @@
 """Every built-in op on single leaves, through plans on an abstract 4x2 mesh."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -44,18 +45,21 @@ def test_fsdp_tie_prefers_last_dim_and_skips_taken_dim():
 
 
 def test_fsdp_tuple_axis_uses_product_of_sizes():
-  tree = {"w": sds(1024, 1028)}   # 1028 % 8 != 0, 1024 % 8 == 0
+  tree = {"w": sds(1024, 1028)}  # 1028 % 8 != 0, 1024 % 8 == 0
   assert spec_of(tree, 'fsdp(axis=("data", "model"))', "w")[0] == (("data", "model"),)
 
 
 def test_fsdp_never_uses_an_axis_twice():
-  spec, why = spec_of({"w": sds(1024, 1024)}, 'shard_dim(axis="data", dim=0)|fsdp(axis="data")',
-                      "w")
+  spec, why = spec_of(
+      {"w": sds(1024, 1024)}, 'shard_dim(axis="data", dim=0)|fsdp(axis="data")', "w"
+  )
   assert spec == ("data",) and "already used" in why
 
 
-@pytest.mark.parametrize("dim, expected", [(0, ("model",)), (-1, (None, None, "model")),
-                                           (-3, ("model",)), (1, (None, "model"))])
+@pytest.mark.parametrize(
+    "dim, expected",
+    [(0, ("model",)), (-1, (None, None, "model")), (-3, ("model",)), (1, (None, "model"))],
+)
 def test_shard_dim_negative_dims(dim, expected):
   tree = {"w": sds(8, 8, 8)}
   assert spec_of(tree, f'shard_dim(axis="model", dim={dim})', "w")[0] == expected
@@ -79,27 +83,36 @@ def test_strict_fsdp_raises_only_for_big_indivisible_leaves():
 
 LLAMA = {
     "embed": {"embedding": sds(4096, 512)},
-    "layers": {"attn": {"q_kernel": sds(512, 512), "out_kernel": sds(512, 1024)},
-               "mlp": {"up_kernel": sds(512, 2048), "down_kernel": sds(2048, 512),
-                       "other": sds(1024, 512)},
-               "norm": {"scale": sds(4096, 512)}, "upscale_conv": {"kernel": sds(512, 1024)}},
+    "layers": {
+        "attn": {"q_kernel": sds(512, 512), "out_kernel": sds(512, 1024)},
+        "mlp": {
+            "up_kernel": sds(512, 2048),
+            "down_kernel": sds(2048, 512),
+            "other": sds(1024, 512),
+        },
+        "norm": {"scale": sds(4096, 512)},
+        "upscale_conv": {"kernel": sds(512, 1024)},
+    },
     "scanned": {"q_kernel": sds(32, 512, 512), "mlp": sds(32, 512, 1024), "bias": sds(512, 512)},
 }
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("embed/embedding", (None, "data")),
-    ("layers/attn/q_kernel", ("data",)),
-    ("layers/attn/out_kernel", (None, "data")),
-    ("layers/mlp/up_kernel", ("data",)),
-    ("layers/mlp/down_kernel", (None, "data")),
-    ("layers/mlp/other", ("data",)),
-    ("layers/norm/scale", ()),
-    ("layers/upscale_conv/kernel", (None, "data")),    # not a `scale`
-    ("scanned/q_kernel", (None, "data")),          # dim -2, layer axis untouched
-    ("scanned/mlp", (None, None, "data")),               # last two dims only
-    ("scanned/bias", ()),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("embed/embedding", (None, "data")),
+        ("layers/attn/q_kernel", ("data",)),
+        ("layers/attn/out_kernel", (None, "data")),
+        ("layers/mlp/up_kernel", ("data",)),
+        ("layers/mlp/down_kernel", (None, "data")),
+        ("layers/mlp/other", ("data",)),
+        ("layers/norm/scale", ()),
+        ("layers/upscale_conv/kernel", (None, "data")),  # not a `scale`
+        ("scanned/q_kernel", (None, "data")),  # dim -2, layer axis untouched
+        ("scanned/mlp", (None, None, "data")),  # last two dims only
+        ("scanned/bias", ()),
+    ],
+)
 def test_llm_fsdp_name_rules(name, expected):
   assert spec_of(LLAMA, 'llm_fsdp(axis="data")', name)[0] == expected
 
@@ -110,15 +123,18 @@ def test_llm_fsdp_small_and_1d_leaves_are_not_sharded():
   assert "fewer than 2 dims" in spec_of(tree, 'llm_fsdp(axis="data")', "v")[1]
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("embed/embedding", ("model", "data")),
-    ("layers/attn/q_kernel", ("data", "model")),
-    ("layers/attn/out_kernel", ("model", "data")),
-    ("layers/mlp/up_kernel", ("data", "model")),
-    ("layers/mlp/down_kernel", ("model", "data")),
-    ("layers/norm/scale", ("data",)),
-    ("scanned/q_kernel", (None, "data", "model")),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("embed/embedding", ("model", "data")),
+        ("layers/attn/q_kernel", ("data", "model")),
+        ("layers/attn/out_kernel", ("model", "data")),
+        ("layers/mlp/up_kernel", ("data", "model")),
+        ("layers/mlp/down_kernel", ("model", "data")),
+        ("layers/norm/scale", ("data",)),
+        ("scanned/q_kernel", (None, "data", "model")),
+    ],
+)
 def test_tensor_parallel_composes_with_fsdp(name, expected):
   chain = 'tensor_parallel(axis="model")|fsdp(axis="data", min_size_to_shard_mb=0)'
   assert spec_of(LLAMA, chain, name)[0] == expected
@@ -130,12 +146,17 @@ def test_tensor_parallel_leaves_other_leaves_alone():
 
 
 class Boxed(nn.Module):
+
   @nn.compact
   def __call__(self, x):
-    kernel = self.param("kernel", nn.with_logical_partitioning(
-        nn.initializers.lecun_normal(), ("embed", "mlp")), (x.shape[-1], 64))
-    table = self.param("table", nn.with_partitioning(nn.initializers.zeros, ("model", None)),
-                       (16, 8))
+    kernel = self.param(
+        "kernel",
+        nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+        (x.shape[-1], 64),
+    )
+    table = self.param(
+        "table", nn.with_partitioning(nn.initializers.zeros, ("model", None)), (16, 8)
+    )
     odd = self.param("odd", nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)), (6,))
     return x @ kernel + table.sum() + odd.sum()
 
@@ -148,7 +169,9 @@ def test_logical_partitioning_resolves_rules_with_fallbacks():
   rules = [("embed", "data"), ("mlp", "data"), ("mlp", "model")]
   tree = boxed_tree()
   assert spec_of(tree, "logical_partitioning()", "params/kernel", rules=rules)[0] == (
-      "data", "model")
+      "data",
+      "model",
+  )
   assert spec_of(tree, "logical_partitioning()", "params/table", rules=rules)[0] == ("model",)
   spec, why = spec_of(tree, "logical_partitioning()", "params/odd", rules=rules)
   assert spec == () and "not divisible" in why

@@ -3,6 +3,7 @@
 Each run is a subprocess `python -m trainers.train --config configs/... --config.k=v`;
 overriding `--config.optax_name` is the only change between the optimizer runs.
 """
+
 import json
 import os
 import pathlib
@@ -13,29 +14,51 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHORT = ("--config.total_steps=30", "--config.batch_size=16", "--config.seq_len=64",
-         "--config.log_every=10", "--config.eval_every=30", "--config.eval_batches=2")
+SHORT = (
+    "--config.total_steps=30",
+    "--config.batch_size=16",
+    "--config.seq_len=64",
+    "--config.log_every=10",
+    "--config.eval_every=30",
+    "--config.eval_batches=2",
+)
 
 
 def train(workdir, *overrides, config="configs/lm.py", timeout=240):
   """Runs the trainer; returns (exit status, output, metrics records)."""
   env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run([sys.executable, "-m", "trainers.train", f"--config={config}",
-                         f"--workdir={workdir}", *overrides], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  done = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "trainers.train",
+          f"--config={config}",
+          f"--workdir={workdir}",
+          *overrides,
+      ],
+      cwd=ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
   path = pathlib.Path(workdir, "metrics.jsonl")
   records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
   return done.returncode, done.stdout + done.stderr, records
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("optimizer, config", [("adamw", "configs/lm.py"),
-                                               ("kron", "configs/lm.py"),
-                                               ("shampoo", "configs/lm.py"),
-                                               ("shampoo", "configs/lm_shampoo.py")])
+@pytest.mark.parametrize(
+    "optimizer, config",
+    [
+        ("adamw", "configs/lm.py"),
+        ("kron", "configs/lm.py"),
+        ("shampoo", "configs/lm.py"),
+        ("shampoo", "configs/lm_shampoo.py"),
+    ],
+)
 def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
-  status, out, records = train(tmp_path, *SHORT, f"--config.optax_name={optimizer}",
-                               config=config)
+  status, out, records = train(tmp_path, *SHORT, f"--config.optax_name={optimizer}", config=config)
   assert status == 0, out[-3000:]
   assert [r["step"] for r in records] == [1, 10, 20, 30]
   assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
@@ -49,20 +72,33 @@ def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
 
 @pytest.mark.timeout(120)
 def test_vit_digits_runs(tmp_path):
-  status, out, records = train(tmp_path, "--config.total_steps=5", "--config.log_every=5",
-                               "--config.eval_every=5", config="configs/vit_digits.py")
+  status, out, records = train(
+      tmp_path,
+      "--config.total_steps=5",
+      "--config.log_every=5",
+      "--config.eval_every=5",
+      config="configs/vit_digits.py",
+  )
   assert status == 0, out[-3000:]
   assert [r["step"] for r in records] == [1, 5] and "eval_loss" in records[-1]
   assert "images/s=" in out
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("override, message", [
-    ("--config.optax_name=adamww",
-     "config.optax_name / config.optax: Unknown optimizer 'adamww'. Did you mean 'adamw'?"),
-    ("--config.mesh=(('data', 3),)", "config.mesh [('data', 3)] covers 3 devices but there are 8"),
-    ("--config.batch_size=30", "config.batch_size=30 must be a positive multiple of 8"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "--config.optax_name=adamww",
+            "config.optax_name / config.optax: Unknown optimizer 'adamww'. Did you mean 'adamw'?",
+        ),
+        (
+            "--config.mesh=(('data', 3),)",
+            "config.mesh [('data', 3)] covers 3 devices but there are 8",
+        ),
+        ("--config.batch_size=30", "config.batch_size=30 must be a positive multiple of 8"),
+    ],
+)
 def test_bad_config_fails_before_init(tmp_path, override, message):
   start = time.monotonic()
   status, out, records = train(tmp_path, override, timeout=60)

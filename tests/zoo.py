@@ -3,6 +3,7 @@
 psgd-jax 0.2.9 and precondition-opt 0.3.0 fail to import on this stack; the
 aliases that let them import live here, in test code only.
 """
+
 import sys
 
 import jax
@@ -10,8 +11,11 @@ import jax.numpy as jnp
 import optax
 
 sys.modules.setdefault("optax._src.clipping", optax.transforms._clipping)
-for _old, _new in (("tree_map", jax.tree.map), ("tree_flatten", jax.tree_util.tree_flatten),
-                   ("tree_unflatten", jax.tree_util.tree_unflatten)):
+for _old, _new in (
+    ("tree_map", jax.tree.map),
+    ("tree_flatten", jax.tree_util.tree_flatten),
+    ("tree_unflatten", jax.tree_util.tree_unflatten),
+):
   if not hasattr(jax, _old):
     setattr(jax, _old, _new)
 
@@ -26,13 +30,20 @@ LR = 1e-3
 def llama_params(d=64, vocab=256, ff=128, layers=None, dtype=jnp.float32):
   """Llama-named abstract params; ``layers`` adds a leading scanned-layer axis to the block."""
   lead = () if layers is None else (layers,)
-  s = lambda *shape: jax.ShapeDtypeStruct(lead + shape, dtype)  # noqa: E731
+  s = lambda *shape: jax.ShapeDtypeStruct(lead + shape, dtype)
   return {
       "embed": {"embedding": jax.ShapeDtypeStruct((vocab, d), dtype)},
-      "block": {"attn": {"q_kernel": s(d, d), "k_kernel": s(d, d), "v_kernel": s(d, d),
-                         "out_kernel": s(d, d)},
-                "mlp": {"gate_kernel": s(d, ff), "up_kernel": s(d, ff), "down_kernel": s(ff, d)},
-                "attn_norm": {"scale": s(d)}, "mlp_norm": {"scale": s(d)}},
+      "block": {
+          "attn": {
+              "q_kernel": s(d, d),
+              "k_kernel": s(d, d),
+              "v_kernel": s(d, d),
+              "out_kernel": s(d, d),
+          },
+          "mlp": {"gate_kernel": s(d, ff), "up_kernel": s(d, ff), "down_kernel": s(ff, d)},
+          "attn_norm": {"scale": s(d)},
+          "mlp_norm": {"scale": s(d)},
+      },
       "final_norm": {"scale": jax.ShapeDtypeStruct((d,), dtype)},
       "head": {"kernel": jax.ShapeDtypeStruct((d, vocab), dtype)},
   }
@@ -40,7 +51,8 @@ def llama_params(d=64, vocab=256, ff=128, layers=None, dtype=jnp.float32):
 
 def decay_mask(params):
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: len(x.shape) >= 2 and "scale" not in jax.tree_util.keystr(path), params)
+      lambda path, x: len(x.shape) >= 2 and "scale" not in jax.tree_util.keystr(path), params
+  )
 
 
 def kernel_labels(params):
@@ -49,7 +61,8 @@ def kernel_labels(params):
 
 def scanned_mask(params, scanned: bool):
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: scanned and "block" in jax.tree_util.keystr(path), params)
+      lambda path, x: scanned and "block" in jax.tree_util.keystr(path), params
+  )
 
 
 def tearfree_layout(block=16):
@@ -65,17 +78,22 @@ def tearfree_layout(block=16):
       return {"stats": [], "roots": []}
     n = blocks(jnp.zeros(p.shape)).shape[0]
     eye = jnp.broadcast_to(jnp.eye(block), (n, block, block))
-    return {"stats": [jnp.zeros((n, block, block)) for _ in range(2)],
-            "roots": [eye for _ in range(2)]}
+    return {
+        "stats": [jnp.zeros((n, block, block)) for _ in range(2)],
+        "roots": [eye for _ in range(2)],
+    }
 
   def update_one(g, s):
     if g.ndim < 2:
       return s
     b = blocks(g)
-    stats = [s["stats"][0] + jnp.einsum("nij,nkj->nik", b, b),
-             s["stats"][1] + jnp.einsum("nji,njk->nik", b, b)]
-    roots = [st / (1 + jnp.trace(st, axis1=1, axis2=2)[:, None, None]) + jnp.eye(block)
-             for st in stats]
+    stats = [
+        s["stats"][0] + jnp.einsum("nij,nkj->nik", b, b),
+        s["stats"][1] + jnp.einsum("nji,njk->nik", b, b),
+    ]
+    roots = [
+        st / (1 + jnp.trace(st, axis1=1, axis2=2)[:, None, None]) + jnp.eye(block) for st in stats
+    ]
     return {"stats": stats, "roots": roots}
 
   def init(params):
@@ -83,7 +101,7 @@ def tearfree_layout(block=16):
 
   def update(grads, state, params=None):
     del params
-    is_state = lambda x: isinstance(x, dict) and set(x) == {"stats", "roots"}  # noqa: E731
+    is_state = lambda x: isinstance(x, dict) and set(x) == {"stats", "roots"}
     new = jax.tree.map(update_one, grads, state, is_leaf=lambda x: is_state(x))
     return grads, new
 
@@ -104,24 +122,38 @@ def optimizers(params, scanned=False, block_size=64):
       "chain_clip_masked": optax.chain(
           optax.clip_by_global_norm(1.0),
           optax.masked(optax.add_decayed_weights(0.1), decay_mask(params)),
-          optax.scale_by_adam(), optax.scale(-LR)),
+          optax.scale_by_adam(),
+          optax.scale(-LR),
+      ),
       "multi_transform": optax.multi_transform(
-          {"matrix": optax.adam(LR), "vector": optax.sgd(LR, momentum=0.9)},
-          kernel_labels(params)),
-      "psgd_kron": _kron.kron(LR, preconditioner_update_probability=1.0,
-                              scanned_layers=scanned_mask(params, scanned),
-                              lax_map_scanned_layers=True, lax_map_batch_size=1),
+          {"matrix": optax.adam(LR), "vector": optax.sgd(LR, momentum=0.9)}, kernel_labels(params)
+      ),
+      "psgd_kron": _kron.kron(
+          LR,
+          preconditioner_update_probability=1.0,
+          scanned_layers=scanned_mask(params, scanned),
+          lax_map_scanned_layers=True,
+          lax_map_batch_size=1,
+      ),
       # matrix_epsilon 1e-3: inverse 4th roots of near-singular statistics amplify rounding
       # (the order of sharded reductions) past the 1e-5 comparison; this keeps them conditioned.
       "distributed_shampoo": _shampoo.distributed_shampoo(
-          LR, block_size=block_size, start_preconditioning_step=1, preconditioning_compute_steps=1,
-          matrix_epsilon=1e-3),
+          LR,
+          block_size=block_size,
+          start_preconditioning_step=1,
+          preconditioning_compute_steps=1,
+          matrix_epsilon=1e-3,
+      ),
       "tearfree_layout": optax.chain(tearfree_layout(block_size // 4), optax.scale(-LR)),
-      "kron": _ours.kron(LR, preconditioner_update_probability=1.0,
-                         scanned_layers=scanned_mask(params, scanned)),
-      "kron_blocks": _ours.kron(LR, preconditioner_update_probability=1.0,
-                                scanned_layers=scanned_mask(params, scanned),
-                                block_size=2 * block_size),
+      "kron": _ours.kron(
+          LR, preconditioner_update_probability=1.0, scanned_layers=scanned_mask(params, scanned)
+      ),
+      "kron_blocks": _ours.kron(
+          LR,
+          preconditioner_update_probability=1.0,
+          scanned_layers=scanned_mask(params, scanned),
+          block_size=2 * block_size,
+      ),
       "shampoo": _ours.shampoo(LR, block_size=block_size // 2, matrix_epsilon=1e-3),
   }
   return zoo

@@ -35,151 +35,185 @@ OUTPUT = pathlib.Path(__file__).resolve().parents[1] / "tests/data/optimizer_ref
 # float or the kwargs of psgd's precond_update_prob_schedule.
 KRON_RUNS = {
     "kron_default": dict(
-        learning_rate=0.01, b1=0.9, preconditioner_lr=0.1,
-        preconditioner_init_scale=1.0, memory_save_mode=None,
-        update_prob=1.0, scan_layers=False,
+        learning_rate=0.01,
+        b1=0.9,
+        preconditioner_lr=0.1,
+        preconditioner_init_scale=1.0,
+        memory_save_mode=None,
+        update_prob=1.0,
+        scan_layers=False,
     ),
     "kron_scanned_one_diag_schedule": dict(
-        learning_rate=0.01, b1=0.9, preconditioner_lr=0.2,
-        preconditioner_init_scale=0.5, memory_save_mode="one_diag",
+        learning_rate=0.01,
+        b1=0.9,
+        preconditioner_lr=0.2,
+        preconditioner_init_scale=0.5,
+        memory_save_mode="one_diag",
         update_prob=dict(max_prob=1.0, min_prob=0.3, decay=0.5, flat_start=3),
         scan_layers=True,
     ),
 }
 SHAMPOO_RUNS = {
     "shampoo_rmsprop_nesterov": dict(
-        learning_rate=0.01, block_size=8, beta1=0.9, beta2=0.99,
-        graft_type="rmsprop", start_preconditioning_step=0,
-        update_preconditioners_freq=1, epsilon=1e-8, matrix_epsilon=1e-6,
+        learning_rate=0.01,
+        block_size=8,
+        beta1=0.9,
+        beta2=0.99,
+        graft_type="rmsprop",
+        start_preconditioning_step=0,
+        update_preconditioners_freq=1,
+        epsilon=1e-8,
+        matrix_epsilon=1e-6,
     ),
     "shampoo_sgd_graft_delayed_freq2": dict(
-        learning_rate=0.05, block_size=8, beta1=0.0, beta2=0.95,
-        graft_type="sgd", start_preconditioning_step=3,
-        update_preconditioners_freq=2, epsilon=1e-8, matrix_epsilon=1e-6,
+        learning_rate=0.05,
+        block_size=8,
+        beta1=0.0,
+        beta2=0.95,
+        graft_type="sgd",
+        start_preconditioning_step=3,
+        update_preconditioners_freq=2,
+        epsilon=1e-8,
+        matrix_epsilon=1e-6,
     ),
 }
 
 
 def make_problem(seed: int = 0) -> tuple[dict, dict]:
-    """(initial params, data): a tanh layer, two linear maps and a layer stack.
+  """(initial params, data): a tanh layer, two linear maps and a layer stack.
 
-    Inputs have column scales spanning 10x so the problem is ill-conditioned.
-    Shapes exercise triangular (16, 16), blocked-with-padding (12, 6), 1-D,
-    scalar and stacked (3, 4, 5) params.
-    """
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    cols = lambda n: np.logspace(0, 1, n, dtype=np.float32)  # noqa: E731
-    params = dict(
-        w1=0.3 * normal(8, 4), b1=np.zeros(4, np.float32),
-        scale=np.ones((), np.float32), w2=0.1 * normal(16, 16),
-        w3=0.1 * normal(12, 6), layers=0.3 * normal(3, 4, 5),
-    )
-    data = dict(
-        x1=normal(32, 8) * cols(8), t1=np.tanh(normal(32, 4)),
-        x2=normal(32, 16) * cols(16), t2=normal(32, 16),
-        x3=normal(32, 12) * cols(12), t3=normal(32, 6),
-        x4=normal(32, 4), t4=normal(3, 32, 5),
-    )
-    return params, data
+  Inputs have column scales spanning 10x so the problem is ill-conditioned.
+  Shapes exercise triangular (16, 16), blocked-with-padding (12, 6), 1-D,
+  scalar and stacked (3, 4, 5) params.
+  """
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  cols = lambda n: np.logspace(0, 1, n, dtype=np.float32)
+  params = dict(
+      w1=0.3 * normal(8, 4),
+      b1=np.zeros(4, np.float32),
+      scale=np.ones((), np.float32),
+      w2=0.1 * normal(16, 16),
+      w3=0.1 * normal(12, 6),
+      layers=0.3 * normal(3, 4, 5),
+  )
+  data = dict(
+      x1=normal(32, 8) * cols(8),
+      t1=np.tanh(normal(32, 4)),
+      x2=normal(32, 16) * cols(16),
+      t2=normal(32, 16),
+      x3=normal(32, 12) * cols(12),
+      t3=normal(32, 6),
+      x4=normal(32, 4),
+      t4=normal(3, 32, 5),
+  )
+  return params, data
 
 
 def loss_fn(params: dict, data: dict) -> jax.Array:
-    """Sum of mean squared errors of the four sub-problems."""
-    pred1 = params["scale"] * jnp.tanh(data["x1"] @ params["w1"] + params["b1"])
-    pred4 = jnp.einsum("bi,lio->lbo", data["x4"], params["layers"])
-    errors = [
-        pred1 - data["t1"],
-        data["x2"] @ params["w2"] - data["t2"],
-        data["x3"] @ params["w3"] - data["t3"],
-        pred4 - data["t4"],
-    ]
-    return sum(jnp.mean(jnp.square(e)) for e in errors)
+  """Sum of mean squared errors of the four sub-problems."""
+  pred1 = params["scale"] * jnp.tanh(data["x1"] @ params["w1"] + params["b1"])
+  pred4 = jnp.einsum("bi,lio->lbo", data["x4"], params["layers"])
+  errors = [
+      pred1 - data["t1"],
+      data["x2"] @ params["w2"] - data["t2"],
+      data["x3"] @ params["w3"] - data["t3"],
+      pred4 - data["t4"],
+  ]
+  return sum(jnp.mean(jnp.square(e)) for e in errors)
 
 
 def scanned_layers(params: dict, scan: bool) -> dict:
-    """Which params have a leading layer axis (only ``layers``, if ``scan``)."""
-    return {name: scan and name == "layers" for name in params}
+  """Which params have a leading layer axis (only ``layers``, if ``scan``)."""
+  return {name: scan and name == "layers" for name in params}
 
 
 def run(optimizer, params: dict, data: dict, steps: int = STEPS) -> dict:
-    """Runs ``steps`` updates; returns losses (steps+1,) and param trajectories."""
-    params = jax.tree.map(jnp.asarray, params)
-    state = optimizer.init(params)
+  """Runs ``steps`` updates; returns losses (steps+1,) and param trajectories."""
+  params = jax.tree.map(jnp.asarray, params)
+  state = optimizer.init(params)
 
-    @jax.jit
-    def step(params, state):
-        loss, grads = jax.value_and_grad(loss_fn)(params, data)
-        updates, state = optimizer.update(grads, state, params)
-        return jax.tree.map(jnp.add, params, updates), state, loss
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, data)
+    updates, state = optimizer.update(grads, state, params)
+    return jax.tree.map(jnp.add, params, updates), state, loss
 
-    history = [params]
-    losses = []
-    for _ in range(steps):
-        params, state, loss = step(params, state)
-        history.append(params)
-        losses.append(loss)
-    losses.append(loss_fn(params, data))
-    trajectory = {k: np.stack([np.asarray(h[k]) for h in history]) for k in params}
-    return dict(loss=np.asarray(losses), **trajectory)
+  history = [params]
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+    history.append(params)
+    losses.append(loss)
+  losses.append(loss_fn(params, data))
+  trajectory = {k: np.stack([np.asarray(h[k]) for h in history]) for k in params}
+  return dict(loss=np.asarray(losses), **trajectory)
 
 
 def reference_kron(settings: dict, params: dict):
-    """psgd-jax's kron under ``settings``."""
-    from psgd_jax.kron import kron, precond_update_prob_schedule
+  """psgd-jax's kron under ``settings``."""
+  from psgd_jax.kron import kron, precond_update_prob_schedule
 
-    prob = settings["update_prob"]
-    if isinstance(prob, dict):
-        prob = precond_update_prob_schedule(**prob)
-    return kron(
-        learning_rate=settings["learning_rate"], b1=settings["b1"],
-        preconditioner_update_probability=prob,
-        memory_save_mode=settings["memory_save_mode"],
-        preconditioner_lr=settings["preconditioner_lr"],
-        preconditioner_init_scale=settings["preconditioner_init_scale"],
-        scanned_layers=scanned_layers(params, settings["scan_layers"]),
-    )
+  prob = settings["update_prob"]
+  if isinstance(prob, dict):
+    prob = precond_update_prob_schedule(**prob)
+  return kron(
+      learning_rate=settings["learning_rate"],
+      b1=settings["b1"],
+      preconditioner_update_probability=prob,
+      memory_save_mode=settings["memory_save_mode"],
+      preconditioner_lr=settings["preconditioner_lr"],
+      preconditioner_init_scale=settings["preconditioner_init_scale"],
+      scanned_layers=scanned_layers(params, settings["scan_layers"]),
+  )
 
 
 def reference_shampoo(settings: dict):
-    """precondition-opt's distributed_shampoo (eigh roots) under ``settings``."""
-    for name, new in [("tree_map", jax.tree.map), ("tree_flatten", jax.tree.flatten),
-                      ("tree_unflatten", jax.tree.unflatten)]:
-        if not hasattr(jax, name):  # removed in JAX 0.6; the reference needs them
-            setattr(jax, name, new)
-    from precondition import distributed_shampoo as ds
+  """precondition-opt's distributed_shampoo (eigh roots) under ``settings``."""
+  for name, new in [
+      ("tree_map", jax.tree.map),
+      ("tree_flatten", jax.tree.flatten),
+      ("tree_unflatten", jax.tree.unflatten),
+  ]:
+    if not hasattr(jax, name):  # removed in JAX 0.6; the reference needs them
+      setattr(jax, name, new)
+  from precondition import distributed_shampoo as ds
 
-    return ds.distributed_shampoo(
-        learning_rate=settings["learning_rate"],
-        block_size=settings["block_size"],
-        beta1=settings["beta1"], beta2=settings["beta2"],
-        diagonal_epsilon=settings["epsilon"],
-        matrix_epsilon=settings["matrix_epsilon"],
-        start_preconditioning_step=settings["start_preconditioning_step"],
-        preconditioning_compute_steps=settings["update_preconditioners_freq"],
-        graft_type={"rmsprop": ds.GraftingType.RMSPROP,
-                    "sgd": ds.GraftingType.SGD}[settings["graft_type"]],
-        nesterov=True, eigh=True, best_effort_shape_interpretation=False,
-        generate_training_metrics=False,
-    )
+  return ds.distributed_shampoo(
+      learning_rate=settings["learning_rate"],
+      block_size=settings["block_size"],
+      beta1=settings["beta1"],
+      beta2=settings["beta2"],
+      diagonal_epsilon=settings["epsilon"],
+      matrix_epsilon=settings["matrix_epsilon"],
+      start_preconditioning_step=settings["start_preconditioning_step"],
+      preconditioning_compute_steps=settings["update_preconditioners_freq"],
+      graft_type={"rmsprop": ds.GraftingType.RMSPROP, "sgd": ds.GraftingType.SGD}[
+          settings["graft_type"]
+      ],
+      nesterov=True,
+      eigh=True,
+      best_effort_shape_interpretation=False,
+      generate_training_metrics=False,
+  )
 
 
 def main() -> None:
-    params, data = make_problem()
-    arrays = {f"init/{k}": v for k, v in params.items()}
-    arrays.update({f"data/{k}": v for k, v in data.items()})
-    for name, settings in KRON_RUNS.items():
-        result = run(reference_kron(settings, params), params, data)
-        arrays.update({f"{name}/{k}": v for k, v in result.items()})
-    for name, settings in SHAMPOO_RUNS.items():
-        result = run(reference_shampoo(settings), params, data)
-        arrays.update({f"{name}/{k}": v for k, v in result.items()})
-    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(OUTPUT, **arrays)
-    for name in [*KRON_RUNS, *SHAMPOO_RUNS]:
-        print(f"{name}: loss {arrays[name + '/loss'][0]:.4f} -> {arrays[name + '/loss'][-1]:.4f}")
-    print(f"wrote {OUTPUT} ({OUTPUT.stat().st_size} bytes)")
+  params, data = make_problem()
+  arrays = {f"init/{k}": v for k, v in params.items()}
+  arrays.update({f"data/{k}": v for k, v in data.items()})
+  for name, settings in KRON_RUNS.items():
+    result = run(reference_kron(settings, params), params, data)
+    arrays.update({f"{name}/{k}": v for k, v in result.items()})
+  for name, settings in SHAMPOO_RUNS.items():
+    result = run(reference_shampoo(settings), params, data)
+    arrays.update({f"{name}/{k}": v for k, v in result.items()})
+  OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+  np.savez_compressed(OUTPUT, **arrays)
+  for name in [*KRON_RUNS, *SHAMPOO_RUNS]:
+    print(f"{name}: loss {arrays[name + '/loss'][0]:.4f} -> {arrays[name + '/loss'][-1]:.4f}")
+  print(f"wrote {OUTPUT} ({OUTPUT.stat().st_size} bytes)")
 
 
 if __name__ == "__main__":
-    main()
+  main()

@@ -13,10 +13,12 @@ Example:
   >>> sharding = jax.sharding.NamedSharding(mesh, P("data"))
   >>> tokens = to_global(local, sharding)  # (32, 129) global jax.Array
 """
+
 import itertools
 import pathlib
 import sysconfig
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -48,12 +50,12 @@ def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
   """
   n = len(jax.tree.leaves(data)[0])
   cut = n - round(n * eval_fraction)
-  return (jax.tree.map(lambda x: x[:cut], data),
-          jax.tree.map(lambda x: x[cut:], data))
+  return (jax.tree.map(lambda x: x[:cut], data), jax.tree.map(lambda x: x[cut:], data))
 
 
-def load_text(max_bytes: int = DEFAULT_MAX_TEXT_BYTES,
-              eval_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+def load_text(
+    max_bytes: int = DEFAULT_MAX_TEXT_BYTES, eval_fraction: float = 0.05
+) -> tuple[np.ndarray, np.ndarray]:
   """Returns (train, eval) byte streams; eval is the tail of the stream.
 
   Example: `train, held_out = load_text(eval_fraction=0.1)`.
@@ -72,16 +74,23 @@ def load_digits(eval_fraction: float = 0.2) -> tuple[dict, dict]:
   try:
     from sklearn import datasets  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ImportError(
-        "Image data needs scikit-learn: `pip install scikit-learn`.") from e
+    raise ImportError("Image data needs scikit-learn: `pip install scikit-learn`.") from e
   digits = datasets.load_digits()
-  data = {"image": (digits.images[..., None] / 16.0).astype(np.float32),
-          "label": digits.target.astype(np.int32)}
+  data = {
+      "image": (digits.images[..., None] / 16.0).astype(np.float32),
+      "label": digits.target.astype(np.int32),
+  }
   return holdout_split(data, eval_fraction)
 
 
-def local_rows(seed: int, step: int, global_batch: int, num_choices: int,
-               process_index: int, process_count: int) -> np.ndarray:
+def local_rows(
+    seed: int,
+    step: int,
+    global_batch: int,
+    num_choices: int,
+    process_index: int,
+    process_count: int,
+) -> np.ndarray:
   """Row ids (into `num_choices` rows) of this process's slice of a step.
 
   The global batch depends only on (seed, step); process p keeps rows
@@ -90,16 +99,21 @@ def local_rows(seed: int, step: int, global_batch: int, num_choices: int,
   Example: `local_rows(0, 3, 8, 100, 1, 2)` is the last 4 of the 8 ids that
   `local_rows(0, 3, 8, 100, 0, 1)` returns.
   """
-  rows = np.random.default_rng((seed, step)).integers(
-      0, num_choices, size=global_batch)
+  rows = np.random.default_rng((seed, step)).integers(0, num_choices, size=global_batch)
   per_process = global_batch // process_count
-  return rows[process_index * per_process:(process_index + 1) * per_process]
+  return rows[process_index * per_process : (process_index + 1) * per_process]
 
 
-def batches(take: Callable[[np.ndarray], Any], num_choices: int, *,
-            global_batch: int, seed: int, start_step: int = 0,
-            process_index: int | None = None,
-            process_count: int | None = None) -> Iterator[Any]:
+def batches(
+    take: Callable[[np.ndarray], Any],
+    num_choices: int,
+    *,
+    global_batch: int,
+    seed: int,
+    start_step: int = 0,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> Iterator[Any]:
   """Infinite iterator of `take(local_rows(...))` for steps start_step, ...
 
   process_index / process_count default to jax's; global_batch must be
@@ -112,15 +126,16 @@ def batches(take: Callable[[np.ndarray], Any], num_choices: int, *,
   if process_count is None:
     process_count = jax.process_count()
   if global_batch % process_count:
-    raise ValueError(f"global_batch={global_batch} is not divisible by "
-                     f"process_count={process_count}")
-  return (take(local_rows(seed, step, global_batch, num_choices,
-                          process_index, process_count))
-          for step in itertools.count(start_step))
+    raise ValueError(
+        f"global_batch={global_batch} is not divisible by " f"process_count={process_count}"
+    )
+  return (
+      take(local_rows(seed, step, global_batch, num_choices, process_index, process_count))
+      for step in itertools.count(start_step)
+  )
 
 
-def text_batches(tokens: np.ndarray, *, seq_len: int,
-                 **sampling) -> Iterator[np.ndarray]:
+def text_batches(tokens: np.ndarray, *, seq_len: int, **sampling) -> Iterator[np.ndarray]:
   """Yields int32 (local_batch, seq_len + 1) windows of the `tokens` stream.
 
   `sampling` are the keyword arguments of `batches` (global_batch, seed, ...).
@@ -149,6 +164,4 @@ def to_global(local_batch: Any, sharding: jax.sharding.Sharding) -> Any:
 
   Example: `to_global(local, NamedSharding(mesh, P("data")))`.
   """
-  return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(sharding, x),
-      local_batch)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)

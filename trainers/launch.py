@@ -7,6 +7,7 @@ Process 0 coordinates on 127.0.0.1 at a free port. Every line a process prints i
 prefixed with `[pN] `. If one process fails the others are killed, and the exit
 status is the first failure's (124 if `--timeout` seconds pass first).
 """
+
 import argparse
 import os
 import socket
@@ -34,9 +35,19 @@ def commands(processes: int, devices: int, train_args: list[str]) -> list[list[s
   Example: `commands(2, 4, ["--config", "configs/lm.py"])[1]` ends with the train args.
   """
   address = f"127.0.0.1:{free_port()}"
-  return [[sys.executable, "-m", "trainers.train", f"--coordinator_address={address}",
-           f"--num_processes={processes}", f"--process_id={i}",
-           f"--devices_per_process={devices}", *train_args] for i in range(processes)]
+  return [
+      [
+          sys.executable,
+          "-m",
+          "trainers.train",
+          f"--coordinator_address={address}",
+          f"--num_processes={processes}",
+          f"--process_id={i}",
+          f"--devices_per_process={devices}",
+          *train_args,
+      ]
+      for i in range(processes)
+  ]
 
 
 def stream(prefix: str, pipe) -> None:
@@ -52,10 +63,14 @@ def run(cmds: list[list[str]], timeout: float) -> int:
   Example: `run([["python", "-c", "pass"]] * 2, timeout=60) == 0`.
   """
   env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
-  procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env) for cmd in cmds]
-  threads = [threading.Thread(target=stream, args=(f"[p{i}] ", p.stdout), daemon=True)
-             for i, p in enumerate(procs)]
+  procs = [
+      subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+      for cmd in cmds
+  ]
+  threads = [
+      threading.Thread(target=stream, args=(f"[p{i}] ", p.stdout), daemon=True)
+      for i, p in enumerate(procs)
+  ]
   for t in threads:
     t.start()
   deadline, status = time.monotonic() + timeout, 0
@@ -76,13 +91,15 @@ def run(cmds: list[list[str]], timeout: float) -> int:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--processes", type=int, default=2)
   parser.add_argument("--devices-per-process", type=int, default=4)
   parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole job")
-  parser.add_argument("train_args", nargs=argparse.REMAINDER,
-                      help="after --: arguments for trainers.train")
+  parser.add_argument(
+      "train_args", nargs=argparse.REMAINDER, help="after --: arguments for trainers.train"
+  )
   args = parser.parse_args(argv)
   train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
   cmds = commands(args.processes, args.devices_per_process, train_args)

@@ -11,15 +11,19 @@ Example:
   >>> train_step = make_train_step(loss_fn, tx, plan, batch_sharding(mesh, axes))
   >>> state, loss = train_step(state, batch)
 """
+
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bv_sharding import Plan, ShardingError
+from trainers.errors import ConfigError
 
 BATCH_RULE = "act_batch"
 
@@ -33,13 +37,17 @@ def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...
     axes = next((mapped for name, mapped in rules if name == BATCH_RULE), None)
   axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
   if not axes:
-    raise ShardingError(f"config.data_axes is empty and config.sharding_rules has no "
-                        f"{BATCH_RULE!r} rule; set config.data_axes = (\"data\",) or add "
-                        f"(\"{BATCH_RULE}\", \"data\") to config.sharding_rules")
+    raise ConfigError(
+        f"config.data_axes is empty and config.sharding_rules has no "
+        f'{BATCH_RULE!r} rule; set config.data_axes = ("data",) or add '
+        f'("{BATCH_RULE}", "data") to config.sharding_rules'
+    )
   unknown = [a for a in axes if a not in mesh.shape]
   if unknown:
-    raise ShardingError(f"config.data_axes {axes} names {unknown}, which config.mesh does not "
-                        f"have; use axes of {list(mesh.shape)}")
+    raise ConfigError(
+        f"config.data_axes {axes} names {unknown}, which config.mesh does not "
+        f"have; use axes of {list(mesh.shape)}"
+    )
   return axes
 
 
@@ -51,10 +59,11 @@ def check_batch_size(batch_size: int, mesh, axes: Sequence[str], process_count: 
   shards = math.prod(mesh.shape[a] for a in axes)
   need = math.lcm(shards, process_count)
   if batch_size <= 0 or batch_size % need:
-    raise ShardingError(
+    raise ConfigError(
         f"config.batch_size={batch_size} must be a positive multiple of {need}: the data axes "
         f"{tuple(axes)} span {shards} devices and there are {process_count} processes; use "
-        f"e.g. --config.batch_size={max(need, batch_size // need * need)}")
+        f"e.g. --config.batch_size={max(need, batch_size // need * need)}"
+    )
 
 
 def batch_sharding(mesh, axes: Sequence[str]) -> NamedSharding:
@@ -92,12 +101,14 @@ def check_state(plan: Plan, state, when: str) -> None:
   """
   wrong = plan.mismatches(state)
   if wrong:
-    raise ShardingError(f"{when}: {len(wrong)} arrays are not sharded as planned, e.g. "
-                        f"{wrong[:5]}")
+    raise ShardingError(
+        f"{when}: {len(wrong)} arrays are not sharded as planned, e.g. " f"{wrong[:5]}"
+    )
 
 
-def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, plan: Plan,
-                    batch: NamedSharding) -> Callable:
+def make_train_step(
+    loss_fn: Callable, tx: optax.GradientTransformation, plan: Plan, batch: NamedSharding
+) -> Callable:
   """`step(state, batch) -> (state, loss)`, jitted on the plan's shardings, state donated.
 
   `loss_fn(params, batch)` returns the mean loss; grads are constrained to the
@@ -113,8 +124,12 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, plan: P
     updates, opt = tx.update(grads, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
-  return jax.jit(step, in_shardings=(shardings, batch),
-                 out_shardings=(shardings, NamedSharding(plan.mesh, P())), donate_argnums=0)
+  return jax.jit(
+      step,
+      in_shardings=(shardings, batch),
+      out_shardings=(shardings, NamedSharding(plan.mesh, P())),
+      donate_argnums=0,
+  )
 
 
 def make_eval_step(loss_fn: Callable, plan: Plan, batch: NamedSharding) -> Callable:
@@ -122,5 +137,8 @@ def make_eval_step(loss_fn: Callable, plan: Plan, batch: NamedSharding) -> Calla
 
   Example: `float(make_eval_step(loss_fn, plan, sharding)(state["params"], batch))`.
   """
-  return jax.jit(loss_fn, in_shardings=(plan.shardings["params"], batch),
-                 out_shardings=NamedSharding(plan.mesh, P()))
+  return jax.jit(
+      loss_fn,
+      in_shardings=(plan.shardings["params"], batch),
+      out_shardings=NamedSharding(plan.mesh, P()),
+  )

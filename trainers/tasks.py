@@ -10,16 +10,19 @@ Example:
   >>> logits = model.apply({"params": params}, task.inputs(batch))
   >>> loss = task.loss(logits, batch)
 """
-from typing import Any, Callable, Iterator, NamedTuple
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import optax
 
-from bv_sharding import ShardingError
 from trainers import data
+from trainers.errors import ConfigError
 
 
 class Task(NamedTuple):
   """A task's data and loss; `unit`/`per_example` name and count what one example holds."""
+
   train: Any
   held_out: Any
   batches: Callable[..., Iterator[Any]]  # (split, global_batch=, seed=, start_step=) -> local
@@ -44,11 +47,14 @@ def text(config) -> Task:
   """
   train, held_out = data.load_text()
   return Task(
-      train, held_out,
+      train,
+      held_out,
       batches=lambda split, **kw: data.text_batches(split, seq_len=config.seq_len, **kw),
       inputs=lambda batch: batch[:, :-1],
       loss=lambda logits, batch: cross_entropy(logits, batch[:, 1:]),
-      unit="tokens", per_example=config.seq_len)
+      unit="tokens",
+      per_example=config.seq_len,
+  )
 
 
 def digits(config) -> Task:
@@ -59,11 +65,14 @@ def digits(config) -> Task:
   del config  # Unused: the digits have one fixed size.
   train, held_out = data.load_digits()
   return Task(
-      train, held_out,
+      train,
+      held_out,
       batches=data.image_batches,
       inputs=lambda batch: batch["image"],
       loss=lambda logits, batch: cross_entropy(logits, batch["label"]),
-      unit="images", per_example=1)
+      unit="images",
+      per_example=1,
+  )
 
 
 TASKS = {"text": text, "digits": digits}
@@ -75,6 +84,7 @@ def get_task(config) -> Task:
   Example: `get_task(config).unit == "tokens"` for `config.input = "text"`.
   """
   if config.input not in TASKS:
-    raise ShardingError(f"config.input={config.input!r} is not a task; choose from "
-                        f"{sorted(TASKS)}")
+    raise ConfigError(
+        f"config.input={config.input!r} is not a task; choose from " f"{sorted(TASKS)}"
+    )
   return TASKS[config.input](config)

@@ -8,46 +8,57 @@ r"""Trains a model with params and optimizer state sharded by one `config.shardi
 
 Top to bottom: logging -> (jax.distributed) -> mesh -> data -> model -> optimizer
 -> one sharding plan for {"params", "opt"} -> born-sharded init -> loop -> eval.
-Bad configs raise `bvs.ShardingError` naming the config key before anything is
+Bad configs raise `trainers.errors.ConfigError` (or `bvs.ShardingError`) naming the config key before anything is
 allocated. Process 0 writes `workdir/config.json` and `workdir/metrics.jsonl`.
 
 On CPU every process simulates `--devices_per_process` devices (default 8);
 `--coordinator_address/--num_processes/--process_id` (or BV_COORDINATOR,
 BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed.
 """
+
 import os
 
 # OpenBLAS threads fight XLA's on small hosts; set before numpy loads it.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import itertools  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
+import itertools
+import json
+import time
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+import flax.linen as nn
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-import bv_sharding as bvs  # noqa: E402
-from trainers import data, models, optimizers, steps, tasks  # noqa: E402
+import bv_sharding as bvs
+from trainers import data, models, optimizers, steps, tasks
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where config.json and metrics.jsonl go.",
-                               required=True)
-_COORDINATOR = flags.DEFINE_string("coordinator_address", os.environ.get("BV_COORDINATOR"),
-                                   "host:port of process 0; starts jax.distributed.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes",
-                                      int(os.environ.get("BV_NUM_PROCESSES", 1)),
-                                      "Number of jax.distributed processes.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", int(os.environ.get("BV_PROCESS_ID", 0)),
-                                   "This process's id in [0, num_processes).")
-_DEVICES = flags.DEFINE_integer("devices_per_process",
-                                int(os.environ.get("BV_DEVICES_PER_PROCESS", 8)),
-                                "Simulated devices per process on the CPU backend "
-                                "(jax_num_cpu_devices); GPU/TPU backends ignore it.")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Where config.json and metrics.jsonl go.", required=True
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    os.environ.get("BV_COORDINATOR"),
+    "host:port of process 0; starts jax.distributed.",
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes",
+    int(os.environ.get("BV_NUM_PROCESSES", 1)),
+    "Number of jax.distributed processes.",
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id",
+    int(os.environ.get("BV_PROCESS_ID", 0)),
+    "This process's id in [0, num_processes).",
+)
+_DEVICES = flags.DEFINE_integer(
+    "devices_per_process",
+    int(os.environ.get("BV_DEVICES_PER_PROCESS", 8)),
+    "Simulated devices per process on the CPU backend "
+    "(jax_num_cpu_devices); GPU/TPU backends ignore it.",
+)
 
 
 def main(argv):
@@ -64,8 +75,13 @@ def main(argv):
     with open(os.path.join(_WORKDIR.value, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
     open(metrics_path, "w").close()
-  logging.info("process %d of %d, %d devices (%d here)", jax.process_index(),
-               jax.process_count(), jax.device_count(), jax.local_device_count())
+  logging.info(
+      "process %d of %d, %d devices (%d here)",
+      jax.process_index(),
+      jax.process_count(),
+      jax.device_count(),
+      jax.local_device_count(),
+  )
 
   mesh = bvs.make_mesh(config.mesh)
   data_axes = steps.data_axes(mesh, config.sharding_rules, config.data_axes)
@@ -75,37 +91,50 @@ def main(argv):
 
   task = tasks.get_task(config)
   train_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
-  eval_batches = list(itertools.islice(  # Same held-out rows at every eval.
-      task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1),
-      config.eval_batches))
+  eval_batches = list(
+      itertools.islice(  # Same held-out rows at every eval.
+          task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1),
+          config.eval_batches,
+      )
+  )
 
   model = models.get_model(config.model_name, **config.model.to_dict())
   example = task.inputs(jax.tree.map(lambda x: x[:1], eval_batches[0]))
-  init = lambda: model.init(jax.random.key(config.seed), example)["params"]  # noqa: E731
+  init = lambda: model.init(jax.random.key(config.seed), example)["params"]
 
   def loss_fn(params, batch):
     return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
 
-  schedule = None if config.schedule is None else {"total_steps": config.total_steps,
-                                                   **config.schedule.to_dict()}
+  schedule = (
+      None
+      if config.schedule is None
+      else {"total_steps": config.total_steps, **config.schedule.to_dict()}
+  )
   try:
-    tx = optimizers.make_optimizer(config.optax_name, config.lr, schedule=schedule,
-                                   weight_decay=config.wd, clip_norm=config.grad_clip_norm,
-                                   **config.optax.to_dict())
+    tx = optimizers.make_optimizer(
+        config.optax_name,
+        config.lr,
+        schedule=schedule,
+        weight_decay=config.wd,
+        clip_norm=config.grad_clip_norm,
+        **config.optax.to_dict(),
+    )
   except optimizers.OptimizerError as e:
     raise optimizers.OptimizerError(f"config.optax_name / config.optax: {e}") from None
   lr = optimizers.make_schedule(config.lr, **schedule) if schedule else lambda _: config.lr
 
-  plan = bvs.plan(steps.abstract_state(init, tx), config.sharding_strategy, mesh,
-                  rules=config.sharding_rules)
+  plan = bvs.plan(
+      steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
+  )
   if lead:
     logging.info("sharding plan:\n%s", plan.report())
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
   eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
 
   def evaluate(params):
-    return float(np.mean([eval_step(params, data.to_global(b, batch_sharding))
-                          for b in eval_batches]))
+    return float(
+        np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in eval_batches])
+    )
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     logging.info("initialising params and optimizer state in their planned shardings")
@@ -125,8 +154,10 @@ def main(argv):
       record = {"step": step, "loss": float(loss), "lr": float(lr(step - 1))}
       record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
       per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
-      line = (f"step {step}/{total} loss={record['loss']:.4f} "
-              f"steps/s={record['steps_per_sec']:.2f} {task.unit}/s={per_sec:.0f}")
+      line = (
+          f"step {step}/{total} loss={record['loss']:.4f} "
+          f"steps/s={record['steps_per_sec']:.2f} {task.unit}/s={per_sec:.0f}"
+      )
       if is_eval:
         record["eval_loss"] = evaluate(state["params"])
         line += f" eval_loss={record['eval_loss']:.4f}"

@@ -4,23 +4,19 @@ Example:
   >>> model = get_model("llama", size="tiny", scan_layers=True)
   >>> model = get_model("vit", size="tiny", num_classes=10)
 """
-from typing import Callable
+
+from collections.abc import Callable
 
 import flax.linen as nn
 
-from bv_sharding import ShardingError
-
-from trainers.models import llama
-from trainers.models import vit
+from bv_sharding.errors import closest
+from trainers.errors import ConfigError
+from trainers.models import llama, vit
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "llama": llama.build,
     "vit": vit.build,
 }
-
-
-class UnknownModelError(ShardingError):
-  """Raised by `get_model` for a name that is not in `MODELS`."""
 
 
 def get_model(name: str, **kwargs) -> nn.Module:
@@ -29,6 +25,7 @@ def get_model(name: str, **kwargs) -> nn.Module:
   Example: `get_model("llama", size="125m", remat=True)`.
   """
   if name not in MODELS:
-    raise UnknownModelError(
-        f"Unknown model {name!r}; choose from {sorted(MODELS)}")
+    raise ConfigError(
+        f"config.model_name={name!r} is not a model{closest(name, MODELS)} Choose from {sorted(MODELS)}."
+    )
   return MODELS[name](**kwargs)

@@ -1,6 +1,11 @@
 """Named-size presets shared by the model definitions."""
+
 import dataclasses
-from typing import Mapping, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
+
+from bv_sharding.errors import closest
+from trainers.errors import ConfigError
 
 Config = TypeVar("Config")
 
@@ -11,5 +16,8 @@ def pick(presets: Mapping[str, Config], size: str, **overrides) -> Config:
   Example: `pick({"tiny": Cfg(depth=2)}, "tiny", depth=4) == Cfg(depth=4)`.
   """
   if size not in presets:
-    raise ValueError(f"Unknown size {size!r}; choose from {sorted(presets)}")
+    raise ConfigError(
+        f"config.model.size={size!r} is not a size{closest(size, presets)} "
+        f"Choose from {sorted(presets)}."
+    )
   return dataclasses.replace(presets[size], **overrides)

@@ -34,6 +34,7 @@ Example:
   >>> model.apply({"params": params}, tokens).shape
   (2, 16, 256)
 """
+
 import dataclasses
 from typing import Any
 
@@ -52,6 +53,7 @@ ACT_VOCAB = ("act_batch", "act_len", "act_vocab")
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Architecture hyper-parameters; see `PRESETS` for named sizes."""
+
   vocab_size: int
   d_model: int
   n_layers: int
@@ -68,16 +70,17 @@ class LlamaConfig:
 
 # Byte-level presets (vocab 256) train on CPU; "125m"/"7b" are Llama-shaped.
 PRESETS = {
-    "tiny": LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4,
-                        d_ff=384, max_len=128),
-    "small": LlamaConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4,
-                         d_ff=768, max_len=256),
-    "medium": LlamaConfig(vocab_size=256, d_model=512, n_layers=8, n_heads=8,
-                          d_ff=1536, max_len=512),
-    "125m": LlamaConfig(vocab_size=32_000, d_model=768, n_layers=12,
-                        n_heads=12, d_ff=2048, max_len=2048),
-    "7b": LlamaConfig(vocab_size=32_000, d_model=4096, n_layers=32,
-                      n_heads=32, d_ff=11_008, max_len=4096),
+    "tiny": LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_ff=384, max_len=128),
+    "small": LlamaConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, d_ff=768, max_len=256),
+    "medium": LlamaConfig(
+        vocab_size=256, d_model=512, n_layers=8, n_heads=8, d_ff=1536, max_len=512
+    ),
+    "125m": LlamaConfig(
+        vocab_size=32_000, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_len=2048
+    ),
+    "7b": LlamaConfig(
+        vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, d_ff=11_008, max_len=4096
+    ),
 }
 
 
@@ -89,8 +92,9 @@ def llama_config(size: str, **overrides) -> LlamaConfig:
   return _presets.pick(PRESETS, size, **overrides)
 
 
-def _kernel(module: nn.Module, name: str, shape: tuple[int, int],
-            axes: tuple[str, str], dtype: Any) -> jax.Array:
+def _kernel(
+    module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str], dtype: Any
+) -> jax.Array:
   """Declares a 2-D lecun-normal kernel `name` and returns it cast to dtype."""
   init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
   return module.param(name, init, shape, jnp.float32).astype(dtype)
@@ -99,8 +103,11 @@ def _kernel(module: nn.Module, name: str, shape: tuple[int, int],
 def _rms_norm(name: str, cfg: LlamaConfig, dtype: Any) -> nn.RMSNorm:
   """RMSNorm whose `scale` param is boxed with logical axes ("norm",)."""
   return nn.RMSNorm(
-      epsilon=cfg.norm_eps, dtype=dtype, name=name,
-      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))
+      epsilon=cfg.norm_eps,
+      dtype=dtype,
+      name=name,
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+  )
 
 
 def apply_rope(x: jax.Array, theta: float) -> jax.Array:
@@ -120,6 +127,7 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
 
 class Attention(nn.Module):
   """Causal multi-head self-attention with RoPE on queries and keys."""
+
   config: LlamaConfig
   dtype: Any = jnp.float32
 
@@ -129,8 +137,7 @@ class Attention(nn.Module):
     inner = cfg.n_heads * cfg.head_dim
 
     def project(name):
-      kernel = _kernel(self, name, (cfg.d_model, inner), ("embed", "heads"),
-                       self.dtype)
+      kernel = _kernel(self, name, (cfg.d_model, inner), ("embed", "heads"), self.dtype)
       y = (x @ kernel).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
       return nn.with_logical_constraint(y, ACT_HEADS)
 
@@ -139,31 +146,29 @@ class Attention(nn.Module):
     v = project("v_kernel")
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     y = y.reshape(*x.shape[:2], inner)
-    out = _kernel(self, "out_kernel", (inner, cfg.d_model), ("heads", "embed"),
-                  self.dtype)
+    out = _kernel(self, "out_kernel", (inner, cfg.d_model), ("heads", "embed"), self.dtype)
     return nn.with_logical_constraint(y @ out, ACT_EMBED)
 
 
 class Mlp(nn.Module):
   """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
+
   config: LlamaConfig
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    gate = _kernel(self, "gate_kernel", (cfg.d_model, cfg.d_ff),
-                   ("embed", "mlp"), self.dtype)
-    up = _kernel(self, "up_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"),
-                 self.dtype)
-    down = _kernel(self, "down_kernel", (cfg.d_ff, cfg.d_model),
-                   ("mlp", "embed"), self.dtype)
+    gate = _kernel(self, "gate_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), self.dtype)
+    up = _kernel(self, "up_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), self.dtype)
+    down = _kernel(self, "down_kernel", (cfg.d_ff, cfg.d_model), ("mlp", "embed"), self.dtype)
     h = nn.with_logical_constraint(nn.silu(x @ gate) * (x @ up), ACT_MLP)
     return nn.with_logical_constraint(h @ down, ACT_EMBED)
 
 
 class DecoderBlock(nn.Module):
   """Pre-norm residual block; (x, _) -> (x, None) so it can be nn.scan'ned."""
+
   config: LlamaConfig
   dtype: Any = jnp.float32
 
@@ -171,9 +176,9 @@ class DecoderBlock(nn.Module):
   def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
     cfg = self.config
     x = x + Attention(cfg, self.dtype, name="attention")(
-        _rms_norm("attention_norm", cfg, self.dtype)(x))
-    x = x + Mlp(cfg, self.dtype, name="mlp")(
-        _rms_norm("mlp_norm", cfg, self.dtype)(x))
+        _rms_norm("attention_norm", cfg, self.dtype)(x)
+    )
+    x = x + Mlp(cfg, self.dtype, name="mlp")(_rms_norm("mlp_norm", cfg, self.dtype)(x))
     return nn.with_logical_constraint(x, ACT_EMBED), None
 
 
@@ -187,6 +192,7 @@ class Llama(nn.Module):
     remat: rematerialise each block's activations in the backward pass.
     dtype: activation / compute dtype; params are always float32.
   """
+
   config: LlamaConfig
   scan_layers: bool = False
   remat: bool = False
@@ -196,9 +202,14 @@ class Llama(nn.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.config
     embed = nn.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=self.dtype, name="embed",
+        cfg.vocab_size,
+        cfg.d_model,
+        dtype=self.dtype,
+        name="embed",
         embedding_init=nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=0.02), ("vocab", "embed")))
+            nn.initializers.normal(stddev=0.02), ("vocab", "embed")
+        ),
+    )
     x = nn.with_logical_constraint(embed(tokens), ACT_EMBED)
 
     block = DecoderBlock
@@ -206,9 +217,12 @@ class Llama(nn.Module):
       block = nn.remat(block, prevent_cse=not self.scan_layers)
     if self.scan_layers:
       layers = nn.scan(
-          block, length=cfg.n_layers,
-          variable_axes={"params": 0}, split_rngs={"params": True},
-          metadata_params={nn.PARTITION_NAME: "layers"})
+          block,
+          length=cfg.n_layers,
+          variable_axes={"params": 0},
+          split_rngs={"params": True},
+          metadata_params={nn.PARTITION_NAME: "layers"},
+      )
       x, _ = layers(cfg, self.dtype, name="layers")(x, None)
     else:
       for i in range(cfg.n_layers):
@@ -216,18 +230,29 @@ class Llama(nn.Module):
 
     x = _rms_norm("final_norm", cfg, self.dtype)(x)
     logits = nn.Dense(
-        cfg.vocab_size, use_bias=False, dtype=self.dtype, name="lm_head",
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=self.dtype,
+        name="lm_head",
         kernel_init=nn.with_logical_partitioning(
-            nn.initializers.lecun_normal(), ("embed", "vocab")))(x)
+            nn.initializers.lecun_normal(), ("embed", "vocab")
+        ),
+    )(x)
     return nn.with_logical_constraint(logits.astype(jnp.float32), ACT_VOCAB)
 
 
-def build(size: str = "tiny", *, scan_layers: bool = False,
-          remat: bool = False, dtype: Any = jnp.float32,
-          **config_overrides) -> Llama:
+def build(
+    size: str = "tiny",
+    *,
+    scan_layers: bool = False,
+    remat: bool = False,
+    dtype: Any = jnp.float32,
+    **config_overrides,
+) -> Llama:
   """Returns a `Llama` of preset `size`; extra kwargs override config fields.
 
   Example: `build("tiny", scan_layers=True, n_layers=4, dtype=jnp.bfloat16)`.
   """
-  return Llama(llama_config(size, **config_overrides),
-               scan_layers=scan_layers, remat=remat, dtype=dtype)
+  return Llama(
+      llama_config(size, **config_overrides), scan_layers=scan_layers, remat=remat, dtype=dtype
+  )

@@ -21,6 +21,7 @@ Example:
   >>> model.apply({"params": params}, images).shape
   (2, 10)
 """
+
 import dataclasses
 
 import flax.linen as nn
@@ -35,6 +36,7 @@ ACT_EMBED = ("act_batch", "act_len", "act_embed")
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
   """Encoder sizes; see `PRESETS`."""
+
   width: int
   depth: int
   mlp_dim: int
@@ -44,10 +46,8 @@ class ViTConfig:
 
 # Sized for 8x8 images (e.g. sklearn digits): patch 2 -> 16 tokens + cls.
 PRESETS = {
-    "tiny": ViTConfig(width=64, depth=2, mlp_dim=256, num_heads=4,
-                      patch_size=2),
-    "small": ViTConfig(width=192, depth=6, mlp_dim=768, num_heads=3,
-                       patch_size=2),
+    "tiny": ViTConfig(width=64, depth=2, mlp_dim=256, num_heads=4, patch_size=2),
+    "small": ViTConfig(width=192, depth=6, mlp_dim=768, num_heads=3, patch_size=2),
 }
 
 
@@ -61,18 +61,23 @@ def vit_config(size: str, **overrides) -> ViTConfig:
 
 class MlpBlock(nn.Module):
   """Dense -> GELU -> Dense, back to the input width."""
+
   mlp_dim: int
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    dense = lambda n: nn.Dense(n, kernel_init=nn.initializers.xavier_uniform(),
-                               bias_init=nn.initializers.normal(stddev=1e-6))
+    dense = lambda n: nn.Dense(
+        n,
+        kernel_init=nn.initializers.xavier_uniform(),
+        bias_init=nn.initializers.normal(stddev=1e-6),
+    )
     h = nn.gelu(dense(self.mlp_dim)(x))  # Dense_0
     return dense(x.shape[-1])(h)  # Dense_1
 
 
 class Encoder1DBlock(nn.Module):
   """Pre-LayerNorm self-attention + MLP residual block."""
+
   mlp_dim: int
   num_heads: int
 
@@ -80,27 +85,28 @@ class Encoder1DBlock(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     y = nn.LayerNorm()(x)
     x = x + nn.MultiHeadDotProductAttention(
-        num_heads=self.num_heads,
-        kernel_init=nn.initializers.xavier_uniform())(y, y)
+        num_heads=self.num_heads, kernel_init=nn.initializers.xavier_uniform()
+    )(y, y)
     x = x + MlpBlock(self.mlp_dim)(nn.LayerNorm()(x))
     return nn.with_logical_constraint(x, ACT_EMBED)
 
 
 class Encoder(nn.Module):
   """`depth` blocks named encoderblock_{i}, then `encoder_norm`."""
+
   config: ViTConfig
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     for i in range(cfg.depth):
-      x = Encoder1DBlock(cfg.mlp_dim, cfg.num_heads,
-                         name=f"encoderblock_{i}")(x)
+      x = Encoder1DBlock(cfg.mlp_dim, cfg.num_heads, name=f"encoderblock_{i}")(x)
     return nn.LayerNorm(name="encoder_norm")(x)
 
 
 class ViT(nn.Module):
   """Images (B, H, W, C) -> logits (B, num_classes), pooled on the cls token."""
+
   config: ViTConfig
   num_classes: int
 
@@ -108,22 +114,18 @@ class ViT(nn.Module):
   def __call__(self, images: jax.Array) -> jax.Array:
     cfg = self.config
     p = cfg.patch_size
-    x = nn.Conv(cfg.width, (p, p), strides=(p, p), padding="VALID",
-                name="embedding")(images)
+    x = nn.Conv(cfg.width, (p, p), strides=(p, p), padding="VALID", name="embedding")(images)
     b, h, w, c = x.shape
     x = x.reshape(b, h * w, c)
-    x = x + self.param("pos_embedding",
-                       nn.initializers.normal(stddev=c ** -0.5), (1, h * w, c))
+    x = x + self.param("pos_embedding", nn.initializers.normal(stddev=c**-0.5), (1, h * w, c))
     cls = self.param("cls", nn.initializers.zeros, (1, 1, c))
     x = jnp.concatenate([jnp.tile(cls, (b, 1, 1)), x], axis=1)
     x = nn.with_logical_constraint(x, ACT_EMBED)
     x = Encoder(cfg, name="Transformer")(x)
-    return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros,
-                    name="head")(x[:, 0])
+    return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(x[:, 0])
 
 
-def build(size: str = "tiny", *, num_classes: int = 10,
-          **config_overrides) -> ViT:
+def build(size: str = "tiny", *, num_classes: int = 10, **config_overrides) -> ViT:
   """Returns a `ViT` of preset `size`; extra kwargs override config fields.
 
   Example: `build("small", num_classes=100, patch_size=4)`.

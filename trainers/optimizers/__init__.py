@@ -5,7 +5,7 @@ Example:
     >>> tx = make_optimizer("shampoo", 1e-3, block_size=256, clip_norm=1.0)
 """
 
-from trainers.optimizers.errors import OptimizerError
+from trainers.errors import OptimizerError
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
 from trainers.optimizers.schedules import make_schedule

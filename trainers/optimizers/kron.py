@@ -54,7 +54,8 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +73,7 @@ _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
 _BALANCE_PROBABILITY = 0.01
 _MEMORY_SAVE_MODES = (None, "one_diag", "all_diag")
 
-Probability = Union[float, Callable[[jax.Array], jax.Array]]
+Probability = float | Callable[[jax.Array], jax.Array]
 
 
 def precond_update_prob_schedule(
@@ -81,160 +82,155 @@ def precond_update_prob_schedule(
     decay: float = 0.001,
     flat_start: int = 500,
 ) -> Callable[[jax.Array], jax.Array]:
-    """Probability of updating Q at step n: flat, then exponential anneal.
+  """Probability of updating Q at step n: flat, then exponential anneal.
 
-    Example:
-        >>> sched = precond_update_prob_schedule(flat_start=10)
-        >>> float(sched(5)), round(float(sched(4010)), 2)
-        (1.0, 0.03)
-    """
+  Example:
+      >>> sched = precond_update_prob_schedule(flat_start=10)
+      >>> float(sched(5)), round(float(sched(4010)), 2)
+      (1.0, 0.03)
+  """
 
-    def schedule(n):
-        prob = max_prob * jnp.exp(-decay * (n - flat_start))
-        return jnp.clip(prob, min_prob, max_prob)
+  def schedule(n):
+    prob = max_prob * jnp.exp(-decay * (n - flat_start))
+    return jnp.clip(prob, min_prob, max_prob)
 
-    return schedule
+  return schedule
 
 
 def triangular_dims(
     shape: tuple[int, ...],
     max_size_triangular: int,
     min_ndim_triangular: int,
-    memory_save_mode: Optional[str],
+    memory_save_mode: str | None,
 ) -> list[bool]:
-    """Per dim: True if its Q is triangular, False if diagonal.
+  """Per dim: True if its Q is triangular, False if diagonal.
 
-    Example:
-        >>> triangular_dims((16, 8), 8192, 2, "one_diag")
-        [False, True]
-    """
-    if memory_save_mode not in _MEMORY_SAVE_MODES:
-        raise ValueError(
-            f"memory_save_mode={memory_save_mode!r}; expected one of "
-            f"{_MEMORY_SAVE_MODES}"
-        )
-    forced_diag = [memory_save_mode == "all_diag"] * len(shape)
-    if memory_save_mode == "one_diag" and shape:
-        largest = max(range(len(shape)), key=lambda i: (shape[i], i))
-        forced_diag[largest] = True
-    return [
-        not diag
-        and 1 < size <= max_size_triangular
-        and len(shape) >= min_ndim_triangular
-        for size, diag in zip(shape, forced_diag)
-    ]
+  Example:
+      >>> triangular_dims((16, 8), 8192, 2, "one_diag")
+      [False, True]
+  """
+  if memory_save_mode not in _MEMORY_SAVE_MODES:
+    raise ValueError(
+        f"memory_save_mode={memory_save_mode!r}; expected one of " f"{_MEMORY_SAVE_MODES}"
+    )
+  forced_diag = [memory_save_mode == "all_diag"] * len(shape)
+  if memory_save_mode == "one_diag" and shape:
+    largest = max(range(len(shape)), key=lambda i: (shape[i], i))
+    forced_diag[largest] = True
+  return [
+      not diag and 1 < size <= max_size_triangular and len(shape) >= min_ndim_triangular
+      for size, diag in zip(shape, forced_diag)
+  ]
 
 
 def init_qs(shape, triangular, scale, dtype) -> list[jax.Array]:
-    """Initial Q factors, whose Kronecker product is ``scale * I``.
+  """Initial Q factors, whose Kronecker product is ``scale * I``.
 
-    Example:
-        >>> [q.shape for q in init_qs((3, 2), [True, False], 1.0, jnp.float32)]
-        [(3, 3), (2,)]
-    """
-    if not shape:
-        return [jnp.full((), scale, dtype)]
-    scale = scale ** (1 / len(shape))
-    return [
-        scale * (jnp.eye(d, dtype=dtype) if tri else jnp.ones(d, dtype))
-        for d, tri in zip(shape, triangular)
-    ]
+  Example:
+      >>> [q.shape for q in init_qs((3, 2), [True, False], 1.0, jnp.float32)]
+      [(3, 3), (2,)]
+  """
+  if not shape:
+    return [jnp.full((), scale, dtype)]
+  scale = scale ** (1 / len(shape))
+  return [
+      scale * (jnp.eye(d, dtype=dtype) if tri else jnp.ones(d, dtype))
+      for d, tri in zip(shape, triangular)
+  ]
 
 
 def _apply_along(x: jax.Array, axis: int, q: jax.Array) -> jax.Array:
-    """Multiplies ``x`` by ``q`` along ``axis`` (diagonal ``q`` is elementwise)."""
-    if q.ndim == 1:
-        return x * jnp.expand_dims(q, range(1, x.ndim - axis))
-    return matmul_along(x, axis, q)
+  """Multiplies ``x`` by ``q`` along ``axis`` (diagonal ``q`` is elementwise)."""
+  if q.ndim == 1:
+    return x * jnp.expand_dims(q, range(1, x.ndim - axis))
+  return matmul_along(x, axis, q)
 
 
 def triangular_inverse(q: jax.Array) -> jax.Array:
-    """Inverse of an upper triangular ``(..., n, n)`` matrix, with matmuls only.
+  """Inverse of an upper triangular ``(..., n, n)`` matrix, with matmuls only.
 
-    Blockwise doubling: ``inv([[A, B], [0, D]]) = [[iA, -iA B iD], [0, iD]]``,
-    starting from the reciprocal diagonal, log2(n) batched steps (n is padded
-    to a power of 2 with identity). Unlike a batched ``triangular_solve`` it
-    calls no LAPACK kernel: jaxlib's batched CPU kernels split large batches
-    over the intra-op thread pool and wait for them, which deadlocks when
-    several simulated CPU devices occupy that pool.
+  Blockwise doubling: ``inv([[A, B], [0, D]]) = [[iA, -iA B iD], [0, iD]]``,
+  starting from the reciprocal diagonal, log2(n) batched steps (n is padded
+  to a power of 2 with identity). Unlike a batched ``triangular_solve`` it
+  calls no LAPACK kernel: jaxlib's batched CPU kernels split large batches
+  over the intra-op thread pool and wait for them, which deadlocks when
+  several simulated CPU devices occupy that pool.
 
-    Example:
-        >>> q = jnp.array([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0], [0.0, 0.0, 4.0]])
-        >>> bool(jnp.allclose(triangular_inverse(q) @ q, jnp.eye(3)))
-        True
-    """
-    n = q.shape[-1]
-    size = 1 << (n - 1).bit_length()
-    pad = [(0, 0)] * (q.ndim - 2) + [(0, size - n)] * 2
-    full = jnp.pad(q, pad) + jnp.diag(jnp.arange(size) >= n).astype(q.dtype)
-    batch = q.shape[:-2]
-    # Diagonals via masks: jnp.diagonal traces a platform-dependent lax.cond.
-    inv = (1 / jnp.sum(full * jnp.eye(size, dtype=q.dtype), -1))[..., None, None]
-    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-    for level in range(size.bit_length() - 1):
-        s, pairs = 2**level, size // 2 ** (level + 1)
-        grid = full.reshape(*batch, pairs, 2 * s, pairs, 2 * s)
-        on_diagonal = jnp.eye(pairs, dtype=q.dtype)[:, None, :, None]
-        b = jnp.sum(grid * on_diagonal, -2)[..., :s, s:]  # (..., pairs, s, s)
-        inv_a, inv_d = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
-        top = jnp.concatenate([inv_a, -matmul(matmul(inv_a, b), inv_d)], -1)
-        bottom = jnp.concatenate([jnp.zeros_like(inv_d), inv_d], -1)
-        inv = jnp.concatenate([top, bottom], -2)
-    return inv[..., 0, :n, :n]
+  Example:
+      >>> q = jnp.array([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0], [0.0, 0.0, 4.0]])
+      >>> bool(jnp.allclose(triangular_inverse(q) @ q, jnp.eye(3)))
+      True
+  """
+  n = q.shape[-1]
+  size = 1 << (n - 1).bit_length()
+  pad = [(0, 0)] * (q.ndim - 2) + [(0, size - n)] * 2
+  full = jnp.pad(q, pad) + jnp.diag(jnp.arange(size) >= n).astype(q.dtype)
+  batch = q.shape[:-2]
+  # Diagonals via masks: jnp.diagonal traces a platform-dependent lax.cond.
+  inv = (1 / jnp.sum(full * jnp.eye(size, dtype=q.dtype), -1))[..., None, None]
+  matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+  for level in range(size.bit_length() - 1):
+    s, pairs = 2**level, size // 2 ** (level + 1)
+    grid = full.reshape(*batch, pairs, 2 * s, pairs, 2 * s)
+    on_diagonal = jnp.eye(pairs, dtype=q.dtype)[:, None, :, None]
+    b = jnp.sum(grid * on_diagonal, -2)[..., :s, s:]  # (..., pairs, s, s)
+    inv_a, inv_d = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+    top = jnp.concatenate([inv_a, -matmul(matmul(inv_a, b), inv_d)], -1)
+    bottom = jnp.concatenate([jnp.zeros_like(inv_d), inv_d], -1)
+    inv = jnp.concatenate([top, bottom], -2)
+  return inv[..., 0, :n, :n]
 
 
-def _solve_along(
-    x: jax.Array, axis: int, q: jax.Array, by_inverse: bool = False
-) -> jax.Array:
-    """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular).
+def _solve_along(x: jax.Array, axis: int, q: jax.Array, by_inverse: bool = False) -> jax.Array:
+  """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular).
 
-    ``by_inverse`` uses :func:`triangular_inverse` instead of LAPACK.
-    """
-    if q.ndim == 1:
-        return x / jnp.expand_dims(q, range(1, x.ndim - axis))
-    if by_inverse:
-        return matmul_along(x, axis, triangular_inverse(q).T.astype(x.dtype))
-    moved = jnp.moveaxis(x, axis, -1)
-    flat = moved.reshape(-1, moved.shape[-1]).astype(q.dtype)
-    solved = jax.lax.linalg.triangular_solve(q, flat, left_side=False, lower=False)
-    return jnp.moveaxis(solved.reshape(moved.shape), -1, axis)
+  ``by_inverse`` uses :func:`triangular_inverse` instead of LAPACK.
+  """
+  if q.ndim == 1:
+    return x / jnp.expand_dims(q, range(1, x.ndim - axis))
+  if by_inverse:
+    return matmul_along(x, axis, triangular_inverse(q).T.astype(x.dtype))
+  moved = jnp.moveaxis(x, axis, -1)
+  flat = moved.reshape(-1, moved.shape[-1]).astype(q.dtype)
+  solved = jax.lax.linalg.triangular_solve(q, flat, left_side=False, lower=False)
+  return jnp.moveaxis(solved.reshape(moved.shape), -1, axis)
 
 
 def _gram_along(x: jax.Array, axis: int, diagonal: bool) -> jax.Array:
-    """Second moment of ``x`` along ``axis``: a (d,) vector or (d, d) matrix."""
-    if diagonal:
-        return jnp.sum(x * x, axis=[a for a in range(x.ndim) if a != axis])
-    return gram_along(x, axis)
+  """Second moment of ``x`` along ``axis``: a (d,) vector or (d, d) matrix."""
+  if diagonal:
+    return jnp.sum(x * x, axis=[a for a in range(x.ndim) if a != axis])
+  return gram_along(x, axis)
 
 
 def _spectral_norm_lower_bound(a: jax.Array) -> jax.Array:
-    """Cheap lower bound of the spectral norm of a symmetric PSD matrix.
+  """Cheap lower bound of the spectral norm of a symmetric PSD matrix.
 
-    One power-iteration step started from the row of largest norm; psgd's
-    bound (norm(a) <= sqrt(2) * bound in practice).
-    """
-    max_abs = jnp.max(jnp.abs(a))
-    scaled = a / jnp.where(max_abs > 0, max_abs, 1.0)
-    row = scaled[jnp.argmax(jnp.sum(scaled * scaled, axis=1))]
-    x = scaled @ row
-    x = x / jnp.where(jnp.any(x != 0), jnp.linalg.norm(x), 1.0)
-    return max_abs * jnp.linalg.norm(scaled @ x)
+  One power-iteration step started from the row of largest norm; psgd's
+  bound (norm(a) <= sqrt(2) * bound in practice).
+  """
+  max_abs = jnp.max(jnp.abs(a))
+  scaled = a / jnp.where(max_abs > 0, max_abs, 1.0)
+  row = scaled[jnp.argmax(jnp.sum(scaled * scaled, axis=1))]
+  x = scaled @ row
+  x = x / jnp.where(jnp.any(x != 0), jnp.linalg.norm(x), 1.0)
+  return max_abs * jnp.linalg.norm(scaled @ x)
 
 
 def _update_q(q, term1, term2, lr):
-    """One step of psgd's multiplicative Q fit: q <- q - lr * dq."""
-    tiny = jnp.finfo(term1.dtype).tiny
-    if q.ndim < 2:
-        step = lr * (term1 - term2) / (jnp.max(jnp.abs(term1 + term2)) + tiny)
-        return q - step * q
-    step = lr * jnp.triu(term1 - term2)
-    step = step / (_spectral_norm_lower_bound(term1 + term2) + tiny)
-    return q - step @ q
+  """One step of psgd's multiplicative Q fit: q <- q - lr * dq."""
+  tiny = jnp.finfo(term1.dtype).tiny
+  if q.ndim < 2:
+    step = lr * (term1 - term2) / (jnp.max(jnp.abs(term1 + term2)) + tiny)
+    return q - step * q
+  step = lr * jnp.triu(term1 - term2)
+  step = step / (_spectral_norm_lower_bound(term1 + term2) + tiny)
+  return q - step @ q
 
 
 def _as_vector(x):
-    """Scalars are handled as 1-vectors so every code path sees ndim >= 1."""
-    return x.reshape(1) if x.ndim == 0 else x
+  """Scalars are handled as 1-vectors so every code path sees ndim >= 1."""
+  return x.reshape(1) if x.ndim == 0 else x
 
 
 def update_qs(
@@ -244,134 +240,132 @@ def update_qs(
     lr: float,
     solve_by_inverse: bool = False,
 ):
-    """Fits Q so that ``P = Q^T Q`` whitens ``g``, using the probe ``v``.
+  """Fits Q so that ``P = Q^T Q`` whitens ``g``, using the probe ``v``.
 
-    Implements psgd's Kron update: ``A = Q g`` and ``conjB = v Q^{-1}``
-    (a triangular solve per dim, or a product with :func:`triangular_inverse`
-    if ``solve_by_inverse``); each factor moves along
-    ``triu(A A^T - conjB^T conjB)`` normalised by a spectral-norm bound.
+  Implements psgd's Kron update: ``A = Q g`` and ``conjB = v Q^{-1}``
+  (a triangular solve per dim, or a product with :func:`triangular_inverse`
+  if ``solve_by_inverse``); each factor moves along
+  ``triu(A A^T - conjB^T conjB)`` normalised by a spectral-norm bound.
 
-    Example:
-        >>> qs = init_qs((3, 2), [True, True], 1.0, jnp.float32)
-        >>> g = jnp.ones((3, 2)); v = jnp.ones((3, 2))
-        >>> [q.shape for q in update_qs(qs, g, v, 0.1)]
-        [(3, 3), (2, 2)]
-    """
-    shapes = [q.shape for q in qs]
-    qs = [_as_vector(q) for q in qs]
-    g, v = _as_vector(g), _as_vector(v)
-    a, conj_b = g, v
-    for axis, q in enumerate(qs):
-        a = _apply_along(a, axis, q)
-        conj_b = _solve_along(conj_b, axis, q, solve_by_inverse)
-    new_qs = []
-    for axis, q in enumerate(qs):
-        term1 = _gram_along(a, axis, diagonal=q.ndim == 1)
-        term2 = _gram_along(conj_b, axis, diagonal=q.ndim == 1)
-        new_qs.append(_update_q(q, term1, term2, lr))
-    return [q.reshape(s) for q, s in zip(new_qs, shapes)]
+  Example:
+      >>> qs = init_qs((3, 2), [True, True], 1.0, jnp.float32)
+      >>> g = jnp.ones((3, 2)); v = jnp.ones((3, 2))
+      >>> [q.shape for q in update_qs(qs, g, v, 0.1)]
+      [(3, 3), (2, 2)]
+  """
+  shapes = [q.shape for q in qs]
+  qs = [_as_vector(q) for q in qs]
+  g, v = _as_vector(g), _as_vector(v)
+  a, conj_b = g, v
+  for axis, q in enumerate(qs):
+    a = _apply_along(a, axis, q)
+    conj_b = _solve_along(conj_b, axis, q, solve_by_inverse)
+  new_qs = []
+  for axis, q in enumerate(qs):
+    term1 = _gram_along(a, axis, diagonal=q.ndim == 1)
+    term2 = _gram_along(conj_b, axis, diagonal=q.ndim == 1)
+    new_qs.append(_update_q(q, term1, term2, lr))
+  return [q.reshape(s) for q, s in zip(new_qs, shapes)]
 
 
 def precondition(qs: list[jax.Array], g: jax.Array) -> jax.Array:
-    """Returns ``P g`` with ``P = kron(Q_i^T Q_i)``.
+  """Returns ``P g`` with ``P = kron(Q_i^T Q_i)``.
 
-    Example:
-        >>> qs = init_qs((2, 2), [True, True], 4.0, jnp.float32)
-        >>> precondition(qs, jnp.ones((2, 2))).tolist()  # Q_i = 2 I, so P = 16 I
-        [[16.0, 16.0], [16.0, 16.0]]
-    """
-    out = _as_vector(g)
-    for axis, q in enumerate(qs):
-        q = _as_vector(q)
-        out = _apply_along(_apply_along(out, axis, q), axis, q.T)
-    return out.reshape(g.shape)
+  Example:
+      >>> qs = init_qs((2, 2), [True, True], 4.0, jnp.float32)
+      >>> precondition(qs, jnp.ones((2, 2))).tolist()  # Q_i = 2 I, so P = 16 I
+      [[16.0, 16.0], [16.0, 16.0]]
+  """
+  out = _as_vector(g)
+  for axis, q in enumerate(qs):
+    q = _as_vector(q)
+    out = _apply_along(_apply_along(out, axis, q), axis, q.T)
+  return out.reshape(g.shape)
 
 
 def balance_qs(qs: list[jax.Array]) -> list[jax.Array]:
-    """Rescales factors to equal max-abs without changing their product."""
-    if len(qs) < 2:
-        return qs
-    norms = jnp.stack([jnp.max(jnp.abs(q)).astype(jnp.float32) for q in qs])
-    gmean = jnp.prod(norms) ** (1 / len(qs))
-    return [q * (gmean / n).astype(q.dtype) for q, n in zip(qs, norms)]
+  """Rescales factors to equal max-abs without changing their product."""
+  if len(qs) < 2:
+    return qs
+  norms = jnp.stack([jnp.max(jnp.abs(q)).astype(jnp.float32) for q in qs])
+  gmean = jnp.prod(norms) ** (1 / len(qs))
+  return [q * (gmean / n).astype(q.dtype) for q, n in zip(qs, norms)]
 
 
 def _clip_rms(u: jax.Array, max_rms: float = 1.1) -> jax.Array:
-    """Preconditioned grads should have RMS ~1: cap it at ``max_rms``."""
-    rms = jnp.sqrt(jnp.mean(jnp.square(u)))
-    return u / jnp.maximum(1.0, rms / max_rms)
+  """Preconditioned grads should have RMS ~1: cap it at ``max_rms``."""
+  rms = jnp.sqrt(jnp.mean(jnp.square(u)))
+  return u / jnp.maximum(1.0, rms / max_rms)
 
 
 def _probe_vectors(key: jax.Array, grads: list[jax.Array]):
-    """The balancing coin and one Gaussian probe per grad, as in psgd-jax."""
-    key, coin_key = jax.random.split(key)
-    do_balance = jax.random.uniform(coin_key) < _BALANCE_PROBABILITY
-    _, probe_key = jax.random.split(key)
-    keys = jax.random.split(probe_key, len(grads))
-    probes = [jax.random.normal(k, g.shape, g.dtype) for k, g in zip(keys, grads)]
-    return do_balance, probes
+  """The balancing coin and one Gaussian probe per grad, as in psgd-jax."""
+  key, coin_key = jax.random.split(key)
+  do_balance = jax.random.uniform(coin_key) < _BALANCE_PROBABILITY
+  _, probe_key = jax.random.split(key)
+  keys = jax.random.split(probe_key, len(grads))
+  probes = [jax.random.normal(k, g.shape, g.dtype) for k, g in zip(keys, grads)]
+  return do_balance, probes
 
 
 def _maybe_vmap(scanned: bool, fn: Callable) -> Callable:
-    return jax.vmap(fn) if scanned else fn
+  return jax.vmap(fn) if scanned else fn
 
 
-def leaf_block_size(
-    param: jax.Array, scanned: bool, block_size: Optional[int]
-) -> Optional[int]:
-    """``block_size`` if ``param`` is split into blocks, else None.
+def leaf_block_size(param: jax.Array, scanned: bool, block_size: int | None) -> int | None:
+  """``block_size`` if ``param`` is split into blocks, else None.
 
-    Params with fewer than 2 dims (not counting a scanned layer axis) keep
-    their single preconditioner.
+  Params with fewer than 2 dims (not counting a scanned layer axis) keep
+  their single preconditioner.
 
-    Example:
-        >>> leaf_block_size(jnp.ones((4, 3)), False, 2)
-        2
-        >>> print(leaf_block_size(jnp.ones((2, 3)), True, 2))  # 1-D per layer
-        None
-    """
-    if block_size is None or param.ndim - scanned < 2:
-        return None
-    return block_size
+  Example:
+      >>> leaf_block_size(jnp.ones((4, 3)), False, 2)
+      2
+      >>> print(leaf_block_size(jnp.ones((2, 3)), True, 2))  # 1-D per layer
+      None
+  """
+  if block_size is None or param.ndim - scanned < 2:
+    return None
+  return block_size
 
 
-def split_blocks(x: jax.Array, block_size: Optional[int], scanned: bool) -> jax.Array:
-    """Param-shaped ``x`` as a stack of blocks (unchanged if block_size is None).
+def split_blocks(x: jax.Array, block_size: int | None, scanned: bool) -> jax.Array:
+  """Param-shaped ``x`` as a stack of blocks (unchanged if block_size is None).
 
-    A scanned ``x`` is blocked per layer and the layer axis folded into the
-    block axis, layer-major.
+  A scanned ``x`` is blocked per layer and the layer axis folded into the
+  block axis, layer-major.
 
-    Example:
-        >>> split_blocks(jnp.ones((5, 4)), 2, False).shape  # dim 0 padded to 6
-        (6, 2, 2)
-        >>> split_blocks(jnp.ones((3, 5, 4)), 2, True).shape  # 3 layers x 6 blocks
-        (18, 2, 2)
-    """
-    if block_size is None:
-        return x
-    if not scanned:
-        return blockify(x, block_size)
-    per_layer = jax.vmap(functools.partial(blockify, block_size=block_size))(x)
-    return per_layer.reshape(-1, *per_layer.shape[2:])
+  Example:
+      >>> split_blocks(jnp.ones((5, 4)), 2, False).shape  # dim 0 padded to 6
+      (6, 2, 2)
+      >>> split_blocks(jnp.ones((3, 5, 4)), 2, True).shape  # 3 layers x 6 blocks
+      (18, 2, 2)
+  """
+  if block_size is None:
+    return x
+  if not scanned:
+    return blockify(x, block_size)
+  per_layer = jax.vmap(functools.partial(blockify, block_size=block_size))(x)
+  return per_layer.reshape(-1, *per_layer.shape[2:])
 
 
 def merge_blocks(
-    blocks: jax.Array, shape: tuple[int, ...], block_size: Optional[int], scanned: bool
+    blocks: jax.Array, shape: tuple[int, ...], block_size: int | None, scanned: bool
 ) -> jax.Array:
-    """Inverse of :func:`split_blocks`: back to the param ``shape``.
+  """Inverse of :func:`split_blocks`: back to the param ``shape``.
 
-    Example:
-        >>> x = jnp.arange(60.0).reshape(3, 5, 4)
-        >>> bool((merge_blocks(split_blocks(x, 2, True), x.shape, 2, True) == x).all())
-        True
-    """
-    if block_size is None:
-        return blocks
-    if not scanned:
-        return unblockify(blocks, shape, block_size)
-    per_layer = blocks.reshape(shape[0], -1, *blocks.shape[1:])
-    merge = functools.partial(unblockify, shape=shape[1:], block_size=block_size)
-    return jax.vmap(merge)(per_layer)
+  Example:
+      >>> x = jnp.arange(60.0).reshape(3, 5, 4)
+      >>> bool((merge_blocks(split_blocks(x, 2, True), x.shape, 2, True) == x).all())
+      True
+  """
+  if block_size is None:
+    return blocks
+  if not scanned:
+    return unblockify(blocks, shape, block_size)
+  per_layer = blocks.reshape(shape[0], -1, *blocks.shape[1:])
+  merge = functools.partial(unblockify, shape=shape[1:], block_size=block_size)
+  return jax.vmap(merge)(per_layer)
 
 
 def scale_by_kron(
@@ -379,204 +373,198 @@ def scale_by_kron(
     preconditioner_update_probability: Probability = precond_update_prob_schedule(),
     max_size_triangular: int = 8192,
     min_ndim_triangular: int = 2,
-    memory_save_mode: Optional[str] = None,
+    memory_save_mode: str | None = None,
     momentum_into_precond_update: bool = True,
     preconditioner_lr: float = 0.1,
     preconditioner_init_scale: float = 1.0,
-    mu_dtype: Optional[Any] = None,
-    precond_dtype: Optional[Any] = None,
-    precond_update_precision: Optional[str] = "tensorfloat32",
-    precond_grads_precision: Optional[str] = None,
-    scanned_layers: Optional[optax.Params] = None,
-    block_size: Optional[int] = None,
+    mu_dtype: Any | None = None,
+    precond_dtype: Any | None = None,
+    precond_update_precision: str | None = "tensorfloat32",
+    precond_grads_precision: str | None = None,
+    scanned_layers: optax.Params | None = None,
+    block_size: int | None = None,
 ) -> optax.GradientTransformation:
-    """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
+  """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
-    Args:
-      b1: momentum (0 disables it; ``mu`` is then None).
-      preconditioner_update_probability: float or schedule of the step; Q is
-        updated every ``ceil(1/prob)`` steps (deterministic counter).
-      max_size_triangular: dims larger than this get a diagonal Q.
-      min_ndim_triangular: params with fewer dims get diagonal Qs only.
-      memory_save_mode: None, "one_diag" (largest dim diagonal) or "all_diag".
-      momentum_into_precond_update: fit Q to the momentum instead of the grad.
-      preconditioner_lr: step size of the Q fit.
-      preconditioner_init_scale: initial ``Q = scale**(1/ndim) * I`` per dim.
-      mu_dtype, precond_dtype: storage dtypes of momentum and Qs.
-      precond_update_precision, precond_grads_precision: matmul precision of
-        the Q fit / of preconditioning.
-      scanned_layers: pytree of bools like params; a True leaf has a leading
-        layer axis that gets its own Qs (stacked as ``(L, d, d)``).
-      block_size: if set, params with >= 2 (per-layer) dims are split into
-        blocks of at most this size per dim, each with its own Qs (stacked as
-        ``(n_blocks, b, b)``); see the module docstring.
+  Args:
+    b1: momentum (0 disables it; ``mu`` is then None).
+    preconditioner_update_probability: float or schedule of the step; Q is
+      updated every ``ceil(1/prob)`` steps (deterministic counter).
+    max_size_triangular: dims larger than this get a diagonal Q.
+    min_ndim_triangular: params with fewer dims get diagonal Qs only.
+    memory_save_mode: None, "one_diag" (largest dim diagonal) or "all_diag".
+    momentum_into_precond_update: fit Q to the momentum instead of the grad.
+    preconditioner_lr: step size of the Q fit.
+    preconditioner_init_scale: initial ``Q = scale**(1/ndim) * I`` per dim.
+    mu_dtype, precond_dtype: storage dtypes of momentum and Qs.
+    precond_update_precision, precond_grads_precision: matmul precision of
+      the Q fit / of preconditioning.
+    scanned_layers: pytree of bools like params; a True leaf has a leading
+      layer axis that gets its own Qs (stacked as ``(L, d, d)``).
+    block_size: if set, params with >= 2 (per-layer) dims are split into
+      blocks of at most this size per dim, each with its own Qs (stacked as
+      ``(n_blocks, b, b)``); see the module docstring.
 
-    Example:
-        >>> tx = scale_by_kron(preconditioner_update_probability=1.0)
-        >>> state = tx.init({"w": jnp.ones((2, 3, 4))})
-        >>> sorted(state)
-        ['Qs_preconditioners', 'count', 'mu', 'update_counter']
-        >>> state = scale_by_kron(block_size=2).init({"w": jnp.ones((2, 3, 4))})
-        >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # 1 x 2 x 2 blocks
-        [(4, 2, 2), (4, 2, 2), (4, 2, 2)]
+  Example:
+      >>> tx = scale_by_kron(preconditioner_update_probability=1.0)
+      >>> state = tx.init({"w": jnp.ones((2, 3, 4))})
+      >>> sorted(state)
+      ['Qs_preconditioners', 'count', 'mu', 'update_counter']
+      >>> state = scale_by_kron(block_size=2).init({"w": jnp.ones((2, 3, 4))})
+      >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # 1 x 2 x 2 blocks
+      [(4, 2, 2), (4, 2, 2), (4, 2, 2)]
+  """
+  if block_size is not None and block_size < 1:
+    raise ValueError(f"block_size={block_size}; expected None or >= 1")
+
+  def scanned_tree(params):
+    if scanned_layers is None:
+      return jax.tree.map(lambda _: False, params)
+    return scanned_layers
+
+  def init_fn(params):
+    def init_leaf(param, scanned):
+      blocks = leaf_block_size(param, scanned, block_size)
+      split = functools.partial(split_blocks, block_size=blocks, scanned=scanned)
+      stack = jax.eval_shape(split, param).shape
+      stacked = scanned or blocks is not None
+      shape = stack[1:] if stacked else stack
+      tri = triangular_dims(shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
+      dtype = param.dtype if precond_dtype is None else precond_dtype
+      qs = init_qs(shape, tri, preconditioner_init_scale, dtype)
+      if stacked:
+        qs = [jnp.broadcast_to(q, (stack[0],) + q.shape) for q in qs]
+      return qs
+
+    mu = None
+    if b1 > 0:
+      mu = otu.tree_zeros_like(params, dtype=mu_dtype)
+    return dict(
+        count=jnp.zeros([], jnp.int32),
+        mu=mu,
+        Qs_preconditioners=jax.tree.map(init_leaf, params, scanned_tree(params)),
+        update_counter=jnp.zeros([], jnp.int32),
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state["count"])
+    key = jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), state["count"])
+
+    prob = preconditioner_update_probability
+    if callable(prob):
+      prob = prob(count)
+
+    mu, momentum = None, updates
+    if state["mu"] is not None:
+      mu = otu.tree_update_moment(updates, state["mu"], b1, 1)
+      momentum = otu.tree_bias_correction(mu, b1, count)
+
+    grads, treedef = jax.tree.flatten(updates)
+    momentum = treedef.flatten_up_to(momentum)
+    qs = treedef.flatten_up_to(state["Qs_preconditioners"])
+    scanned = treedef.flatten_up_to(scanned_tree(updates))
+
+    counter = optax.safe_increment(state["update_counter"])
+    do_update = counter >= 1 / prob
+    counter = jnp.where(do_update, 0, counter)
+
+    blocks = [leaf_block_size(g, s, block_size) for g, s in zip(grads, scanned)]
+
+    _, update_key = jax.random.split(key)
+    fit_to = momentum if momentum_into_precond_update else grads
+    new_qs = fit_preconditioners(update_key, qs, fit_to, scanned, blocks)
+    qs = jax.tree.map(lambda n, o: jnp.where(do_update, n, o), new_qs, qs)
+
+    out = []
+    with jax.default_matmul_precision(precond_grads_precision):
+      for q, m, g, s, b in zip(qs, momentum, grads, scanned, blocks):
+        stacked = _maybe_vmap(s or b is not None, precondition)(q, split_blocks(m, b, s))
+        direction = merge_blocks(stacked, m.shape, b, s)
+        out.append(_clip_rms(direction).astype(g.dtype))
+    new_state = dict(
+        count=count,
+        mu=otu.tree_cast(mu, mu_dtype),
+        Qs_preconditioners=treedef.unflatten(qs),
+        update_counter=counter,
+    )
+    return treedef.unflatten(out), new_state
+
+  def fit_preconditioners(key, qs, grads, scanned, blocks):
+    """Balanced-and-updated Qs for every param (no control flow).
+
+    Probes and damping are drawn param-shaped and blocked with the grad,
+    so padding stays zero and one block equals the unblocked fit. Blocked
+    params solve with :func:`triangular_inverse` (their many-block batches
+    would hit jaxlib's deadlocking batched LAPACK path on CPU).
     """
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size={block_size}; expected None or >= 1")
+    do_balance, probes = _probe_vectors(key, grads)
+    damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
+    new_qs = []
+    with jax.default_matmul_precision(precond_update_precision):
+      for q, g, v, s, b in zip(qs, grads, probes, scanned, blocks):
+        g = g + damp.astype(g.dtype) * jnp.mean(jnp.abs(g)) * v
+        g, v = split_blocks(g, b, s), split_blocks(v, b, s)
+        stacked = s or b is not None
+        balanced = _maybe_vmap(stacked, balance_qs)(q)
+        q = [jnp.where(do_balance, n, o) for n, o in zip(balanced, q)]
+        # Stacked Qs never reach LAPACK: jaxlib spreads a batched solve over
+        # XLA's CPU thread pool and waits, which deadlocks when several
+        # (simulated) devices hold the pool's threads.
+        fit = functools.partial(update_qs, lr=preconditioner_lr, solve_by_inverse=stacked)
+        fitted = _maybe_vmap(stacked, fit)(q, g, v)
+        new_qs.append([n.astype(o.dtype) for n, o in zip(fitted, q)])
+    return new_qs
 
-    def scanned_tree(params):
-        if scanned_layers is None:
-            return jax.tree.map(lambda _: False, params)
-        return scanned_layers
-
-    def init_fn(params):
-        def init_leaf(param, scanned):
-            blocks = leaf_block_size(param, scanned, block_size)
-            split = functools.partial(split_blocks, block_size=blocks, scanned=scanned)
-            stack = jax.eval_shape(split, param).shape
-            stacked = scanned or blocks is not None
-            shape = stack[1:] if stacked else stack
-            tri = triangular_dims(
-                shape, max_size_triangular, min_ndim_triangular, memory_save_mode
-            )
-            dtype = param.dtype if precond_dtype is None else precond_dtype
-            qs = init_qs(shape, tri, preconditioner_init_scale, dtype)
-            if stacked:
-                qs = [jnp.broadcast_to(q, (stack[0],) + q.shape) for q in qs]
-            return qs
-
-        mu = None
-        if b1 > 0:
-            mu = otu.tree_zeros_like(params, dtype=mu_dtype)
-        return dict(
-            count=jnp.zeros([], jnp.int32),
-            mu=mu,
-            Qs_preconditioners=jax.tree.map(init_leaf, params, scanned_tree(params)),
-            update_counter=jnp.zeros([], jnp.int32),
-        )
-
-    def update_fn(updates, state, params=None):
-        del params
-        count = optax.safe_increment(state["count"])
-        key = jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), state["count"])
-
-        prob = preconditioner_update_probability
-        if callable(prob):
-            prob = prob(count)
-
-        mu, momentum = None, updates
-        if state["mu"] is not None:
-            mu = otu.tree_update_moment(updates, state["mu"], b1, 1)
-            momentum = otu.tree_bias_correction(mu, b1, count)
-
-        grads, treedef = jax.tree.flatten(updates)
-        momentum = treedef.flatten_up_to(momentum)
-        qs = treedef.flatten_up_to(state["Qs_preconditioners"])
-        scanned = treedef.flatten_up_to(scanned_tree(updates))
-
-        counter = optax.safe_increment(state["update_counter"])
-        do_update = counter >= 1 / prob
-        counter = jnp.where(do_update, 0, counter)
-
-        blocks = [leaf_block_size(g, s, block_size) for g, s in zip(grads, scanned)]
-
-        _, update_key = jax.random.split(key)
-        fit_to = momentum if momentum_into_precond_update else grads
-        new_qs = fit_preconditioners(update_key, qs, fit_to, scanned, blocks)
-        qs = jax.tree.map(lambda n, o: jnp.where(do_update, n, o), new_qs, qs)
-
-        out = []
-        with jax.default_matmul_precision(precond_grads_precision):
-            for q, m, g, s, b in zip(qs, momentum, grads, scanned, blocks):
-                stacked = _maybe_vmap(s or b is not None, precondition)(
-                    q, split_blocks(m, b, s)
-                )
-                direction = merge_blocks(stacked, m.shape, b, s)
-                out.append(_clip_rms(direction).astype(g.dtype))
-        new_state = dict(
-            count=count,
-            mu=otu.tree_cast(mu, mu_dtype),
-            Qs_preconditioners=treedef.unflatten(qs),
-            update_counter=counter,
-        )
-        return treedef.unflatten(out), new_state
-
-    def fit_preconditioners(key, qs, grads, scanned, blocks):
-        """Balanced-and-updated Qs for every param (no control flow).
-
-        Probes and damping are drawn param-shaped and blocked with the grad,
-        so padding stays zero and one block equals the unblocked fit. Blocked
-        params solve with :func:`triangular_inverse` (their many-block batches
-        would hit jaxlib's deadlocking batched LAPACK path on CPU).
-        """
-        do_balance, probes = _probe_vectors(key, grads)
-        damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
-        new_qs = []
-        with jax.default_matmul_precision(precond_update_precision):
-            for q, g, v, s, b in zip(qs, grads, probes, scanned, blocks):
-                g = g + damp.astype(g.dtype) * jnp.mean(jnp.abs(g)) * v
-                g, v = split_blocks(g, b, s), split_blocks(v, b, s)
-                stacked = s or b is not None
-                balanced = _maybe_vmap(stacked, balance_qs)(q)
-                q = [jnp.where(do_balance, n, o) for n, o in zip(balanced, q)]
-                # Stacked Qs never reach LAPACK: jaxlib spreads a batched solve over
-                # XLA's CPU thread pool and waits, which deadlocks when several
-                # (simulated) devices hold the pool's threads.
-                fit = functools.partial(
-                    update_qs, lr=preconditioner_lr, solve_by_inverse=stacked
-                )
-                fitted = _maybe_vmap(stacked, fit)(q, g, v)
-                new_qs.append([n.astype(o.dtype) for n, o in zip(fitted, q)])
-        return new_qs
-
-    return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def kron(
     learning_rate: optax.ScalarOrSchedule = 0.001,
     b1: float = 0.9,
     weight_decay: float = 0.0,
-    mask: Optional[Any] = None,
+    mask: Any | None = None,
     preconditioner_update_probability: Probability = precond_update_prob_schedule(),
     max_size_triangular: int = 8192,
     min_ndim_triangular: int = 2,
-    memory_save_mode: Optional[str] = None,
+    memory_save_mode: str | None = None,
     momentum_into_precond_update: bool = True,
     preconditioner_lr: float = 0.1,
     preconditioner_init_scale: float = 1.0,
-    mu_dtype: Optional[Any] = None,
-    precond_dtype: Optional[Any] = None,
-    precond_update_precision: Optional[str] = "tensorfloat32",
-    precond_grads_precision: Optional[str] = None,
-    scanned_layers: Optional[optax.Params] = None,
-    block_size: Optional[int] = None,
+    mu_dtype: Any | None = None,
+    precond_dtype: Any | None = None,
+    precond_update_precision: str | None = "tensorfloat32",
+    precond_grads_precision: str | None = None,
+    scanned_layers: optax.Params | None = None,
+    block_size: int | None = None,
 ) -> optax.GradientTransformation:
-    """PSGD Kron with decoupled weight decay and a learning rate.
+  """PSGD Kron with decoupled weight decay and a learning rate.
 
-    Arguments are those of :func:`scale_by_kron` plus ``learning_rate``,
-    ``weight_decay`` and ``mask`` (pytree of bools or callable selecting the
-    params that get weight decay).
+  Arguments are those of :func:`scale_by_kron` plus ``learning_rate``,
+  ``weight_decay`` and ``mask`` (pytree of bools or callable selecting the
+  params that get weight decay).
 
-    Example:
-        >>> opt = kron(3e-4, weight_decay=0.1, preconditioner_update_probability=1.0)
-        >>> state = opt.init({"w": jnp.ones((2, 2))})
-    """
-    return optax.chain(
-        scale_by_kron(
-            b1=b1,
-            preconditioner_update_probability=preconditioner_update_probability,
-            max_size_triangular=max_size_triangular,
-            min_ndim_triangular=min_ndim_triangular,
-            memory_save_mode=memory_save_mode,
-            momentum_into_precond_update=momentum_into_precond_update,
-            preconditioner_lr=preconditioner_lr,
-            preconditioner_init_scale=preconditioner_init_scale,
-            mu_dtype=mu_dtype,
-            precond_dtype=precond_dtype,
-            precond_update_precision=precond_update_precision,
-            precond_grads_precision=precond_grads_precision,
-            scanned_layers=scanned_layers,
-            block_size=block_size,
-        ),
-        optax.add_decayed_weights(weight_decay, mask),
-        optax.scale_by_learning_rate(learning_rate),
-    )
+  Example:
+      >>> opt = kron(3e-4, weight_decay=0.1, preconditioner_update_probability=1.0)
+      >>> state = opt.init({"w": jnp.ones((2, 2))})
+  """
+  return optax.chain(
+      scale_by_kron(
+          b1=b1,
+          preconditioner_update_probability=preconditioner_update_probability,
+          max_size_triangular=max_size_triangular,
+          min_ndim_triangular=min_ndim_triangular,
+          memory_save_mode=memory_save_mode,
+          momentum_into_precond_update=momentum_into_precond_update,
+          preconditioner_lr=preconditioner_lr,
+          preconditioner_init_scale=preconditioner_init_scale,
+          mu_dtype=mu_dtype,
+          precond_dtype=precond_dtype,
+          precond_update_precision=precond_update_precision,
+          precond_grads_precision=precond_grads_precision,
+          scanned_layers=scanned_layers,
+          block_size=block_size,
+      ),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )

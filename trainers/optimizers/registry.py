@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import optax
 
-from trainers.optimizers.errors import OptimizerError
+from trainers.errors import OptimizerError
 from trainers.optimizers.kron import kron
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import shampoo
@@ -28,20 +28,20 @@ _NO_DECAY_NAMES = ("scale", "bias")
 
 
 def decay_mask(params: optax.Params) -> Any:
-    """True for leaves that get weight decay: ndim >= 2, not named scale/bias.
+  """True for leaves that get weight decay: ndim >= 2, not named scale/bias.
 
-    Example:
-        >>> import jax.numpy as jnp
-        >>> decay_mask({"ln": {"scale": jnp.ones((2, 2))}, "w": jnp.ones((2, 2)),
-        ...             "b": jnp.ones(2)})
-        {'b': False, 'ln': {'scale': False}, 'w': True}
-    """
+  Example:
+      >>> import jax.numpy as jnp
+      >>> decay_mask({"ln": {"scale": jnp.ones((2, 2))}, "w": jnp.ones((2, 2)),
+      ...             "b": jnp.ones(2)})
+      {'b': False, 'ln': {'scale': False}, 'w': True}
+  """
 
-    def wants_decay(path, leaf):
-        name = jax.tree_util.keystr(path[-1:], simple=True) if path else ""
-        return leaf.ndim >= 2 and name not in _NO_DECAY_NAMES
+  def wants_decay(path, leaf):
+    name = jax.tree_util.keystr(path[-1:], simple=True) if path else ""
+    return leaf.ndim >= 2 and name not in _NO_DECAY_NAMES
 
-    return jax.tree_util.tree_map_with_path(wants_decay, params)
+  return jax.tree_util.tree_map_with_path(wants_decay, params)
 
 
 def schedule_free_adamw(
@@ -50,34 +50,30 @@ def schedule_free_adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    mask: Optional[Any] = None,
+    mask: Any | None = None,
     weight_lr_power: float = 2.0,
 ) -> optax.GradientTransformation:
-    """``optax.contrib.schedule_free`` around AdamW (with a weight-decay mask).
+  """``optax.contrib.schedule_free`` around AdamW (with a weight-decay mask).
 
-    Evaluate with ``optax.contrib.schedule_free_eval_params(state, params)``.
-    """
-    base = optax.adamw(
-        learning_rate, b1=0.0, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask
-    )
-    return optax.contrib.schedule_free(
-        base, learning_rate, b1=b1, weight_lr_power=weight_lr_power
-    )
+  Evaluate with ``optax.contrib.schedule_free_eval_params(state, params)``.
+  """
+  base = optax.adamw(learning_rate, b1=0.0, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
+  return optax.contrib.schedule_free(base, learning_rate, b1=b1, weight_lr_power=weight_lr_power)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """How to build one optimizer.
+  """How to build one optimizer.
 
-    factory: called as ``factory(learning_rate, **kwargs)``.
-    decay_args: names of its (weight decay, mask) arguments; None if it has
-      none, and weight decay is then added to the gradient before it.
-    defaults: keyword defaults that differ from the factory's.
-    """
+  factory: called as ``factory(learning_rate, **kwargs)``.
+  decay_args: names of its (weight decay, mask) arguments; None if it has
+    none, and weight decay is then added to the gradient before it.
+  defaults: keyword defaults that differ from the factory's.
+  """
 
-    factory: Callable[..., optax.GradientTransformation]
-    decay_args: Optional[tuple[str, str]] = ("weight_decay", "mask")
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  factory: Callable[..., optax.GradientTransformation]
+  decay_args: tuple[str, str] | None = ("weight_decay", "mask")
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -99,83 +95,77 @@ OPTIMIZERS = tuple(_REGISTRY)
 
 
 def _lookup(name: str) -> _Entry:
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    hint = _close_match_hint([name], OPTIMIZERS)
-    raise OptimizerError(
-        f"Unknown optimizer {name!r}.{hint} Available: {', '.join(OPTIMIZERS)}."
-    )
+  if name in _REGISTRY:
+    return _REGISTRY[name]
+  hint = _close_match_hint([name], OPTIMIZERS)
+  raise OptimizerError(f"Unknown optimizer {name!r}.{hint} Available: {', '.join(OPTIMIZERS)}.")
 
 
 def _close_match_hint(names, choices) -> str:
-    close = [m for n in names for m in difflib.get_close_matches(n, choices, n=1)]
-    return f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+  close = [m for n in names for m in difflib.get_close_matches(n, choices, n=1)]
+  return f" Did you mean {', '.join(map(repr, close))}?" if close else ""
 
 
 def _check_arguments(name: str, entry: _Entry, kwargs: Mapping[str, Any]) -> None:
-    signature = inspect.signature(entry.factory)
-    try:
-        signature.bind(None, **kwargs)
-    except TypeError as e:
-        hint = _close_match_hint(set(kwargs) - set(signature.parameters),
-                                 list(signature.parameters))
-        raise OptimizerError(
-            f"Bad arguments for optimizer {name!r}: {e}.{hint} "
-            f"Signature: {name}{signature}"
-        ) from None
+  signature = inspect.signature(entry.factory)
+  try:
+    signature.bind(None, **kwargs)
+  except TypeError as e:
+    hint = _close_match_hint(set(kwargs) - set(signature.parameters), list(signature.parameters))
+    raise OptimizerError(
+        f"Bad arguments for optimizer {name!r}: {e}.{hint} " f"Signature: {name}{signature}"
+    ) from None
 
 
 def make_optimizer(
     name: str,
     learning_rate: optax.ScalarOrSchedule,
     *,
-    schedule: Optional[Mapping[str, Any]] = None,
+    schedule: Mapping[str, Any] | None = None,
     weight_decay: float = 0.0,
     weight_decay_mask: Any = decay_mask,
-    clip_norm: Optional[float] = None,
+    clip_norm: float | None = None,
     **optimizer_kwargs,
 ) -> optax.GradientTransformation:
-    """Builds optimizer ``name`` (one of ``OPTIMIZERS``).
+  """Builds optimizer ``name`` (one of ``OPTIMIZERS``).
 
-    Args:
-      name: registry name, e.g. "adamw", "kron", "shampoo".
-      learning_rate: float or optax schedule; with ``schedule`` the peak value.
-      schedule: kwargs of :func:`make_schedule` (``total_steps``,
-        ``warmup_steps``, ``decay``, ``end_value``), or None for a constant.
-      weight_decay: decoupled weight decay (for "sgd": added to the gradient).
-      weight_decay_mask: pytree of bools or callable; default skips
-        ``scale``/``bias`` leaves and leaves with ndim < 2.
-      clip_norm: clip gradients to this global norm first (None: no clipping).
-      **optimizer_kwargs: passed to the optimizer's own constructor.
+  Args:
+    name: registry name, e.g. "adamw", "kron", "shampoo".
+    learning_rate: float or optax schedule; with ``schedule`` the peak value.
+    schedule: kwargs of :func:`make_schedule` (``total_steps``,
+      ``warmup_steps``, ``decay``, ``end_value``), or None for a constant.
+    weight_decay: decoupled weight decay (for "sgd": added to the gradient).
+    weight_decay_mask: pytree of bools or callable; default skips
+      ``scale``/``bias`` leaves and leaves with ndim < 2.
+    clip_norm: clip gradients to this global norm first (None: no clipping).
+    **optimizer_kwargs: passed to the optimizer's own constructor.
 
-    Raises:
-      OptimizerError: unknown name (lists names and the closest match) or
-        arguments the constructor does not take (shows its signature).
+  Raises:
+    OptimizerError: unknown name (lists names and the closest match) or
+      arguments the constructor does not take (shows its signature).
 
-    Example:
-        >>> tx = make_optimizer("kron", 3e-4, preconditioner_update_probability=1.0)
-        >>> make_optimizer("adamww", 1e-3)
-        Traceback (most recent call last):
-        ...
-        trainers.optimizers.errors.OptimizerError: Unknown optimizer 'adamww'. Did you mean 'adamw'? ...
-    """
-    entry = _lookup(name)
-    reserved = set(entry.decay_args or ()) & set(optimizer_kwargs)
-    if reserved:
-        raise OptimizerError(
-            f"Pass {sorted(reserved)} of {name!r} as weight_decay/weight_decay_mask."
-        )
-    kwargs = {**entry.defaults, **optimizer_kwargs}
-    if entry.decay_args is not None:
-        kwargs.update(zip(entry.decay_args, (weight_decay, weight_decay_mask)))
-    _check_arguments(name, entry, kwargs)
-    if schedule is not None:
-        learning_rate = make_schedule(learning_rate, **schedule)
-    transforms = [
-        optax.clip_by_global_norm(clip_norm) if clip_norm is not None else None,
-        optax.add_decayed_weights(weight_decay, weight_decay_mask)
-        if entry.decay_args is None and weight_decay
-        else None,
-        entry.factory(learning_rate, **kwargs),
-    ]
-    return optax.chain(*[t for t in transforms if t is not None])
+  Example:
+      >>> tx = make_optimizer("kron", 3e-4, preconditioner_update_probability=1.0)
+      >>> make_optimizer("adamww", 1e-3)
+      Traceback (most recent call last):
+      ...
+      trainers.errors.OptimizerError: Unknown optimizer 'adamww'. Did you mean 'adamw'? ...
+  """
+  entry = _lookup(name)
+  reserved = set(entry.decay_args or ()) & set(optimizer_kwargs)
+  if reserved:
+    raise OptimizerError(f"Pass {sorted(reserved)} of {name!r} as weight_decay/weight_decay_mask.")
+  kwargs = {**entry.defaults, **optimizer_kwargs}
+  if entry.decay_args is not None:
+    kwargs.update(zip(entry.decay_args, (weight_decay, weight_decay_mask)))
+  _check_arguments(name, entry, kwargs)
+  if schedule is not None:
+    learning_rate = make_schedule(learning_rate, **schedule)
+  transforms = [
+      optax.clip_by_global_norm(clip_norm) if clip_norm is not None else None,
+      optax.add_decayed_weights(weight_decay, weight_decay_mask)
+      if entry.decay_args is None and weight_decay
+      else None,
+      entry.factory(learning_rate, **kwargs),
+  ]
+  return optax.chain(*[t for t in transforms if t is not None])

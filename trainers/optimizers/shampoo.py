@@ -40,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,62 +59,62 @@ _NORM_EPS = 1e-25
 
 
 class ShampooParamState(NamedTuple):
-    """Per-parameter Shampoo state; see the module docstring."""
+  """Per-parameter Shampoo state; see the module docstring."""
 
-    stats: list[jax.Array]
-    roots: list[jax.Array]
-    graft_nu: Optional[jax.Array]
-    momentum: Optional[jax.Array]
+  stats: list[jax.Array]
+  roots: list[jax.Array]
+  graft_nu: jax.Array | None
+  momentum: jax.Array | None
 
 
 class ShampooState(NamedTuple):
-    count: jax.Array
-    per_param: Any
+  count: jax.Array
+  per_param: Any
 
 
 def _factor_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Shape with unit dims dropped: the dims that get a preconditioner."""
-    return tuple(d for d in shape if d > 1)
+  """Shape with unit dims dropped: the dims that get a preconditioner."""
+  return tuple(d for d in shape if d > 1)
 
 
 def inverse_pth_root(stats: jax.Array, p: int, matrix_epsilon: float) -> jax.Array:
-    """``(S + eps * lambda_max * I)^(-1/p)`` of a stack of PSD matrices via eigh.
+  """``(S + eps * lambda_max * I)^(-1/p)`` of a stack of PSD matrices via eigh.
 
-    One ``eigh`` per block (``lax.map``): a batched ``eigh`` makes jaxlib spread the
-    batch over XLA's CPU thread pool and wait, which deadlocks when several
-    (simulated) devices hold the pool's threads.
+  One ``eigh`` per block (``lax.map``): a batched ``eigh`` makes jaxlib spread the
+  batch over XLA's CPU thread pool and wait, which deadlocks when several
+  (simulated) devices hold the pool's threads.
 
-    Example:
-        >>> s = jnp.diag(jnp.array([16.0, 1.0]))[None]
-        >>> inverse_pth_root(s, 2, 0.0)[0].round(3).tolist()
-        [[0.25, 0.0], [0.0, 1.0]]
-    """
-    eigvals, eigvecs = jax.lax.map(jnp.linalg.eigh, stats)
-    eigvals = jnp.maximum(eigvals, 0.0)
-    max_ev = jnp.max(eigvals, axis=-1, keepdims=True)
-    ridge = matrix_epsilon * jnp.maximum(max_ev, 1e-16)
-    scale = (eigvals + ridge) ** (-1.0 / p)
-    return jnp.einsum("...ik,...k,...jk->...ij", eigvecs, scale, eigvecs)
+  Example:
+      >>> s = jnp.diag(jnp.array([16.0, 1.0]))[None]
+      >>> inverse_pth_root(s, 2, 0.0)[0].round(3).tolist()
+      [[0.25, 0.0], [0.0, 1.0]]
+  """
+  eigvals, eigvecs = jax.lax.map(jnp.linalg.eigh, stats)
+  eigvals = jnp.maximum(eigvals, 0.0)
+  max_ev = jnp.max(eigvals, axis=-1, keepdims=True)
+  ridge = matrix_epsilon * jnp.maximum(max_ev, 1e-16)
+  scale = (eigvals + ridge) ** (-1.0 / p)
+  return jnp.einsum("...ik,...k,...jk->...ij", eigvecs, scale, eigvecs)
 
 
 def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array:
-    """Applies each factor's root to its dim, block by block."""
+  """Applies each factor's root to its dim, block by block."""
 
-    def one_block(x, *block_roots):
-        for axis, root in enumerate(block_roots):
-            x = matmul_along(x, axis, root)
-        return x
+  def one_block(x, *block_roots):
+    for axis, root in enumerate(block_roots):
+      x = matmul_along(x, axis, root)
+    return x
 
-    return jax.vmap(one_block)(blocks, *roots)
+  return jax.vmap(one_block)(blocks, *roots)
 
 
-def _cast_like(new: Optional[jax.Array], old: Optional[jax.Array]):
-    """Keeps state dtypes stable across steps (e.g. bf16 params, f32 math)."""
-    return None if old is None else new.astype(old.dtype)
+def _cast_like(new: jax.Array | None, old: jax.Array | None):
+  """Keeps state dtypes stable across steps (e.g. bf16 params, f32 math)."""
+  return None if old is None else new.astype(old.dtype)
 
 
 def _ema(old, new, decay):
-    return old + new if decay == 1.0 else decay * old + (1.0 - decay) * new
+  return old + new if decay == 1.0 else decay * old + (1.0 - decay) * new
 
 
 def scale_by_shampoo(
@@ -127,105 +127,101 @@ def scale_by_shampoo(
     start_preconditioning_step: int = 1,
     graft_type: str = "rmsprop",
     nesterov: bool = True,
-    exponent_override: Optional[int] = None,
+    exponent_override: int | None = None,
 ) -> optax.GradientTransformation:
-    """Blocked Shampoo direction, grafted and with momentum (no learning rate).
+  """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
-    Args:
-      block_size: max size of a preconditioner block (per dim).
-      beta1: momentum (heavy-ball sum ``m = beta1 m + d``); 0 disables it.
-      beta2: EMA decay of the Shampoo statistics and the graft's second moment
-        (1.0 sums, as Adagrad).
-      epsilon: graft denominator epsilon.
-      matrix_epsilon: ridge added to the statistics, relative to their largest
-        eigenvalue, before the inverse root; statistics also start at
-        ``matrix_epsilon * I`` (as in distributed Shampoo).
-      update_preconditioners_freq: recompute roots when ``count % freq == 0``.
-      start_preconditioning_step: steps with ``count`` below this use the graft
-        direction only.
-      graft_type: "rmsprop" (``g / (sqrt(nu) + eps)``), "adam" (same with
-        bias-corrected ``nu``) or "sgd" (``g``); sets the per-param step norm.
-      nesterov: Nesterov momentum ``d + beta1 m`` instead of ``m``.
-      exponent_override: use ``S^{-1/p}`` with this p instead of 2 * factors.
+  Args:
+    block_size: max size of a preconditioner block (per dim).
+    beta1: momentum (heavy-ball sum ``m = beta1 m + d``); 0 disables it.
+    beta2: EMA decay of the Shampoo statistics and the graft's second moment
+      (1.0 sums, as Adagrad).
+    epsilon: graft denominator epsilon.
+    matrix_epsilon: ridge added to the statistics, relative to their largest
+      eigenvalue, before the inverse root; statistics also start at
+      ``matrix_epsilon * I`` (as in distributed Shampoo).
+    update_preconditioners_freq: recompute roots when ``count % freq == 0``.
+    start_preconditioning_step: steps with ``count`` below this use the graft
+      direction only.
+    graft_type: "rmsprop" (``g / (sqrt(nu) + eps)``), "adam" (same with
+      bias-corrected ``nu``) or "sgd" (``g``); sets the per-param step norm.
+    nesterov: Nesterov momentum ``d + beta1 m`` instead of ``m``.
+    exponent_override: use ``S^{-1/p}`` with this p instead of 2 * factors.
 
-    Example:
-        >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
-        >>> state = tx.init({"w": jnp.ones((4, 2))})
-        >>> state.per_param["w"].roots[0].shape
-        (2, 2, 2)
-    """
-    if graft_type not in _GRAFT_TYPES:
-        raise ValueError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
-    if block_size < 1 or update_preconditioners_freq < 1:
-        raise ValueError("block_size and update_preconditioners_freq must be >= 1")
+  Example:
+      >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
+      >>> state = tx.init({"w": jnp.ones((4, 2))})
+      >>> state.per_param["w"].roots[0].shape
+      (2, 2, 2)
+  """
+  if graft_type not in _GRAFT_TYPES:
+    raise ValueError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
+  if block_size < 1 or update_preconditioners_freq < 1:
+    raise ValueError("block_size and update_preconditioners_freq must be >= 1")
 
-    def init_leaf(param):
-        sizes, counts = block_layout(_factor_shape(param.shape), block_size)
-        eye = [jnp.broadcast_to(jnp.eye(b), (math.prod(counts), b, b)) for b in sizes]
-        return ShampooParamState(
-            stats=[matrix_epsilon * e for e in eye],
-            roots=eye,
-            graft_nu=None if graft_type == "sgd" else jnp.zeros_like(param),
-            momentum=None if beta1 == 0 else jnp.zeros_like(param),
-        )
+  def init_leaf(param):
+    sizes, counts = block_layout(_factor_shape(param.shape), block_size)
+    eye = [jnp.broadcast_to(jnp.eye(b), (math.prod(counts), b, b)) for b in sizes]
+    return ShampooParamState(
+        stats=[matrix_epsilon * e for e in eye],
+        roots=eye,
+        graft_nu=None if graft_type == "sgd" else jnp.zeros_like(param),
+        momentum=None if beta1 == 0 else jnp.zeros_like(param),
+    )
 
-    def init_fn(params):
-        return ShampooState(
-            count=jnp.zeros([], jnp.int32), per_param=jax.tree.map(init_leaf, params)
-        )
+  def init_fn(params):
+    return ShampooState(count=jnp.zeros([], jnp.int32), per_param=jax.tree.map(init_leaf, params))
 
-    def graft(g, nu, count):
-        if graft_type == "sgd":
-            return g, None
-        nu = _ema(nu, jnp.square(g), beta2)
-        denom = nu / (1.0 - beta2**count) if graft_type == "adam" else nu
-        return g / (jnp.sqrt(denom) + epsilon), nu
+  def graft(g, nu, count):
+    if graft_type == "sgd":
+      return g, None
+    nu = _ema(nu, jnp.square(g), beta2)
+    denom = nu / (1.0 - beta2**count) if graft_type == "adam" else nu
+    return g / (jnp.sqrt(denom) + epsilon), nu
 
-    def precondition(g, state: ShampooParamState, count):
-        """New stats/roots and the Shampoo direction of one param."""
-        shape = _factor_shape(g.shape)
-        blocks = blockify(g.reshape(shape), block_size)
-        stats = [
-            _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2)
-            for axis, s in enumerate(state.stats)
-        ]
-        p = exponent_override or 2 * len(stats)
-        refresh = count % update_preconditioners_freq == 0
-        roots = [
-            jnp.where(refresh, inverse_pth_root(s, p, matrix_epsilon), r)
-            for s, r in zip(stats, state.roots)
-        ]
-        direction = _precondition_blocks(blocks, roots)
-        return stats, roots, unblockify(direction, shape, block_size).reshape(g.shape)
+  def precondition(g, state: ShampooParamState, count):
+    """New stats/roots and the Shampoo direction of one param."""
+    shape = _factor_shape(g.shape)
+    blocks = blockify(g.reshape(shape), block_size)
+    stats = [
+        _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2)
+        for axis, s in enumerate(state.stats)
+    ]
+    p = exponent_override or 2 * len(stats)
+    refresh = count % update_preconditioners_freq == 0
+    roots = [
+        jnp.where(refresh, inverse_pth_root(s, p, matrix_epsilon), r)
+        for s, r in zip(stats, state.roots)
+    ]
+    direction = _precondition_blocks(blocks, roots)
+    return stats, roots, unblockify(direction, shape, block_size).reshape(g.shape)
 
-    def update_leaf(g, state: ShampooParamState, count):
-        graft_dir, nu = graft(g, state.graft_nu, count + 1)
-        stats, roots, direction = state.stats, state.roots, graft_dir
-        if stats:
-            stats, roots, precond = precondition(g, state, count)
-            scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
-            direction = jnp.where(
-                count >= start_preconditioning_step, precond * scale, graft_dir
-            )
-        momentum = state.momentum
-        if momentum is not None:
-            momentum = beta1 * momentum + direction
-            direction = direction + beta1 * momentum if nesterov else momentum
-        new_state = ShampooParamState(
-            stats, roots, _cast_like(nu, state.graft_nu), _cast_like(momentum, state.momentum)
-        )
-        return direction.astype(g.dtype), new_state
+  def update_leaf(g, state: ShampooParamState, count):
+    graft_dir, nu = graft(g, state.graft_nu, count + 1)
+    stats, roots, direction = state.stats, state.roots, graft_dir
+    if stats:
+      stats, roots, precond = precondition(g, state, count)
+      scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
+      direction = jnp.where(count >= start_preconditioning_step, precond * scale, graft_dir)
+    momentum = state.momentum
+    if momentum is not None:
+      momentum = beta1 * momentum + direction
+      direction = direction + beta1 * momentum if nesterov else momentum
+    new_state = ShampooParamState(
+        stats, roots, _cast_like(nu, state.graft_nu), _cast_like(momentum, state.momentum)
+    )
+    return direction.astype(g.dtype), new_state
 
-    def update_fn(updates, state, params=None):
-        del params
-        grads, treedef = jax.tree.flatten(updates)
-        per_param = treedef.flatten_up_to(state.per_param)
-        results = [update_leaf(g, s, state.count) for g, s in zip(grads, per_param)]
-        new_updates = treedef.unflatten([r[0] for r in results])
-        new_per_param = treedef.unflatten([r[1] for r in results])
-        return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
+  def update_fn(updates, state, params=None):
+    del params
+    grads, treedef = jax.tree.flatten(updates)
+    per_param = treedef.flatten_up_to(state.per_param)
+    results = [update_leaf(g, s, state.count) for g, s in zip(grads, per_param)]
+    new_updates = treedef.unflatten([r[0] for r in results])
+    new_per_param = treedef.unflatten([r[1] for r in results])
+    return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def shampoo(
@@ -239,33 +235,33 @@ def shampoo(
     start_preconditioning_step: int = 1,
     graft_type: str = "rmsprop",
     nesterov: bool = True,
-    exponent_override: Optional[int] = None,
+    exponent_override: int | None = None,
     weight_decay: float = 0.0,
-    mask: Optional[Any] = None,
+    mask: Any | None = None,
 ) -> optax.GradientTransformation:
-    """Shampoo with decoupled weight decay and a learning rate.
+  """Shampoo with decoupled weight decay and a learning rate.
 
-    Arguments are those of :func:`scale_by_shampoo` plus ``learning_rate``,
-    ``weight_decay`` and ``mask`` (which params get weight decay).
+  Arguments are those of :func:`scale_by_shampoo` plus ``learning_rate``,
+  ``weight_decay`` and ``mask`` (which params get weight decay).
 
-    Example:
-        >>> opt = shampoo(1e-3, block_size=128, weight_decay=1e-4)
-        >>> params = {"w": jnp.ones((4, 4))}
-        >>> updates, _ = opt.update(params, opt.init(params), params)
-    """
-    return optax.chain(
-        scale_by_shampoo(
-            block_size=block_size,
-            beta1=beta1,
-            beta2=beta2,
-            epsilon=epsilon,
-            matrix_epsilon=matrix_epsilon,
-            update_preconditioners_freq=update_preconditioners_freq,
-            start_preconditioning_step=start_preconditioning_step,
-            graft_type=graft_type,
-            nesterov=nesterov,
-            exponent_override=exponent_override,
-        ),
-        optax.add_decayed_weights(weight_decay, mask),
-        optax.scale_by_learning_rate(learning_rate),
-    )
+  Example:
+      >>> opt = shampoo(1e-3, block_size=128, weight_decay=1e-4)
+      >>> params = {"w": jnp.ones((4, 4))}
+      >>> updates, _ = opt.update(params, opt.init(params), params)
+  """
+  return optax.chain(
+      scale_by_shampoo(
+          block_size=block_size,
+          beta1=beta1,
+          beta2=beta2,
+          epsilon=epsilon,
+          matrix_epsilon=matrix_epsilon,
+          update_preconditioners_freq=update_preconditioners_freq,
+          start_preconditioning_step=start_preconditioning_step,
+          graft_type=graft_type,
+          nesterov=nesterov,
+          exponent_override=exponent_override,
+      ),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
