@@ -62,11 +62,11 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
   _check_pairs("config.sharding_rules", config.get("sharding_rules", ()), '[("act_batch", "data")]')
   strategy = config.get("sharding_strategy")
   if not isinstance(strategy, str):
-    _check_pairs("config.sharding_strategy", strategy, "[(\".*\", 'fsdp(axis=\"data\")')]")
+    _check_pairs("config.sharding_strategy", strategy, '[(".*", \'fsdp(axis="data")\')]')
   _check_pairs("config.mesh", config.get("mesh"), '[("data", -1)]')
   if not _is_dict(config.get("optax", {})):
     raise ConfigError(
-        f"config.optax={config.optax!r}: must be a dict of optimizer keyword arguments, "
+        f"config.optax={config.get('optax')!r}: must be a dict of optimizer keyword arguments, "
         "e.g. --config.optax.b1=0.9"
     )
 
@@ -117,9 +117,9 @@ def check_task(config, train, held_out) -> None:
   if config.get("input") != "text":
     return
   shortest = min(len(train), len(held_out))
-  if config.seq_len + 1 > shortest:
+  if config.get("seq_len") + 1 > shortest:
     raise ConfigError(
-        f"config.seq_len={config.seq_len}: windows of seq_len + 1 tokens must fit in the "
+        f"config.seq_len={config.get('seq_len')}: windows of seq_len + 1 tokens must fit in the "
         f"shortest split ({shortest} tokens); use at most --config.seq_len={shortest - 1}"
     )
 
@@ -241,4 +241,3 @@ def _example(key: str) -> int:
 
 def _flag(key: str) -> str:
   return f"--{key}" if key.startswith("config.") else key
-

@@ -71,7 +71,9 @@ def json_line(record: dict) -> str:
 
   Example: `json_line({"loss": float("inf")})` == '{"loss": null}\\n'.
   """
-  finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+  finite = {
+      k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+  }
   return json.dumps(finite, allow_nan=False) + "\n"
 
 
