@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from trainers import workdir
+from trainers.errors import ConfigError
 
 
 def fill(path, content):
@@ -88,3 +91,11 @@ def test_a_killed_writer_leaves_only_whole_lines(tmp_path):
   lines = (tmp_path / "metrics.jsonl").read_text().split("\n")
   assert lines[-1] == "" and len(lines) > 200
   assert [json.loads(line)["step"] for line in lines[:-1]] == list(range(len(lines) - 1))
+
+
+def test_check_refuses_a_file_and_accepts_a_new_nested_directory(tmp_path):
+  (tmp_path / "file").write_text("mine")
+  with pytest.raises(ConfigError, match=r"--workdir=.*/file/run: .*/file is a file"):
+    workdir.check(str(tmp_path / "file" / "run"))
+  workdir.check(str(tmp_path / "a" / "b"))
+  assert sorted(os.listdir(tmp_path)) == ["file"] and (tmp_path / "file").read_text() == "mine"

@@ -79,6 +79,7 @@ def main(argv):
       num_processes=_NUM_PROCESSES.value,
       process_id=_PROCESS_ID.value,
   )
+  workdir.check(_WORKDIR.value)
   # Both must happen before anything starts the backend.
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
   if _COORDINATOR.value:

@@ -17,10 +17,27 @@ import json
 import math
 import os
 
+from trainers.errors import ConfigError
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 RUN_FILES = (CONFIG, METRICS)
 ATTEMPT = "attempt-{}"
+
+
+def check(path: str) -> None:
+  """Raises `ConfigError` unless `path` is, or can become, a writable directory; writes nothing.
+
+  Example: `check("/etc/passwd")` raises: it is a file.
+  """
+  existing = path
+  while existing and not os.path.exists(existing):
+    existing = os.path.dirname(existing.rstrip("/"))
+  existing = existing or "."
+  if not os.path.isdir(existing):
+    raise ConfigError(f"--workdir={path}: {existing} is a file, not a directory; name a directory")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"--workdir={path}: {existing} is not writable; name a directory you own")
 
 
 def prepare(path: str, *, resuming: bool) -> str | None:
