@@ -122,6 +122,32 @@ def test_fuzz_number_keys(key, positive):
       assert_one_error(lm_config(**{key: value}), f"config.{key}=")
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"lr": math.nan}, "config.lr=nan: must be a finite number > 0"),
+        ({"lr": -3e-3}, "config.lr=-0.003: must be a finite number > 0"),
+        ({"seq_len": 0}, "config.seq_len=0: must be an integer >= 1"),
+        ({"grad_clip_norm": -1.0}, "config.grad_clip_norm=-1.0: must be a finite number > 0"),
+        (
+            {"schedule.warmup_steps": -10},
+            "config.schedule.warmup_steps=-10: must be an integer >= 0",
+        ),
+        ({"total_steps": 0}, "config.total_steps=0: must be an integer >= 1"),
+        ({"total_steps": -5}, "config.total_steps=-5: must be an integer >= 1"),
+        ({"eval_every": 0}, "config.eval_every=0: must be an integer >= 1"),
+        ({"log_every": 0}, "config.log_every=0: must be an integer >= 1"),
+        ({"eval_batches": 0}, "config.eval_batches=0: must be an integer >= 1"),
+        ({"seed": -1}, "config.seed=-1: must be an integer >= 0"),
+        ({"sharding_rules": (("act_batch",),)}, "config.sharding_rules=(('act_batch',),)"),
+    ],
+)
+def test_survey_worst_cases(overrides, message):
+  """The issue's list, one by one: each was accepted silently or crashed after allocating."""
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    validation.check_config(lm_config(**overrides), devices_per_process=8)
+
+
 def test_valid_configs_and_boundaries_pass():
   for config in (configs.lm.get_config(), configs.vit_digits.get_config()):
     validation.check_config(config, devices_per_process=8)

@@ -59,7 +59,9 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
   _check_schedule(config.get("schedule"))
   _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
   _check_names("config.data_axes", config.get("data_axes", ()))
-  _check_pairs("config.sharding_rules", config.get("sharding_rules", ()), '[("act_batch", "data")]')
+  _check_pairs(
+      "config.sharding_rules", config.get("sharding_rules") or (), '[("act_batch", "data")]'
+  )
   strategy = config.get("sharding_strategy")
   if not isinstance(strategy, str):
     _check_pairs("config.sharding_strategy", strategy, '[(".*", \'fsdp(axis="data")\')]')
