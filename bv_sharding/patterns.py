@@ -16,7 +16,7 @@ Example:
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-import regex as re
+import regex as re  # re's syntax, plus a time bound on each match.
 
 from bv_sharding import registry, specs
 from bv_sharding.errors import ShardingError
