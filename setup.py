@@ -27,6 +27,7 @@ setuptools.setup(
         "numpy>=1.26,<3",
         "ml_collections>=1.0,<2",
         "absl-py>=2.0,<3",
+        "regex>=2024.4",  # Strategy regexes matched with a time bound (bv_sharding/patterns.py).
     ],
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],

@@ -25,6 +25,10 @@ class ShardingError(Error):
   """A strategy, rule, mesh or plan the library cannot use; the message names it and the fix."""
 
 
+class ShardingWarning(UserWarning):
+  """A plan that works but is probably not what was meant, e.g. a strategy entry matching no leaf."""
+
+
 def closest(name: str, choices) -> str:
   """A ``"; did you mean 'x'?"`` hint for ``name`` among ``choices``, or ``""``.
 

@@ -19,7 +19,20 @@ from bv_sharding.errors import ShardingError
 
 
 def axis_sizes(config_mesh: Sequence, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
-  """Resolves ``config.mesh`` for ``num_devices`` into ``(names, sizes)``."""
+  """Resolves ``config.mesh`` for ``num_devices`` into ``(names, sizes)``.
+
+  Example:
+    >>> axis_sizes([("data", -1), ("model", 2)], 8)
+    (('data', 'model'), (4, 2))
+    >>> axis_sizes([("data", -1)], 0)
+    Traceback (most recent call last):
+    ...
+    bv_sharding.errors.ShardingError: num_devices=0: a mesh needs a whole number of devices >= 1, e.g. 8
+  """
+  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+    raise ShardingError(
+        f"num_devices={num_devices!r}: a mesh needs a whole number of devices >= 1, e.g. 8"
+    )
   pairs = _pairs(config_mesh)
   names = tuple(name for name, _ in pairs)
   sizes = [size for _, size in pairs]

@@ -2,6 +2,9 @@
 
 A strategy is a list of ``(regex, op_chain)`` pairs; a leaf is claimed by the
 first regex that ``fullmatch``es its name. A bare string ``s`` means ``[(".*", s)]``.
+Regexes are ``re`` syntax, matched by the ``regex`` package with a time bound
+(``MATCH_TIMEOUT_S`` per leaf), so a catastrophically backtracking one such as
+``(a|aa)+$`` fails with a ``ShardingError`` naming it instead of hanging the plan.
 
 Example:
   >>> pats = parse_strategy([(".*embedding", 'shard_dim(axis="model", dim=-1)'),
@@ -11,11 +14,14 @@ Example:
 """
 
 import dataclasses
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import regex as re  # re's syntax, plus a time bound on each match.
 
 from bv_sharding import registry, specs
 from bv_sharding.errors import ShardingError
+
+MATCH_TIMEOUT_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +38,14 @@ def parse_strategy(strategy, mesh_axes: dict[str, int]) -> tuple[Pattern, ...]:
   """Parses and checks a strategy; every mesh axis an op names must exist in ``mesh_axes``."""
   if isinstance(strategy, str):
     strategy = [(".*", strategy)]
+  if isinstance(strategy, Mapping):
+    raise ShardingError(
+        f"sharding_strategy is a {type(strategy).__name__}; write it as a list of (regex, "
+        "op_chain) pairs, e.g. list(strategy.items()): the first regex that matches claims a leaf"
+    )
   try:
+    if not isinstance(strategy, Sequence) or any(_not_pair(p) for p in strategy):
+      raise TypeError
     pairs = [(regex, chain) for regex, chain in strategy]
   except (TypeError, ValueError):
     raise ShardingError(
@@ -44,7 +57,24 @@ def parse_strategy(strategy, mesh_axes: dict[str, int]) -> tuple[Pattern, ...]:
 
 def match(patterns: Sequence[Pattern], name: str) -> Pattern | None:
   """The first pattern whose regex fullmatches ``name``."""
-  return next((p for p in patterns if p.compiled.fullmatch(name)), None)
+  return next((p for p in patterns if fullmatch(p, name)), None)
+
+
+def fullmatch(pattern: Pattern, name: str) -> bool:
+  """Whether ``pattern`` fullmatches ``name``; raises if that takes over ``MATCH_TIMEOUT_S``."""
+  try:
+    return pattern.compiled.fullmatch(name, timeout=MATCH_TIMEOUT_S) is not None
+  except TimeoutError:
+    raise ShardingError(
+        f"strategy regex {pattern.regex!r} took over {MATCH_TIMEOUT_S:g} s to match leaf "
+        f"{name!r}: it backtracks catastrophically (nested or overlapping repeats such as "
+        "'(a|aa)+'); simplify it, e.g. '.*kernel' instead of '(.*kernel)+'"
+    ) from None
+
+
+def unmatched(patterns: Sequence[Pattern], names: Sequence[str]) -> list[str]:
+  """Regexes of ``patterns`` that fullmatch none of ``names``, in strategy order."""
+  return [p.regex for p in patterns if not any(fullmatch(p, n) for n in names)]
 
 
 def parse_rules(rules, mesh_axes: dict[str, int]) -> tuple:
@@ -79,6 +109,10 @@ def check_mesh_axes(axis, mesh_axes: dict[str, int], where: str) -> None:
           f"{where}: the mesh has no axis {a!r}; its axes are {list(mesh_axes)}. "
           "Use one of those or add the axis to config.mesh."
       )
+
+
+def _not_pair(entry) -> bool:
+  return isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != 2
 
 
 def _pattern(regex, chain, mesh_axes) -> Pattern:

@@ -17,14 +17,16 @@ Example:
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from bv_sharding import following, names, patterns, specs
+from bv_sharding.errors import ShardingError, ShardingWarning
 from bv_sharding.specs import Leaf, MiB, Spec
 
 PARAMS = "params"
@@ -88,13 +90,23 @@ class Plan:
     return {e.name: e for e in self.entries}
 
   def mismatches(self, tree) -> list[str]:
-    """Names of arrays in ``tree`` (same structure) whose sharding is not the planned one."""
-    arrays, _ = names.flatten(tree)
-    return [
-        name
-        for (name, x), e in zip(arrays, self.entries)
-        if not x.sharding.is_equivalent_to(NamedSharding(self.mesh, e.spec), x.ndim)
-    ]
+    """Names of arrays in ``tree`` whose sharding is not the planned one.
+
+    A planned leaf missing from ``tree``, a leaf the plan lacks, and a leaf that is not
+    a ``jax.Array`` are listed too, as ``"name: why"``: a tree of another structure never
+    passes.
+    """
+    arrays, planned = dict(names.flatten(tree)[0]), self.by_name()
+    wrong = [f"{name}: missing from the tree" for name in planned if name not in arrays]
+    wrong += [f"{name}: not in the plan" for name in arrays if name not in planned]
+    for name, x in arrays.items():
+      if name not in planned:
+        continue
+      if not hasattr(x, "sharding"):
+        wrong.append(f"{name}: a {type(x).__name__}, not a jax.Array")
+      elif not x.sharding.is_equivalent_to(NamedSharding(self.mesh, planned[name].spec), x.ndim):
+        wrong.append(name)
+    return wrong
 
   def unsharded(self, min_bytes: int = 0) -> list[Entry]:
     """Unsharded entries of at least ``min_bytes``, largest first."""
@@ -134,12 +146,16 @@ def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = Fal
 
   ``strategy``: ``[(regex, op_chain), ...]`` or one op chain; ``rules``:
   ``config.sharding_rules`` for ``logical_partitioning()``; ``strict``: an
-  indivisible requested dim raises ``ShardingError`` instead of staying unsharded.
+  indivisible requested dim raises ``ShardingError`` instead of staying unsharded, and
+  so does a strategy entry whose regex matches no leaf (else a ``ShardingWarning``).
+  Trees deeper than Python's recursion limit (thousands of levels) fail in jax's own
+  tree flattening with a ``RecursionError``; that limit is jax's.
   """
-  sizes = dict(mesh.shape)
+  sizes = _mesh_sizes(mesh)
   pats = patterns.parse_strategy(strategy, sizes)
   rules = patterns.parse_rules(rules, sizes)
   named, treedef = names.flatten(tree)
+  _check_matched(pats, [name for name, _ in named], strict)
   leaves = [_leaf(name, x, sizes, rules, strict) for name, x in named]
   has_params = any(_is_param(leaf) for leaf in leaves)
   params = {
@@ -168,6 +184,28 @@ def infer_sharding(tree, strategy, mesh, rules: Sequence | None = None, strict: 
   """
   result = plan(tree, strategy, mesh, rules=rules, strict=strict)
   return result.shardings, result.specs
+
+
+def _check_matched(pats, leaf_names: list[str], strict: bool) -> None:
+  unused = patterns.unmatched(pats, leaf_names)
+  if not unused:
+    return
+  message = (
+      f"strategy entries {unused} match no leaf of the tree ({len(leaf_names)} leaves, e.g. "
+      f"{leaf_names[:3]}); check the regexes against the names in plan.report()"
+  )
+  if strict:
+    raise ShardingError(message)
+  warnings.warn(message, ShardingWarning, stacklevel=3)
+
+
+def _mesh_sizes(mesh) -> dict[str, int]:
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise ShardingError(
+        f"mesh must be a jax Mesh or AbstractMesh, got {type(mesh).__name__} {mesh!r}; build one "
+        "from config.mesh with bvs.make_mesh(config.mesh) (or bvs.make_abstract_mesh(config.mesh, n))"
+    )
+  return dict(mesh.shape)
 
 
 def _leaf(name, x, sizes, rules, strict) -> Leaf:
@@ -232,7 +270,7 @@ def _run(ops, leaf: Leaf, carry: bool = False) -> tuple[Spec, str]:
         notes.append(note)
         carried = True
       continue
-    spec, note = op.rule(leaf, spec)
+    spec, note = specs.checked(op.name, op.rule(leaf, spec), leaf)
     notes.append(f"{op.name}: {note}")
   if carry and not ops:
     spec, note = _carry(leaf, spec)

@@ -64,7 +64,18 @@ def register(name: str, *, follows: bool = True):
     ...   return lambda leaf, spec: bvs.specs.place(leaf, spec, -1, axis)
   """
 
+  if not isinstance(name, str) or not name.isidentifier():
+    raise ShardingError(
+        f"register: the op name must be a non-empty identifier string like 'shard_last' "
+        f"(config strings call it by that name), got {name!r}"
+    )
+
   def decorate(factory):
+    if not callable(factory):
+      raise ShardingError(
+          f"register({name!r}) decorates a factory function returning a rule; got "
+          f"{type(factory).__name__} {factory!r}"
+      )
     if name in _OPS and _OPS[name].factory is not factory:
       raise ShardingError(f"op {name!r} is already registered; pick another name")
     _OPS[name] = OpInfo(name, factory, follows)

@@ -157,6 +157,43 @@ def place_largest(leaf: Leaf, spec: Spec, axis: Axis, dims=None) -> tuple[Spec, 
   )
 
 
+def checked(op: str, result: Any, leaf: Leaf) -> tuple[Spec, str]:
+  """``result`` of op ``op``'s rule on ``leaf`` if it is a valid ``(spec, note)``, else raises.
+
+  A valid spec has one entry per dim, each ``None``, a mesh axis or a tuple of mesh axes;
+  no axis twice; every dim divisible by its axes' size.
+
+  Example:
+    >>> leaf = Leaf("w", (8, 6), np.dtype("float32"), mesh={"data": 4})
+    >>> checked("my_op", ((None, None), "kept"), leaf)
+    ((None, None), 'kept')
+    >>> checked("my_op", ("data",), leaf)
+    Traceback (most recent call last):
+    ...
+    bv_sharding.errors.ShardingError: op 'my_op' on leaf 'w' (8, 6) returned ('data',); a rule must return (spec, note): a tuple of 2 entries (None, a mesh axis of ['data'] or a tuple of them) and a string, built with bv_sharding.specs.place
+  """
+  ok = isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], str)
+  spec = result[0] if ok else None
+  if ok and isinstance(spec, tuple) and len(spec) == leaf.ndim:
+    entries = [axes_of(e) if e is None or isinstance(e, (str, tuple)) else None for e in spec]
+    flat = [a for e in entries if e is not None for a in e]
+    ok = (
+        None not in entries
+        and all(isinstance(a, str) and a in leaf.mesh for a in flat)
+        and len(set(flat)) == len(flat)
+        and all(n % axis_size(leaf.mesh, e) == 0 for n, e in zip(leaf.shape, spec))
+    )
+  else:
+    ok = False
+  if not ok:
+    raise ShardingError(
+        f"op {op!r} on leaf {leaf.name!r} {leaf.shape} returned {result!r}; a rule must return "
+        f"(spec, note): a tuple of {leaf.ndim} entries (None, a mesh axis of {list(leaf.mesh)} "
+        "or a tuple of them) and a string, built with bv_sharding.specs.place"
+    )
+  return result
+
+
 def too_small(leaf: Leaf, min_size_mb: float) -> str | None:
   """A note when ``leaf`` is under the ``min_size_mb`` threshold, else ``None``."""
   if leaf.nbytes < min_size_mb * MiB:

@@ -41,5 +41,6 @@ def get_config(arg=None):
   config.lr = 3e-3
   config.wd = 1e-4
   config.schedule = dict(warmup_steps=10, decay="cosine", end_value=3e-4)  # total_steps added
-  config.grad_clip_norm = 1.0
+  config.grad_clip_norm = 1.0  # None: no clipping.
+  config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   return config

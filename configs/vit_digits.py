@@ -35,5 +35,6 @@ def get_config(arg=None):
   config.lr = 1e-3
   config.wd = 1e-4
   config.schedule = dict(warmup_steps=10, decay="cosine")  # total_steps added by train.py
-  config.grad_clip_norm = 1.0
+  config.grad_clip_norm = 1.0  # None: no clipping.
+  config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   return config

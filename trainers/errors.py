@@ -2,7 +2,8 @@
 
 ``ConfigError`` covers anything wrong in a training config (an unknown model,
 task, optimizer, config key or argument, a value out of range);
-``OptimizerError`` narrows it to the optimizer's name and arguments. Both are
+``OptimizerError`` narrows it to the optimizer's name and arguments;
+``NonFiniteLossError`` stops a run whose loss diverged. All are
 ``bv_sharding.Error``, so ``except bvs.Error`` catches every mistake of ours.
 
 Example:
@@ -20,3 +21,7 @@ class ConfigError(Error):
 
 class OptimizerError(ConfigError):
   """An unknown optimizer or arguments its constructor does not take."""
+
+
+class NonFiniteLossError(Error):
+  """Training produced a NaN or infinite loss; the message gives the step and the last finite loss."""

@@ -5,7 +5,8 @@
 
 Process 0 coordinates on 127.0.0.1 at a free port. Every line a process prints is
 prefixed with `[pN] `. If one process fails the others are killed, and the exit
-status is the first failure's (124 if `--timeout` seconds pass first).
+status is the first failure's (124 if `--timeout` seconds pass first). Counts below 1 or a
+non-positive timeout end it before anything is spawned, as one `ConfigError` line.
 """
 
 import argparse
@@ -15,6 +16,9 @@ import subprocess
 import sys
 import threading
 import time
+
+from bv_sharding.errors import Error
+from trainers import validation
 
 TIMED_OUT = 124
 
@@ -90,6 +94,16 @@ def run(cmds: list[list[str]], timeout: float) -> int:
   return status
 
 
+def check_args(processes: int, devices: int, timeout: float) -> None:
+  """Raises `ConfigError` for a count below 1 or a timeout that is not a positive number.
+
+  Example: `check_args(0, 4, 60)` raises naming --processes.
+  """
+  validation.check_count("--processes", processes, example=2)
+  validation.check_count("--devices-per-process", devices, example=4)
+  validation.check_number("--timeout", timeout, positive=True, example=1800)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,6 +116,11 @@ def main(argv=None) -> int:
   )
   args = parser.parse_args(argv)
   train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+  try:
+    check_args(args.processes, args.devices_per_process, args.timeout)
+  except Error as e:
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    return 1
   cmds = commands(args.processes, args.devices_per_process, train_args)
   return run(cmds, args.timeout)
 

@@ -8,8 +8,12 @@ r"""Trains a model with params and optimizer state sharded by one `config.shardi
 
 Top to bottom: logging -> (jax.distributed) -> mesh -> data -> model -> optimizer
 -> one sharding plan for {"params", "opt"} -> born-sharded init -> loop -> eval.
-Bad configs raise `trainers.errors.ConfigError` (or `bvs.ShardingError`) naming the config key before anything is
-allocated. Process 0 writes `workdir/config.json` and `workdir/metrics.jsonl`.
+Every config value is checked first (trainers/validation.py), the memory the plan needs
+before init; a bad one ends the run as one line, `ConfigError: config.<key>=...`, before
+the workdir is touched or anything allocated (`--debug` for the traceback). Process 0 then
+writes `workdir/config.json` and `workdir/metrics.jsonl`; an earlier run's files there are
+moved into `workdir/attempt-N/` (trainers/workdir.py). A NaN or infinite loss stops the run
+(`config.on_nonfinite="stop"`) or skips the update ("skip"; trainers/divergence.py).
 
 On CPU every process simulates `--devices_per_process` devices (default 8);
 `--coordinator_address/--num_processes/--process_id` (or BV_COORDINATOR,
@@ -22,19 +26,24 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import itertools
-import json
 import time
 
 import flax.linen as nn
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from ml_collections import config_flags
 
 import bv_sharding as bvs
-from trainers import data, models, optimizers, steps, tasks
+from trainers import cli, data, divergence, models, optimizers, steps, tasks, validation, workdir
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    cli.CONFIG_FLAG,
+    None,
+    "Training config file.",
+    lock_config=False,  # cli.check_overrides rejects unknown keys; config.optax takes any.
+    accept_new_attributes=True,
+)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where config.json and metrics.jsonl go.", required=True
 )
@@ -64,17 +73,18 @@ _DEVICES = flags.DEFINE_integer(
 def main(argv):
   del argv
   config = _CONFIG.value
+  validation.check_config(
+      config,
+      devices_per_process=_DEVICES.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+  )
+  workdir.check(_WORKDIR.value)
   # Both must happen before anything starts the backend.
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
   if _COORDINATOR.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   lead = jax.process_index() == 0
-  metrics_path = os.path.join(_WORKDIR.value, "metrics.jsonl")
-  if lead:
-    os.makedirs(_WORKDIR.value, exist_ok=True)
-    with open(os.path.join(_WORKDIR.value, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-    open(metrics_path, "w").close()
   logging.info(
       "process %d of %d, %d devices (%d here)",
       jax.process_index(),
@@ -90,6 +100,7 @@ def main(argv):
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
 
   task = tasks.get_task(config)
+  validation.check_task(config, task.train, task.held_out)
   train_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
   eval_batches = list(
       itertools.islice(  # Same held-out rows at every eval.
@@ -122,12 +133,15 @@ def main(argv):
   except optimizers.OptimizerError as e:
     raise optimizers.OptimizerError(f"config.optax_name / config.optax: {e}") from None
   lr = optimizers.make_schedule(config.lr, **schedule) if schedule else lambda _: config.lr
+  policy = config.get("on_nonfinite", "stop")
+  tx = divergence.guard(tx, policy)
 
   plan = bvs.plan(
       steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
   )
   if lead:
     logging.info("sharding plan:\n%s", plan.report())
+  logging.info("%s", validation.check_memory(plan, jax.local_devices()))
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
   eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
 
@@ -135,6 +149,14 @@ def main(argv):
     return float(
         np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in eval_batches])
     )
+
+  if lead:  # Every check passed: only now is the workdir touched.
+    note = workdir.prepare(_WORKDIR.value, resuming=False)
+    if note:
+      logging.warning("%s", note)
+    workdir.write_config(_WORKDIR.value, config.to_json_best_effort(indent=2))
+  metrics = workdir.MetricsWriter(_WORKDIR.value)
+  watch = divergence.LossWatch(policy, config.lr, write=metrics.write if lead else None)
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     logging.info("initialising params and optimizer state in their planned shardings")
@@ -145,13 +167,16 @@ def main(argv):
     total, tick, tick_step = config.total_steps, time.perf_counter(), 0
     for step, batch in zip(range(1, total + 1), train_batches):
       state, loss = train_step(state, data.to_global(batch, batch_sharding))
+      loss = float(loss)
+      if not watch.observe(step, loss):  # Raises under "stop".
+        logging.warning("step %d: loss %s, update skipped", step, loss)
       if step == 1:
         steps.check_state(plan, state, "after the first step")
         logging.info("state shardings match the plan after the first step")
       is_eval = step % config.eval_every == 0 or step == total
       if not (is_eval or step == 1 or step % config.log_every == 0):
         continue
-      record = {"step": step, "loss": float(loss), "lr": float(lr(step - 1))}
+      record = {"step": step, "loss": loss, "lr": float(lr(step - 1))}
       record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
       per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
       line = (
@@ -163,10 +188,9 @@ def main(argv):
         line += f" eval_loss={record['eval_loss']:.4f}"
       logging.info("%s", line)
       if lead:
-        with open(metrics_path, "a") as f:
-          f.write(json.dumps(record) + "\n")
+        metrics.write(record)
       tick, tick_step = time.perf_counter(), step
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,0 +1,101 @@
+"""trainers/workdir.py: an earlier run's files are moved aside, never truncated; lines are whole JSON."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainers import workdir
+from trainers.errors import ConfigError
+
+
+def fill(path, content):
+  path.mkdir(exist_ok=True)
+  for name in workdir.RUN_FILES:
+    (path / name).write_bytes(content + name.encode())
+
+
+def test_fresh_workdir_is_created_with_no_note(tmp_path):
+  assert workdir.prepare(str(tmp_path / "new"), resuming=False) is None
+  assert (tmp_path / "new").is_dir() and not any((tmp_path / "new").iterdir())
+
+
+def test_used_workdir_moves_each_earlier_run_to_its_own_attempt(tmp_path):
+  for attempt in (1, 2):
+    fill(tmp_path, f"run {attempt}: ".encode())
+    note = workdir.prepare(str(tmp_path), resuming=False)
+    assert note == (
+        f"workdir {tmp_path} held an earlier run: moved config.json, metrics.jsonl into "
+        f"{tmp_path}/attempt-{attempt} (nothing deleted); starting fresh"
+    )
+    for name in workdir.RUN_FILES:
+      assert (
+          tmp_path / f"attempt-{attempt}" / name
+      ).read_bytes() == f"run {attempt}: {name}".encode()
+      assert not (tmp_path / name).exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt-1", "attempt-2"]
+
+
+def test_resuming_keeps_the_files(tmp_path):
+  fill(tmp_path, b"kept: ")
+  assert workdir.prepare(str(tmp_path), resuming=True) is None
+  assert (tmp_path / "metrics.jsonl").read_bytes() == b"kept: metrics.jsonl"
+
+
+def test_only_metrics_is_moved_when_alone(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text("x\n")
+  note = workdir.prepare(str(tmp_path), resuming=False)
+  assert "moved metrics.jsonl into" in note
+  assert (tmp_path / "attempt-1" / "metrics.jsonl").read_text() == "x\n"
+
+
+def test_config_is_replaced_whole(tmp_path):
+  workdir.write_config(str(tmp_path), '{"lr": 1}')
+  workdir.write_config(str(tmp_path), '{"lr": 2}')
+  assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 2}
+  assert sorted(os.listdir(tmp_path)) == ["config.json"]
+
+
+def test_metrics_lines_are_strict_json_without_nan(tmp_path):
+  writer = workdir.MetricsWriter(str(tmp_path))
+  values = [1.5, math.nan, math.inf, -math.inf, 7]
+  for step, loss in enumerate(values):
+    writer.write({"step": step, "loss": loss})
+  text = (tmp_path / "metrics.jsonl").read_text()
+  records = [json.loads(line) for line in text.splitlines()]
+  assert [r["loss"] for r in records] == [1.5, None, None, None, 7]
+  assert "NaN" not in text and "Infinity" not in text and text.endswith("\n")
+
+
+def test_a_killed_writer_leaves_only_whole_lines(tmp_path):
+  """A process killed while writing long lines in a loop never leaves a partial line."""
+  code = (
+      "import sys; from trainers import workdir\n"
+      "w = workdir.MetricsWriter(sys.argv[1])\n"
+      "for step in range(10**9):\n"
+      "  w.write({'step': step, 'pad': 'x' * 4000})\n"
+      "  if step == 200: print('ready', flush=True)\n"
+  )
+  proc = subprocess.Popen(
+      [sys.executable, "-c", code, str(tmp_path)],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      stdout=subprocess.PIPE,
+      text=True,
+  )
+  assert proc.stdout.readline().strip() == "ready"
+  proc.kill()
+  proc.wait()
+  lines = (tmp_path / "metrics.jsonl").read_text().split("\n")
+  assert lines[-1] == "" and len(lines) > 200
+  assert [json.loads(line)["step"] for line in lines[:-1]] == list(range(len(lines) - 1))
+
+
+def test_check_refuses_a_file_and_accepts_a_new_nested_directory(tmp_path):
+  (tmp_path / "file").write_text("mine")
+  with pytest.raises(ConfigError, match=r"--workdir=.*/file/run: .*/file is a file"):
+    workdir.check(str(tmp_path / "file" / "run"))
+  workdir.check(str(tmp_path / "a" / "b"))
+  assert sorted(os.listdir(tmp_path)) == ["file"] and (tmp_path / "file").read_text() == "mine"

@@ -1,0 +1,168 @@
+"""The trainer's command line: config loading and errors of ours as one line, exit status 1.
+
+`run(main)` is `absl.app.run(main)` with a flags parser that loads `--config` first and
+turns each config-loading mistake into one `ConfigError` line naming the file or key: a
+missing `--config`, a missing file, a syntax error, no `get_config`, a `get_config` that
+raises, an override of a key the config file does not define (with the closest key), or
+an override value of the wrong type. Any `bvs.Error` raised in `main` is printed the same
+way. `--debug` (or `BV_DEBUG=1`) shows the full traceback instead.
+
+Keys under `config.optax` are the optimizer's keyword arguments: any may be added from
+the command line (`--config.optax.b1=0.9`); the optimizer's signature checks them.
+
+Example:
+  >>> run(main)   # at the bottom of trainers/train.py
+  $ python -m trainers.train --config configs/lm.py --config.lrr=1 --workdir /tmp/x
+  ConfigError: --config.lrr: configs/lm.py has no key config.lrr; did you mean 'lr'?
+"""
+
+import ast
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from bv_sharding.errors import Error, closest
+from trainers.errors import ConfigError
+
+CONFIG_FLAG = "config"
+OPEN_DICTS = ("optax",)  # Keyword-argument dicts: the command line may add any key.
+DEBUG_ENV = "BV_DEBUG"
+HELP = ("-h", "--help", "--helpshort", "--helpfull", "-?")
+
+flags.DEFINE_bool("debug", False, f"Full tracebacks for errors of ours (or {DEBUG_ENV}=1).")
+
+
+def run(main) -> None:
+  """`app.run(main)`; errors of ours (config loading or in `main`) end as one line, status 1.
+
+  Example: `run(main)` at the bottom of trainers/train.py.
+  """
+
+  def reporting(argv):
+    try:
+      main(argv)
+    except Error as e:
+      fail(e)
+
+  app.run(reporting, flags_parser=parse_flags)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """Loads the `--config` file, then parses all flags; any mistake is one `ConfigError` line.
+
+  Example: `parse_flags(["train", "--config=configs/lm.py", "--workdir=/tmp/x"])`.
+  """
+  try:
+    if any(arg.split("=")[0] in HELP for arg in argv):
+      return flags.FLAGS(argv)
+    spec = config_spec(argv)
+    defined = load_config(spec)
+    try:
+      rest = flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+      raise ConfigError(f"command line: {e}") from e
+    check_overrides(defined, config_flags.get_override_values(flags.FLAGS[CONFIG_FLAG]), spec)
+    return rest
+  except Error as e:
+    fail(e, argv)
+
+
+def fail(error: Exception, argv=None) -> None:
+  """Prints `error` as one line to stderr and exits 1 (re-raises it under --debug).
+
+  Example: `fail(ConfigError("config.lr=-1.0: must be ..."))` prints "ConfigError: config.lr=...".
+  """
+  if os.environ.get(DEBUG_ENV) == "1" or "--debug" in (sys.argv if argv is None else argv):
+    raise error
+  message = " ".join(str(error).split("\n"))
+  sys.stderr.write(f"{type(error).__name__}: {message}\n")
+  sys.exit(1)
+
+
+def config_spec(argv: list[str]) -> str:
+  """The value of `--config` (`path` or `path:arg`) in `argv`.
+
+  Example: `config_spec(["train", "--config", "configs/lm.py"])` == "configs/lm.py".
+  """
+  for i, arg in enumerate(argv):
+    name, eq, value = arg.lstrip("-").partition("=")
+    if arg.startswith("-") and name == CONFIG_FLAG:
+      if eq:
+        return value
+      if i + 1 < len(argv):
+        return argv[i + 1]
+  raise ConfigError(
+      "--config is missing: name a config file, e.g. --config configs/lm.py "
+      "(or configs/lm.py:size=small)"
+  )
+
+
+def load_config(spec: str):
+  """Runs `get_config(arg)` of the file in `spec` ("path[:arg]"), each mistake one `ConfigError`.
+
+  Example: `load_config("configs/lm.py:size=small").model.size` == "small".
+  """
+  path, *arg = spec.split(":", 1)
+  where = f"--config={spec}"
+  if not os.path.isfile(path):
+    folder = os.path.dirname(path) or "."
+    near = os.listdir(folder) if os.path.isdir(folder) else []
+    hint = closest(os.path.basename(path), near)
+    raise ConfigError(f"{where}: file {path!r} not found{hint}")
+  with open(path) as f:
+    source = f.read()
+  try:
+    ast.parse(source, filename=path)
+  except SyntaxError as e:
+    raise ConfigError(f"{where}: syntax error in {path} line {e.lineno}: {e.msg}") from e
+  module = _execute(path, where)
+  if not callable(getattr(module, "get_config", None)):
+    raise ConfigError(
+        f"{where}: {path} defines no get_config(); a config file defines "
+        "get_config(arg=None) returning an ml_collections.ConfigDict"
+    )
+  try:
+    config = module.get_config(*arg)
+  except Exception as e:  # A config file is user code: any failure is reported as theirs.
+    raise ConfigError(f"{where}: get_config({', '.join(map(repr, arg))}) raised: {e}") from e
+  if not isinstance(config, Mapping) and not hasattr(config, "to_dict"):
+    raise ConfigError(f"{where}: get_config() returned {type(config).__name__}, not a ConfigDict")
+  return config
+
+
+def check_overrides(defined, overrides: Mapping, spec: str) -> None:
+  """Raises for an override `--config.a.b` whose key the config file does not define.
+
+  Keys under `OPEN_DICTS` (optimizer keyword arguments) may be new.
+
+  Example: `check_overrides(config, {"lrr": 1.0}, "configs/lm.py")` raises "did you mean 'lr'?".
+  """
+  for key in overrides:
+    parts = key.split(".")
+    if parts[0] in OPEN_DICTS:
+      continue
+    node = defined
+    for depth, part in enumerate(parts):
+      if not hasattr(node, "keys") or part not in node:
+        known = list(node.keys()) if hasattr(node, "keys") else []
+        name = ".".join(parts[: depth + 1])
+        raise ConfigError(
+            f"--config.{key}: {spec.split(':')[0]} has no key config.{name}"
+            f"{closest(part, known) or '.'} Override keys the config defines "
+            f"(or optimizer arguments as --config.optax.<name>=<value>)"
+        )
+      node = node[part]
+
+
+def _execute(path: str, where: str):
+  spec = importlib.util.spec_from_file_location("bv_config_file", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # User code: an import or a name error in the config file.
+    raise ConfigError(f"{where}: loading {path} raised {type(e).__name__}: {e}") from e
+  return module

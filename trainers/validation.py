@@ -1,0 +1,245 @@
+"""Checks of every config value the trainer reads, before anything is written or allocated.
+
+`check_config` runs right after the flags are parsed (before jax's backend starts or the
+workdir is touched): counts >= 1, seeds >= 0, a positive finite learning rate, a positive
+clip norm or None, warmup >= 0, distinct data axes, well-formed strategy and rule lists,
+and >= 1 processes and devices. `check_task` checks what needs the data (seq_len), and
+`check_memory` compares the plan's bytes per device with the devices' memory before init.
+Each failure is one `ConfigError` naming `config.<key>` (or the flag) and a valid value.
+
+Example:
+  >>> import configs.lm
+  >>> config = configs.lm.get_config()
+  >>> check_config(config)
+  >>> config.lr = -1.0
+  >>> check_config(config)
+  Traceback (most recent call last):
+  ...
+  trainers.errors.ConfigError: config.lr=-1.0: must be a finite number > 0, e.g. --config.lr=0.003
+"""
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+import ml_collections
+
+from bv_sharding.errors import closest
+from trainers.errors import ConfigError
+
+COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
+POLICIES = ("stop", "skip")  # config.on_nonfinite: end the run, or skip the update.
+SCHEDULE_KEYS = ("warmup_steps", "decay", "end_value")
+DECAYS = ("cosine", "linear", "constant")
+LARGEST_LEAVES = 5
+
+
+def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0) -> None:
+  """Raises `ConfigError` for the first config value or process flag the trainer cannot use.
+
+  Example: `check_config(config, devices_per_process=8)` returns None for configs/lm.py.
+  """
+  check_count("--devices_per_process", devices_per_process, example=8)
+  check_count("--num_processes", num_processes, example=1)
+  if not _is_int(process_id) or not 0 <= process_id < num_processes:
+    raise ConfigError(
+        f"--process_id={process_id!r}: must be an integer in [0, {num_processes}) "
+        f"for --num_processes={num_processes}, e.g. --process_id=0"
+    )
+  for key in COUNTS:
+    check_count(f"config.{key}", config.get(key), example=_example(key))
+  check_int("config.seed", config.get("seed"), minimum=0, example=0)
+  if config.get("input") == "text":
+    check_count("config.seq_len", config.get("seq_len"), example=128)
+  check_number("config.lr", config.get("lr"), positive=True, example=3e-3)
+  check_number("config.wd", config.get("wd", 0.0), positive=False, example=1e-4)
+  clip = config.get("grad_clip_norm")
+  if clip is not None:
+    check_number("config.grad_clip_norm", clip, positive=True, example=1.0, none_ok=True)
+  _check_schedule(config.get("schedule"))
+  _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
+  _check_names("config.data_axes", config.get("data_axes", ()))
+  _check_pairs(
+      "config.sharding_rules", config.get("sharding_rules") or (), '[("act_batch", "data")]'
+  )
+  strategy = config.get("sharding_strategy")
+  if not isinstance(strategy, str):
+    _check_pairs("config.sharding_strategy", strategy, '[(".*", \'fsdp(axis="data")\')]')
+  _check_pairs("config.mesh", config.get("mesh"), '[("data", -1)]')
+  if not _is_dict(config.get("optax", {})):
+    raise ConfigError(
+        f"config.optax={config.get('optax')!r}: must be a dict of optimizer keyword arguments, "
+        "e.g. --config.optax.b1=0.9"
+    )
+
+
+def check_count(key: str, value, example: int) -> None:
+  """Raises unless `value` is an integer >= 1.
+
+  Example: `check_count("config.log_every", 0, example=20)` raises naming config.log_every.
+  """
+  check_int(key, value, minimum=1, example=example)
+
+
+def check_int(key: str, value, minimum: int, example: int) -> None:
+  """Raises unless `value` is an integer (not a bool) >= `minimum`.
+
+  Example: `check_int("config.seed", -1, minimum=0, example=0)` raises.
+  """
+  if not _is_int(value) or value < minimum:
+    raise ConfigError(
+        f"{key}={value!r}: must be an integer >= {minimum}, e.g. {_flag(key)}={example}"
+    )
+
+
+def check_number(key: str, value, positive: bool, example: float, none_ok: bool = False) -> None:
+  """Raises unless `value` is a finite number, > 0 if `positive` else >= 0.
+
+  Example: `check_number("config.lr", float("nan"), positive=True, example=3e-3)` raises.
+  """
+  ok = (
+      isinstance(value, (int, float))
+      and not isinstance(value, bool)
+      and math.isfinite(value)
+      and (value > 0 if positive else value >= 0)
+  )
+  if not ok:
+    bound = "> 0" if positive else ">= 0"
+    also = " (or None to turn it off)" if none_ok else ""
+    raise ConfigError(
+        f"{key}={value!r}: must be a finite number {bound}{also}, e.g. {_flag(key)}={example}"
+    )
+
+
+def check_task(config, train, held_out) -> None:
+  """Raises if `config.seq_len` does not fit in the text splits (a window is seq_len + 1).
+
+  Example: `check_task(config, train, held_out)` raises for seq_len=10**9.
+  """
+  if config.get("input") != "text":
+    return
+  shortest = min(len(train), len(held_out))
+  if config.get("seq_len") + 1 > shortest:
+    raise ConfigError(
+        f"config.seq_len={config.get('seq_len')}: windows of seq_len + 1 tokens must fit in the "
+        f"shortest split ({shortest} tokens); use at most --config.seq_len={shortest - 1}"
+    )
+
+
+def check_memory(plan, devices: Sequence, host_available: int | None = None) -> str:
+  """Raises if the plan's state and gradients do not fit the devices' memory; else says what fit.
+
+  Per device the step holds the planned params and optimizer state plus gradients (the
+  params' bytes again). Accelerators are compared one by one with jax's `bytes_limit`; CPU
+  devices share the host, so their bytes together are compared with the host's available
+  memory (`host_available`, default from /proc/meminfo).
+
+  Example: `check_memory(plan, jax.local_devices())` raises for configs/lm_7b_pod.py on 8
+  CPU devices.
+  """
+  grads = sum(e.bytes_per_device for e in plan.entries if e.name.split("/")[0] == "params")
+  grads = grads or plan.bytes_per_device  # A tree without "params" is all params.
+  need = plan.bytes_per_device + grads
+  cpus = [d for d in devices if d.platform == "cpu"]
+  if cpus:
+    have = _host_available() if host_available is None else host_available
+    need, where = need * len(cpus), f"the host's available memory ({len(cpus)} CPU devices)"
+  else:
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if not limits or None in limits:
+      return "device memory unknown: memory check skipped"
+    have, where = min(limits), f"the smallest device limit ({devices[0].device_kind})"
+  if need > have:
+    raise ConfigError(_too_big(plan, need, have, where))
+  return f"memory: {need / 2**30:.2f} GiB planned of {have / 2**30:.2f} GiB ({where})"
+
+
+def _too_big(plan, need: int, have: int, where: str) -> str:
+  largest = sorted(plan.entries, key=lambda e: -e.bytes_per_device)[:LARGEST_LEAVES]
+  leaves = ", ".join(f"{e.name} {e.bytes_per_device / 2**30:.2f} GiB" for e in largest)
+  return (
+      f"config.model / config.mesh / config.sharding_strategy: the plan needs "
+      f"{need / 2**30:.2f} GiB (params + optimizer state {plan.bytes_per_device / 2**30:.2f} "
+      f"GiB per device, plus gradients) but {where} is {have / 2**30:.2f} GiB; "
+      f"largest leaves per device: {leaves}. Use a smaller config.model, more devices, "
+      "or shard more (e.g. fsdp over more axes)"
+  )
+
+
+def _host_available() -> int:
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_schedule(schedule) -> None:
+  if schedule is None:
+    return
+  if not _is_dict(schedule):
+    raise ConfigError(
+        f"config.schedule={schedule!r}: must be None or a dict like "
+        'dict(warmup_steps=10, decay="cosine", end_value=0.0)'
+    )
+  for key in schedule:
+    if key not in SCHEDULE_KEYS:
+      raise ConfigError(
+          f"config.schedule.{key} is not a schedule key{closest(key, SCHEDULE_KEYS)} "
+          f"The keys are {list(SCHEDULE_KEYS)} (total_steps comes from config.total_steps)"
+      )
+  check_int("config.schedule.warmup_steps", schedule.get("warmup_steps", 0), 0, example=10)
+  _check_choice("config.schedule.decay", schedule.get("decay", "cosine"), DECAYS)
+  end = schedule.get("end_value", 0.0)
+  check_number("config.schedule.end_value", end, positive=False, example=0.0)
+
+
+def _check_choice(key: str, value, choices: Sequence[str]) -> None:
+  if value not in choices:
+    raise ConfigError(
+        f"{key}={value!r}: must be one of {list(choices)}{closest(value, choices)} "
+        f"e.g. {_flag(key)}={choices[0]}"
+    )
+
+
+def _check_names(key: str, names) -> None:
+  names = (names,) if isinstance(names, str) else names
+  if not isinstance(names, Sequence) or not all(isinstance(n, str) and n for n in names):
+    raise ConfigError(f"{key}={names!r}: must be a tuple of mesh axis names, e.g. ('data',)")
+  if len(set(names)) != len(names):
+    raise ConfigError(
+        f"{key}={tuple(names)!r} names an axis twice; list each mesh axis once, "
+        f"e.g. {tuple(dict.fromkeys(names))!r}"
+    )
+
+
+def _check_pairs(key: str, pairs, example: str) -> None:
+  ok = isinstance(pairs, Sequence) and not isinstance(pairs, str)
+  bad = next(
+      (p for p in (pairs if ok else ()) if isinstance(p, str) or not _is_pair(p)),
+      None,
+  )
+  if not ok or bad is not None:
+    entry = f" (entry {bad!r})" if ok else ""
+    raise ConfigError(f"{key}={pairs!r}{entry}: must be a list of pairs, e.g. {example}")
+
+
+def _is_pair(value) -> bool:
+  return isinstance(value, Sequence) and len(value) == 2
+
+
+def _is_dict(value) -> bool:
+  return isinstance(value, (Mapping, ml_collections.ConfigDict))
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _example(key: str) -> int:
+  return {"total_steps": 300, "batch_size": 32, "eval_batches": 4}.get(key, 20)
+
+
+def _flag(key: str) -> str:
+  return f"--{key}" if key.startswith("config.") else key
