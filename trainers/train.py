@@ -32,7 +32,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import bv_sharding as bvs
-from trainers import data, models, optimizers, steps, tasks
+from trainers import data, models, optimizers, prefetch, steps, tasks
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -90,7 +90,8 @@ def main(argv):
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
 
   task = tasks.get_task(config)
-  train_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
+  local_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
+  train_batches = prefetch.to_device(local_batches, batch_sharding, task.prefetch)
   eval_batches = list(
       itertools.islice(  # Same held-out rows at every eval.
           task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1),
@@ -99,6 +100,7 @@ def main(argv):
   )
 
   model = models.get_model(config.model_name, **config.model.to_dict())
+  task.check(model)  # Token ids / labels fit the model, before init.
   example = task.inputs(jax.tree.map(lambda x: x[:1], eval_batches[0]))
   init = lambda: model.init(jax.random.key(config.seed), example)["params"]
 
@@ -144,7 +146,7 @@ def main(argv):
 
     total, tick, tick_step = config.total_steps, time.perf_counter(), 0
     for step, batch in zip(range(1, total + 1), train_batches):
-      state, loss = train_step(state, data.to_global(batch, batch_sharding))
+      state, loss = train_step(state, batch)
       if step == 1:
         steps.check_state(plan, state, "after the first step")
         logging.info("state shardings match the plan after the first step")
