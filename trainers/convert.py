@@ -41,8 +41,8 @@ def chunks(files: list[str]) -> Iterator[bytes]:
 class Progress:
   """Prints `done / total` bytes and the rate to `stream`, at most once a second."""
 
-  def __init__(self, total: int, stream=sys.stderr):
-    self.total, self.stream, self.done = total, stream, 0
+  def __init__(self, total: int, stream=None):
+    self.total, self.stream, self.done = total, stream or sys.stderr, 0
     self.start = self.last = time.monotonic()
 
   def advance(self, n: int) -> None:
@@ -65,12 +65,12 @@ def write_tokens(stream: Iterator[np.ndarray], path: str, dtype: str) -> int:
 
   Example: `write_tokens(iter([np.arange(5)]), "/tmp/t.bin", "uint16")` == 5.
   """
-  count, largest = 0, -1
+  count, largest = 0, 0
   with open(path, "wb") as f:
     for tokens in stream:
       tokens.astype(dtype).tofile(f)
       count += len(tokens)
-      largest = max(largest, int(tokens.max(initial=-1)))
+      largest = max(largest, int(tokens.max(initial=0)))
   with open(path + ".json", "w") as f:
     json.dump({"dtype": dtype, "tokens": count, "max_token": largest}, f)
   return count

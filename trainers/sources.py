@@ -347,8 +347,9 @@ def check_labels(split: dict, num_classes: int, key: str) -> None:
   """
   labels = split["label"]
   low, high = chunked(np.min, labels), chunked(np.max, labels)
+  where = getattr(labels, "filename", None) or f"config.input.{key}"
   if low < 0 or high >= num_classes:
     raise ConfigError(
-        f"config.input.{key}: labels.npy holds labels in [{low}, {high}] but the model has "
+        f"{where} holds labels in [{low}, {high}] but the model has "
         f"{num_classes} classes; set config.model.num_classes={high + 1} or fix the labels"
     )
