@@ -119,6 +119,8 @@ def test_convert_streams_text_into_token_files(tmp_path, capsys, monkeypatch):
   assert len(train) == cut
   record = json.loads((tmp_path / "out" / "train.bin.json").read_text())
   assert record == {"dtype": "uint16", "tokens": cut, "max_token": int(max(raw[:cut]))}
+  whole = sources.token_stream(spec(kind="tokens", train=str(tmp_path / "out")), "train")
+  assert [n.rsplit("/", 1)[1] for n in whole.names] == ["train.bin", "val.bin"]  # No .json.
 
 
 def test_the_conversion_record_spares_the_scan(tmp_path):

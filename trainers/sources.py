@@ -101,7 +101,8 @@ def input_spec(value) -> ml_collections.ConfigDict:
 def find_files(pattern: str, what: str) -> list[str]:
   """The sorted files `pattern` (a file, a glob or a directory, searched recursively) names.
 
-  `what` names the setting in errors.
+  `what` names the setting in errors. The `.json` records `python -m trainers.convert`
+  writes beside its token files are left out.
 
   Example: `find_files("/data/shards/*.bin", "config.input.train")` -> ["/data/shards/000.bin", ...].
   """
@@ -118,6 +119,8 @@ def find_files(pattern: str, what: str) -> list[str]:
       )
     return [path]
   files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+  names = set(files)
+  files = [f for f in files if not (f.endswith(".json") and f[: -len(".json")] in names)]
   if not files:
     raise ConfigError(
         f"{what}={pattern!r} matches no files; check the path and the glob "
@@ -142,9 +145,11 @@ class TokenStream:
   names: tuple
   start: int = 0
   stop: int | None = None
+  ends: np.ndarray = dataclasses.field(init=False, repr=False)  # Each file's end in the stream.
 
   def __post_init__(self):
-    total = sum(len(a) for a in self.arrays)
+    object.__setattr__(self, "ends", np.cumsum([len(a) for a in self.arrays]))
+    total = int(self.ends[-1])
     object.__setattr__(self, "stop", total if self.stop is None else min(self.stop, total))
 
   def __len__(self) -> int:
@@ -160,7 +165,7 @@ class TokenStream:
 
   def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
     """int32 (len(starts), length): the tokens from each of `starts` (relative to `start`)."""
-    ends = np.cumsum([len(a) for a in self.arrays])
+    ends = self.ends
     out = np.empty((len(starts), length), np.int32)
     for row, position in enumerate(np.asarray(starts, np.int64) + self.start):
       i, filled = int(np.searchsorted(ends, position, side="right")), 0
