@@ -93,6 +93,9 @@ def input_spec(value) -> ml_collections.ConfigDict:
     )
   if not 0 <= spec.eval_fraction < 1:
     raise ConfigError(f"config.input.eval_fraction={spec.eval_fraction} must be in [0, 1)")
+  for key in ("vocab_size", "max_tokens"):
+    if spec[key] < 0:
+      raise ConfigError(f"config.input.{key}={spec[key]} must be >= 0 (0 = unset)")
   if spec.prefetch < 1:
     raise ConfigError(f"config.input.prefetch={spec.prefetch} must be at least 1 (2 is typical)")
   return spec
