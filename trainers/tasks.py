@@ -56,7 +56,7 @@ def language_model(config, spec) -> Task:
   sources.check_length(held_out, config.seq_len, "val" if spec.val else "eval_fraction")
 
   def check(model):
-    for stream in (train, held_out):
+    for stream in (train, held_out) if spec.val else (train,):  # Else held_out is train's tail.
       sources.check_token_ids(stream, model.config.vocab_size, spec.vocab_size)
 
   return Task(
