@@ -166,6 +166,10 @@ def _write(tmp_path, name, array):
             "short",
             r"config.input.val \(.*short.bin\) has 10 tokens, fewer than config.seq_len \+ 1",
         ),
+        (
+            "tail",
+            r"held-out tail \(config.input.eval_fraction=0.01\) of train \(.*ok.bin\) has 10 ",
+        ),
         ("too_big_id", r"big.bin holds token id 300, not below the model's vocab_size=256: set "),
         ("declared", r"config.input.vocab_size=50304 is larger than the model's vocab_size=256"),
         ("wrong_dtype", r"rec.bin holds uint32 tokens .* but config.input.dtype='uint16'"),
@@ -188,6 +192,8 @@ def test_bad_input_raises_naming_the_file_and_fix(tmp_path, case, message):
       task(kind="tokens", train=_write(tmp_path, "odd.bin", np.zeros(7, np.uint8)))
     elif case == "short":
       task(kind="tokens", train=ok, val=_write(tmp_path, "short.bin", np.zeros(10, np.uint16)))
+    elif case == "tail":
+      task(kind="tokens", train=ok, eval_fraction=0.01)
     elif case == "too_big_id":
       big = _write(tmp_path, "big.bin", np.full(99, 300, np.uint16))
       task(kind="tokens", train=ok, val=big).check(model)

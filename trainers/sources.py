@@ -286,25 +286,19 @@ def open_tokens(spec: ml_collections.ConfigDict) -> tuple[TokenStream, TokenStre
     train = train.split(spec.max_tokens)[0]
   if spec.val:
     return train, token_stream(spec, "val")
-  cut = len(train) - round(len(train) * spec.eval_fraction)
-  if cut == len(train):
-    raise ConfigError(
-        f"config.input.val is empty and eval_fraction={spec.eval_fraction} of "
-        f"{spec.train} leaves no held-out tokens; set config.input.val or eval_fraction"
-    )
-  return train.split(cut)
+  return train.split(len(train) - round(len(train) * spec.eval_fraction))
 
 
-def check_length(stream: TokenStream, seq_len: int, key: str) -> None:
-  """Raises if `stream` is shorter than one window of `seq_len + 1` tokens.
+def check_length(stream: TokenStream, seq_len: int, what: str, fix: str) -> None:
+  """Raises if `stream` (`what`, in words) is shorter than one window of `seq_len + 1` tokens.
 
-  Example: `check_length(held_out, config.seq_len, "val")`.
+  Example: `check_length(held_out, config.seq_len, "config.input.val", "a longer file")`.
   """
   if len(stream) <= seq_len:
     names = stream.names[0] if len(stream.names) == 1 else f"{len(stream.names)} files"
     raise ConfigError(
-        f"config.input.{key} ({names}) has {len(stream)} tokens, fewer than config.seq_len + 1 = "
-        f"{seq_len + 1}; use a shorter config.seq_len or a longer file"
+        f"{what} ({names}) has {len(stream)} tokens, fewer than config.seq_len + 1 = "
+        f"{seq_len + 1}; use a shorter config.seq_len or {fix}"
     )
 
 

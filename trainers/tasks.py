@@ -52,8 +52,12 @@ def language_model(config, spec) -> Task:
   Example: `language_model(config, spec).inputs(windows)` is `windows[:, :-1]`.
   """
   train, held_out = sources.open_tokens(spec)
-  sources.check_length(train, config.seq_len, "train")
-  sources.check_length(held_out, config.seq_len, "val" if spec.val else "eval_fraction")
+  sources.check_length(train, config.seq_len, "config.input.train", "more data")
+  if spec.val:
+    sources.check_length(held_out, config.seq_len, "config.input.val", "a longer file")
+  else:
+    tail = f"the held-out tail (config.input.eval_fraction={spec.eval_fraction}) of train"
+    sources.check_length(held_out, config.seq_len, tail, "raise it, or set config.input.val")
 
   def check(model):
     for stream in (train, held_out) if spec.val else (train,):  # Else held_out is train's tail.
