@@ -10,6 +10,7 @@ The default (tiny) runs in about a minute on a 2-core CPU with 8 simulated devic
 import ml_collections
 
 from configs.common import parse_arg
+from trainers import sources
 
 
 def get_config(arg=None):
@@ -18,7 +19,9 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
 
-  config.input = "text"
+  # The Python standard library's source as a byte-level text corpus (first 4 MiB);
+  # configs/lm_data.py trains on your own token files or text.
+  config.input = sources.input_config(kind="text", train=sources.STDLIB_TEXT, max_tokens=4 * 2**20)
   config.seq_len = 128
   config.batch_size = 32
   config.eval_batches = 4  # Fixed held-out batches, the same at every eval.

@@ -6,6 +6,7 @@ python -m trainers.train --config configs/vit_digits.py --workdir /tmp/vit
 import ml_collections
 
 from configs.common import parse_arg
+from trainers import sources
 
 
 def get_config(arg=None):
@@ -14,7 +15,7 @@ def get_config(arg=None):
   config = ml_collections.ConfigDict()
   config.seed = 0
 
-  config.input = "digits"
+  config.input = sources.input_config(kind="digits")  # configs/vit_images.py: your .npy images
   config.batch_size = 64
   config.eval_batches = 4  # Fixed held-out batches, the same at every eval.
 

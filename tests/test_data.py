@@ -1,4 +1,4 @@
-"""Tests for trainers.data: determinism, held-out splits, per-process slicing."""
+"""Tests for trainers.data: determinism, held-out splits, per-process slicing, resuming."""
 
 import os
 import pathlib
@@ -11,10 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from trainers import data
+from trainers import data, sources
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-STREAM = (np.arange(10_000) % 251).astype(np.uint8)
+ARRAY = (np.arange(10_000) % 251).astype(np.uint8)
+STREAM = sources.TokenStream((ARRAY,), ("stream",))
 IMAGES = {
     "image": np.arange(50 * 4, dtype=np.float32).reshape(50, 2, 2, 1),
     "label": np.arange(50, dtype=np.int32),
@@ -40,24 +41,13 @@ def _text(step=0, seed=0, process_index=0, process_count=1):
   )
 
 
-def test_stdlib_bytes_are_capped_and_deterministic():
-  tokens = data.load_stdlib_bytes(max_bytes=100_000)
-  assert tokens.shape == (100_000,) and tokens.dtype == np.uint8
-  np.testing.assert_array_equal(tokens, data.load_stdlib_bytes(100_000))
-
-
 def test_holdout_split_is_a_disjoint_tail():
-  train, held_out = data.holdout_split(STREAM, 0.1)
+  train, held_out = data.holdout_split(ARRAY, 0.1)
   assert len(held_out) == 1000
-  np.testing.assert_array_equal(np.concatenate([train, held_out]), STREAM)
+  np.testing.assert_array_equal(np.concatenate([train, held_out]), ARRAY)
   train, held_out = data.holdout_split(IMAGES, 0.2)
   assert set(train["label"]).isdisjoint(held_out["label"])
   assert len(train["image"]) + len(held_out["image"]) == 50
-
-
-def test_load_text_split():
-  train, held_out = data.load_text(max_bytes=200_000, eval_fraction=0.25)
-  assert (len(train), len(held_out)) == (150_000, 50_000)
 
 
 def test_text_batches_are_windows_of_the_stream():
@@ -122,16 +112,17 @@ _WORKER = textwrap.dedent("""
     import sys
     import jax
     import numpy as np
-    from trainers import data
+    from trainers import data, sources
 
-    process_id, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    process_id, port, out, path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     jax.config.update("jax_num_cpu_devices", 4)
     jax.distributed.initialize(f"localhost:{port}", num_processes=2,
                                process_id=process_id)
     mesh = jax.make_mesh((8,), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    stream = (np.arange(10_000) % 251).astype(np.uint8)
-    local = next(data.text_batches(stream, seq_len=8, global_batch=8, seed=0,
+    spec = sources.input_spec(sources.input_config(kind="tokens", train=path, dtype="uint8"))
+    train = sources.token_stream(spec, "train")  # memmapped; this process reads its rows
+    local = next(data.text_batches(train, seq_len=8, global_batch=8, seed=0,
                                    start_step=2))
     batch = data.to_global(local, sharding)
     np.savez(out, **{str(s.index[0].start): s.data
@@ -146,12 +137,15 @@ def _free_port():
 
 
 def test_two_processes_of_four_devices_build_the_one_process_batch(tmp_path):
+  """Each of 2 jax.distributed processes reads its rows of a token file; together: 1 process's."""
+  path = tmp_path / "train.bin"
+  ARRAY.tofile(path)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
   port = _free_port()
   workers = [
       subprocess.Popen(
-          [sys.executable, "-c", _WORKER, str(p), str(port), tmp_path / f"{p}.npz"],
+          [sys.executable, "-c", _WORKER, str(p), str(port), tmp_path / f"{p}.npz", path],
           env=env,
           stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT,

@@ -1,13 +1,14 @@
-"""Deterministic per-process input pipelines: byte-level text and digit images.
+"""Deterministic per-process batches: token windows and images.
 
 Every step's *global* batch is a pure function of (seed, step): its row ids are
-drawn from `np.random.default_rng((seed, step))`. Each process then keeps only
+drawn from `np.random.default_rng((seed, step))`. Each process then reads only
 its contiguous slice of rows, so 1 process x 8 devices and 2 processes x 4
-devices see the same global batch, and `to_global` stitches the slices into
-global `jax.Array`s.
+devices see the same global batch, `start_step` resumes the exact order with no
+iterator state, and `to_global` stitches the slices into global `jax.Array`s.
+The sources (token files, text, .npy images) are opened by trainers/sources.py.
 
 Example:
-  >>> train, held_out = load_text()
+  >>> train, held_out = sources.open_tokens(sources.input_spec("text"))
   >>> it = text_batches(train, seq_len=128, global_batch=32, seed=0)
   >>> local = next(it)            # (32 // jax.process_count(), 129) int32
   >>> sharding = jax.sharding.NamedSharding(mesh, P("data"))
@@ -15,32 +16,11 @@ Example:
 """
 
 import itertools
-import pathlib
-import sysconfig
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
-
-DEFAULT_MAX_TEXT_BYTES = 4 * 2**20
-
-
-def load_stdlib_bytes(max_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> np.ndarray:
-  """Returns the sorted top-level stdlib *.py files as one uint8 byte stream.
-
-  Reading stops after `max_bytes` (keeps start-up well under a second).
-
-  Example: `load_stdlib_bytes(1024).shape == (1024,)`.
-  """
-  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  chunks, size = [], 0
-  for path in sorted(root.glob("*.py")):
-    if size >= max_bytes:
-      break
-    chunks.append(path.read_bytes())
-    size += len(chunks[-1])
-  return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
 def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
@@ -51,16 +31,6 @@ def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
   n = len(jax.tree.leaves(data)[0])
   cut = n - round(n * eval_fraction)
   return (jax.tree.map(lambda x: x[:cut], data), jax.tree.map(lambda x: x[cut:], data))
-
-
-def load_text(
-    max_bytes: int = DEFAULT_MAX_TEXT_BYTES, eval_fraction: float = 0.05
-) -> tuple[np.ndarray, np.ndarray]:
-  """Returns (train, eval) byte streams; eval is the tail of the stream.
-
-  Example: `train, held_out = load_text(eval_fraction=0.1)`.
-  """
-  return holdout_split(load_stdlib_bytes(max_bytes), eval_fraction)
 
 
 def load_digits(eval_fraction: float = 0.2) -> tuple[dict, dict]:
@@ -135,27 +105,27 @@ def batches(
   )
 
 
-def text_batches(tokens: np.ndarray, *, seq_len: int, **sampling) -> Iterator[np.ndarray]:
-  """Yields int32 (local_batch, seq_len + 1) windows of the `tokens` stream.
+def text_batches(tokens, *, seq_len: int, **sampling) -> Iterator[np.ndarray]:
+  """Yields int32 (local_batch, seq_len + 1) windows of a `sources.TokenStream`.
 
-  `sampling` are the keyword arguments of `batches` (global_batch, seed, ...).
-  Inputs are `w[:, :-1]`, next-token targets `w[:, 1:]`.
+  Only this process's windows are read. `sampling` are the keyword arguments of
+  `batches` (global_batch, seed, ...). Inputs are `w[:, :-1]`, targets `w[:, 1:]`.
 
   Example: `text_batches(train, seq_len=128, global_batch=32, seed=0)`.
   """
-  offsets = np.arange(seq_len + 1)
-  take = lambda starts: tokens[starts[:, None] + offsets].astype(np.int32)
-  return batches(take, len(tokens) - seq_len, **sampling)
+  return batches(
+      lambda starts: tokens.windows(starts, seq_len + 1), len(tokens) - seq_len, **sampling
+  )
 
 
 def image_batches(split: dict, **sampling) -> Iterator[dict]:
-  """Yields {"image", "label"} local batches sampled from a `load_digits` split.
+  """Yields {"image", "label"} local batches of a split (`load_digits`, memmapped .npy).
 
   `sampling` are the keyword arguments of `batches` (global_batch, seed, ...).
 
   Example: `image_batches(train, global_batch=64, seed=0)`.
   """
-  take = lambda ids: jax.tree.map(lambda x: x[ids], split)
+  take = lambda ids: {"image": split["image"][ids], "label": split["label"][ids].astype(np.int32)}
   return batches(take, len(split["label"]), **sampling)
 
 

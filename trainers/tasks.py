@@ -1,11 +1,14 @@
 """What differs between training tasks: data splits, batches, model inputs and the loss.
 
-`config.input` picks the task: "text" (next-byte prediction with a language model)
-or "digits" (8x8 digit classification with a ViT). Everything else in the trainer
-is the same for both.
+`config.input` (trainers/sources.py) picks the task: "tokens" and "text" are
+next-token prediction with a language model, "images" and "digits" image
+classification with a ViT. Everything else in the trainer is the same for all.
+`Task.check(model)` compares the data with the model (token ids below its
+vocab_size, labels below its num_classes) before anything is initialised.
 
 Example:
-  >>> task = get_task(config)                       # config.input == "text"
+  >>> task = get_task(config)                       # config.input = "text"
+  >>> task.check(model)
   >>> local = next(task.batches(task.train, global_batch=32, seed=0))
   >>> logits = model.apply({"params": params}, task.inputs(batch))
   >>> loss = task.loss(logits, batch)
@@ -14,9 +17,10 @@ Example:
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import optax
 
-from trainers import data
+from trainers import data, sources
 from trainers.errors import ConfigError
 
 
@@ -30,6 +34,8 @@ class Task(NamedTuple):
   loss: Callable[[Any, Any], Any]  # (logits, batch) -> mean loss
   unit: str
   per_example: int
+  check: Callable[[Any], None]  # model -> None; raises ConfigError if the data does not fit
+  prefetch: int  # batches prepared ahead of the step
 
 
 def cross_entropy(logits, labels):
@@ -40,12 +46,23 @@ def cross_entropy(logits, labels):
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def text(config) -> Task:
-  """Next-byte prediction on windows of `config.seq_len + 1` bytes.
+def language_model(config, spec) -> Task:
+  """Next-token prediction on windows of `config.seq_len + 1` tokens of token files or text.
 
-  Example: `text(config).inputs(windows)` is `windows[:, :-1]`.
+  Example: `language_model(config, spec).inputs(windows)` is `windows[:, :-1]`.
   """
-  train, held_out = data.load_text()
+  train, held_out = sources.open_tokens(spec)
+  sources.check_length(train, config.seq_len, "config.input.train", "more data")
+  if spec.val:
+    sources.check_length(held_out, config.seq_len, "config.input.val", "a longer file")
+  else:
+    tail = f"the held-out tail (config.input.eval_fraction={spec.eval_fraction}) of train"
+    sources.check_length(held_out, config.seq_len, tail, "raise it, or set config.input.val")
+
+  def check(model):
+    for stream in (train, held_out) if spec.val else (train,):  # Else held_out is train's tail.
+      sources.check_token_ids(stream, model.config.vocab_size, spec.vocab_size)
+
   return Task(
       train,
       held_out,
@@ -54,37 +71,68 @@ def text(config) -> Task:
       loss=lambda logits, batch: cross_entropy(logits, batch[:, 1:]),
       unit="tokens",
       per_example=config.seq_len,
+      check=check,
+      prefetch=spec.prefetch,
   )
 
 
-def digits(config) -> Task:
-  """Classification of sklearn's 8x8 digits.
+def image_pixels(images):
+  """Model input: uint8 images scaled to [0, 1] float32; float images as they are.
 
-  Example: `digits(config).inputs(batch)` is `batch["image"]`.
+  Example: `image_pixels(jnp.full((1, 2, 2, 1), 255, jnp.uint8)).max() == 1.0`.
   """
-  del config  # Unused: the digits have one fixed size.
-  train, held_out = data.load_digits()
+  return images.astype(jnp.float32) / 255 if images.dtype == jnp.uint8 else images
+
+
+def classifier(config, spec) -> Task:
+  """Image classification of .npy images or sklearn's 8x8 digits.
+
+  Example: `classifier(config, spec).inputs(batch)` is `batch["image"]` in [0, 1].
+  """
+  del config  # Unused: the images carry their size.
+  if spec.kind == "digits":
+    train, held_out = data.load_digits()
+  elif spec.val:
+    train, held_out = (sources.open_image_split(spec, key) for key in ("train", "val"))
+  else:
+    train, held_out = data.holdout_split(
+        sources.open_image_split(spec, "train"), spec.eval_fraction
+    )
+    if not len(held_out["label"]):
+      raise ConfigError(
+          f"config.input.val is empty and eval_fraction={spec.eval_fraction} of {spec.train} "
+          "leaves no held-out images; set config.input.val or eval_fraction"
+      )
+
+  def check(model):
+    for key, split in (("train", train), ("val" if spec.val else "train", held_out)):
+      sources.check_labels(split, model.num_classes, key)
+
   return Task(
       train,
       held_out,
       batches=data.image_batches,
-      inputs=lambda batch: batch["image"],
+      inputs=lambda batch: image_pixels(batch["image"]),
       loss=lambda logits, batch: cross_entropy(logits, batch["label"]),
       unit="images",
       per_example=1,
+      check=check,
+      prefetch=spec.prefetch,
   )
 
 
-TASKS = {"text": text, "digits": digits}
+TASKS = {
+    "tokens": language_model,
+    "text": language_model,
+    "images": classifier,
+    "digits": classifier,
+}
 
 
 def get_task(config) -> Task:
-  """The task named by `config.input`.
+  """The task of `config.input`'s kind, its files opened and checked (nothing read whole).
 
   Example: `get_task(config).unit == "tokens"` for `config.input = "text"`.
   """
-  if config.input not in TASKS:
-    raise ConfigError(
-        f"config.input={config.input!r} is not a task; choose from " f"{sorted(TASKS)}"
-    )
-  return TASKS[config.input](config)
+  spec = sources.input_spec(config.input)
+  return TASKS[spec.kind](config, spec)

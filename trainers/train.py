@@ -35,7 +35,18 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 import bv_sharding as bvs
-from trainers import cli, data, divergence, models, optimizers, steps, tasks, validation, workdir
+from trainers import (
+    cli,
+    data,
+    divergence,
+    models,
+    optimizers,
+    prefetch,
+    steps,
+    tasks,
+    validation,
+    workdir,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
     cli.CONFIG_FLAG,
@@ -100,8 +111,7 @@ def main(argv):
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
 
   task = tasks.get_task(config)
-  validation.check_task(config, task.train, task.held_out)
-  train_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
+  local_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
   eval_batches = list(
       itertools.islice(  # Same held-out rows at every eval.
           task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1),
@@ -110,6 +120,7 @@ def main(argv):
   )
 
   model = models.get_model(config.model_name, **config.model.to_dict())
+  task.check(model)  # Token ids / labels fit the model, before init.
   example = task.inputs(jax.tree.map(lambda x: x[:1], eval_batches[0]))
   init = lambda: model.init(jax.random.key(config.seed), example)["params"]
 
@@ -165,8 +176,9 @@ def main(argv):
     logging.info("state shardings match the plan after init")
 
     total, tick, tick_step = config.total_steps, time.perf_counter(), 0
+    train_batches = prefetch.to_device(local_batches, batch_sharding, task.prefetch)
     for step, batch in zip(range(1, total + 1), train_batches):
-      state, loss = train_step(state, data.to_global(batch, batch_sharding))
+      state, loss = train_step(state, batch)
       loss = float(loss)
       if not watch.observe(step, loss):  # Raises under "stop".
         logging.warning("step %d: loss %s, update skipped", step, loss)

@@ -3,7 +3,8 @@
 `check_config` runs right after the flags are parsed (before jax's backend starts or the
 workdir is touched): counts >= 1, seeds >= 0, a positive finite learning rate, a positive
 clip norm or None, warmup >= 0, distinct data axes, well-formed strategy and rule lists,
-and >= 1 processes and devices. `check_task` checks what needs the data (seq_len), and
+and >= 1 processes and devices. The input's own checks
+(`trainers/sources.py`) cover what needs the data (seq_len against the files), and
 `check_memory` compares the plan's bytes per device with the devices' memory before init.
 Each failure is one `ConfigError` naming `config.<key>` (or the flag) and a valid value.
 
@@ -49,7 +50,7 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
   for key in COUNTS:
     check_count(f"config.{key}", config.get(key), example=_example(key))
   check_int("config.seed", config.get("seed"), minimum=0, example=0)
-  if config.get("input") == "text":
+  if "seq_len" in config:  # Sequence models only.
     check_count("config.seq_len", config.get("seq_len"), example=128)
   check_number("config.lr", config.get("lr"), positive=True, example=3e-3)
   check_number("config.wd", config.get("wd", 0.0), positive=False, example=1e-4)
@@ -108,21 +109,6 @@ def check_number(key: str, value, positive: bool, example: float, none_ok: bool 
     also = " (or None to turn it off)" if none_ok else ""
     raise ConfigError(
         f"{key}={value!r}: must be a finite number {bound}{also}, e.g. {_flag(key)}={example}"
-    )
-
-
-def check_task(config, train, held_out) -> None:
-  """Raises if `config.seq_len` does not fit in the text splits (a window is seq_len + 1).
-
-  Example: `check_task(config, train, held_out)` raises for seq_len=10**9.
-  """
-  if config.get("input") != "text":
-    return
-  shortest = min(len(train), len(held_out))
-  if config.get("seq_len") + 1 > shortest:
-    raise ConfigError(
-        f"config.seq_len={config.get('seq_len')}: windows of seq_len + 1 tokens must fit in the "
-        f"shortest split ({shortest} tokens); use at most --config.seq_len={shortest - 1}"
     )
 
 

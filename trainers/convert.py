@@ -1,0 +1,146 @@
+"""Converts a text corpus once into byte-level token files: train.bin, val.bin and their records.
+
+  python -m trainers.convert ~/my_text /data/my_text                  # a directory, recursively
+  python -m trainers.convert '/corpus/**/*.txt' /data/txt --val_fraction=0.01 --dtype=uint16
+
+The files (sorted) are streamed in 16 MiB chunks, never held whole; the first
+1 - val_fraction of the bytes go to train.bin, the rest to val.bin. Each output
+gets `<name>.json` with its dtype, token count and largest token id, so the
+trainer checks the vocabulary without scanning. Progress goes to stderr.
+
+Example:
+  >>> convert(find_files("~/my_text", "text"), "/data/my_text", val_fraction=0.01)
+  {'train': 990000, 'val': 10000}
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from trainers import sources
+
+CHUNK = 16 * 2**20
+
+
+def chunks(files: list[str]) -> Iterator[bytes]:
+  """The bytes of `files`, one after the other, CHUNK at a time.
+
+  Example: `b"".join(chunks(["a.txt", "b.txt"]))`.
+  """
+  for path in files:
+    with open(path, "rb") as f:
+      while chunk := f.read(CHUNK):
+        yield chunk
+
+
+class Progress:
+  """Prints `done / total` bytes and the rate to `stream`, at most once a second."""
+
+  def __init__(self, total: int, stream=None):
+    self.total, self.stream, self.done = total, stream or sys.stderr, 0
+    self.start = self.last = time.monotonic()
+
+  def advance(self, n: int) -> None:
+    self.done += n
+    now = time.monotonic()
+    if now - self.last >= 1 or self.done == self.total:
+      self.last = now
+      rate = self.done / max(now - self.start, 1e-9) / 2**20
+      percent = 100 * self.done / max(self.total, 1)
+      print(
+          f"converted {self.done / 2**20:.1f} / {self.total / 2**20:.1f} MiB "
+          f"({percent:.0f}%), {rate:.0f} MiB/s",
+          file=self.stream,
+          flush=True,
+      )
+
+
+def write_tokens(stream: Iterator[np.ndarray], path: str, dtype: str) -> int:
+  """Writes the token chunks of `stream` to `path` and its `.json` record; returns the count.
+
+  Example: `write_tokens(iter([np.arange(5)]), "/tmp/t.bin", "uint16")` == 5.
+  """
+  count, largest = 0, 0
+  with open(path, "wb") as f:
+    for tokens in stream:
+      tokens.astype(dtype).tofile(f)
+      count += len(tokens)
+      largest = max(largest, int(tokens.max(initial=0)))
+  with open(path + ".json", "w") as f:
+    json.dump({"dtype": dtype, "tokens": count, "max_token": largest}, f)
+  return count
+
+
+def split_bytes(files: list[str], cut: int, progress: Progress) -> tuple[Iterator, Iterator]:
+  """Two iterators of uint8 chunks: the first `cut` bytes of `files`, then the rest.
+
+  The first must be used up before the second is started.
+  """
+  source = chunks(files)
+  pending = []
+
+  def head():
+    left = cut
+    for chunk in source:
+      progress.advance(len(chunk))
+      tokens = np.frombuffer(chunk, np.uint8)
+      if len(tokens) >= left:
+        pending.append(tokens[left:])
+        yield tokens[:left]
+        return
+      left -= len(tokens)
+      yield tokens
+
+  def tail():
+    yield from pending
+    for chunk in source:
+      progress.advance(len(chunk))
+      yield np.frombuffer(chunk, np.uint8)
+
+  return head(), tail()
+
+
+def convert(files: list[str], out_dir: str, val_fraction: float = 0.01, dtype: str = "uint8"):
+  """Writes `out_dir`/train.bin and val.bin (byte tokens of `files`); returns their counts.
+
+  Example: `convert(["a.txt"], "/data/a", val_fraction=0.1)` -> {"train": 90, "val": 10}.
+  """
+  total = sum(os.path.getsize(f) for f in files)
+  os.makedirs(out_dir, exist_ok=True)
+  progress = Progress(total)
+  train, val = split_bytes(files, total - round(total * val_fraction), progress)
+  return {
+      "train": write_tokens(train, os.path.join(out_dir, "train.bin"), dtype),
+      "val": write_tokens(val, os.path.join(out_dir, "val.bin"), dtype),
+  }
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("text", help="a UTF-8 text file, a glob or a directory (recursive)")
+  parser.add_argument("out_dir", help="where train.bin, val.bin and their .json go")
+  parser.add_argument("--val_fraction", type=float, default=0.01)
+  parser.add_argument("--dtype", default="uint8", choices=sources.TOKEN_DTYPES)
+  args = parser.parse_args(argv)
+  counts = convert(
+      sources.find_files(args.text, "the text argument"),
+      args.out_dir,
+      args.val_fraction,
+      args.dtype,
+  )
+  print(
+      f"wrote {counts['train']} train and {counts['val']} val tokens ({args.dtype}) to "
+      f"{args.out_dir}; train with --config configs/lm_data.py:train={args.out_dir}/train.bin,"
+      f"val={args.out_dir}/val.bin,dtype={args.dtype}"
+  )
+
+
+if __name__ == "__main__":
+  main()
