@@ -46,13 +46,15 @@ STRATEGIES = {
         (".*/kernel", 'shard_dim("model", -1, ignore_ndim_error=True)|fsdp(axis="data")'),
         (".*", 'fsdp("data", 1)'),
     ],
+    # Puts "model" on dims it does not divide (pos embeddings, scanned layer axes).
+    "shard_dim_first": [(".*", 'shard_dim("model", 0, ignore_ndim_error=True) | fsdp("data")')],
 }
 # Which strategies run on which meshes (the 2-D ones need a "model" axis).
 RUNS = {
     "data8": ("fsdp", "fsdp_1mb", "replicate", "frozen_img"),
     "data256": ("fsdp", "fsdp_1mb"),
-    "data64_model4": ("fsdp", "fsdp_2d", "shard_dim_then_fsdp"),
-    "data2_model4": ("fsdp_2d", "shard_dim_then_fsdp"),
+    "data64_model4": ("fsdp", "fsdp_2d", "shard_dim_then_fsdp", "shard_dim_first"),
+    "data2_model4": ("fsdp_2d", "shard_dim_then_fsdp", "shard_dim_first"),
 }
 
 
@@ -128,16 +130,12 @@ def record() -> dict:
       names, sizes = zip(*MESHES[mesh_name])
       mesh = jax.sharding.AbstractMesh(sizes, names)
       for strategy_name in runs_here:
-        shardings = sharding.infer_sharding(
-            {"params": params}, STRATEGIES[strategy_name], mesh
-        )
+        shardings = sharding.infer_sharding({"params": params}, STRATEGIES[strategy_name], mesh)
         flat, _ = utils.tree_flatten_with_names(shardings)
         sharded = {
             name: _spec_list(s.spec) for name, s in flat if any(a is not None for a in s.spec)
         }
-        runs.append(
-            dict(tree=tree_name, mesh=mesh_name, strategy=strategy_name, sharded=sharded)
-        )
+        runs.append(dict(tree=tree_name, mesh=mesh_name, strategy=strategy_name, sharded=sharded))
         print(tree_name, mesh_name, strategy_name, len(sharded), "of", len(flat), "sharded")
   return dict(trees=trees, runs=runs)
 
