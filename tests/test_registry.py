@@ -270,7 +270,8 @@ def _suggested_calls(message: str, given) -> list[str]:
   for echo in sorted(_strings(given), key=len, reverse=True):
     message = message.replace(echo, " " * len(echo))
   calls = []
-  for match in re.finditer(r"\b(%s)\(" % "|".join(bvs.registered()), message):
+  ops = "|".join(bvs.registered())
+  for match in re.finditer(rf"\b({ops})\(", message):
     depth = 0
     for end in range(match.end() - 1, len(message)):
       depth += {"(": 1, ")": -1}.get(message[end], 0)
