@@ -1,15 +1,23 @@
-"""Records big_vision's own param placements as data for ``tests/test_big_vision_placements.py``.
+"""Records big_vision's own behaviour as data for the tests: placements, schedules, optimizer.
 
 big_vision is not on PyPI and none of its code is copied into this project; this
-tool imports it from a checkout and stores, for each param tree, strategy and
-mesh, the ``PartitionSpec`` big_vision's ``sharding.infer_sharding`` gives every
-leaf (``tests/data/big_vision_placements.json``). The trees are big_vision's own
-models (ViT-B/16, ViT-L/16, So400m/14, PaliGemma with Gemma 2B), shaped with
-``jax.eval_shape``, and this project's Llama (125m, 7b scanned)::
+tool imports it from a checkout and stores
+
+- ``tests/data/big_vision_placements.json`` (``tests/test_big_vision_placements.py``):
+  for each param tree, strategy and mesh, the ``PartitionSpec`` big_vision's
+  ``sharding.infer_sharding`` gives every leaf. The trees are big_vision's own
+  models (ViT-B/16, ViT-L/16, So400m/14, PaliGemma with Gemma 2B), shaped with
+  ``jax.eval_shape``, and this project's Llama (125m, 7b scanned);
+- ``tests/data/big_vision_optax.json`` (``tests/test_optimizers_from_config.py``):
+  ``utils.create_learning_rate_schedule`` at every step for a set of
+  ``config.schedule`` dicts, and the params after each step of
+  ``optax.make(config, ...)`` on a small tree for a few optimizer sections.
+
+Run it as::
 
     git clone https://github.com/google-research/big_vision /tmp/big_vision
     pip install --target /tmp/bv_deps einops      # Gemma's attention uses it
-    PYTHONPATH=/tmp/big_vision:/tmp/bv_deps:. python tools/record_big_vision_placements.py
+    PYTHONPATH=/tmp/big_vision:/tmp/bv_deps:. python tools/record_big_vision.py
 
 big_vision imports ``tensorflow.io.gfile`` at module level but shaping and
 placing use none of it; when TensorFlow is not installed, empty stand-in
@@ -28,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-OUTPUT = pathlib.Path(__file__).resolve().parents[1] / "tests/data/big_vision_placements.json"
+DATA = pathlib.Path(__file__).resolve().parents[1] / "tests/data"
 
 MESHES = {
     "data8": (("data", 8),),
@@ -140,20 +148,122 @@ def record() -> dict:
   return dict(trees=trees, runs=runs)
 
 
+SCHEDULES = {  # name -> (config.schedule dict, total_steps, batch_size, data_size)
+    "default_stair": ({}, 100, None, None),
+    "cosine_warmup": (dict(decay_type="cosine", warmup_steps=10), 100, None, None),
+    "linear_percent_end": (
+        dict(decay_type="linear", warmup_percent=0.1, linear_end=0.01),
+        100,
+        None,
+        None,
+    ),
+    "polynomial_cooldown": (
+        dict(decay_type="polynomial", power=2, end=0.1, cooldown_steps=5),
+        100,
+        None,
+        None,
+    ),
+    "rsqrt": (dict(decay_type="rsqrt", timescale=20, warmup_steps=5, shift=3), 100, None, None),
+    "stair_steps": (dict(decay_type="stair", steps=[30, 60], mults=[0.1, 0.01]), 100, None, None),
+    "examples_mult": (dict(decay_type="cosine", warmup_examples=640, mult=2.0), 100, 64, None),
+    "epochs_batch_scaled": (
+        dict(decay_type="cosine", warmup_epochs=1, scale_with_batchsize=True),
+        100,
+        32,
+        320,
+    ),
+}
+OPTIMIZER_SECTIONS = {
+    "adam_cosine_wd_clip": dict(
+        optax_name="scale_by_adam",
+        optax=dict(b2=0.95),
+        lr=0.1,
+        wd=0.01,
+        schedule=dict(decay_type="cosine", warmup_steps=2),
+        grad_clip_norm=1.0,
+    ),
+    "paligemma_freeze_img": dict(
+        optax_name="scale_by_adam",
+        lr=0.05,
+        wd=0.1,
+        schedule=[
+            ("img/.*", None),
+            ("llm/.*", dict(decay_type="linear", warmup_percent=0.2, linear_end=0.1)),
+        ],
+        lr_mults=[(".*/norm/.*", 0.5)],
+        wd_mults=[(".*/kernel$", 1.0), (".*/scale$", 0.5)],
+    ),
+    "sgd_trace_stair": dict(
+        optax_name="trace",
+        optax=dict(decay=0.9),
+        lr=0.1,
+        schedule=[(".*", dict(decay_type="stair", steps=[3], mults=[0.1]))],
+    ),
+}
+OPTIMIZER_STEPS = 6
+OPTIMIZER_TOTAL_STEPS = 10
+
+
+def small_params():
+  """The small tree the optimizer sections run on (the tests build the same)."""
+  return {
+      "img": {"kernel": np.linspace(-1, 1, 12).reshape(4, 3), "bias": np.linspace(0, 1, 3)},
+      "llm": {
+          "dense": {"kernel": np.linspace(1, -1, 15).reshape(3, 5)},
+          "norm": {"scale": np.ones(5)},
+      },
+  }
+
+
+def small_grads(params, step):
+  """Deterministic gradients at ``step`` (the tests use the same)."""
+  return jax.tree.map(lambda p: np.cos(p * (step + 1)) + 0.1 * p, params)
+
+
+def record_optax() -> dict:
+  import ml_collections
+  from big_vision import optax as bv_optax
+  from big_vision import utils
+
+  schedules = {}
+  for name, (sched, total, batch, data) in SCHEDULES.items():
+    kw = {k: v for k, v in sched.items() if k != "mult"}  # optax.make passes mult as base
+    fn = utils.create_learning_rate_schedule(total, batch, data, base=sched.get("mult", 1.0), **kw)
+    schedules[name] = [float(fn(s)) for s in range(total + 1)]
+  runs = {}
+  for name, section in OPTIMIZER_SECTIONS.items():
+    config = ml_collections.ConfigDict(section)
+    params = jax.tree.map(lambda x: np.asarray(x, np.float32), small_params())
+    tx, _ = bv_optax.make(config, params, sched_kw=dict(total_steps=OPTIMIZER_TOTAL_STEPS))
+    state = tx.init(params)
+    trajectory = []
+    for step in range(OPTIMIZER_STEPS):
+      updates, state = tx.update(small_grads(params, step), state, params)
+      params = jax.tree.map(lambda p, u: p + u, params, updates)
+      named, _ = utils.tree_flatten_with_names(params)
+      trajectory.append({n: np.asarray(v).tolist() for n, v in named})
+    runs[name] = trajectory
+  return dict(schedules=schedules, optimizers=runs)
+
+
 def main():
   checkout = next(p for p in sys.path if os.path.isfile(os.path.join(p, "big_vision/sharding.py")))
   commit = subprocess.run(
       ["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True
   ).stdout.strip()
-  data = dict(
-      big_vision_commit=commit or os.environ.get("BIG_VISION_COMMIT", "unknown"),
+  commit = commit or os.environ.get("BIG_VISION_COMMIT", "unknown")
+  placements = dict(
+      big_vision_commit=commit,
       numpy=np.__version__,
       meshes={k: [list(p) for p in v] for k, v in MESHES.items()},
       strategies={k: [list(p) for p in v] for k, v in STRATEGIES.items()},
       **record(),
   )
-  OUTPUT.write_text(json.dumps(data, indent=None, separators=(",", ":")) + "\n")
-  print("wrote", OUTPUT)
+  optax_data = dict(big_vision_commit=commit, **record_optax())
+  for name, data in (("placements", placements), ("optax", optax_data)):
+    path = DATA / f"big_vision_{name}.json"
+    path.write_text(json.dumps(data, indent=None, separators=(",", ":")) + "\n")
+    print("wrote", path)
 
 
 if __name__ == "__main__":
