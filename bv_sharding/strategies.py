@@ -69,7 +69,7 @@ def shard_dim(axis, dim, ignore_ndim_error=False):
   axis = specs.check_axis("shard_dim", axis)
   if isinstance(dim, bool) or not isinstance(dim, int):
     raise ShardingError(f"shard_dim: dim must be an integer like 0 or -1, got {dim!r}")
-  if not isinstance(ignore_ndim_error, bool):
+  if ignore_ndim_error not in (True, False):  # bools, or 0/1 as big_vision's truthiness allows
     raise ShardingError(
         f"shard_dim: ignore_ndim_error must be True or False, got {ignore_ndim_error!r}"
     )

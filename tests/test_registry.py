@@ -225,7 +225,7 @@ _MISTAKES = [  # (what the user passed, the call that raises)
             "fsdp",
             "replicate(axis='data')",
             "shard_dim(axis='data')",
-            "shard_dim('model', 0, ignore_ndim_error=1)",
+            "shard_dim('model', 0, ignore_ndim_error='yes')",
             "fsdp(axis=data)",
             "fsdp(axis='data'",
             "fsdp(axis='data') + replicate()",

@@ -93,7 +93,11 @@ def test_big_vision_optimizer_section_trains_and_logs_the_lr_it_applies(tmp_path
 @pytest.mark.timeout(240)
 def test_lm_rules_places_params_by_logical_names_and_trains(tmp_path):
   status, out, records = train(
-      tmp_path, *SHORT, "--config.total_steps=12", "--config.log_every=6", config="configs/lm_rules.py"
+      tmp_path,
+      *SHORT,
+      "--config.total_steps=12",
+      "--config.log_every=6",
+      config="configs/lm_rules.py",
   )
   assert status == 0, out[-3000:]
   assert "state shardings match the plan after the first step" in out
