@@ -139,3 +139,8 @@ def test_shipped_lm_config_accepts_big_vision_names_and_spelling():
     tx, learning_rates = from_config(config)
     assert float(learning_rates["lr"](config.schedule.warmup_steps)) == pytest.approx(config.lr)
     assert isinstance(tx, optax.GradientTransformation)
+
+
+def test_no_schedule_key_is_big_visions_constant_learning_rate():
+  _, learning_rates = from_config(section(optax_name="scale_by_adam", lr=0.3))
+  assert [float(learning_rates["lr"](s)) for s in (0, 9)] == pytest.approx([0.3, 0.3])

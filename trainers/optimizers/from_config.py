@@ -137,8 +137,9 @@ def _optax_chain(config, tx, entries, schedules):
 
 
 def _schedule_entries(config) -> tuple[tuple[str, Any], ...]:
-  """``config.schedule`` as ``(regex, dict | None)`` pairs; a lone dict covers ``".*"``."""
-  schedule = config.get("schedule")
+  """``config.schedule`` as ``(regex, dict | None)`` pairs; a lone dict covers ``".*"``;
+  no ``schedule`` key is big_vision's default, a constant learning rate."""
+  schedule = config.get("schedule", {})
   if schedule is None:
     raise OptimizerError(
         "config.schedule is None; big_vision freezes such params. Write "
