@@ -77,29 +77,39 @@ def unmatched(patterns: Sequence[Pattern], names: Sequence[str]) -> list[str]:
   return [p.regex for p in patterns if not any(fullmatch(p, n) for n in names)]
 
 
-def parse_rules(rules, mesh_axes: dict[str, int]) -> tuple:
-  """Checks ``config.sharding_rules``: ``(logical_name, mesh_axis | tuple | None)`` pairs."""
+def parse_rules(rules, mesh_axes: dict[str, int], source: str = "sharding_rules") -> tuple:
+  """Checks ``config.sharding_rules``: ``(logical_name, target)`` pairs, as flax reads them.
+
+  A target is ``None``, a mesh axis, or a tuple or list of mesh axes; an empty
+  one (MaxText's ``['kv', []]``) means ``None``, as it does to flax. Lists
+  become tuples; a logical name listed again is a fallback (flax's order).
+  ``source`` names where the rules came from in error messages.
+
+  Example:
+    >>> parse_rules([["batch", ["data", "fsdp"]], ["kv", []]], {"data": 4, "fsdp": 2})
+    (('batch', ('data', 'fsdp')), ('kv', None))
+  """
   if rules is None:
     return ()
   try:
     pairs = tuple((name, target) for name, target in rules)
   except (TypeError, ValueError):
     raise ShardingError(
-        f"sharding_rules must be a list of (logical_name, mesh_axis) pairs, "
+        f"{source} must be a list of (logical_name, mesh_axis) pairs, "
         f'e.g. [("act_batch", "data")]; got {rules!r}'
     ) from None
-  for name, target in pairs:
-    if not isinstance(name, str):
-      raise ShardingError(
-          f"sharding_rules entry {(name, target)!r}: the logical name must be a string"
-      )
-    if target is not None:
-      check_mesh_axes(
-          specs.check_axis(f"sharding_rules entry {(name, target)!r}", target),
-          mesh_axes,
-          f"sharding_rules entry {(name, target)!r}",
-      )
-  return tuple((n, tuple(t) if isinstance(t, list) else t) for n, t in pairs)
+  return tuple((name, _rule_target(name, target, mesh_axes, source)) for name, target in pairs)
+
+
+def _rule_target(name, target, mesh_axes: dict[str, int], source: str):
+  where = f"{source} entry {(name, target)!r}"
+  if not isinstance(name, str):
+    raise ShardingError(f"{where}: the logical name must be a string")
+  if target is None or (isinstance(target, (tuple, list)) and not target):
+    return None
+  axis = specs.check_axis(where, target)
+  check_mesh_axes(axis, mesh_axes, where)
+  return axis
 
 
 def check_mesh_axes(axis, mesh_axes: dict[str, int], where: str) -> None:

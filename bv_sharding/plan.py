@@ -31,6 +31,7 @@ from bv_sharding.specs import Leaf, MiB, Spec
 
 PARAMS = "params"
 DEFAULT_MIN_SIZE_MB = 1
+CONTEXT_RULES = "the rules of the enclosing nn.logical_axis_rules context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,18 +146,24 @@ def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = Fal
   """Plans every leaf of ``tree`` (arrays, ``ShapeDtypeStruct``s or flax boxes).
 
   ``strategy``: ``[(regex, op_chain), ...]`` or one op chain; ``rules``:
-  ``config.sharding_rules`` for ``logical_partitioning()``; ``strict``: an
-  indivisible requested dim raises ``ShardingError`` instead of staying unsharded, and
-  so does a strategy entry whose regex matches no leaf (else a ``ShardingWarning``).
+  ``config.sharding_rules`` for ``logical_partitioning()``; with ``rules=None``
+  (or empty) a box's own ``rules``, else those of the enclosing
+  ``with nn.logical_axis_rules(...)`` apply (as in flax and big_vision's
+  train.py); explicit ``rules`` win over both. ``strict``: an indivisible requested dim
+  raises ``ShardingError`` instead of staying unsharded, and so does a strategy entry whose
+  regex matches no leaf (else a ``ShardingWarning``).
   Trees deeper than Python's recursion limit (thousands of levels) fail in jax's own
   tree flattening with a ``RecursionError``; that limit is jax's.
   """
   sizes = _mesh_sizes(mesh)
   pats = patterns.parse_strategy(strategy, sizes)
-  rules = patterns.parse_rules(rules, sizes)
+  explicit = patterns.parse_rules(rules, sizes)
+  context = (
+      () if explicit else patterns.parse_rules(nn.get_logical_axis_rules(), sizes, CONTEXT_RULES)
+  )
   named, treedef = names.flatten(tree)
   _check_matched(pats, [name for name, _ in named], strict)
-  leaves = [_leaf(name, x, sizes, rules, strict) for name, x in named]
+  leaves = [_leaf(name, x, sizes, explicit, context, strict) for name, x in named]
   has_params = any(_is_param(leaf) for leaf in leaves)
   params = {
       leaf.name: (leaf, _decide_param(leaf, pats))
@@ -208,13 +215,13 @@ def _mesh_sizes(mesh) -> dict[str, int]:
   return dict(mesh.shape)
 
 
-def _leaf(name, x, sizes, rules, strict) -> Leaf:
+def _leaf(name, x, sizes, explicit, context, strict) -> Leaf:
   value = x.unbox() if names.is_box(x) else x
   shape = tuple(getattr(value, "shape", np.shape(value)))
   dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
   box_names = tuple(x.names) if isinstance(x, nn.Partitioned) else None
   logical = isinstance(x, nn.LogicallyPartitioned)
-  box_rules = rules or tuple(getattr(x, "rules", None) or ())
+  box_rules = explicit or tuple(getattr(x, "rules", None) or ()) or context
   return Leaf(name, shape, dtype, sizes, box_names, logical, box_rules, strict)
 
 

@@ -3,7 +3,9 @@
 An op is registered as a factory: its arguments come from the config string, and
 it returns a rule ``rule(leaf, spec) -> (spec, note)`` (see ``bv_sharding.specs``).
 Config strings are parsed with ``ast``; arguments must be literals, nothing is
-evaluated.
+evaluated. big_vision's syntax is accepted as big_vision's registry accepts it: a
+bare name is the call without arguments (``'replicate'``), arguments may be
+positional, and spaces may surround ``|``.
 
 Example:
   >>> import bv_sharding as bvs
@@ -127,15 +129,14 @@ def parse_chain(text: str) -> tuple[Op, ...]:
 
 
 def _split_pipes(node: ast.AST, text: str) -> list[ast.Call]:
+  """The chain's calls, left to right; a bare name (big_vision's ``'replicate'``) is a call
+  without arguments."""
   if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
     return _split_pipes(node.left, text) + _split_pipes(node.right, text)
   if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
     return [node]
   if isinstance(node, ast.Name):
-    raise ShardingError(
-        f"in op chain {text!r}: {node.id!r} needs parentheses: write "
-        f"'{node.id}()' or '{node.id}(axis=...)'"
-    )
+    return [ast.copy_location(ast.Call(func=node, args=[], keywords=[]), node)]
   raise ShardingError(
       f"in op chain {text!r}: {_excerpt(node, text)!r} is not an op call; "
       "write ops as plain names with literal arguments, e.g. "

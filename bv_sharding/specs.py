@@ -194,10 +194,12 @@ def checked(op: str, result: Any, leaf: Leaf) -> tuple[Spec, str]:
   return result
 
 
-def too_small(leaf: Leaf, min_size_mb: float) -> str | None:
-  """A note when ``leaf`` is under the ``min_size_mb`` threshold, else ``None``."""
-  if leaf.nbytes < min_size_mb * MiB:
-    return f"{leaf.nbytes / MiB:.3g} MiB < {min_size_mb:g} MiB threshold"
+def too_small(leaf: Leaf, min_size_mb: float, inclusive: bool = False) -> str | None:
+  """A note when ``leaf`` is under the ``min_size_mb`` threshold (or at it, when
+  ``inclusive``: big_vision's ``fsdp`` shards only leaves above it), else ``None``."""
+  if leaf.nbytes < min_size_mb * MiB or (inclusive and leaf.nbytes == min_size_mb * MiB):
+    sign = "<=" if inclusive else "<"
+    return f"{leaf.nbytes / MiB:.3g} MiB {sign} {min_size_mb:g} MiB threshold"
   return None
 
 

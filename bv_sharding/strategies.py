@@ -3,7 +3,13 @@
 Each op is a factory registered by name; the config string's arguments go to the
 factory, which returns ``rule(leaf, spec) -> (spec, note)``. Rules only add mesh
 axes through :func:`bv_sharding.specs.place`, so chains compose: a later op only
-fills dims and axes an earlier one left free.
+fills dims and axes an earlier one left free. ``replicate`` is the one exception:
+it clears what an earlier op placed (big_vision rejects such a chain).
+
+``fsdp``, ``shard_dim``, ``replicate`` and ``logical_partitioning`` are
+big_vision's ops and place params as big_vision's do (arguments, defaults,
+threshold and tie-breaking included); the README's "Differences from big_vision
+and flax" lists where they deliberately do not.
 
 Example:
   >>> strategy = [(".*embedding", 'shard_dim(axis="model", dim=-1)'),
@@ -27,32 +33,60 @@ VOCAB_PARALLEL = frozenset({"embedding"})
 
 @register("replicate", follows=False)
 def replicate():
-  """Every dim replicated: ``'replicate()'``."""
+  """Every dim replicated: ``'replicate()'`` or big_vision's bare ``'replicate'``.
+
+  After another op in the same chain it replaces that op's axes (big_vision
+  raises instead).
+  """
   return lambda leaf, spec: ((None,) * leaf.ndim, "replicated")
 
 
 @register("fsdp")
 def fsdp(axis, min_size_to_shard_mb=4):
-  """big_vision's FSDP: the largest free dim ``axis`` divides, for leaves of at least the threshold.
+  """big_vision's FSDP: the largest free dim ``axis`` divides, for leaves above the threshold.
 
+  As in big_vision, a leaf of exactly ``min_size_to_shard_mb`` stays unsharded
+  (only larger ones are sharded) and of equal dims the last one is taken.
   ``axis`` may be a tuple of mesh axes: ``'fsdp(axis=("data", "model"))'``.
   """
   axis = specs.check_axis("fsdp", axis)
   threshold = specs.check_number("fsdp", "min_size_to_shard_mb", min_size_to_shard_mb)
 
   def rule(leaf: Leaf, spec: Spec):
-    return _too_small(leaf, spec, threshold) or specs.place_largest(leaf, spec, axis)
+    note = specs.too_small(leaf, threshold, inclusive=True)
+    return (spec, note) if note else specs.place_largest(leaf, spec, axis)
 
   return rule
 
 
 @register("shard_dim")
-def shard_dim(axis, dim):
-  """``axis`` on dim ``dim`` (negative counts from the end): ``'shard_dim(axis="model", dim=-1)'``."""
+def shard_dim(axis, dim, ignore_ndim_error=False):
+  """``axis`` on dim ``dim`` (negative counts from the end): ``'shard_dim(axis="model", dim=-1)'``.
+
+  A leaf that has no dim ``dim`` raises, as in big_vision; with
+  ``ignore_ndim_error=True`` it is left as it is and the plan says why.
+  """
   axis = specs.check_axis("shard_dim", axis)
   if isinstance(dim, bool) or not isinstance(dim, int):
     raise ShardingError(f"shard_dim: dim must be an integer like 0 or -1, got {dim!r}")
-  return lambda leaf, spec: specs.place(leaf, spec, dim, axis)
+  if ignore_ndim_error not in (True, False):  # bools, or 0/1 as big_vision's truthiness allows
+    raise ShardingError(
+        f"shard_dim: ignore_ndim_error must be True or False, got {ignore_ndim_error!r}"
+    )
+
+  def rule(leaf: Leaf, spec: Spec):
+    if specs.normalize_dim(leaf, dim) is not None:
+      return specs.place(leaf, spec, dim, axis)
+    if ignore_ndim_error:
+      return spec, f"no dim {dim} in shape {leaf.shape} (ignore_ndim_error): left as it is"
+    raise ShardingError(
+        f"leaf {leaf.name!r} {leaf.shape} has no dim {dim} for "
+        f"shard_dim(axis={axis!r}, dim={dim}); narrow the strategy regex to leaves with "
+        f"{abs(dim) + (dim >= 0)}+ dims or write "
+        f"shard_dim(axis={axis!r}, dim={dim}, ignore_ndim_error=True)"
+    )
+
+  return rule
 
 
 @register("llm_fsdp")
@@ -63,7 +97,9 @@ def llm_fsdp(axis, min_size_to_shard_mb=1):
   sharded; ``embedding``/``out_kernel``/``down_kernel`` go on the last dim;
   ``q/k/v/gate/up_kernel`` on dim -2; any other leaf on the largest divisible of
   its last two dims. Dims count from the end, so a leading scanned-layer axis is
-  never sharded. Only leaves with 2+ dims and at least the threshold are sharded.
+  never sharded. Only leaves with 2+ dims and at least the threshold are sharded:
+  unlike ``fsdp`` (big_vision's ``>``), a leaf of exactly ``min_size_to_shard_mb``
+  is sharded here (the seed's ``>=``).
   """
   axis = specs.check_axis("llm_fsdp", axis)
   threshold = specs.check_number("llm_fsdp", "min_size_to_shard_mb", min_size_to_shard_mb)
@@ -111,13 +147,20 @@ def tensor_parallel(axis):
 @register("logical_partitioning")
 def logical_partitioning():
   """Axes from flax boxes: ``nn.with_logical_partitioning`` names resolved through the
-  plan's ``rules`` (``config.sharding_rules``; a logical name listed twice is a
-  fallback, as in flax), or ``nn.Partitioned`` mesh axis names as they are.
+  plan's ``rules`` (``config.sharding_rules``, else the flax context's
+  ``nn.logical_axis_rules``) exactly as ``nn.logical_to_mesh_axes`` resolves them
+  (a logical name listed twice is a fallback), or ``nn.Partitioned`` mesh axis
+  names as they are. A dim its axis does not divide stays unsharded.
   """
 
   def rule(leaf: Leaf, spec: Spec):
     if leaf.names is None:
       return spec, "no axis names (not a boxed param)"
+    if leaf.logical and not leaf.rules:
+      return spec, (
+          f"logical names {leaf.names} but no rules: pass rules=config.sharding_rules "
+          "or plan inside `with nn.logical_axis_rules(rules):`"
+      )
     mesh_axes = _resolve(leaf) if leaf.logical else tuple(leaf.names)
     notes = []
     for dim, axis in enumerate(mesh_axes):

@@ -43,7 +43,8 @@ def get_config(arg=None):
   config.optax = dict()
   config.lr = 3e-3
   config.wd = 1e-4
-  config.schedule = dict(warmup_steps=10, decay="cosine", end_value=3e-4)  # total_steps added
+  # big_vision's schedule keys: a multiplier of config.lr over config.total_steps.
+  config.schedule = dict(decay_type="cosine", warmup_steps=10)
   config.grad_clip_norm = 1.0  # None: no clipping.
   config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   return config

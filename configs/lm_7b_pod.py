@@ -37,5 +37,5 @@ def get_config(arg=None):
   config.log_every = 100
   config.eval_every = 2_000
   config.lr = 3e-4
-  config.schedule = dict(warmup_steps=2_000, decay="cosine", end_value=3e-5)
+  config.schedule = dict(decay_type="cosine", warmup_steps=2_000)
   return config

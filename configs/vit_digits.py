@@ -35,7 +35,7 @@ def get_config(arg=None):
   config.optax = dict()
   config.lr = 1e-3
   config.wd = 1e-4
-  config.schedule = dict(warmup_steps=10, decay="cosine")  # total_steps added by train.py
+  config.schedule = dict(decay_type="cosine", warmup_steps=10)  # big_vision's keys
   config.grad_clip_norm = 1.0  # None: no clipping.
   config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   return config

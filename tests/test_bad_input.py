@@ -25,6 +25,7 @@ from trainers.errors import ConfigError, NonFiniteLossError
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = (
     "--config.total_steps=6",
+    "--config.schedule.warmup_steps=2",
     "--config.batch_size=16",
     "--config.seq_len=32",
     "--config.log_every=2",
@@ -91,7 +92,7 @@ INT_KEYS = {
     "seed": 0,
     "schedule.warmup_steps": 0,
 }
-FLOAT_KEYS = {"lr": True, "grad_clip_norm": True, "wd": False, "schedule.end_value": False}
+FLOAT_KEYS = {"lr": True, "grad_clip_norm": True, "wd": False, "schedule.linear_end": False}
 
 
 def bad_values(rng: random.Random, minimum=None, positive=None):
@@ -153,7 +154,7 @@ def test_valid_configs_and_boundaries_pass():
     validation.check_config(config, devices_per_process=8)
   edge = dict(seed=0, total_steps=1, log_every=1, eval_every=1, eval_batches=1, seq_len=1)
   validation.check_config(lm_config(**edge, grad_clip_norm=None, wd=0, schedule=None))
-  validation.check_config(lm_config(**{"schedule.warmup_steps": 0, "schedule.end_value": 0}))
+  validation.check_config(lm_config(**{"schedule.warmup_steps": 0, "schedule.linear_end": 0}))
 
 
 @pytest.mark.parametrize(
@@ -167,7 +168,7 @@ def test_valid_configs_and_boundaries_pass():
         ({"sharding_strategy": {".*": "fsdp(axis='data')"}}, "config.sharding_strategy"),
         ({"mesh": ("data", -1)}, "config.mesh"),
         ({"on_nonfinite": "stopp"}, "config.on_nonfinite"),
-        ({"schedule.decay": "cosin"}, "config.schedule.decay"),
+        ({"schedule.decay_type": "cosin"}, "config.schedule.decay_type"),
         ({"schedule": {"warmup": 10}}, "config.schedule.warmup"),
         ({"schedule": 3}, "config.schedule"),
         ({"optax": 0.9}, "config.optax"),

@@ -59,19 +59,19 @@ def test_weight_decay_goes_through_make_optimizer_arguments():
 
 def test_bad_decay_name():
   with pytest.raises(OptimizerError, match="cosine"):
-    make_schedule(1.0, 10, decay="exp")
+    make_schedule(1.0, 10, decay_type="exp")
 
 
 @pytest.mark.parametrize(
-    "decay, expected",
+    "schedule, expected",
     [
-        ("cosine", [0.0, 1.0, 0.55, 0.1]),
-        ("linear", [0.0, 1.0, 0.55, 0.1]),
-        ("constant", [0.0, 1.0, 1.0, 1.0]),
+        (dict(decay_type="cosine"), [0.0, 2.0, 1.0, 0.0]),
+        (dict(decay_type="linear", linear_end=0.1), [0.0, 2.0, 1.1, 0.2]),
+        (dict(decay_type="stair"), [0.0, 2.0, 2.0, 2.0]),
     ],
 )
-def test_schedule_warmup_then_decay(decay, expected):
-  sched = make_schedule(1.0, 110, warmup_steps=10, decay=decay, end_value=0.1)
+def test_schedule_warmup_then_decay(schedule, expected):
+  sched = make_schedule(2.0, 110, warmup_steps=10, **schedule)
   values = [float(sched(step)) for step in (0, 10, 60, 110)]
   np.testing.assert_allclose(values, expected, atol=1e-6)
 

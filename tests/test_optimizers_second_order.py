@@ -74,7 +74,8 @@ def _ill_conditioned_regression(seed=0, n=256, d_in=16, d_out=8):
 
 
 def _final_loss(loss_fn, name, learning_rate, steps, **kwargs):
-  tx = make_optimizer(name, learning_rate, schedule=dict(total_steps=steps), **kwargs)
+  schedule = dict(total_steps=steps, decay_type="cosine")
+  tx = make_optimizer(name, learning_rate, schedule=schedule, **kwargs)
 
   def step(carry, _):
     params, state = carry

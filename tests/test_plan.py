@@ -161,7 +161,7 @@ def test_abstract_mesh_plans_a_pod_without_devices():
 def test_bytes_per_device_and_report():
   mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
   tree = {"big": sds(1024, 1024), "tiny": sds(3)}
-  p = bvs.plan(tree, 'fsdp(axis="data")', mesh)
+  p = bvs.plan(tree, 'fsdp(axis="data", min_size_to_shard_mb=1)', mesh)
   assert p.total_bytes == 1024 * 1024 * 4 + 12
   assert p.bytes_per_device == 1024 * 1024 + 12
   assert p.coverage == pytest.approx(1024 * 1024 * 4 / p.total_bytes)

@@ -2,7 +2,10 @@
 
 import builtins
 import os
+import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import bv_sharding as bvs
@@ -13,7 +16,7 @@ def test_parses_chain_with_positional_keyword_and_tuple_args():
       'shard_dim("model", dim=-1) | fsdp(axis=("data", "model"), ' "min_size_to_shard_mb=0.5)"
   )
   assert [op.name for op in ops] == ["shard_dim", "fsdp"]
-  assert ops[0].arguments == {"axis": "model", "dim": -1}
+  assert ops[0].arguments == {"axis": "model", "dim": -1, "ignore_ndim_error": False}
   assert ops[1].arguments == {"axis": ("data", "model"), "min_size_to_shard_mb": 0.5}
   assert ops[0].text == 'shard_dim("model", dim=-1)'
 
@@ -31,10 +34,13 @@ def test_defaults_are_bound():
             "fsdp(axis='data', size=3)",
             ["unexpected keyword argument 'size'", "fsdp(axis, min_size_to_shard_mb=4)"],
         ),
-        ("shard_dim(axis='data')", ["missing a required argument: 'dim'", "shard_dim(axis, dim)"]),
+        (
+            "shard_dim(axis='data')",
+            ["missing a required argument: 'dim'", "shard_dim(axis, dim, ignore_ndim_error=False)"],
+        ),
         ("fsdp(axis=data)", ["not a literal", "'data'"]),
         ("fsdp(axis='data'", ["cannot parse", "name(arg, key=value)"]),
-        ("fsdp", ["needs parentheses", "fsdp()"]),
+        ("fsdp", ["missing a required argument: 'axis'"]),
         ("fsdp(axis='data') + replicate()", ["not an op call"]),
         ("fsdp(axis=3)", ["axis must be a mesh axis name"]),
         ("fsdp(axis=('data', 'data'))", ["names a mesh axis twice"]),
@@ -206,3 +212,82 @@ def test_fuzz_hostile_strings_raise_sharding_error_and_run_nothing(monkeypatch, 
 def test_non_string_chain_is_our_error():
   with pytest.raises(bvs.ShardingError, match="must be a string"):
     bvs.parse_chain(["fsdp(axis='data')"])
+
+
+_MESH = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
+_W = {"w": jax.ShapeDtypeStruct((6, 8), jnp.float32), "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+_MISTAKES = [  # (what the user passed, the call that raises)
+    *[
+        (text, lambda t=text: bvs.parse_chain(t))
+        for text in [
+            "fsdpp(axis='data')",
+            "fsdp(axis='data', size=3)",
+            "fsdp",
+            "replicate(axis='data')",
+            "shard_dim(axis='data')",
+            "shard_dim('model', 0, ignore_ndim_error='yes')",
+            "fsdp(axis=data)",
+            "fsdp(axis='data'",
+            "fsdp(axis='data') + replicate()",
+            "fsdp(axis=3)",
+            "fsdp(axis='data') # note",
+            "fsdp(**{'axis': 'data'})",
+            "preconditioner(dim='rows')",
+            "zero1",
+            42,
+        ]
+    ],
+    *[
+        (strategy, lambda s=strategy: bvs.plan(_W, s, _MESH))
+        for strategy in [
+            [("(", "replicate")],
+            [(1, "replicate")],
+            5,
+            [(".*", 'fsdp(axis="tensor")')],
+            [(".*", 'shard_dim(axis="model", dim=-2)')],
+        ]
+    ],
+    *[
+        (rules, lambda r=rules: bvs.plan(_W, "logical_partitioning()", _MESH, rules=r))
+        for rules in ["data", [(1, "data")], [("embed", "tensor")], [("embed", 3)]]
+    ],
+    ("strict", lambda: bvs.plan(_W, 'shard_dim(axis="data", dim=0)', _MESH, strict=True)),
+]
+
+
+def _strings(given) -> list[str]:
+  if isinstance(given, str):
+    return [given, repr(given)]
+  if isinstance(given, (list, tuple)):
+    return [t for g in given for t in _strings(g)]
+  return [str(given)]
+
+
+def _suggested_calls(message: str, given) -> list[str]:
+  """Op calls a message proposes: each balanced `op(...)` of a registered op that is not
+  an echo of what the user passed."""
+  message = message.split("signature: ")[0]  # the factory's Python signature, not a call
+  for echo in sorted(_strings(given), key=len, reverse=True):
+    message = message.replace(echo, " " * len(echo))
+  calls = []
+  ops = "|".join(bvs.registered())
+  for match in re.finditer(rf"\b({ops})\(", message):
+    depth = 0
+    for end in range(match.end() - 1, len(message)):
+      depth += {"(": 1, ")": -1}.get(message[end], 0)
+      if depth == 0:
+        calls.append(message[match.start() : end + 1])
+        break
+  return calls
+
+
+def test_every_fix_an_error_message_proposes_parses_and_binds():
+  proposed = []
+  for given, make_mistake in _MISTAKES:
+    with pytest.raises(bvs.Error) as info:
+      make_mistake()
+    for call in _suggested_calls(str(info.value), given):
+      proposed.append(call)
+      bvs.parse_chain(call)  # raises if the proposed fix is not a valid call
+  assert 'fsdp(axis="data")' in proposed
+  assert "shard_dim(axis='model', dim=-2, ignore_ndim_error=True)" in proposed

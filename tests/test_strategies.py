@@ -38,7 +38,7 @@ def test_fsdp_largest_divisible_dim_and_threshold():
 
 
 def test_fsdp_tie_prefers_last_dim_and_skips_taken_dim():
-  tree = {"w": sds(1024, 1024)}
+  tree = {"w": sds(2048, 2048)}
   assert spec_of(tree, 'fsdp(axis="data")', "w")[0] == (None, "data")
   chain = 'shard_dim(axis="model", dim=1)|fsdp(axis="data")'
   assert spec_of(tree, chain, "w")[0] == ("data", "model")
@@ -51,7 +51,7 @@ def test_fsdp_tuple_axis_uses_product_of_sizes():
 
 def test_fsdp_never_uses_an_axis_twice():
   spec, why = spec_of(
-      {"w": sds(1024, 1024)}, 'shard_dim(axis="data", dim=0)|fsdp(axis="data")', "w"
+      {"w": sds(2048, 2048)}, 'shard_dim(axis="data", dim=0)|fsdp(axis="data")', "w"
   )
   assert spec == ("data",) and "already used" in why
 
@@ -65,12 +65,10 @@ def test_shard_dim_negative_dims(dim, expected):
   assert spec_of(tree, f'shard_dim(axis="model", dim={dim})', "w")[0] == expected
 
 
-def test_shard_dim_out_of_range_and_indivisible_are_recorded_or_strict_errors():
+def test_shard_dim_indivisible_is_recorded_or_a_strict_error():
   tree = {"w": sds(6, 8)}
   spec, why = spec_of(tree, 'shard_dim(axis="data", dim=0)', "w")
   assert spec == () and "not divisible" in why
-  spec, why = spec_of(tree, 'shard_dim(axis="data", dim=-3)', "w")
-  assert spec == () and "out of range" in why
   with pytest.raises(bvs.ShardingError, match=r"'w' \(6, 8\): dim 0 \(6\) not divisible"):
     bvs.plan(tree, 'shard_dim(axis="data", dim=0)', MESH, strict=True)
 
@@ -187,3 +185,57 @@ def test_preconditioner_and_zero1_leave_params_alone():
   assert spec == () and "zero1 shards state" in why
   spec, why = spec_of({"w": sds(1024, 1024)}, 'preconditioner(axis="data")', "w")
   assert spec == () and "acts on state" in why
+
+
+@pytest.mark.parametrize("op", ["fsdp", "llm_fsdp"])
+def test_threshold_boundary_fsdp_is_big_visions_strict_llm_fsdp_the_seeds_inclusive(op):
+  exactly = {"w": sds(1024, 1024)}  # exactly 4 MiB
+  above = {"w": sds(1024, 1025)}
+  chain = f'{op}(axis="data", min_size_to_shard_mb=4)'
+  spec, why = spec_of(exactly, chain, "w")
+  if op == "fsdp":  # big_vision: size <= min_size_to_shard_mb stays unsharded
+    assert spec == () and "<= 4 MiB threshold" in why
+  else:
+    assert spec == (None, "data")
+  assert spec_of(above, chain, "w")[0] == ("data",)
+
+
+def test_fsdp_ties_take_the_last_of_equal_dims_as_big_vision():
+  tree = {"w": sds(3, 2048, 2048), "v": sds(2048, 7, 2048)}
+  assert spec_of(tree, 'fsdp(axis="data")', "w")[0] == (None, None, "data")
+  assert spec_of(tree, 'fsdp(axis="data")', "v")[0] == (None, None, "data")
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "replicate",
+        [(".*", "replicate")],  # big_vision's default sharding_strategy
+        [(".*FREEZE_ME.*", "replicate"), (".*", 'fsdp(axis="data")')],
+        [(".*", 'shard_dim("model", 0) | replicate')],
+    ],
+)
+def test_bare_op_names_are_calls_without_arguments(strategy):
+  tree = {"FREEZE_ME": {"w": sds(2048, 2048)}}
+  assert spec_of(tree, strategy, "FREEZE_ME/w")[0] == ()
+
+
+def test_replicate_after_another_op_replaces_its_axes():
+  spec, why = spec_of({"w": sds(2048, 2048)}, 'fsdp(axis="data")|replicate()', "w")
+  assert spec == () and why.endswith("replicate: replicated")
+
+
+def test_shard_dim_out_of_range_raises_unless_ignore_ndim_error_as_big_vision():
+  tree = {"w": sds(6, 8), "b": sds(8)}
+  with pytest.raises(bvs.ShardingError, match=r"leaf 'b' \(8,\) has no dim -2") as info:
+    bvs.plan(tree, 'shard_dim(axis="model", dim=-2)', MESH)
+  assert "ignore_ndim_error=True" in str(info.value)
+  for chain in (
+      'shard_dim(axis="model", dim=-2, ignore_ndim_error=True)',
+      'shard_dim("model", -2, True)',  # positional, as big_vision's registry accepts
+  ):
+    assert spec_of(tree, chain, "w")[0] == ("model",)
+    spec, why = spec_of(tree, chain, "b")
+    assert spec == () and "ignore_ndim_error" in why
+  with pytest.raises(bvs.ShardingError, match="ignore_ndim_error must be True or False"):
+    bvs.parse_chain('shard_dim("model", 0, ignore_ndim_error="yes")')

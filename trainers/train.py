@@ -127,23 +127,8 @@ def main(argv):
   def loss_fn(params, batch):
     return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
 
-  schedule = (
-      None
-      if config.schedule is None
-      else {"total_steps": config.total_steps, **config.schedule.to_dict()}
-  )
-  try:
-    tx = optimizers.make_optimizer(
-        config.optax_name,
-        config.lr,
-        schedule=schedule,
-        weight_decay=config.wd,
-        clip_norm=config.grad_clip_norm,
-        **config.optax.to_dict(),
-    )
-  except optimizers.OptimizerError as e:
-    raise optimizers.OptimizerError(f"config.optax_name / config.optax: {e}") from None
-  lr = optimizers.make_schedule(config.lr, **schedule) if schedule else lambda _: config.lr
+  # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
+  tx, learning_rates = optimizers.from_config(config)
   policy = config.get("on_nonfinite", "stop")
   tx = divergence.guard(tx, policy)
 
@@ -188,7 +173,8 @@ def main(argv):
       is_eval = step % config.eval_every == 0 or step == total
       if not (is_eval or step == 1 or step % config.log_every == 0):
         continue
-      record = {"step": step, "loss": loss, "lr": float(lr(step - 1))}
+      record = {"step": step, "loss": loss}
+      record.update({k: float(lr(step - 1)) for k, lr in learning_rates.items()})
       record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
       per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
       line = (

@@ -27,11 +27,10 @@ import ml_collections
 
 from bv_sharding.errors import closest
 from trainers.errors import ConfigError
+from trainers.optimizers import schedules
 
 COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
 POLICIES = ("stop", "skip")  # config.on_nonfinite: end the run, or skip the update.
-SCHEDULE_KEYS = ("warmup_steps", "decay", "end_value")
-DECAYS = ("cosine", "linear", "constant")
 LARGEST_LEAVES = 5
 
 
@@ -162,23 +161,30 @@ def _host_available() -> int:
 
 
 def _check_schedule(schedule) -> None:
+  """big_vision's `config.schedule`: None, one dict, or `(regex, dict | None)` pairs."""
   if schedule is None:
     return
-  if not _is_dict(schedule):
+  if _is_dict(schedule):
+    entries = [("config.schedule", schedule)]
+  elif isinstance(schedule, (list, tuple)) and all(
+      isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], str) for e in schedule
+  ):
+    entries = [(f"config.schedule[{i}]", s) for i, (_, s) in enumerate(schedule) if s is not None]
+  else:
     raise ConfigError(
-        f"config.schedule={schedule!r}: must be None or a dict like "
-        'dict(warmup_steps=10, decay="cosine", end_value=0.0)'
+        f"config.schedule={schedule!r}: must be None, a dict like "
+        'dict(decay_type="cosine", warmup_steps=10), or (regex, dict or None) pairs'
     )
-  for key in schedule:
-    if key not in SCHEDULE_KEYS:
-      raise ConfigError(
-          f"config.schedule.{key} is not a schedule key{closest(key, SCHEDULE_KEYS)} "
-          f"The keys are {list(SCHEDULE_KEYS)} (total_steps comes from config.total_steps)"
-      )
-  check_int("config.schedule.warmup_steps", schedule.get("warmup_steps", 0), 0, example=10)
-  _check_choice("config.schedule.decay", schedule.get("decay", "cosine"), DECAYS)
-  end = schedule.get("end_value", 0.0)
-  check_number("config.schedule.end_value", end, positive=False, example=0.0)
+  for where, entry in entries:
+    if not _is_dict(entry):
+      raise ConfigError(f"{where}={entry!r}: must be a dict like dict(decay_type='cosine')")
+    schedules.check_keys(entry)
+    _check_choice(f"{where}.decay_type", entry.get("decay_type", "stair"), schedules.DECAY_TYPES)
+    for key, value in entry.items():
+      if key.endswith("_steps"):
+        check_int(f"{where}.{key}", value, minimum=0, example=10)
+      elif key.endswith(("_percent", "_examples", "_epochs")) or key in schedules.FRACTIONS:
+        check_number(f"{where}.{key}", value, positive=False, example=0.0)
 
 
 def _check_choice(key: str, value, choices: Sequence[str]) -> None:

@@ -6,6 +6,7 @@ Example:
 """
 
 from trainers.errors import OptimizerError
+from trainers.optimizers.from_config import from_config
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
 from trainers.optimizers.schedules import make_schedule
@@ -17,6 +18,7 @@ __all__ = [
     "ShampooParamState",
     "ShampooState",
     "decay_mask",
+    "from_config",
     "kron",
     "make_optimizer",
     "make_schedule",

@@ -132,8 +132,8 @@ def make_optimizer(
   Args:
     name: registry name, e.g. "adamw", "kron", "shampoo".
     learning_rate: float or optax schedule; with ``schedule`` the peak value.
-    schedule: kwargs of :func:`make_schedule` (``total_steps``,
-      ``warmup_steps``, ``decay``, ``end_value``), or None for a constant.
+    schedule: kwargs of :func:`make_schedule` (``total_steps`` and big_vision's
+      ``decay_type``, ``warmup_steps``, ``linear_end``, ...), or None for a constant.
     weight_decay: decoupled weight decay (for "sgd": added to the gradient).
     weight_decay_mask: pytree of bools or callable; default skips
       ``scale``/``bias`` leaves and leaves with ndim < 2.
