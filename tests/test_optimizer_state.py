@@ -89,7 +89,10 @@ def test_every_state_leaf_over_1mib_is_sharded_with_big_vision_fsdp(name):
       [(".*", 'fsdp(axis="data")')],
       mesh,
   )
-  stranded = [(e.name, e.shape, e.why) for e in plan.unsharded(min_bytes=2**20 + 1)]
+  # big_vision's fsdp leaves a param of exactly its 4 MiB threshold unsharded; state never is.
+  at_threshold = lambda e: e.name.startswith("params/") and e.nbytes == 4 * 2**20
+  unsharded = plan.unsharded(min_bytes=2**20 + 1)
+  stranded = [(e.name, e.shape, e.why) for e in unsharded if not at_threshold(e)]
   assert stranded == []
 
 
@@ -145,7 +148,9 @@ def test_kron_factors_take_their_param_dims_axis_on_columns_including_square_and
       }
   )
   entries = plan_state(
-      params, state, [(".*", 'shard_dim(axis="data", dim=-2)|' 'shard_dim(axis="model", dim=-1)')]
+      params,
+      state,
+      [(".*", 'shard_dim("data", -2, ignore_ndim_error=True)|shard_dim(axis="model", dim=-1)')],
   )
   assert entries["params/square"].spec == P("data", "model")
   assert entries["opt/Qs_preconditioners/rect/0"].spec == P(None, "data")
