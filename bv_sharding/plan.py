@@ -9,10 +9,17 @@ it are the params and every other leaf is state that follows them (see
 :mod:`bv_sharding.following`); a tree without one is all params.
 
 Example:
-  >>> mesh = bvs.make_abstract_mesh([("data", -1)], 256)
-  >>> p = bvs.plan({"params": params_shape, "opt": opt_shape}, 'fsdp(axis="data")', mesh)
-  >>> print(p.report())
-  >>> params = jax.jit(model.init, out_shardings=p.shardings["params"])(rng, batch)
+  >>> import jax
+  >>> import optax
+  >>> import bv_sharding as bvs
+  >>> params = {"dense": {"kernel": jax.ShapeDtypeStruct((1024, 512), "float32")}}
+  >>> opt = jax.eval_shape(optax.adam(1e-3).init, params)  # shapes only
+  >>> mesh = bvs.make_abstract_mesh([("data", -1)], 256)  # a pod, planned from here
+  >>> p = bvs.plan({"params": params, "opt": opt}, 'fsdp(axis="data", min_size_to_shard_mb=1)', mesh)
+  >>> p.by_name()["params/dense/kernel"].spec
+  P('data', None)
+  >>> print(p.by_name()["opt/0/mu/dense/kernel"].why)
+  follows params/dense/kernel (same shape); '.*' -> carried P('data', None)
 """
 
 import dataclasses
@@ -163,8 +170,16 @@ def infer_sharding(tree, strategy, mesh, rules: Sequence | None = None, strict: 
   """``(shardings, specs)`` trees for ``tree``: the big_vision-style entry point.
 
   Example:
-    >>> shardings, specs = infer_sharding(abstract, [(".*", 'fsdp(axis="data")')], mesh)
-    >>> params = jax.jit(model.init, out_shardings=shardings)(rng, batch)
+    >>> import jax
+    >>> from bv_sharding.mesh import make_mesh
+    >>> tree = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32")}
+    >>> mesh = make_mesh([("data", -1)])
+    >>> shardings, specs = infer_sharding(tree, [(".*", 'fsdp(axis="data")')], mesh)
+    >>> specs
+    {'w': P(None, 'data')}
+    >>> w = jax.jit(lambda: jax.numpy.ones((1024, 1024)), out_shardings=shardings["w"])()
+    >>> w.sharding.spec
+    P(None, 'data')
   """
   result = plan(tree, strategy, mesh, rules=rules, strict=strict)
   return result.shardings, result.specs

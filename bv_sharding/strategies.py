@@ -6,8 +6,12 @@ axes through :func:`bv_sharding.specs.place`, so chains compose: a later op only
 fills dims and axes an earlier one left free.
 
 Example:
-  >>> strategy = [(".*embedding", 'shard_dim(axis="model", dim=-1)'),
-  ...             (".*", 'tensor_parallel(axis="model")|fsdp(axis="data")')]
+  >>> import jax
+  >>> import bv_sharding as bvs
+  >>> mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
+  >>> tree = {"attn": {"q_kernel": jax.ShapeDtypeStruct((1024, 1024), "float32")}}
+  >>> bvs.plan(tree, 'tensor_parallel(axis="model")|fsdp(axis="data")', mesh).specs
+  {'attn': {'q_kernel': P('data', 'model')}}
 """
 
 import flax.linen as nn
