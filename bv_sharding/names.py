@@ -19,6 +19,10 @@ Example:
 import flax.linen as nn
 import jax
 
+# Last path components of norm scales and biases: small vectors that sharding ops
+# never shard and the trainer's optimizers give no weight decay.
+NORM_AND_BIAS = frozenset({"scale", "bias"})
+
 
 def is_box(x) -> bool:
   """Whether ``x`` is a flax metadata box (``nn.Partitioned``, ``nn.LogicallyPartitioned``)."""

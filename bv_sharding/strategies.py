@@ -16,12 +16,12 @@ Example:
 
 import flax.linen as nn
 
-from bv_sharding import specs
+from bv_sharding import names, specs
 from bv_sharding.errors import ShardingError
 from bv_sharding.registry import register
 from bv_sharding.specs import Leaf, Spec
 
-NEVER_SHARDED = frozenset({"scale", "bias"})
+NEVER_SHARDED = names.NORM_AND_BIAS
 LAST_DIM = frozenset({"embedding", "out_kernel", "down_kernel"})
 SECOND_LAST_DIM = frozenset({"q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel"})
 COLUMN_PARALLEL = SECOND_LAST_DIM

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from trainers import data
+from trainers.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STREAM = (np.arange(10_000) % 251).astype(np.uint8)
@@ -102,7 +103,7 @@ def test_image_process_slices_concatenate_to_the_global_batch():
 
 
 def test_global_batch_must_divide_by_process_count():
-  with pytest.raises(ValueError, match="divisible"):
+  with pytest.raises(ConfigError, match="batch_size=6 must be a positive multiple of 4"):
     data.text_batches(STREAM, seq_len=8, global_batch=6, seed=0, process_index=0, process_count=4)
 
 

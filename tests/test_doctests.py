@@ -10,12 +10,20 @@ import pkgutil
 
 import pytest
 
+import benchmarks
 import bv_sharding
 import configs
 import trainers
 
-# Entry points with absl flags or process-wide jax config at import; they carry no examples.
-NOT_IMPORTED = {"trainers.train", "trainers.launch"}
+# Entry points that define absl flags or set process-wide jax config when imported; their
+# docstrings hold command lines, not examples.
+NOT_IMPORTED = {
+    "trainers.train",
+    "trainers.launch",
+    "benchmarks.communication",
+    "benchmarks.memory",
+    "benchmarks.throughput",
+}
 
 
 def modules(package) -> list[str]:
@@ -26,11 +34,15 @@ def modules(package) -> list[str]:
   return sorted(set(found) - NOT_IMPORTED)
 
 
-MODULES = [name for package in (bv_sharding, trainers, configs) for name in modules(package)]
+MODULES = [
+    name for package in (bv_sharding, trainers, configs, benchmarks) for name in modules(package)
+]
 
 
 def test_every_library_module_is_collected():
-  assert {"bv_sharding.plan", "bv_sharding.registry", "trainers.steps"} <= set(MODULES)
+  assert {"bv_sharding.plan", "bv_sharding.registry", "trainers.steps", "benchmarks.zoo"} <= set(
+      MODULES
+  )
 
 
 @pytest.mark.parametrize("name", MODULES)

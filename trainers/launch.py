@@ -9,7 +9,6 @@ status is the first failure's (124 if `--timeout` seconds pass first).
 """
 
 import argparse
-import os
 import socket
 import subprocess
 import sys
@@ -62,9 +61,8 @@ def run(cmds: list[list[str]], timeout: float) -> int:
 
   Example: `run([["python", "-c", "pass"]] * 2, timeout=60) == 0`.
   """
-  env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
   procs = [
-      subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+      subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for cmd in cmds
   ]
   threads = [

@@ -1,14 +1,23 @@
 """What differs between training tasks: data splits, batches, model inputs and the loss.
 
-`config.input` picks the task: "text" (next-byte prediction with a language model)
+``config.input`` picks the task: "text" (next-byte prediction with a language model)
 or "digits" (8x8 digit classification with a ViT). Everything else in the trainer
 is the same for both.
 
 Example:
-  >>> task = get_task(config)                       # config.input == "text"
-  >>> local = next(task.batches(task.train, global_batch=32, seed=0))
+  >>> import jax
+  >>> from configs import lm
+  >>> from trainers import models
+  >>> config = lm.get_config()  # config.input == "text"
+  >>> task = get_task(config)
+  >>> batch = next(task.batches(task.train, global_batch=2, seed=0))
+  >>> model = models.get_model(config.model_name, **config.model)
+  >>> params = model.init(jax.random.key(0), task.inputs(batch))["params"]
   >>> logits = model.apply({"params": params}, task.inputs(batch))
-  >>> loss = task.loss(logits, batch)
+  >>> batch.shape, logits.shape, task.unit  # bytes in, a logit per byte value out
+  ((2, 129), (2, 128, 256), 'tokens')
+  >>> bool(task.loss(logits, batch) > 0)
+  True
 """
 
 from collections.abc import Callable, Iterator
@@ -21,7 +30,7 @@ from trainers.errors import ConfigError
 
 
 class Task(NamedTuple):
-  """A task's data and loss; `unit`/`per_example` name and count what one example holds."""
+  """A task's data and loss; ``unit``/``per_example`` name and count what one example holds."""
 
   train: Any
   held_out: Any
@@ -35,16 +44,16 @@ class Task(NamedTuple):
 def cross_entropy(logits, labels):
   """Mean softmax cross-entropy against integer labels.
 
-  Example: `cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3]))` == log(4).
+  Example:
+    >>> import jax.numpy as jnp
+    >>> round(float(cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3]))), 4)  # log(4)
+    1.3863
   """
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def text(config) -> Task:
-  """Next-byte prediction on windows of `config.seq_len + 1` bytes.
-
-  Example: `text(config).inputs(windows)` is `windows[:, :-1]`.
-  """
+  """Next-byte prediction on windows of ``config.seq_len + 1`` bytes: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
   train, held_out = data.load_text()
   return Task(
       train,
@@ -58,10 +67,7 @@ def text(config) -> Task:
 
 
 def digits(config) -> Task:
-  """Classification of sklearn's 8x8 digits.
-
-  Example: `digits(config).inputs(batch)` is `batch["image"]`.
-  """
+  """Classification of sklearn's 8x8 digits: inputs ``batch["image"]``, targets ``batch["label"]``."""
   del config  # Unused: the digits have one fixed size.
   train, held_out = data.load_digits()
   return Task(
@@ -79,10 +85,7 @@ TASKS = {"text": text, "digits": digits}
 
 
 def get_task(config) -> Task:
-  """The task named by `config.input`.
-
-  Example: `get_task(config).unit == "tokens"` for `config.input = "text"`.
-  """
+  """The task named by ``config.input`` (see the module example); unknown names raise ``ConfigError``."""
   if config.input not in TASKS:
     raise ConfigError(
         f"config.input={config.input!r} is not a task; choose from " f"{sorted(TASKS)}"

@@ -18,8 +18,9 @@ BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed.
 
 import os
 
-# OpenBLAS threads fight XLA's on small hosts; set before numpy loads it.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/host.py).
 
 import itertools
 import json
@@ -68,9 +69,9 @@ def main(argv):
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
   if _COORDINATOR.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  lead = jax.process_index() == 0
+  is_main_process = jax.process_index() == 0
   metrics_path = os.path.join(_WORKDIR.value, "metrics.jsonl")
-  if lead:
+  if is_main_process:
     os.makedirs(_WORKDIR.value, exist_ok=True)
     with open(os.path.join(_WORKDIR.value, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
@@ -126,7 +127,7 @@ def main(argv):
   plan = bvs.plan(
       steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
   )
-  if lead:
+  if is_main_process:
     logging.info("sharding plan:\n%s", plan.report())
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
   eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
@@ -162,7 +163,7 @@ def main(argv):
         record["eval_loss"] = evaluate(state["params"])
         line += f" eval_loss={record['eval_loss']:.4f}"
       logging.info("%s", line)
-      if lead:
+      if is_main_process:
         with open(metrics_path, "a") as f:
           f.write(json.dumps(record) + "\n")
       tick, tick_step = time.perf_counter(), step
