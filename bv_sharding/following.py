@@ -103,8 +103,18 @@ def factor_spec(shape, param_spec, factor: int, lead: int, factor_dim: int) -> S
   spec = [None] * len(shape)
   if lead:
     spec[0] = param_spec[0]
-  spec[lead + factor_dim % (len(shape) - lead)] = param_spec[factor]
+  spec[factor_dim_index(len(shape), lead, factor_dim)] = param_spec[factor]
   return tuple(spec)
+
+
+def factor_dim_index(ndim: int, lead: int, factor_dim: int) -> int:
+  """Index of dim ``factor_dim`` of a factor's square (or diagonal) part, behind ``lead`` layer dims.
+
+  Example:
+    >>> factor_dim_index(3, 1, 1), factor_dim_index(2, 0, 0), factor_dim_index(1, 0, 1)
+    (2, 0, 0)
+  """
+  return lead + factor_dim % (ndim - lead)
 
 
 def _list_index(rest: tuple[str, ...]) -> int | None:

@@ -216,7 +216,7 @@ def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str]:
   pattern = patterns.match(pats, leaf.name)
   if pattern is None:
     return _replicated(leaf), "no strategy entry matches: replicated"
-  spec, notes = _run(pattern.ops, leaf)
+  spec, notes = _apply_chain(pattern.ops, leaf)
   return spec, f"{pattern.regex!r} -> {notes}"
 
 
@@ -228,31 +228,37 @@ def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str]:
       return _replicated(leaf), "scalar state: replicated"
     if pattern is None:
       return _replicated(leaf), "no param to follow, no strategy entry: replicated"
-    spec, notes = _run(pattern.ops, leaf)
+    spec, notes = _apply_chain(pattern.ops, leaf)
     return spec, f"no param to follow; {pattern.regex!r} -> {notes}"
   ops = pattern.ops if pattern else ()
-  spec, notes = _run(ops, leaf, carry=not ops or any(op.follows for op in ops))
+  spec, notes = _apply_chain(ops, leaf, follow_param=not ops or any(op.follows for op in ops))
   where = f"{pattern.regex!r} -> " if pattern else "default: "
   return spec, f"follows {follow.param} ({follow.how}); {where}{notes}"
 
 
-def _run(ops, leaf: Leaf, carry: bool = False) -> tuple[Spec, str]:
-  """Applies a chain. On a state leaf with ``carry``, sharding ops carry the param's spec
-  over (once), and a big leaf left unsharded goes to the size-based fallback."""
-  spec, notes, carried = _replicated(leaf), [], False
+def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str]:
+  """Applies a chain of ops to one leaf; returns its spec and the notes joined.
+
+  On a state leaf that follows a param, the chain's first sharding op
+  (``follows=True``) places the param's spec instead of acting, and later ones are
+  skipped. With ``follow_param`` (the chain is empty or has a sharding op), an empty
+  chain places the param's spec too, and a big leaf left unsharded goes to the
+  size-based fallback.
+  """
+  spec, notes, param_spec_placed = _replicated(leaf), [], False
   for op in ops:
     if leaf.follow is not None and op.follows:
-      if not carried:
-        spec, note = _carry(leaf, spec)
+      if not param_spec_placed:
+        spec, note = _place_param_spec(leaf, spec)
         notes.append(note)
-        carried = True
+        param_spec_placed = True
       continue
     spec, note = op.rule(leaf, spec)
     notes.append(f"{op.name}: {note}")
-  if carry and not ops:
-    spec, note = _carry(leaf, spec)
+  if follow_param and not ops:
+    spec, note = _place_param_spec(leaf, spec)
     notes.append(note)
-  if carry and not any(spec):
+  if follow_param and not any(spec):
     threshold = _threshold(ops)
     if leaf.nbytes >= threshold * MiB:
       spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops))
@@ -260,7 +266,8 @@ def _run(ops, leaf: Leaf, carry: bool = False) -> tuple[Spec, str]:
   return spec, "; ".join(notes) or "replicated"
 
 
-def _carry(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
+def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
+  """Puts the axes of the followed param's spec (as related by ``leaf.follow``) on ``spec``."""
   follow = leaf.follow
   if follow.spec is None:
     return spec, "no dims in common"

@@ -16,7 +16,7 @@ Example:
 
 import flax.linen as nn
 
-from bv_sharding import names, specs
+from bv_sharding import following, names, specs
 from bv_sharding.errors import ShardingError
 from bv_sharding.registry import register
 from bv_sharding.specs import Leaf, Spec
@@ -173,7 +173,7 @@ def preconditioner(axis=None, dim=1):
       target = axis or follow.param_spec[param_dim] or (param_axes or [None])[0]
       if target is None:
         return spec, "the param is not sharded"
-      return specs.place(leaf, spec, lead + dim % (leaf.ndim - lead), target)
+      return specs.place(leaf, spec, following.factor_dim_index(leaf.ndim, lead, dim), target)
     if axis is None:
       return spec, "not a preconditioner factor and no axis given"
     return specs.place(leaf, spec, dim, axis)

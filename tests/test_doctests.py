@@ -19,7 +19,6 @@ import trainers
 # docstrings hold command lines, not examples.
 NOT_IMPORTED = {
     "trainers.train",
-    "trainers.launch",
     "benchmarks.communication",
     "benchmarks.memory",
     "benchmarks.throughput",
