@@ -27,7 +27,7 @@ def _take(iterator, n):
 
 
 def _text(step=0, seed=0, process_index=0, process_count=1):
-  """Step `step` of an 8 x 9 window pipeline over STREAM."""
+  """Step ``step`` of an 8 x 9 window pipeline over STREAM."""
   return next(
       data.text_batches(
           STREAM,

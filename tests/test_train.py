@@ -1,7 +1,7 @@
 """trainers/train.py through the command line users run, on 8 simulated CPU devices.
 
-Each run is a subprocess `python -m trainers.train --config configs/... --config.k=v`;
-overriding `--config.optax_name` is the only change between the optimizer runs.
+Each run is a subprocess ``python -m trainers.train --config configs/... --config.k=v``;
+overriding ``--config.optax_name`` is the only change between the optimizer runs.
 """
 
 import json
