@@ -5,10 +5,14 @@ update is compiled for 8 simulated CPU devices and the collectives are read off 
 compiled HLO as wire bytes per device (``bv_sharding.traffic``: all-gather
 result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduce 2*result*(g-1)/g); the
 state bytes per device are printed next to them. Model: a small
-Llama (V=8192, C=512, F=2048, 2 unscanned layers); Shampoo-style blocks of 128, Kron
-blocks of 256 (the registry's default).
+Llama (V=8192, C=512, F=2048, 2 unscanned layers); ``zoo.optimizers(block_size=128)``:
+distributed_shampoo blocks of 128, the project's shampoo 64, tearfree_layout 32 and
+kron_blocks 256 (the registry's default).
 
-  python -m benchmarks.communication [--optimizers kron,psgd_kron]
+  python -m benchmarks.communication [--optimizers kron,psgd_kron] [--factor-rows]
+
+``--factor-rows`` adds Kron's factors on rows next to the default's columns
+(``bv_sharding.following.FACTOR_DIM``).
 """
 
 import argparse
@@ -51,6 +55,9 @@ def main():
   parser.add_argument(
       "--optimizers", default="", help="comma-separated subset of benchmarks/zoo.py"
   )
+  parser.add_argument(
+      "--factor-rows", action="store_true", help="add a placement with Kron factors on rows"
+  )
   args = parser.parse_args()
   params = shapes.llama_params(d=512, vocab=8192, ff=2048)
   params = {
@@ -69,7 +76,7 @@ def main():
       continue
     opt = jax.eval_shape(tx.init, params)
     for label, placement in placements.placements(
-        params, opt, mesh, name in zoo.SECOND_ORDER
+        params, opt, mesh, name in zoo.SECOND_ORDER, args.factor_rows
     ).items():
       traffic = update_traffic(tx, params, opt, placement)
       state = placement.state_bytes_per_device("opt")

@@ -8,6 +8,8 @@
 * ``seed_rules``: the seed's heuristics on every leaf on its own: substring name
   rules, and list entries (preconditioner lists) on dim -2.
 * ``factors_replicated``: the default plan with Kron/Shampoo factors replicated.
+* ``kron_factors_on_rows`` (asked for): the default plan with Kron's ``Q`` factors
+  taking the param's axis on rows (``preconditioner(dim=0)``) instead of columns.
 """
 
 import dataclasses
@@ -24,6 +26,7 @@ DEFAULT = [
     )
 ]
 FACTORS = r".*/(Qs_preconditioners|statistics|preconditioners|stats|roots)/.*"
+KRON_FACTORS = r".*/Qs_preconditioners/.*"
 
 
 def seed_rules(axis, min_size_to_shard_mb=1):
@@ -64,8 +67,13 @@ class Placement:
     return sum(e.bytes_per_device for e in self.plan.entries if e.name.split("/")[0] == state_root)
 
 
-def placements(params_shape, opt_shape, mesh, second_order: bool) -> dict[str, Placement]:
-  """``{name: Placement}`` of one optimizer's params and state, the default and the baselines."""
+def placements(
+    params_shape, opt_shape, mesh, second_order: bool, factor_rows: bool = False
+) -> dict[str, Placement]:
+  """``{name: Placement}`` of one optimizer's params and state, the default and the baselines.
+
+  ``second_order`` adds ``factors_replicated``; with ``factor_rows`` too, ``kron_factors_on_rows``.
+  """
   result = {
       "default": _following(params_shape, opt_shape, DEFAULT, mesh),
       "big_vision_fsdp": _independent(params_shape, opt_shape, 'fsdp(axis="data")', mesh),
@@ -74,6 +82,10 @@ def placements(params_shape, opt_shape, mesh, second_order: bool) -> dict[str, P
   if second_order:
     result["factors_replicated"] = _following(
         params_shape, opt_shape, [(FACTORS, "replicate()")] + DEFAULT, mesh
+    )
+  if second_order and factor_rows:
+    result["kron_factors_on_rows"] = _following(
+        params_shape, opt_shape, [(KRON_FACTORS, "preconditioner(dim=0)")] + DEFAULT, mesh
     )
   return result
 

@@ -86,8 +86,11 @@ def tearfree_layout(block=16):
 
 
 def optimizers(params, scanned=False, block_size=64):
-  """``{name: GradientTransformation}`` for every optimizer the state tests cover;
-  ``block_size`` is the Shampoo-style optimizers' block size."""
+  """``{name: GradientTransformation}`` for every optimizer the state tests cover.
+
+  ``block_size`` is distributed_shampoo's block size; the project's shampoo uses half
+  of it, the tearfree-layout state a quarter and ``kron_blocks`` twice.
+  """
   zoo = {
       "adamw": optax.adamw(LR, weight_decay=0.1, mask=_ours.decay_mask(params)),
       "adafactor": optax.adafactor(LR, min_dim_size_to_factor=32),

@@ -139,9 +139,29 @@ class Plan:
 def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = False) -> Plan:
   """Plans every leaf of ``tree`` (arrays, ``ShapeDtypeStruct``s or flax boxes).
 
-  ``strategy``: ``[(regex, op_chain), ...]`` or one op chain; ``rules``:
-  ``config.sharding_rules`` for ``logical_partitioning()``; ``strict``: an
-  indivisible requested dim raises ``ShardingError`` instead of staying unsharded.
+  Args:
+    tree: the pytree to plan; a top-level ``params`` entry makes the rest state that
+      follows it (module docstring).
+    strategy: ``[(regex, op_chain), ...]`` or one op chain string.
+    mesh: a ``Mesh`` or an ``AbstractMesh``.
+    rules: ``config.sharding_rules`` for ``logical_partitioning()``.
+    strict: an indivisible requested dim raises instead of staying unsharded.
+
+  Returns:
+    A :class:`Plan` with one :class:`Entry` per leaf, in ``tree``'s order.
+
+  Raises:
+    ShardingError: a strategy, rule or mesh mistake, named with its fix.
+
+  Example:
+    >>> import jax
+    >>> from bv_sharding.mesh import make_abstract_mesh
+    >>> tree = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32"),
+    ...         "b": jax.ShapeDtypeStruct((1024,), "float32")}
+    >>> p = plan(tree, 'fsdp(axis="data")', make_abstract_mesh([("data", -1)], 8))
+    >>> [(e.name, e.spec, e.why) for e in p.entries]  # doctest: +NORMALIZE_WHITESPACE
+    [('b', P(None,), "'.*' -> fsdp: 0.00391 MiB < 4 MiB threshold"),
+     ('w', P(None, 'data'), "'.*' -> fsdp: dim 1 over data")]
   """
   sizes = dict(mesh.shape)
   pats = patterns.parse_strategy(strategy, sizes)
