@@ -53,26 +53,22 @@ KRON_RUNS = {
         scan_layers=True,
     ),
 }
-_SHAMPOO_BLOCKS = dict(block_size=8, epsilon=1e-8, matrix_epsilon=1e-6)
+# One row per Shampoo run, all with blocks of 8, epsilon 1e-8 and matrix_epsilon 1e-6.
+_SHAMPOO_COLUMNS = (
+    "learning_rate",
+    "beta1",
+    "beta2",
+    "graft_type",
+    "start_preconditioning_step",
+    "update_preconditioners_freq",
+)
+_SHAMPOO_ROWS = {
+    "shampoo_rmsprop_nesterov": (0.01, 0.9, 0.99, "rmsprop", 0, 1),
+    "shampoo_sgd_graft_delayed_freq2": (0.05, 0.0, 0.95, "sgd", 3, 2),
+}
 SHAMPOO_RUNS = {
-    "shampoo_rmsprop_nesterov": dict(
-        _SHAMPOO_BLOCKS,
-        learning_rate=0.01,
-        beta1=0.9,
-        beta2=0.99,
-        graft_type="rmsprop",
-        start_preconditioning_step=0,
-        update_preconditioners_freq=1,
-    ),
-    "shampoo_sgd_graft_delayed_freq2": dict(
-        _SHAMPOO_BLOCKS,
-        learning_rate=0.05,
-        beta1=0.0,
-        beta2=0.95,
-        graft_type="sgd",
-        start_preconditioning_step=3,
-        update_preconditioners_freq=2,
-    ),
+    name: dict(zip(_SHAMPOO_COLUMNS, row), block_size=8, epsilon=1e-8, matrix_epsilon=1e-6)
+    for name, row in _SHAMPOO_ROWS.items()
 }
 
 

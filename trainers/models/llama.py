@@ -132,11 +132,15 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
   return rotated.astype(x.dtype)
 
 
-class Attention(nn.Module):
-  """Causal multi-head self-attention with RoPE on queries and keys."""
+class _Layer(nn.Module):
+  """What every layer of the model holds: the sizes and the compute dtype."""
 
   config: LlamaConfig
   dtype: Any = jnp.float32
+
+
+class Attention(_Layer):
+  """Causal multi-head self-attention with RoPE on queries and keys."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -157,11 +161,8 @@ class Attention(nn.Module):
     return nn.with_logical_constraint(y @ out, ACT_EMBED)
 
 
-class Mlp(nn.Module):
+class Mlp(_Layer):
   """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
-
-  config: LlamaConfig
-  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -173,11 +174,8 @@ class Mlp(nn.Module):
     return nn.with_logical_constraint(h @ down, ACT_EMBED)
 
 
-class DecoderBlock(nn.Module):
+class DecoderBlock(_Layer):
   """Pre-norm residual block; (x, _) -> (x, None) so it can be nn.scan'ned."""
-
-  config: LlamaConfig
-  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
