@@ -85,7 +85,7 @@ _REGISTRY: dict[str, _Entry] = {
     "lamb": _Entry(optax.lamb),
     "muon": _Entry(optax.contrib.muon, ("weight_decay", "weight_decay_mask")),
     "schedule_free": _Entry(schedule_free_adamw),
-    # Shard-aligned blocks by default: 11.6x less update traffic than psgd-jax's Kron under
+    # Shard-aligned blocks by default: 14.9x less update traffic than psgd-jax's Kron under
     # the seed's placement (python -m benchmarks.communication; README).
     "kron": _Entry(kron, defaults={"block_size": 256}),
     # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
