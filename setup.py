@@ -8,7 +8,8 @@ TEST = [
     "pytest-timeout>=2.3,<3",
     "scikit-learn>=1.4,<2",
     "chex>=0.1.87,<0.2",
-    # Third-party optimizer states the tests plan (imported with aliases in tests/zoo.py).
+    # Third-party optimizer states the tests and benchmarks plan (benchmarks/zoo.py, with the
+    # aliases of benchmarks/compat.py).
     "psgd-jax==0.2.9",
     "precondition-opt==0.3.0",
     *STYLE,

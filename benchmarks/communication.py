@@ -2,18 +2,25 @@
 
 Params and grads are sharded by each placement (``benchmarks/placements.py``), the
 update is compiled for 8 simulated CPU devices and the collectives are read off the
-compiled HLO; the state bytes per device are printed next to them. Model: a small
-Llama (V=8192, C=512, F=2048, 2 unscanned layers); Shampoo-style blocks of 128, Kron
-blocks of 256 (the registry's default).
+compiled HLO as wire bytes per device (``bv_sharding.traffic``: all-gather
+result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduce 2*result*(g-1)/g); the
+state bytes per device are printed next to them. Model: a small
+Llama (V=8192, C=512, F=2048, 2 unscanned layers); ``zoo.optimizers(block_size=128)``:
+distributed_shampoo blocks of 128, the project's shampoo 64, tearfree_layout 32 and
+kron_blocks 256 (the registry's default).
 
-  python -m benchmarks.communication [--optimizers kron,psgd_kron]
+  python -m benchmarks.communication [--optimizers kron,psgd_kron] [--factor-rows]
+
+``--factor-rows`` adds Kron's factors on rows next to the default's columns
+(``bv_sharding.following.FACTOR_DIM``).
 """
 
 import argparse
 import os
-import re
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import jax
 
@@ -22,44 +29,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 import optax  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
-from benchmarks import placements  # noqa: E402
-from tests import zoo  # noqa: E402
+from benchmarks import placements, shapes, zoo  # noqa: E402
+from bv_sharding import traffic  # noqa: E402
 
 MB = 1e6
-SECOND_ORDER = {
-    "psgd_kron",
-    "distributed_shampoo",
-    "tearfree_layout",
-    "kron",
-    "kron_blocks",
-    "shampoo",
-}
-COLLECTIVE = re.compile(
-    r"=\s*(\(.*?\)|\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|"
-    r"collective-permute)(-done)?\("
-)
-ARRAY = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-BITS = {"pred": 8, "bf16": 16}
 
 
-def collective_bytes(hlo: str) -> int:
-  """Bytes of every collective's result in partitioned HLO: what one device receives."""
-  total = 0
-  for line in hlo.splitlines():
-    found = COLLECTIVE.search(line)
-    if found and "-start" not in line.split("=")[1].split("(")[0]:
-      total += sum(_bytes(dtype, dims) for dtype, dims in ARRAY.findall(found.group(1)))
-  return total
+def update_traffic(tx, params_shape, opt_shape, placement) -> float:
+  """Wire bytes per device of one jitted ``tx.update`` + apply under ``placement``."""
 
-
-def _bytes(dtype: str, dims: str) -> int:
-  size = 1
-  for d in filter(None, dims.split(",")):
-    size *= int(d)
-  return size * BITS.get(dtype, int(dtype[1:]) if dtype[1:].isdigit() else 32) // 8
-
-
-def update_traffic(tx, params_shape, opt_shape, placement) -> int:
   def update(params, opt, grads):
     updates, opt = tx.update(grads, opt, params)
     return optax.apply_updates(params, updates), opt
@@ -69,14 +47,19 @@ def update_traffic(tx, params_shape, opt_shape, placement) -> int:
       in_shardings=(placement.params, placement.opt, placement.params),
       out_shardings=(placement.params, placement.opt),
   )
-  return collective_bytes(step.lower(params_shape, opt_shape, params_shape).compile().as_text())
+  return traffic.wire_bytes(step.lower(params_shape, opt_shape, params_shape).compile().as_text())
 
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--optimizers", default="", help="comma-separated subset of tests/zoo.py")
+  parser.add_argument(
+      "--optimizers", default="", help="comma-separated subset of benchmarks/zoo.py"
+  )
+  parser.add_argument(
+      "--factor-rows", action="store_true", help="add a placement with Kron factors on rows"
+  )
   args = parser.parse_args()
-  params = zoo.llama_params(d=512, vocab=8192, ff=2048)
+  params = shapes.llama_params(d=512, vocab=8192, ff=2048)
   params = {
       "embed": params["embed"],
       "layers_0": params["block"],
@@ -92,7 +75,9 @@ def main():
     if chosen and name not in chosen:
       continue
     opt = jax.eval_shape(tx.init, params)
-    for label, placement in placements.placements(params, opt, mesh, name in SECOND_ORDER).items():
+    for label, placement in placements.placements(
+        params, opt, mesh, name in zoo.SECOND_ORDER, args.factor_rows
+    ).items():
       traffic = update_traffic(tx, params, opt, placement)
       state = placement.state_bytes_per_device("opt")
       print(f"| {name} | {label} | {traffic / MB:.1f} | {state / MB:.1f} |", flush=True)

@@ -1,7 +1,7 @@
 """Memory benchmark: params + optimizer-state bytes per device / (total / N).
 
 Llama-shaped 125M and 7B trees (abstract: nothing is allocated), N = 8 and 256
-(``AbstractMesh``), every optimizer of ``tests/zoo.py``, the default plan next to
+(``AbstractMesh``), every optimizer of ``benchmarks/zoo.py``, the default plan next to
 the baselines of ``benchmarks/placements.py``. Goal: ratio <= 1.02.
 
   python -m benchmarks.memory
@@ -12,18 +12,11 @@ import jax
 import jax.numpy as jnp
 
 import bv_sharding as bvs
-from benchmarks import placements
-from tests import zoo
+from benchmarks import placements, zoo
+from bv_sharding.specs import MiB
 from trainers.models import get_model
 
-SECOND_ORDER = {
-    "psgd_kron",
-    "distributed_shampoo",
-    "tearfree_layout",
-    "kron",
-    "kron_blocks",
-    "shampoo",
-}
+GiB = 1024 * MiB
 
 
 def llama_shape(size: str):
@@ -37,15 +30,15 @@ def rows(size: str, devices: int):
   mesh = bvs.make_abstract_mesh([("data", -1)], devices)
   for name, tx in zoo.optimizers(params, block_size=1024).items():
     opt = jax.eval_shape(tx.init, params)
-    for placement, p in placements.placements(params, opt, mesh, name in SECOND_ORDER).items():
+    for placement, p in placements.placements(params, opt, mesh, name in zoo.SECOND_ORDER).items():
       ratio = p.plan.bytes_per_device / (p.plan.total_bytes / devices)
       yield (
           size,
           devices,
           name,
           placement,
-          p.plan.total_bytes / 2**30,
-          p.plan.bytes_per_device / 2**20,
+          p.plan.total_bytes / GiB,
+          p.plan.bytes_per_device / MiB,
           ratio,
       )
 

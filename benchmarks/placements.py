@@ -8,15 +8,17 @@
 * ``seed_rules``: the seed's heuristics on every leaf on its own: substring name
   rules, and list entries (preconditioner lists) on dim -2.
 * ``factors_replicated``: the default plan with Kron/Shampoo factors replicated.
+* ``kron_factors_on_rows`` (asked for): the default plan with Kron's ``Q`` factors
+  taking the param's axis on rows (``preconditioner(dim=0)``) instead of columns.
 """
 
 import dataclasses
 from typing import Any
 
 import bv_sharding as bvs
-from bv_sharding import specs
+from bv_sharding import ops, strategies
+from bv_sharding.specs import MiB
 
-MiB = 2**20
 DEFAULT = [
     (
         ".*",
@@ -24,25 +26,31 @@ DEFAULT = [
     )
 ]
 FACTORS = r".*/(Qs_preconditioners|statistics|preconditioners|stats|roots)/.*"
+KRON_FACTORS = r".*/Qs_preconditioners/.*"
 
 
-@bvs.register("seed_rules")
 def seed_rules(axis, min_size_to_shard_mb=1):
-  """The seed's FSDP heuristics, kept as a baseline (substring matching, list entries on -2)."""
+  """The seed's FSDP heuristics, kept as a baseline: the names ``llm_fsdp`` knows, matched as
+  substrings of the whole leaf name, and list entries (preconditioner lists) on dim -2.
+
+  Registered only while a baseline is planned (:func:`_independent`).
+  """
+
+  def has(name: str, parts) -> bool:
+    return any(part in name for part in parts)
 
   def rule(leaf, spec):
     if leaf.ndim < 2 or leaf.nbytes < min_size_to_shard_mb * MiB:
       return spec, "small"
     if leaf.components[-1].isdigit():
-      return specs.place(leaf, spec, -2, axis, requested=False)
-    name = leaf.name
-    if "scale" in name or "bias" in name:
+      return ops.place(leaf, spec, -2, axis, requested=False)
+    if has(leaf.name, strategies.NEVER_SHARDED):
       return spec, "scale/bias"
-    if any(s in name for s in ("embedding", "out_kernel", "down_kernel")):
-      return specs.place(leaf, spec, -1, axis, requested=False)
-    if any(s in name for s in ("q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel")):
-      return specs.place(leaf, spec, -2, axis, requested=False)
-    return specs.place_largest(leaf, spec, axis)
+    if has(leaf.name, strategies.LAST_DIM):
+      return ops.place(leaf, spec, -1, axis, requested=False)
+    if has(leaf.name, strategies.SECOND_LAST_DIM):
+      return ops.place(leaf, spec, -2, axis, requested=False)
+    return ops.place_largest(leaf, spec, axis)
 
   return rule
 
@@ -59,8 +67,13 @@ class Placement:
     return sum(e.bytes_per_device for e in self.plan.entries if e.name.split("/")[0] == state_root)
 
 
-def placements(params_shape, opt_shape, mesh, second_order: bool) -> dict[str, Placement]:
-  """``{name: Placement}`` of one optimizer's params and state, the default and the baselines."""
+def placements(
+    params_shape, opt_shape, mesh, second_order: bool, factor_rows: bool = False
+) -> dict[str, Placement]:
+  """``{name: Placement}`` of one optimizer's params and state, the default and the baselines.
+
+  ``second_order`` adds ``factors_replicated``; with ``factor_rows`` too, ``kron_factors_on_rows``.
+  """
   result = {
       "default": _following(params_shape, opt_shape, DEFAULT, mesh),
       "big_vision_fsdp": _independent(params_shape, opt_shape, 'fsdp(axis="data")', mesh),
@@ -69,6 +82,10 @@ def placements(params_shape, opt_shape, mesh, second_order: bool) -> dict[str, P
   if second_order:
     result["factors_replicated"] = _following(
         params_shape, opt_shape, [(FACTORS, "replicate()")] + DEFAULT, mesh
+    )
+  if second_order and factor_rows:
+    result["kron_factors_on_rows"] = _following(
+        params_shape, opt_shape, [(KRON_FACTORS, "preconditioner(dim=0)")] + DEFAULT, mesh
     )
   return result
 
@@ -80,5 +97,6 @@ def _following(params_shape, opt_shape, strategy, mesh) -> Placement:
 
 def _independent(params_shape, opt_shape, chain, mesh) -> Placement:
   """Every leaf planned on its own: without a top-level "params" entry nothing follows."""
-  plan = bvs.plan({"p": params_shape, "opt": opt_shape}, chain, mesh)
+  with bvs.temporary_ops(seed_rules=seed_rules):
+    plan = bvs.plan({"p": params_shape, "opt": opt_shape}, chain, mesh)
   return Placement(plan.shardings["p"], plan.shardings["opt"], plan)

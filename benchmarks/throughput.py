@@ -1,16 +1,18 @@
 """Train-step throughput on 8 simulated CPU devices: the config's sharding plan vs replication.
 
-  python benchmarks/throughput.py [--sizes tiny,small] [--optimizers adamw,kron] [--steps 10]
+  python -m benchmarks.throughput [--sizes tiny,small] [--optimizers adamw,kron] [--steps 10]
 
-For each model size and optimizer, the same jitted train step (trainers/steps.py)
-runs with the state planned by configs/lm.py's strategy and with the state fully
+For each model size and optimizer, the same jitted train step (``trainers/steps.py``)
+runs with the state planned by ``configs/lm.py``'s strategy and with the state fully
 replicated (plain data parallelism); the batch is split over "data" in both.
 Compilation and two warm-up steps are excluded. Prints a markdown table.
 """
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import argparse
 import itertools
@@ -27,7 +29,7 @@ WARMUP = 2
 
 
 def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> float:
-  """Steps per second of `config`'s train step with the state planned by `strategy`."""
+  """Steps per second of ``config``'s train step with the state planned by ``strategy``."""
   mesh = bvs.make_mesh(config.mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   task = tasks.get_task(config)
@@ -73,12 +75,11 @@ def main():
   for size, optimizer in itertools.product(args.sizes.split(","), args.optimizers.split(",")):
     config = lm.get_config(f"size={size}")
     config.batch_size = 16
-    (planned,) = config.sharding_strategy
-    planned = steps_per_sec(config, [planned], optimizer, args.steps)
-    replicated = steps_per_sec(config, "replicate()", optimizer, args.steps)
+    planned_rate = steps_per_sec(config, list(config.sharding_strategy), optimizer, args.steps)
+    replicated_rate = steps_per_sec(config, "replicate()", optimizer, args.steps)
     print(
-        f"| {size} | {optimizer} | {planned:.2f} | {replicated:.2f} | "
-        f"{planned / replicated:.2f} |",
+        f"| {size} | {optimizer} | {planned_rate:.2f} | {replicated_rate:.2f} | "
+        f"{planned_rate / replicated_rate:.2f} |",
         flush=True,
     )
 

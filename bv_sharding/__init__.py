@@ -1,21 +1,32 @@
 """bv_sharding: config-driven sharding plans for Flax params and any optax optimizer state.
 
 Example:
+  >>> import flax.linen as nn
+  >>> import jax
   >>> import bv_sharding as bvs
-  >>> mesh = bvs.make_mesh([("data", -1), ("model", 2)])
-  >>> strategy = [(".*embedding", 'shard_dim(axis="model", dim=-1)'),
-  ...             (".*", 'fsdp(axis="data", min_size_to_shard_mb=1)')]
-  >>> abstract = jax.eval_shape(model.init, rng, batch)
+  >>> mesh = bvs.make_mesh([("data", -1), ("model", 2)])  # 8 devices: data 4 x model 2
+  >>> strategy = [(".*kernel", 'shard_dim(axis="model", dim=-1)|fsdp(axis="data", min_size_to_shard_mb=1)'),
+  ...             (".*", "replicate()")]
+  >>> model, x = nn.Dense(1024), jax.numpy.ones((2, 512))
+  >>> abstract = jax.eval_shape(model.init, jax.random.key(0), x)  # nothing allocated
   >>> shardings, specs = bvs.infer_sharding(abstract, strategy, mesh)
-  >>> params = jax.jit(model.init, out_shardings=shardings)(rng, batch)
+  >>> specs["params"]["kernel"], specs["params"]["bias"]
+  (P('data', 'model'), P(None,))
+  >>> params = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), x)
+  >>> params["params"]["kernel"].sharding.spec
+  P('data', 'model')
+
+Writing an op of your own needs :mod:`bv_sharding.ops` (``Leaf``, ``place``,
+``place_largest``, ``register``, ``temporary_ops``).
 """
 
+from bv_sharding import ops
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
 from bv_sharding.errors import Error, ShardingError, ShardingWarning
 from bv_sharding.mesh import make_abstract_mesh, make_mesh
 from bv_sharding.names import flatten as flatten_with_names
 from bv_sharding.plan import Entry, Plan, infer_sharding, plan
-from bv_sharding.registry import lookup, parse_chain, register, registered
+from bv_sharding.registry import lookup, parse_chain, register, registered, temporary_ops
 
 __all__ = [
     "Entry",
@@ -31,5 +42,7 @@ __all__ = [
     "parse_chain",
     "plan",
     "register",
+    "ops",
     "registered",
+    "temporary_ops",
 ]

@@ -10,8 +10,8 @@ Example:
   >>> try:
   ...   bvs.lookup("fsdpp")
   ... except bvs.Error as e:
-  ...   print(type(e).__name__, str(e)[:44])
-  ShardingError unknown op 'fsdpp'; did you mean 'fsdp'?
+  ...   print(type(e).__name__, e)
+  ShardingError unknown op 'fsdpp'; did you mean 'fsdp'? Registered ops: ...
 """
 
 import difflib

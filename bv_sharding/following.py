@@ -28,9 +28,10 @@ import itertools
 from bv_sharding.specs import Spec
 
 # Which dim of a square Kron factor (d_i, d_i) takes param dim i's axis: dim 1
-# (columns). Measured with `python -m benchmarks.communication`: one psgd-jax Kron
-# update of the benchmark model moves 5x fewer bytes per device with columns than
-# with rows (the README has the table). `preconditioner(dim=0)` overrides it.
+# (columns). Measured with `python -m benchmarks.communication --optimizers psgd_kron
+# --factor-rows`: one psgd-jax Kron update of the benchmark model moves 1.8x fewer wire
+# bytes per device with columns (1268 MB) than with rows (2253 MB); the README's
+# communication table has both rows. `preconditioner(dim=0)` overrides it.
 FACTOR_DIM = 1
 
 
@@ -103,8 +104,18 @@ def factor_spec(shape, param_spec, factor: int, lead: int, factor_dim: int) -> S
   spec = [None] * len(shape)
   if lead:
     spec[0] = param_spec[0]
-  spec[lead + factor_dim % (len(shape) - lead)] = param_spec[factor]
+  spec[factor_dim_index(len(shape), lead, factor_dim)] = param_spec[factor]
   return tuple(spec)
+
+
+def factor_dim_index(ndim: int, lead: int, factor_dim: int) -> int:
+  """Index of dim ``factor_dim`` of a factor's square (or diagonal) part, behind ``lead`` layer dims.
+
+  Example:
+    >>> factor_dim_index(3, 1, 1), factor_dim_index(2, 0, 0), factor_dim_index(1, 0, 1)
+    (2, 0, 0)
+  """
+  return lead + factor_dim % (ndim - lead)
 
 
 def _list_index(rest: tuple[str, ...]) -> int | None:

@@ -5,8 +5,10 @@ At most one size may be ``-1`` (the rest of the devices). Axes are ``Auto``:
 optimizer code raises ``ShardingTypeError``.
 
 Example:
-  >>> mesh = make_mesh([("data", -1), ("model", 2)])             # 8 devices: data=4
-  >>> pod = make_abstract_mesh([("data", -1), ("model", 8)], 256)  # plan, allocate nothing
+  >>> dict(make_mesh([("data", -1), ("model", 2)]).shape)  # the 8 simulated test devices
+  {'data': 4, 'model': 2}
+  >>> dict(make_abstract_mesh([("data", -1), ("model", 8)], 256).shape)  # no devices needed
+  {'data': 32, 'model': 8}
 """
 
 import math

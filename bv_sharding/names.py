@@ -6,15 +6,26 @@ so ``{"params": p}``, ``TrainState(params=p, ...)`` and ``NT(params=p)`` name th
 leaves of ``p`` identically. Flax boxes (``nn.Partitioned``) are leaves.
 
 Example:
-  >>> flatten({"params": {"dense": {"kernel": w}}, "opt": [mu]})[0]
-  [('params/dense/kernel', w), ('opt/0', mu)]
+  >>> import collections
+  >>> import numpy as np
+  >>> w = np.zeros((4, 8))
+  >>> [name for name, _ in flatten({"params": {"dense": {"kernel": w}}, "opt": [w]})[0]]
+  ['opt/0', 'params/dense/kernel']
+  >>> State = collections.namedtuple("State", ["params"])
+  >>> [name for name, _ in flatten(State(params={"dense": {"kernel": w}}))[0]]
+  ['params/dense/kernel']
 """
 
 import flax.linen as nn
 import jax
 
+# Last path components of norm scales and biases: small vectors that sharding ops
+# never shard and the trainer's optimizers give no weight decay.
+NORM_AND_BIAS = frozenset({"scale", "bias"})
+
 
 def is_box(x) -> bool:
+  """Whether ``x`` is a flax metadata box (``nn.Partitioned``, ``nn.LogicallyPartitioned``)."""
   return isinstance(x, nn.meta.AxisMetadata)
 
 

@@ -9,10 +9,17 @@ it are the params and every other leaf is state that follows them (see
 :mod:`bv_sharding.following`); a tree without one is all params.
 
 Example:
-  >>> mesh = bvs.make_abstract_mesh([("data", -1)], 256)
-  >>> p = bvs.plan({"params": params_shape, "opt": opt_shape}, 'fsdp(axis="data")', mesh)
-  >>> print(p.report())
-  >>> params = jax.jit(model.init, out_shardings=p.shardings["params"])(rng, batch)
+  >>> import jax
+  >>> import optax
+  >>> import bv_sharding as bvs
+  >>> params = {"dense": {"kernel": jax.ShapeDtypeStruct((1024, 512), "float32")}}
+  >>> opt = jax.eval_shape(optax.adam(1e-3).init, params)  # shapes only
+  >>> mesh = bvs.make_abstract_mesh([("data", -1)], 256)  # a pod, planned from here
+  >>> p = bvs.plan({"params": params, "opt": opt}, 'fsdp(axis="data", min_size_to_shard_mb=1)', mesh)
+  >>> p.by_name()["params/dense/kernel"].spec
+  P('data', None)
+  >>> print(p.by_name()["opt/0/mu/dense/kernel"].why)
+  follows params/dense/kernel (same shape); '.*' -> carried P('data', None)
 """
 
 import dataclasses
@@ -145,15 +152,35 @@ class Plan:
 def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = False) -> Plan:
   """Plans every leaf of ``tree`` (arrays, ``ShapeDtypeStruct``s or flax boxes).
 
-  ``strategy``: ``[(regex, op_chain), ...]`` or one op chain; ``rules``:
-  ``config.sharding_rules`` for ``logical_partitioning()``; with ``rules=None``
-  (or empty) a box's own ``rules``, else those of the enclosing
-  ``with nn.logical_axis_rules(...)`` apply (as in flax and big_vision's
-  train.py); explicit ``rules`` win over both. ``strict``: an indivisible requested dim
-  raises ``ShardingError`` instead of staying unsharded, and so does a strategy entry whose
-  regex matches no leaf (else a ``ShardingWarning``).
-  Trees deeper than Python's recursion limit (thousands of levels) fail in jax's own
-  tree flattening with a ``RecursionError``; that limit is jax's.
+  Args:
+    tree: the pytree to plan; a top-level ``params`` entry makes the rest state that
+      follows it (module docstring).
+    strategy: ``[(regex, op_chain), ...]`` or one op chain string.
+    mesh: a ``Mesh`` or an ``AbstractMesh``.
+    rules: ``config.sharding_rules`` for ``logical_partitioning()``. With ``None`` (or
+      empty) a box's own ``rules``, else those of the enclosing
+      ``with nn.logical_axis_rules(...)`` apply (as in flax and big_vision's train.py);
+      explicit ``rules`` win over both.
+    strict: an indivisible requested dim raises instead of staying unsharded, and so does
+      a strategy entry whose regex matches no leaf (else a ``ShardingWarning``).
+
+  Returns:
+    A :class:`Plan` with one :class:`Entry` per leaf, in ``tree``'s order.
+
+  Raises:
+    ShardingError: a strategy, rule or mesh mistake, named with its fix. Trees deeper
+      than Python's recursion limit (thousands of levels) fail in jax's own tree
+      flattening with a ``RecursionError``; that limit is jax's.
+
+  Example:
+    >>> import jax
+    >>> from bv_sharding.mesh import make_abstract_mesh
+    >>> tree = {"w": jax.ShapeDtypeStruct((512, 4096), "float32"),
+    ...         "b": jax.ShapeDtypeStruct((1024,), "float32")}
+    >>> p = plan(tree, 'fsdp(axis="data")', make_abstract_mesh([("data", -1)], 8))
+    >>> [(e.name, e.spec, e.why) for e in p.entries]  # doctest: +NORMALIZE_WHITESPACE
+    [('b', P(None,), "'.*' -> fsdp: 0.00391 MiB <= 4 MiB threshold"),
+     ('w', P(None, 'data'), "'.*' -> fsdp: dim 1 over data")]
   """
   sizes = _mesh_sizes(mesh)
   pats = patterns.parse_strategy(strategy, sizes)
@@ -186,8 +213,16 @@ def infer_sharding(tree, strategy, mesh, rules: Sequence | None = None, strict: 
   """``(shardings, specs)`` trees for ``tree``: the big_vision-style entry point.
 
   Example:
-    >>> shardings, specs = infer_sharding(abstract, [(".*", 'fsdp(axis="data")')], mesh)
-    >>> params = jax.jit(model.init, out_shardings=shardings)(rng, batch)
+    >>> import jax
+    >>> from bv_sharding.mesh import make_mesh
+    >>> tree = {"w": jax.ShapeDtypeStruct((512, 4096), "float32")}
+    >>> mesh = make_mesh([("data", -1)])
+    >>> shardings, specs = infer_sharding(tree, [(".*", 'fsdp(axis="data")')], mesh)
+    >>> specs
+    {'w': P(None, 'data')}
+    >>> w = jax.jit(lambda: jax.numpy.ones((512, 4096)), out_shardings=shardings["w"])()
+    >>> w.sharding.spec
+    P(None, 'data')
   """
   result = plan(tree, strategy, mesh, rules=rules, strict=strict)
   return result.shardings, result.specs
@@ -246,7 +281,7 @@ def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str]:
   pattern = patterns.match(pats, leaf.name)
   if pattern is None:
     return _replicated(leaf), "no strategy entry matches: replicated"
-  spec, notes = _run(pattern.ops, leaf)
+  spec, notes = _apply_chain(pattern.ops, leaf)
   return spec, f"{pattern.regex!r} -> {notes}"
 
 
@@ -258,31 +293,37 @@ def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str]:
       return _replicated(leaf), "scalar state: replicated"
     if pattern is None:
       return _replicated(leaf), "no param to follow, no strategy entry: replicated"
-    spec, notes = _run(pattern.ops, leaf)
+    spec, notes = _apply_chain(pattern.ops, leaf)
     return spec, f"no param to follow; {pattern.regex!r} -> {notes}"
   ops = pattern.ops if pattern else ()
-  spec, notes = _run(ops, leaf, carry=not ops or any(op.follows for op in ops))
+  spec, notes = _apply_chain(ops, leaf, follow_param=not ops or any(op.follows for op in ops))
   where = f"{pattern.regex!r} -> " if pattern else "default: "
   return spec, f"follows {follow.param} ({follow.how}); {where}{notes}"
 
 
-def _run(ops, leaf: Leaf, carry: bool = False) -> tuple[Spec, str]:
-  """Applies a chain. On a state leaf with ``carry``, sharding ops carry the param's spec
-  over (once), and a big leaf left unsharded goes to the size-based fallback."""
-  spec, notes, carried = _replicated(leaf), [], False
+def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str]:
+  """Applies a chain of ops to one leaf; returns its spec and the notes joined.
+
+  On a state leaf that follows a param, the chain's first sharding op
+  (``follows=True``) places the param's spec instead of acting, and later ones are
+  skipped. With ``follow_param`` (the chain is empty or has a sharding op), an empty
+  chain places the param's spec too, and a big leaf left unsharded goes to the
+  size-based fallback.
+  """
+  spec, notes, param_spec_placed = _replicated(leaf), [], False
   for op in ops:
     if leaf.follow is not None and op.follows:
-      if not carried:
-        spec, note = _carry(leaf, spec)
+      if not param_spec_placed:
+        spec, note = _place_param_spec(leaf, spec)
         notes.append(note)
-        carried = True
+        param_spec_placed = True
       continue
     spec, note = specs.checked(op.name, op.rule(leaf, spec), leaf)
     notes.append(f"{op.name}: {note}")
-  if carry and not ops:
-    spec, note = _carry(leaf, spec)
+  if follow_param and not ops:
+    spec, note = _place_param_spec(leaf, spec)
     notes.append(note)
-  if carry and not any(spec):
+  if follow_param and not any(spec):
     threshold = _threshold(ops)
     if leaf.nbytes >= threshold * MiB:
       spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops))
@@ -290,7 +331,8 @@ def _run(ops, leaf: Leaf, carry: bool = False) -> tuple[Spec, str]:
   return spec, "; ".join(notes) or "replicated"
 
 
-def _carry(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
+def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
+  """Puts the axes of the followed param's spec (as related by ``leaf.follow``) on ``spec``."""
   follow = leaf.follow
   if follow.spec is None:
     return spec, "no dims in common"

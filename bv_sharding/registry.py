@@ -5,7 +5,9 @@ it returns a rule ``rule(leaf, spec) -> (spec, note)`` (see ``bv_sharding.specs`
 Config strings are parsed with ``ast``; arguments must be literals, nothing is
 evaluated. big_vision's syntax is accepted as big_vision's registry accepts it: a
 bare name is the call without arguments (``'replicate'``), arguments may be
-positional, and spaces may surround ``|``.
+positional, and spaces may surround ``|``. :func:`temporary_ops` registers ops for
+one ``with`` block only (tests, benchmarks, trying an op), so nothing stays
+registered as a side effect.
 
 Example:
   >>> import bv_sharding as bvs
@@ -15,6 +17,7 @@ Example:
 """
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 import io
@@ -58,12 +61,27 @@ class Op:
 
 
 def register(name: str, *, follows: bool = True):
-  """Decorator registering an op factory under ``name``.
+  """Decorator registering an op factory under ``name`` for the rest of the process.
+
+  Put it above a factory in a module of your own; the factory's arguments come
+  from the config string and it returns ``rule(leaf, spec) -> (spec, note)``.
+
+  Args:
+    name: the op's name in config strings (a Python identifier).
+    follows: on a state leaf that follows a param, carry the param's spec over
+      instead of calling the rule (sharding ops); ``False`` for ops that always act.
+
+  Raises:
+    ShardingError: another factory is already registered under ``name``.
 
   Example:
-    >>> @bvs.register("shard_last")
-    ... def shard_last(axis):
-    ...   return lambda leaf, spec: bvs.specs.place(leaf, spec, -1, axis)
+    >>> from bv_sharding.specs import place
+    >>> with temporary_ops():  # registered inside the block only
+    ...   @register("shard_last")
+    ...   def shard_last(axis):
+    ...     return lambda leaf, spec: place(leaf, spec, -1, axis)
+    ...   [op.name for op in parse_chain('shard_last(axis="data")')]
+    ['shard_last']
   """
 
   if not isinstance(name, str) or not name.isidentifier():
@@ -84,6 +102,41 @@ def register(name: str, *, follows: bool = True):
     return factory
 
   return decorate
+
+
+@contextlib.contextmanager
+def temporary_ops(*, follows: bool = True, **factories: Callable):
+  """Registers ``factories`` (``name=factory``) for a ``with`` block, then removes them.
+
+  Every op registered inside the block, by these keywords or by :func:`register`,
+  is removed when the block ends, even on an exception; ops registered before it
+  stay. Names already registered are refused, so a block never shadows an op.
+
+  Args:
+    follows: as in :func:`register`, for the keyword factories.
+    **factories: op name to factory.
+
+  Raises:
+    ShardingError: a name is already registered.
+
+  Example:
+    >>> from bv_sharding.specs import place
+    >>> def shard_first(axis):
+    ...   return lambda leaf, spec: place(leaf, spec, 0, axis)
+    >>> with temporary_ops(shard_first=shard_first):
+    ...   "shard_first" in registered()
+    True
+    >>> "shard_first" in registered()
+    False
+  """
+  before = set(_OPS)
+  try:
+    for name, factory in factories.items():
+      register(name, follows=follows)(factory)
+    yield
+  finally:
+    for name in set(_OPS) - before:
+      del _OPS[name]
 
 
 def registered() -> tuple[str, ...]:

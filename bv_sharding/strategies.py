@@ -12,18 +12,22 @@ threshold and tie-breaking included); the README's "Differences from big_vision
 and flax" lists where they deliberately do not.
 
 Example:
-  >>> strategy = [(".*embedding", 'shard_dim(axis="model", dim=-1)'),
-  ...             (".*", 'tensor_parallel(axis="model")|fsdp(axis="data")')]
+  >>> import jax
+  >>> import bv_sharding as bvs
+  >>> mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
+  >>> tree = {"attn": {"q_kernel": jax.ShapeDtypeStruct((1024, 2048), "float32")}}
+  >>> bvs.plan(tree, 'tensor_parallel(axis="model")|fsdp(axis="data")', mesh).specs
+  {'attn': {'q_kernel': P('data', 'model')}}
 """
 
 import flax.linen as nn
 
-from bv_sharding import specs
+from bv_sharding import following, names, specs
 from bv_sharding.errors import ShardingError
 from bv_sharding.registry import register
 from bv_sharding.specs import Leaf, Spec
 
-NEVER_SHARDED = frozenset({"scale", "bias"})
+NEVER_SHARDED = names.NORM_AND_BIAS
 LAST_DIM = frozenset({"embedding", "out_kernel", "down_kernel"})
 SECOND_LAST_DIM = frozenset({"q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel"})
 COLUMN_PARALLEL = SECOND_LAST_DIM
@@ -212,7 +216,7 @@ def preconditioner(axis=None, dim=1):
       target = axis or follow.param_spec[param_dim] or (param_axes or [None])[0]
       if target is None:
         return spec, "the param is not sharded"
-      return specs.place(leaf, spec, lead + dim % (leaf.ndim - lead), target)
+      return specs.place(leaf, spec, following.factor_dim_index(leaf.ndim, lead, dim), target)
     if axis is None:
       return spec, "not a preconditioner factor and no axis given"
     return specs.place(leaf, spec, dim, axis)

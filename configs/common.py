@@ -3,18 +3,38 @@
 Example:
   >>> parse_arg("size=small,steps=100,scan=False", size="tiny", steps=200, scan=True)
   {'size': 'small', 'steps': 100, 'scan': False}
+  >>> base_config().optax_name
+  'adamw'
 """
+
+import ml_collections
 
 from trainers.errors import ConfigError
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-def parse_arg(arg: str | None, **defaults) -> dict:
-  """`key=value,...` from `--config file.py:arg`; values take the type of their default.
+def base_config() -> ml_collections.ConfigDict:
+  """The keys every training config shares, at their usual values; each config sets the rest."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.eval_batches = 4  # Fixed held-out batches, the same at every eval.
+  config.log_every = 20
+  config.mesh = (("data", -1),)
+  config.sharding_rules = (("act_batch", "data"),)
+  config.data_axes = ()  # () = the mesh axes the "act_batch" rule maps to.
+  config.optax_name = "adamw"
+  config.optax = dict()
+  config.wd = 1e-4
+  config.grad_clip_norm = 1.0
+  return config
 
-  A bool default reads `True/False` (also `true/false`, `1/0`, `yes/no`): `flag=False`
-  gives False.
+
+def parse_arg(arg: str | None, **defaults) -> dict:
+  """``key=value,...`` from ``--config file.py:arg``; values take the type of their default.
+
+  A bool default reads ``True/False`` (also ``true/false``, ``1/0``, ``yes/no``):
+  ``flag=False`` gives False.
   """
   values = dict(defaults)
   for item in filter(None, (arg or "").split(",")):

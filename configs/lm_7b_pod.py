@@ -1,24 +1,32 @@
 """Llama 7B on a 256-device pod: FSDP over "data" (64) x tensor parallelism over "model" (4).
 
-For planning tools, not for running here: `config.num_devices` (256) is the pod
-size to plan for with `bvs.make_abstract_mesh(config.mesh, config.num_devices)`,
-which allocates nothing, e.g.
+For planning tools, not for running here: ``config.num_devices`` (256) is the pod
+size to plan for with ``bvs.make_abstract_mesh(config.mesh, config.num_devices)``,
+which allocates nothing. ``trainers/train.py`` ignores ``num_devices`` and uses the
+devices it has.
 
-  >>> config = lm_7b_pod.get_config()
+Example:
+  >>> import flax.linen as nn
+  >>> import jax
+  >>> import bv_sharding as bvs
+  >>> from trainers import models, optimizers, steps
+  >>> config = get_config()
   >>> mesh = bvs.make_abstract_mesh(config.mesh, config.num_devices)
   >>> model = models.get_model(config.model_name, **config.model)
-  >>> init = lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-  >>> plan = bvs.plan(steps.abstract_state(init, tx), config.sharding_strategy, mesh,
-  ...                 rules=config.sharding_rules)
-
-trainers/train.py ignores `num_devices` and uses the devices it has.
+  >>> init = lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 8), "int32"))["params"]
+  >>> tx = optimizers.make_optimizer(config.optax_name, config.lr)
+  >>> with nn.logical_axis_rules(config.sharding_rules):
+  ...   plan = bvs.plan(steps.abstract_state(init, tx), config.sharding_strategy, mesh,
+  ...                   rules=config.sharding_rules)
+  >>> dict(mesh.shape), round(plan.bytes_per_device / (plan.total_bytes / 256), 3)
+  ({'data': 64, 'model': 4}, 1.068)
 """
 
 from configs import lm
 
 
 def get_config(arg=None):
-  """arg: unused (the size is 7b)."""
+  """The 7B pod config; ``arg`` is unused (the size is 7b)."""
   del arg
   config = lm.get_config()
   config.num_devices = 256  # Devices to plan for; see the docstring.

@@ -1,4 +1,4 @@
-"""configs/lm.py with PSGD Kron.
+"""``configs/lm.py`` with PSGD Kron (the registry's 256-blocks).
 
 python -m trainers.train --config configs/lm_kron.py --workdir /tmp/lm_kron
 """
@@ -7,7 +7,7 @@ from configs import lm
 
 
 def get_config(arg=None):
-  """arg: as configs/lm.py."""
+  """The LM config with Kron; ``arg`` as in ``configs/lm.py``."""
   config = lm.get_config(arg)
   config.optax_name = "kron"
   config.optax = dict(b1=0.9, preconditioner_lr=0.1)

@@ -1,4 +1,4 @@
-"""configs/lm.py on a 2-D mesh: Megatron tensor parallelism over "model", FSDP over "data".
+"""``configs/lm.py`` on a 2-D mesh: Megatron tensor parallelism over "model", FSDP over "data".
 
 python -m trainers.train --config configs/lm_tp_fsdp.py --workdir /tmp/lm_tp
 """
@@ -7,7 +7,7 @@ from configs import lm
 
 
 def get_config(arg=None):
-  """arg: as configs/lm.py."""
+  """The LM config on a data x model mesh; ``arg`` as in ``configs/lm.py``."""
   config = lm.get_config(arg)
   config.mesh = (("data", -1), ("model", 2))
   config.sharding_strategy = (

@@ -3,39 +3,28 @@
 python -m trainers.train --config configs/vit_digits.py --workdir /tmp/vit
 """
 
-import ml_collections
-
-from configs.common import parse_arg
+from configs.common import base_config, parse_arg
 from trainers import sources
 
 
 def get_config(arg=None):
-  """arg: `size=tiny|small`."""
+  """The ViT config; ``arg``: ``size=tiny|small``."""
   arg = parse_arg(arg, size="tiny")
-  config = ml_collections.ConfigDict()
-  config.seed = 0
+  config = base_config()  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping
 
   config.input = sources.input_config(kind="digits")  # configs/vit_images.py: your .npy images
   config.batch_size = 64
-  config.eval_batches = 4  # Fixed held-out batches, the same at every eval.
 
   config.model_name = "vit"
   config.model = dict(size=arg["size"], num_classes=10)
 
   config.total_steps = 200
-  config.log_every = 20
   config.eval_every = 100
 
-  config.mesh = (("data", -1),)
   config.sharding_strategy = ((".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),)
-  config.sharding_rules = (("act_batch", "data"),)
-  config.data_axes = ()  # () = the mesh axes the "act_batch" rule maps to.
 
-  config.optax_name = "adamw"
-  config.optax = dict()
   config.lr = 1e-3
-  config.wd = 1e-4
-  config.schedule = dict(decay_type="cosine", warmup_steps=10)  # big_vision's keys
-  config.grad_clip_norm = 1.0  # None: no clipping.
+  # big_vision's schedule keys: a multiplier of config.lr over config.total_steps.
+  config.schedule = dict(decay_type="cosine", warmup_steps=10)
   config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   return config

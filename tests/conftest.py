@@ -1,12 +1,14 @@
-"""Every test process sees 8 simulated CPU devices.
+"""Every test process sees 8 simulated CPU devices and gives OpenBLAS one thread.
 
-OpenBLAS (behind JAX's CPU linear algebra) gets one thread: its threads fight
-XLA's on small hosts and make each small triangular solve ~1000x slower.
+OpenBLAS threads fight XLA's on small hosts (``trainers/host.py`` says why); the
+setting reaches the subprocesses tests start through the environment.
 """
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import jax
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from trainers import data, sources
+from trainers.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ARRAY = (np.arange(10_000) % 251).astype(np.uint8)
@@ -27,7 +28,7 @@ def _take(iterator, n):
 
 
 def _text(step=0, seed=0, process_index=0, process_count=1):
-  """Step `step` of an 8 x 9 window pipeline over STREAM."""
+  """Step ``step`` of an 8 x 9 window pipeline over STREAM."""
   return next(
       data.text_batches(
           STREAM,
@@ -92,7 +93,7 @@ def test_image_process_slices_concatenate_to_the_global_batch():
 
 
 def test_global_batch_must_divide_by_process_count():
-  with pytest.raises(ValueError, match="divisible"):
+  with pytest.raises(ConfigError, match="batch_size=6 must be a positive multiple of 4"):
     data.text_batches(STREAM, seq_len=8, global_batch=6, seed=0, process_index=0, process_count=4)
 
 

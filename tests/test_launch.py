@@ -1,35 +1,20 @@
 """trainers/launch.py: 2 jax.distributed processes x 4 devices train exactly as 1 x 8."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.entry_points import quick_lm, run_module
+
 TRAIN = (
     "--config=configs/lm.py",
-    "--config.total_steps=4",
-    "--config.batch_size=16",
-    "--config.seq_len=64",
-    "--config.log_every=1",
-    "--config.eval_every=4",
-    "--config.eval_batches=1",
+    *quick_lm(total_steps=4, log_every=1, eval_every=4, eval_batches=1),
 )
 
 
-def run(args, timeout=200):
-  env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run(
-      [sys.executable, "-m", *args],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-  )
+def run(module, *args, timeout=200):
+  done = run_module(module, *args, timeout=timeout)
   assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
   return done.stdout + done.stderr
 
@@ -42,17 +27,15 @@ def losses(workdir):
 @pytest.mark.timeout(300)
 def test_two_processes_match_one(tmp_path):
   one, two = tmp_path / "1x8", tmp_path / "2x4"
-  run(["trainers.train", f"--workdir={one}", "--devices_per_process=8", *TRAIN])
+  run("trainers.train", f"--workdir={one}", "--devices_per_process=8", *TRAIN)
   out = run(
-      [
-          "trainers.launch",
-          "--processes=2",
-          "--devices-per-process=4",
-          "--timeout=200",
-          "--",
-          f"--workdir={two}",
-          *TRAIN,
-      ]
+      "trainers.launch",
+      "--processes=2",
+      "--devices-per-process=4",
+      "--timeout=200",
+      "--",
+      f"--workdir={two}",
+      *TRAIN,
   )
   assert "[p1] " in out and "process 1 of 2, 8 devices (4 here)" in out
   expected, got = losses(one), losses(two)
@@ -64,24 +47,15 @@ def test_two_processes_match_one(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_launch_fails_when_a_process_fails(tmp_path):
-  env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "trainers.launch",
-          "--processes=2",
-          "--devices-per-process=4",
-          "--timeout=100",
-          "--",
-          f"--workdir={tmp_path}",
-          "--config=configs/lm.py",
-          "--config.optax_name=nope",
-      ],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
+  done = run_module(
+      "trainers.launch",
+      "--processes=2",
+      "--devices-per-process=4",
+      "--timeout=100",
+      "--",
+      f"--workdir={tmp_path}",
+      "--config=configs/lm.py",
+      "--config.optax_name=nope",
       timeout=110,
   )
   assert done.returncode != 0

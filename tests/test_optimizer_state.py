@@ -8,11 +8,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
-from tests import zoo
+from benchmarks import zoo
+from benchmarks.shapes import llama_params, sds
+from bv_sharding.specs import MiB
 
 MESHES = {"4x2": [("data", 4), ("model", 2)], "8x1": [("data", 8), ("model", 1)]}
 STRATEGY = [(".*", 'tensor_parallel(axis="model")|fsdp(axis="data", min_size_to_shard_mb=0)')]
-CASES = [(name, mesh, False) for name in zoo.optimizers(zoo.llama_params()) for mesh in MESHES]
+CASES = [(name, mesh, False) for name in zoo.optimizers(llama_params()) for mesh in MESHES]
 CASES += [(name, mesh, True) for name in ("psgd_kron", "kron", "kron_blocks") for mesh in MESHES]
 
 
@@ -55,7 +57,7 @@ def relative_errors(tree, reference):
 )
 def test_state_is_born_sharded_stays_sharded_and_matches_one_device(name, mesh_name, scanned):
   mesh = bvs.make_mesh(MESHES[mesh_name])
-  shapes = zoo.llama_params(layers=2 if scanned else None)
+  shapes = llama_params(layers=2 if scanned else None)
   tx = zoo.optimizers(shapes, scanned=scanned)[name]
   plan = bvs.plan({"params": shapes, "opt": jax.eval_shape(tx.init, shapes)}, STRATEGY, mesh)
   psh, osh = plan.shardings["params"], plan.shardings["opt"]
@@ -79,9 +81,9 @@ def test_state_is_born_sharded_stays_sharded_and_matches_one_device(name, mesh_n
   assert errors[worst] <= 1e-5, (worst, errors[worst])
 
 
-@pytest.mark.parametrize("name", list(zoo.optimizers(zoo.llama_params())))
+@pytest.mark.parametrize("name", list(zoo.optimizers(llama_params())))
 def test_every_state_leaf_over_1mib_is_sharded_with_big_vision_fsdp(name):
-  shapes = zoo.llama_params(d=512, vocab=8192, ff=2048)
+  shapes = llama_params(d=512, vocab=8192, ff=2048)
   tx = zoo.optimizers(shapes)[name]
   mesh = bvs.make_abstract_mesh([("data", -1)], 8)
   plan = bvs.plan(
@@ -90,9 +92,10 @@ def test_every_state_leaf_over_1mib_is_sharded_with_big_vision_fsdp(name):
       mesh,
   )
   # big_vision's fsdp leaves a param of exactly its 4 MiB threshold unsharded; state never is.
-  at_threshold = lambda e: e.name.startswith("params/") and e.nbytes == 4 * 2**20
-  unsharded = plan.unsharded(min_bytes=2**20 + 1)
-  stranded = [(e.name, e.shape, e.why) for e in unsharded if not at_threshold(e)]
+  at_threshold = lambda e: e.name.startswith("params/") and e.nbytes == 4 * MiB
+  stranded = [
+      (e.name, e.shape, e.why) for e in plan.unsharded(min_bytes=MiB + 1) if not at_threshold(e)
+  ]
   assert stranded == []
 
 
@@ -105,10 +108,6 @@ def plan_state(
   strategy = [strategy] if isinstance(strategy, tuple) else strategy
   p = bvs.plan({"params": params, "opt": state}, strategy, bvs.make_abstract_mesh(mesh, 8))
   return p.by_name()
-
-
-def sds(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 def test_same_shape_state_gets_the_param_spec_and_why_names_the_param():

@@ -1,7 +1,5 @@
 """PSGD Kron with ``block_size``: one preconditioner per block, sharding-local."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,33 +8,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bv_sharding import traffic
 from tests.test_optimizers_second_order import _final_loss, _ill_conditioned_regression
 from trainers.optimizers import kron, scale_by_kron
 
 SHAPES = lambda tree: jax.tree.map(lambda x: x.shape, tree)
-
-_COLLECTIVE = re.compile(
-    r"= (.*?) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)" r"(?:-start)?\("
-)
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-
-
-def collective_bytes(hlo: str) -> list[tuple[str, int]]:
-  """(op, result bytes) of every collective in compiled HLO text.
-
-  Example:
-      >>> collective_bytes("%x = f32[4,2]{1,0} all-gather(f32[1,2] %p)")
-      [('all-gather', 32)]
-  """
-  found = []
-  for match in _COLLECTIVE.finditer(hlo):
-    size = 0
-    for dtype, dims in _ARRAY.findall(match.group(1)):
-      bits = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype))
-      count = np.prod([int(d) for d in dims.split(",") if d], dtype=int)
-      size += count * bits // 8
-    found.append((match.group(2), int(size)))
-  return found
 
 
 def _loss(params):
@@ -174,9 +150,9 @@ def test_sharded_blocks_are_local_and_keep_their_sharding():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
   hlo = jitted.lower(params, state).compile().as_text()
-  collectives = collective_bytes(hlo)
+  collectives = traffic.collectives(hlo)
   q_stack_bytes = 32 * 64 * 64 * 4
-  assert not [c for c in collectives if c[0] == "all-gather"], collectives
-  # Measured: three scalar all-reduces (grad-norm style means), 16 bytes;
+  assert not [c for c in collectives if c.op == "all-gather"], collectives
+  # Measured: three scalar all-reduces (grad-norm style means), 16 bytes of results;
   # the unblocked update moves ~24 MB (all-gathers of full Qs and params).
-  assert sum(size for _, size in collectives) < q_stack_bytes // 1000, collectives
+  assert traffic.wire_bytes(hlo) < q_stack_bytes // 1000, collectives

@@ -39,7 +39,7 @@ def test_unknown_name_lists_choices_and_closest_match():
   with pytest.raises(OptimizerError) as err:
     make_optimizer("shampo", 1e-3)
   message = str(err.value)
-  assert "Did you mean 'shampoo'?" in message
+  assert "did you mean 'shampoo'?" in message
   assert all(name in message for name in OPTIMIZERS)
   assert isinstance(err.value, ValueError)
 
@@ -47,7 +47,7 @@ def test_unknown_name_lists_choices_and_closest_match():
 def test_bad_argument_shows_signature():
   with pytest.raises(OptimizerError, match=r"kron\(learning_rate.*preconditioner_lr") as err:
     make_optimizer("kron", 1e-3, precond_lr=0.1)
-  assert "Did you mean 'preconditioner_lr'?" in str(err.value)
+  assert "did you mean 'preconditioner_lr'?" in str(err.value)
   with pytest.raises(OptimizerError, match=r"Signature: adamw\(learning_rate"):
     make_optimizer("adamw", 1e-3, beta1=0.9)
 

@@ -12,10 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
-
-
-def sds(*shape, dtype=jnp.float32):
-  return jax.ShapeDtypeStruct(shape, dtype)
+from benchmarks.shapes import sds
 
 
 class MLP(nn.Module):

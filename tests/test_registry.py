@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
 
@@ -63,15 +64,40 @@ def test_unknown_op_error_is_a_value_error():
     bvs.lookup("nope")
 
 
-def test_register_adds_an_op_and_refuses_a_second_with_the_same_name():
-  @bvs.register("test_only_shard_first")
-  def shard_first(axis):
-    return lambda leaf, spec: bvs.specs.place(leaf, spec, 0, axis)
+def shard_first(axis):
+  return lambda leaf, spec: bvs.ops.place(leaf, spec, 0, axis)
 
-  assert "test_only_shard_first" in bvs.registered()
-  assert bvs.lookup("test_only_shard_first").factory is shard_first
-  with pytest.raises(bvs.ShardingError, match="already registered"):
-    bvs.register("test_only_shard_first")(lambda axis: None)
+
+def test_register_adds_an_op_and_refuses_a_second_with_the_same_name():
+  with bvs.temporary_ops():
+    bvs.register("test_only_shard_first")(shard_first)
+    assert bvs.lookup("test_only_shard_first").factory is shard_first
+    with pytest.raises(bvs.ShardingError, match="already registered"):
+      bvs.register("test_only_shard_first")(lambda axis: None)
+  assert "test_only_shard_first" not in bvs.registered()
+
+
+def test_temporary_ops_exist_only_inside_the_block_even_on_errors():
+  before = bvs.registered()
+  mesh = bvs.make_abstract_mesh([("data", -1)], 8)
+  tree = {"w": jax.ShapeDtypeStruct((64, 32), "float32")}
+  with pytest.raises(RuntimeError, match="inside"):
+    with bvs.temporary_ops(shard_first=shard_first):
+      plan = bvs.plan(tree, 'shard_first(axis="data")', mesh)
+      assert plan.by_name()["w"].spec == P("data", None)
+      assert bvs.lookup("shard_first").follows
+      raise RuntimeError("inside")
+  assert bvs.registered() == before
+  with pytest.raises(bvs.ShardingError, match="unknown op 'shard_first'"):
+    bvs.plan(tree, 'shard_first(axis="data")', mesh)
+
+
+def test_temporary_ops_refuse_a_registered_name_and_leave_it_as_it_was():
+  fsdp = bvs.lookup("fsdp")
+  with pytest.raises(bvs.ShardingError, match="'fsdp' is already registered"):
+    with bvs.temporary_ops(fsdp=shard_first):
+      pass
+  assert bvs.lookup("fsdp") == fsdp
 
 
 HOSTILE = [

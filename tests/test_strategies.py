@@ -6,13 +6,11 @@ import jax.numpy as jnp
 import pytest
 
 import bv_sharding as bvs
+from benchmarks.shapes import sds
+from bv_sharding.specs import MiB
 
 MESH = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
-MiB_F32 = 2**18  # float32 elements in one MiB
-
-
-def sds(*shape, dtype=jnp.float32):
-  return jax.ShapeDtypeStruct(shape, dtype)
+MiB_F32 = MiB // 4  # float32 elements in one MiB
 
 
 def spec_of(tree, strategy, name, **kw):

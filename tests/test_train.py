@@ -1,47 +1,26 @@
 """trainers/train.py through the command line users run, on 8 simulated CPU devices.
 
-Each run is a subprocess `python -m trainers.train --config configs/... --config.k=v`;
-overriding `--config.optax_name` is the only change between the optimizer runs.
+Each run is a subprocess ``python -m trainers.train --config configs/... --config.k=v``;
+overriding ``--config.optax_name`` is the only change between the optimizer runs.
 """
 
 import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHORT = (
-    "--config.total_steps=30",
-    "--config.batch_size=16",
-    "--config.seq_len=64",
-    "--config.log_every=10",
-    "--config.eval_every=30",
-    "--config.eval_batches=2",
-)
+from tests.entry_points import quick_lm, run_module
+
+SHORT = quick_lm(total_steps=30, log_every=10, eval_every=30, eval_batches=2)
 
 
 def train(workdir, *overrides, config="configs/lm.py", timeout=240):
   """Runs the trainer; returns (exit status, output, metrics records)."""
-  env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "trainers.train",
-          f"--config={config}",
-          f"--workdir={workdir}",
-          *overrides,
-      ],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
+  done = run_module(
+      "trainers.train", f"--config={config}", f"--workdir={workdir}", *overrides, timeout=timeout
   )
   path = pathlib.Path(workdir, "metrics.jsonl")
   records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

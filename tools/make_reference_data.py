@@ -13,7 +13,7 @@ The references do not import on the project's JAX/optax (psgd-jax imports
     python3 -m venv /work/venv-ref
     /work/venv-ref/bin/pip install psgd-jax==0.2.9 optax==0.2.6 \\
         precondition-opt==0.3.0 "jax[cpu]==0.5.3" flax==0.10.4
-    /work/venv-ref/bin/python tools/make_reference_data.py
+    /work/venv-ref/bin/python -m tools.make_reference_data   # from the repo root
 
 (flax is only needed because psgd-jax imports ``flax.linen``.) Only this
 module's top level is imported by the tests; the reference packages are
@@ -53,29 +53,22 @@ KRON_RUNS = {
         scan_layers=True,
     ),
 }
+# One row per Shampoo run, all with blocks of 8, epsilon 1e-8 and matrix_epsilon 1e-6.
+_SHAMPOO_COLUMNS = (
+    "learning_rate",
+    "beta1",
+    "beta2",
+    "graft_type",
+    "start_preconditioning_step",
+    "update_preconditioners_freq",
+)
+_SHAMPOO_ROWS = {
+    "shampoo_rmsprop_nesterov": (0.01, 0.9, 0.99, "rmsprop", 0, 1),
+    "shampoo_sgd_graft_delayed_freq2": (0.05, 0.0, 0.95, "sgd", 3, 2),
+}
 SHAMPOO_RUNS = {
-    "shampoo_rmsprop_nesterov": dict(
-        learning_rate=0.01,
-        block_size=8,
-        beta1=0.9,
-        beta2=0.99,
-        graft_type="rmsprop",
-        start_preconditioning_step=0,
-        update_preconditioners_freq=1,
-        epsilon=1e-8,
-        matrix_epsilon=1e-6,
-    ),
-    "shampoo_sgd_graft_delayed_freq2": dict(
-        learning_rate=0.05,
-        block_size=8,
-        beta1=0.0,
-        beta2=0.95,
-        graft_type="sgd",
-        start_preconditioning_step=3,
-        update_preconditioners_freq=2,
-        epsilon=1e-8,
-        matrix_epsilon=1e-6,
-    ),
+    name: dict(zip(_SHAMPOO_COLUMNS, row), block_size=8, epsilon=1e-8, matrix_epsilon=1e-6)
+    for name, row in _SHAMPOO_ROWS.items()
 }
 
 
@@ -170,13 +163,9 @@ def reference_kron(settings: dict, params: dict):
 
 def reference_shampoo(settings: dict):
   """precondition-opt's distributed_shampoo (eigh roots) under ``settings``."""
-  for name, new in [
-      ("tree_map", jax.tree.map),
-      ("tree_flatten", jax.tree.flatten),
-      ("tree_unflatten", jax.tree.unflatten),
-  ]:
-    if not hasattr(jax, name):  # removed in JAX 0.6; the reference needs them
-      setattr(jax, name, new)
+  from benchmarks.compat import add_removed_names
+
+  add_removed_names()  # jax.tree_map and friends, removed in JAX 0.6
   from precondition import distributed_shampoo as ds
 
   return ds.distributed_shampoo(

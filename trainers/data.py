@@ -10,9 +10,11 @@ The sources (token files, text, .npy images) are opened by trainers/sources.py.
 Example:
   >>> train, held_out = sources.open_tokens(sources.input_spec("text"))
   >>> it = text_batches(train, seq_len=128, global_batch=32, seed=0)
-  >>> local = next(it)            # (32 // jax.process_count(), 129) int32
-  >>> sharding = jax.sharding.NamedSharding(mesh, P("data"))
-  >>> tokens = to_global(local, sharding)  # (32, 129) global jax.Array
+  >>> local = next(it)  # this process's rows: (32 // jax.process_count(), 129) int32
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  >>> tokens = to_global(local, jax.sharding.NamedSharding(mesh, jax.P("data")))
+  >>> local.shape, tokens.shape  # one process here: the global batch is the local one
+  ((32, 129), (32, 129))
 """
 
 import itertools
@@ -21,6 +23,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from trainers import steps
 
 
 def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
@@ -95,10 +99,7 @@ def batches(
     process_index = jax.process_index()
   if process_count is None:
     process_count = jax.process_count()
-  if global_batch % process_count:
-    raise ValueError(
-        f"global_batch={global_batch} is not divisible by " f"process_count={process_count}"
-    )
+  steps.check_batch_size(global_batch, process_count=process_count)
   return (
       take(local_rows(seed, step, global_batch, num_choices, process_index, process_count))
       for step in itertools.count(start_step)

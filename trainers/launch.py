@@ -1,16 +1,15 @@
-"""Starts N `trainers.train` processes on this host as one jax.distributed job.
+"""Starts N ``trainers.train`` processes on this host as one jax.distributed job.
 
   python -m trainers.launch --processes 2 --devices-per-process 4 -- \
       --config configs/lm.py --workdir /tmp/lm2
 
 Process 0 coordinates on 127.0.0.1 at a free port. Every line a process prints is
-prefixed with `[pN] `. If one process fails the others are killed, and the exit
-status is the first failure's (124 if `--timeout` seconds pass first). Counts below 1 or a
-non-positive timeout end it before anything is spawned, as one `ConfigError` line.
+prefixed with ``[pN] ``. If one process fails the others are killed, and the exit
+status is the first failure's (124 if ``--timeout`` seconds pass first). Counts below 1 or a
+non-positive timeout end it before anything is spawned, as one ``ConfigError`` line.
 """
 
 import argparse
-import os
 import socket
 import subprocess
 import sys
@@ -26,7 +25,9 @@ TIMED_OUT = 124
 def free_port() -> int:
   """A TCP port on 127.0.0.1 that was free a moment ago.
 
-  Example: `f"127.0.0.1:{free_port()}"`.
+  Example:
+    >>> 0 < free_port() < 2**16
+    True
   """
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -34,9 +35,11 @@ def free_port() -> int:
 
 
 def commands(processes: int, devices: int, train_args: list[str]) -> list[list[str]]:
-  """One `python -m trainers.train` command line per process.
+  """One ``python -m trainers.train`` command line per process.
 
-  Example: `commands(2, 4, ["--config", "configs/lm.py"])[1]` ends with the train args.
+  Example:
+    >>> commands(2, 4, ["--config", "configs/lm.py"])[1][3:]
+    ['--coordinator_address=127.0.0.1:...', '--num_processes=2', '--process_id=1', '--devices_per_process=4', '--config', 'configs/lm.py']
   """
   address = f"127.0.0.1:{free_port()}"
   return [
@@ -55,20 +58,23 @@ def commands(processes: int, devices: int, train_args: list[str]) -> list[list[s
 
 
 def stream(prefix: str, pipe) -> None:
-  """Copies `pipe` to stdout line by line with `prefix`."""
+  """Copies ``pipe`` to stdout line by line with ``prefix``."""
   for line in pipe:
     sys.stdout.write(prefix + line)
     sys.stdout.flush()
 
 
 def run(cmds: list[list[str]], timeout: float) -> int:
-  """Runs `cmds` together; 0 if all succeed, else the first failure's status.
+  """Runs ``cmds`` together; 0 if all succeed, else the first failure's status.
 
-  Example: `run([["python", "-c", "pass"]] * 2, timeout=60) == 0`.
+  Example:
+    >>> run([[sys.executable, "-c", "pass"]] * 2, timeout=60)
+    0
+    >>> run([[sys.executable, "-c", "raise SystemExit(3)"], [sys.executable, "-c", "pass"]], 60)
+    3
   """
-  env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
   procs = [
-      subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+      subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for cmd in cmds
   ]
   threads = [

@@ -1,15 +1,30 @@
-"""The sharded pieces of a training loop, shared by trainers/train.py and benchmarks/throughput.py.
+"""The sharded pieces of a training loop, shared by ``trainers/train.py`` and the throughput benchmark.
 
-The state is big_vision's `{"params": ..., "opt": ...}`; one `bvs.Plan` over its
+The state is big_vision's ``{"params": ..., "opt": ...}``; one ``bvs.Plan`` over its
 abstract shape gives the shardings of init, of the train step and of eval.
 
 Example:
-  >>> axes = data_axes(mesh, config.sharding_rules, config.data_axes)   # ("data",)
-  >>> check_batch_size(config.batch_size, mesh, axes, jax.process_count())
-  >>> plan = bvs.plan(abstract_state(init, tx), config.sharding_strategy, mesh)
-  >>> state = init_state(init, tx, plan)                               # born sharded
+  >>> import flax.linen as nn
+  >>> import jax
+  >>> import optax
+  >>> import bv_sharding as bvs
+  >>> mesh = bvs.make_mesh([("data", -1)])  # the 8 simulated test devices
+  >>> axes = data_axes(mesh, [("act_batch", "data")])
+  >>> check_batch_size(16, mesh, axes, jax.process_count())
+  >>> model, tx = nn.Dense(4), optax.adam(1e-2)
+  >>> init = lambda: model.init(jax.random.key(0), jax.numpy.ones((1, 8)))["params"]
+  >>> loss_fn = lambda params, x: ((model.apply({"params": params}, x) - 1) ** 2).mean()
+  >>> plan = bvs.plan(abstract_state(init, tx), 'fsdp(axis="data", min_size_to_shard_mb=0)', mesh)
+  >>> state = init_state(init, tx, plan)  # born sharded
+  >>> plan.mismatches(state)
+  []
   >>> train_step = make_train_step(loss_fn, tx, plan, batch_sharding(mesh, axes))
-  >>> state, loss = train_step(state, batch)
+  >>> batch = jax.device_put(jax.numpy.ones((16, 8)), batch_sharding(mesh, axes))
+  >>> state, first = train_step(state, batch)
+  >>> state, second = train_step(state, batch)
+  >>> bool(second < first), float(make_eval_step(loss_fn, plan, batch_sharding(mesh, axes))(
+  ...     state["params"], batch)) < float(first)
+  (True, True)
 """
 
 import math
@@ -29,9 +44,13 @@ BATCH_RULE = "act_batch"
 
 
 def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...]:
-  """The mesh axes that split the batch: `axes`, else those the "act_batch" rule maps to.
+  """The mesh axes that split the batch: ``axes``, else those the "act_batch" rule maps to.
 
-  Example: `data_axes(mesh, [("act_batch", ("data", "fsdp"))])` == ("data", "fsdp").
+  Example:
+    >>> from bv_sharding import make_abstract_mesh
+    >>> mesh = make_abstract_mesh([("data", 4), ("fsdp", 2)], 8)
+    >>> data_axes(mesh, [("act_batch", ("data", "fsdp"))])
+    ('data', 'fsdp')
   """
   if not axes:
     axes = next((mapped for name, mapped in rules if name == BATCH_RULE), None)
@@ -51,43 +70,48 @@ def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...
   return axes
 
 
-def check_batch_size(batch_size: int, mesh, axes: Sequence[str], process_count: int) -> None:
-  """Raises unless `batch_size` splits evenly over the data axes and the processes.
+def check_batch_size(
+    batch_size: int, mesh=None, axes: Sequence[str] = (), process_count: int = 1
+) -> None:
+  """Raises ``ConfigError`` unless ``batch_size`` splits evenly over the data axes and the processes.
 
-  Example: `check_batch_size(30, mesh, ("data",), 1)` raises on 8 data devices.
+  The one place batch divisibility is checked: the trainer calls it with the mesh
+  before anything is allocated, ``trainers.data.batches`` without one (processes only).
+
+  Example:
+    >>> from bv_sharding import make_abstract_mesh
+    >>> check_batch_size(32, make_abstract_mesh([("data", -1)], 8), ("data",), 2)
+    >>> check_batch_size(30, make_abstract_mesh([("data", -1)], 8), ("data",), 1)
+    Traceback (most recent call last):
+    ...
+    trainers.errors.ConfigError: config.batch_size=30 must be a positive multiple of 8: ...
   """
-  shards = math.prod(mesh.shape[a] for a in axes)
+  shards = math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1
   need = math.lcm(shards, process_count)
   if batch_size <= 0 or batch_size % need:
+    over = f"the data axes {tuple(axes)} span {shards} devices and " if mesh is not None else ""
     raise ConfigError(
-        f"config.batch_size={batch_size} must be a positive multiple of {need}: the data axes "
-        f"{tuple(axes)} span {shards} devices and there are {process_count} processes; use "
-        f"e.g. --config.batch_size={max(need, batch_size // need * need)}"
+        f"config.batch_size={batch_size} must be a positive multiple of {need}: {over}there are "
+        f"{process_count} processes; use e.g. --config.batch_size={max(need, batch_size // need * need)}"
     )
 
 
 def batch_sharding(mesh, axes: Sequence[str]) -> NamedSharding:
-  """Dim 0 over `axes`, the rest replicated.
-
-  Example: `batch_sharding(mesh, ("data",))` == NamedSharding(mesh, P(("data",))).
-  """
+  """Dim 0 over ``axes``, the rest replicated (used in the module example)."""
   return NamedSharding(mesh, P(tuple(axes)))
 
 
 def abstract_state(init: Callable[[], Any], tx: optax.GradientTransformation) -> dict:
-  """`{"params", "opt"}` shapes without allocating; params keep their flax boxes.
+  """``{"params", "opt"}`` shapes without allocating; params keep their flax boxes.
 
-  Example: `bvs.plan(abstract_state(init, tx), 'fsdp(axis="data")', mesh)`.
+  ``init()`` returns the params; the module example plans what this returns.
   """
   params = jax.eval_shape(init)
   return {"params": params, "opt": jax.eval_shape(tx.init, nn.unbox(params))}
 
 
 def init_state(init: Callable[[], Any], tx: optax.GradientTransformation, plan: Plan) -> dict:
-  """Params and optimizer state created directly in their planned shardings.
-
-  Example: `plan.mismatches(init_state(init, tx, plan)) == []`.
-  """
+  """Params and optimizer state created directly in their planned shardings (module example)."""
   shardings = plan.shardings
   params = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings["params"])()
   opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
@@ -95,9 +119,9 @@ def init_state(init: Callable[[], Any], tx: optax.GradientTransformation, plan: 
 
 
 def check_state(plan: Plan, state, when: str) -> None:
-  """Raises if any array of `state` is not sharded as `plan` says.
+  """Raises ``ShardingError`` if any array of ``state`` is not sharded as ``plan`` says.
 
-  Example: `check_state(plan, state, "after init")`.
+  ``when`` (e.g. "after init") starts the message.
   """
   wrong = plan.mismatches(state)
   if wrong:
@@ -109,12 +133,10 @@ def check_state(plan: Plan, state, when: str) -> None:
 def make_train_step(
     loss_fn: Callable, tx: optax.GradientTransformation, plan: Plan, batch: NamedSharding
 ) -> Callable:
-  """`step(state, batch) -> (state, loss)`, jitted on the plan's shardings, state donated.
+  """``step(state, batch) -> (state, loss)``, jitted on the plan's shardings, state donated.
 
-  `loss_fn(params, batch)` returns the mean loss; grads are constrained to the
-  params' shardings before the optimizer sees them.
-
-  Example: `state, loss = make_train_step(loss_fn, tx, plan, sharding)(state, batch)`.
+  ``loss_fn(params, batch)`` returns the mean loss; grads are constrained to the
+  params' shardings before the optimizer sees them. See the module example.
   """
   shardings = plan.shardings
 
@@ -133,10 +155,7 @@ def make_train_step(
 
 
 def make_eval_step(loss_fn: Callable, plan: Plan, batch: NamedSharding) -> Callable:
-  """`eval_step(params, batch) -> loss`, jitted on the plan's param shardings.
-
-  Example: `float(make_eval_step(loss_fn, plan, sharding)(state["params"], batch))`.
-  """
+  """``eval_step(params, batch) -> loss``, jitted on the plan's param shardings (module example)."""
   return jax.jit(
       loss_fn,
       in_shardings=(plan.shardings["params"], batch),

@@ -11,7 +11,10 @@ Example:
   >>> task.check(model)
   >>> local = next(task.batches(task.train, global_batch=32, seed=0))
   >>> logits = model.apply({"params": params}, task.inputs(batch))
-  >>> loss = task.loss(logits, batch)
+  >>> batch.shape, logits.shape, task.unit  # bytes in, a logit per byte value out
+  ((2, 129), (2, 128, 256), 'tokens')
+  >>> bool(task.loss(logits, batch) > 0)
+  True
 """
 
 from collections.abc import Callable, Iterator
@@ -25,7 +28,7 @@ from trainers.errors import ConfigError
 
 
 class Task(NamedTuple):
-  """A task's data and loss; `unit`/`per_example` name and count what one example holds."""
+  """A task's data and loss; ``unit``/``per_example`` name and count what one example holds."""
 
   train: Any
   held_out: Any
@@ -41,7 +44,10 @@ class Task(NamedTuple):
 def cross_entropy(logits, labels):
   """Mean softmax cross-entropy against integer labels.
 
-  Example: `cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3]))` == log(4).
+  Example:
+    >>> import jax.numpy as jnp
+    >>> round(float(cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3]))), 4)  # log(4)
+    1.3863
   """
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 

@@ -22,8 +22,9 @@ BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed.
 
 import os
 
-# OpenBLAS threads fight XLA's on small hosts; set before numpy loads it.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/host.py).
 
 import itertools
 import time
@@ -95,7 +96,7 @@ def main(argv):
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
   if _COORDINATOR.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  lead = jax.process_index() == 0
+  is_main_process = jax.process_index() == 0
   logging.info(
       "process %d of %d, %d devices (%d here)",
       jax.process_index(),
@@ -135,7 +136,7 @@ def main(argv):
   plan = bvs.plan(
       steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
   )
-  if lead:
+  if is_main_process:
     logging.info("sharding plan:\n%s", plan.report())
   logging.info("%s", validation.check_memory(plan, jax.local_devices()))
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
@@ -146,13 +147,13 @@ def main(argv):
         np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in eval_batches])
     )
 
-  if lead:  # Every check passed: only now is the workdir touched.
+  if is_main_process:  # Every check passed: only now is the workdir touched.
     note = workdir.prepare(_WORKDIR.value, resuming=False)
     if note:
       logging.warning("%s", note)
     workdir.write_config(_WORKDIR.value, config.to_json_best_effort(indent=2))
   metrics = workdir.MetricsWriter(_WORKDIR.value)
-  watch = divergence.LossWatch(policy, config.lr, write=metrics.write if lead else None)
+  watch = divergence.LossWatch(policy, config.lr, write=metrics.write if is_main_process else None)
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     logging.info("initialising params and optimizer state in their planned shardings")
@@ -185,7 +186,7 @@ def main(argv):
         record["eval_loss"] = evaluate(state["params"])
         line += f" eval_loss={record['eval_loss']:.4f}"
       logging.info("%s", line)
-      if lead:
+      if is_main_process:
         metrics.write(record)
       tick, tick_step = time.perf_counter(), step
 

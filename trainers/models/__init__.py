@@ -1,8 +1,10 @@
-"""Model registry: `get_model(name, **kwargs)` -> flax.linen Module.
+"""Model registry: ``get_model(name, **kwargs)`` -> a ``flax.linen`` Module.
 
 Example:
-  >>> model = get_model("llama", size="tiny", scan_layers=True)
-  >>> model = get_model("vit", size="tiny", num_classes=10)
+  >>> get_model("llama", size="tiny", scan_layers=True).config.n_layers
+  2
+  >>> get_model("vit", size="tiny", num_classes=10).num_classes
+  10
 """
 
 from collections.abc import Callable
@@ -20,9 +22,10 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 
 
 def get_model(name: str, **kwargs) -> nn.Module:
-  """Builds model `name`; kwargs go to its `build` (e.g. size, scan_layers).
+  """Builds model ``name``; kwargs go to its ``build`` (e.g. size, scan_layers).
 
-  Example: `get_model("llama", size="125m", remat=True)`.
+  Raises:
+    ConfigError: ``name`` is not in ``MODELS`` (the message names the closest one).
   """
   if name not in MODELS:
     raise ConfigError(

@@ -11,9 +11,13 @@ Config = TypeVar("Config")
 
 
 def pick(presets: Mapping[str, Config], size: str, **overrides) -> Config:
-  """Returns `presets[size]` with the dataclass fields in `overrides` replaced.
+  """Returns ``presets[size]`` with the dataclass fields in ``overrides`` replaced.
 
-  Example: `pick({"tiny": Cfg(depth=2)}, "tiny", depth=4) == Cfg(depth=4)`.
+  Example:
+    >>> import dataclasses
+    >>> Cfg = dataclasses.make_dataclass("Cfg", ["depth"], frozen=True)
+    >>> pick({"tiny": Cfg(depth=2)}, "tiny", depth=4)
+    Cfg(depth=4)
   """
   if size not in presets:
     raise ConfigError(

@@ -1,7 +1,7 @@
 """Llama-style decoder-only language model (RoPE, causal attention, SwiGLU).
 
 Parameter names are part of the API: sharding rules match them as path
-components. Every parameter is boxed with `nn.with_logical_partitioning`:
+components. Every parameter is boxed with ``nn.with_logical_partitioning``:
 
   embed/embedding                  (vocab, d_model)        ("vocab", "embed")
   layers_{i}/attention_norm/scale  (d_model,)              ("norm",)
@@ -16,16 +16,16 @@ components. Every parameter is boxed with `nn.with_logical_partitioning`:
   final_norm/scale                 (d_model,)              ("norm",)
   lm_head/kernel                   (d_model, vocab)        ("embed", "vocab")
 
-With `scan_layers=True` the blocks live under a single `layers/...` subtree and
+With ``scan_layers=True`` the blocks live under a single ``layers/...`` subtree and
 every per-layer parameter gets a leading axis of size n_layers named "layers",
 e.g. layers/attention/q_kernel has shape (n_layers, d_model, heads*hd) and
 logical axes ("layers", "embed", "heads").
 
-The output head is untied from the input embedding (`lm_head/kernel`).
+The output head is untied from the input embedding (``lm_head/kernel``).
 
-Activations are constrained with `nn.with_logical_constraint` using the names
-in `ACT_*` below ("act_batch", "act_len", "act_embed", "act_heads", "act_mlp",
-"act_vocab"); outside an `nn.logical_axis_rules` context these are no-ops.
+Activations are constrained with ``nn.with_logical_constraint`` using the names
+in ``ACT_*`` below ("act_batch", "act_len", "act_embed", "act_heads", "act_mlp",
+"act_vocab"); outside an ``nn.logical_axis_rules`` context these are no-ops.
 
 Example:
   >>> model = build("tiny", scan_layers=True)
@@ -52,7 +52,7 @@ ACT_VOCAB = ("act_batch", "act_len", "act_vocab")
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Architecture hyper-parameters; see `PRESETS` for named sizes."""
+  """Architecture hyper-parameters; see ``PRESETS`` for named sizes."""
 
   vocab_size: int
   d_model: int
@@ -85,9 +85,11 @@ PRESETS = {
 
 
 def llama_config(size: str, **overrides) -> LlamaConfig:
-  """Returns the preset `size`, with any field replaced by `overrides`.
+  """Returns the preset ``size``, with any field replaced by ``overrides``.
 
-  Example: `llama_config("tiny", n_layers=4).n_layers == 4`.
+  Example:
+    >>> llama_config("tiny", n_layers=4).n_layers
+    4
   """
   return _presets.pick(PRESETS, size, **overrides)
 
@@ -95,13 +97,13 @@ def llama_config(size: str, **overrides) -> LlamaConfig:
 def _kernel(
     module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str], dtype: Any
 ) -> jax.Array:
-  """Declares a 2-D lecun-normal kernel `name` and returns it cast to dtype."""
+  """Declares a 2-D lecun-normal kernel ``name`` and returns it cast to ``dtype``."""
   init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
   return module.param(name, init, shape, jnp.float32).astype(dtype)
 
 
 def _rms_norm(name: str, cfg: LlamaConfig, dtype: Any) -> nn.RMSNorm:
-  """RMSNorm whose `scale` param is boxed with logical axes ("norm",)."""
+  """RMSNorm whose ``scale`` param is boxed with logical axes ("norm",)."""
   return nn.RMSNorm(
       epsilon=cfg.norm_eps,
       dtype=dtype,
@@ -113,7 +115,12 @@ def _rms_norm(name: str, cfg: LlamaConfig, dtype: Any) -> nn.RMSNorm:
 def apply_rope(x: jax.Array, theta: float) -> jax.Array:
   """Rotary position embedding ("rotate half" form) of x: (B, T, heads, hd).
 
-  Example: `apply_rope(q, 10_000.0)` rotates position t by angles t * freqs.
+  Position t is rotated by angles ``t * theta ** (-i / (hd / 2))``; position 0 is unchanged.
+
+  Example:
+    >>> x = jnp.ones((1, 3, 1, 4))
+    >>> bool(jnp.allclose(apply_rope(x, 10_000.0)[:, 0], x[:, 0]))
+    True
   """
   half = x.shape[-1] // 2
   freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -125,11 +132,15 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
   return rotated.astype(x.dtype)
 
 
-class Attention(nn.Module):
-  """Causal multi-head self-attention with RoPE on queries and keys."""
+class _Layer(nn.Module):
+  """What every layer of the model holds: the sizes and the compute dtype."""
 
   config: LlamaConfig
   dtype: Any = jnp.float32
+
+
+class Attention(_Layer):
+  """Causal multi-head self-attention with RoPE on queries and keys."""
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -150,11 +161,8 @@ class Attention(nn.Module):
     return nn.with_logical_constraint(y @ out, ACT_EMBED)
 
 
-class Mlp(nn.Module):
+class Mlp(_Layer):
   """SwiGLU feed-forward: down(silu(x @ gate) * (x @ up))."""
-
-  config: LlamaConfig
-  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -166,11 +174,8 @@ class Mlp(nn.Module):
     return nn.with_logical_constraint(h @ down, ACT_EMBED)
 
 
-class DecoderBlock(nn.Module):
+class DecoderBlock(_Layer):
   """Pre-norm residual block; (x, _) -> (x, None) so it can be nn.scan'ned."""
-
-  config: LlamaConfig
-  dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
@@ -249,9 +254,11 @@ def build(
     dtype: Any = jnp.float32,
     **config_overrides,
 ) -> Llama:
-  """Returns a `Llama` of preset `size`; extra kwargs override config fields.
+  """Returns a ``Llama`` of preset ``size``; extra kwargs override config fields.
 
-  Example: `build("tiny", scan_layers=True, n_layers=4, dtype=jnp.bfloat16)`.
+  Example:
+    >>> build("tiny", scan_layers=True, n_layers=4, dtype=jnp.bfloat16).config.n_layers
+    4
   """
   return Llama(
       llama_config(size, **config_overrides), scan_layers=scan_layers, remat=remat, dtype=dtype

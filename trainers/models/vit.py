@@ -35,7 +35,7 @@ ACT_EMBED = ("act_batch", "act_len", "act_embed")
 
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
-  """Encoder sizes; see `PRESETS`."""
+  """Encoder sizes; see ``PRESETS``."""
 
   width: int
   depth: int
@@ -52,9 +52,11 @@ PRESETS = {
 
 
 def vit_config(size: str, **overrides) -> ViTConfig:
-  """Returns the preset `size` with fields replaced by `overrides`.
+  """Returns the preset ``size`` with fields replaced by ``overrides``.
 
-  Example: `vit_config("tiny", depth=4).depth == 4`.
+  Example:
+    >>> vit_config("tiny", depth=4).depth
+    4
   """
   return _presets.pick(PRESETS, size, **overrides)
 
@@ -92,7 +94,7 @@ class Encoder1DBlock(nn.Module):
 
 
 class Encoder(nn.Module):
-  """`depth` blocks named encoderblock_{i}, then `encoder_norm`."""
+  """``depth`` blocks named ``encoderblock_{i}``, then ``encoder_norm``."""
 
   config: ViTConfig
 
@@ -126,8 +128,10 @@ class ViT(nn.Module):
 
 
 def build(size: str = "tiny", *, num_classes: int = 10, **config_overrides) -> ViT:
-  """Returns a `ViT` of preset `size`; extra kwargs override config fields.
+  """Returns a ``ViT`` of preset ``size``; extra kwargs override config fields.
 
-  Example: `build("small", num_classes=100, patch_size=4)`.
+  Example:
+    >>> build("small", num_classes=100, patch_size=4).config.patch_size
+    4
   """
   return ViT(vit_config(size, **config_overrides), num_classes=num_classes)

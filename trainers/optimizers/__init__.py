@@ -1,8 +1,8 @@
 """Optimizers for the trainers: a name-based registry plus PSGD Kron and Shampoo.
 
 Example:
-    >>> from trainers.optimizers import make_optimizer
-    >>> tx = make_optimizer("shampoo", 1e-3, block_size=256, clip_norm=1.0)
+  >>> from trainers.optimizers import make_optimizer
+  >>> tx = make_optimizer("shampoo", 1e-3, block_size=256, clip_norm=1.0)
 """
 
 from trainers.errors import OptimizerError

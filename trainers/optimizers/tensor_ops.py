@@ -1,12 +1,12 @@
 """Mode-k tensor products and blocking shared by the second-order optimizers.
 
 Example:
-    >>> import jax.numpy as jnp
-    >>> x = jnp.ones((2, 3))
-    >>> matmul_along(x, 1, 2 * jnp.eye(3)).tolist()
-    [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
-    >>> gram_along(x, 0).tolist()
-    [[3.0, 3.0], [3.0, 3.0]]
+  >>> import jax.numpy as jnp
+  >>> x = jnp.ones((2, 3))
+  >>> matmul_along(x, 1, 2 * jnp.eye(3)).tolist()
+  [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+  >>> gram_along(x, 0).tolist()
+  [[3.0, 3.0], [3.0, 3.0]]
 """
 
 import math
@@ -30,8 +30,8 @@ def block_layout(shape, block_size) -> tuple[list[int], list[int]]:
   """(block size, number of blocks) per dim.
 
   Example:
-      >>> block_layout((6, 3), 4)
-      ([4, 3], [2, 1])
+    >>> block_layout((6, 3), 4)
+    ([4, 3], [2, 1])
   """
   sizes = [min(d, block_size) for d in shape]
   return sizes, [-(-d // b) for d, b in zip(shape, sizes)]
@@ -46,11 +46,11 @@ def blockify(x: jax.Array, block_size: int) -> jax.Array:
   boundaries, each shard's blocks are contiguous along the block axis.
 
   Example:
-      >>> blockify(jnp.zeros((6, 3)), 4).shape  # dim 0 padded to 8
-      (2, 4, 3)
-      >>> x = jnp.arange(16.0).reshape(4, 4)
-      >>> blockify(x, 2)[:, 0, 0].tolist()  # top-left entry of each block
-      [0.0, 2.0, 8.0, 10.0]
+    >>> blockify(jnp.zeros((6, 3)), 4).shape  # dim 0 padded to 8
+    (2, 4, 3)
+    >>> x = jnp.arange(16.0).reshape(4, 4)
+    >>> blockify(x, 2)[:, 0, 0].tolist()  # top-left entry of each block
+    [0.0, 2.0, 8.0, 10.0]
   """
   sizes, counts = block_layout(x.shape, block_size)
   x = jnp.pad(x, [(0, n * b - d) for d, n, b in zip(x.shape, counts, sizes)])
@@ -64,9 +64,9 @@ def unblockify(blocks: jax.Array, shape: tuple[int, ...], block_size: int) -> ja
   """Inverse of :func:`blockify`.
 
   Example:
-      >>> x = jnp.arange(18.0).reshape(6, 3)
-      >>> bool((unblockify(blockify(x, 4), (6, 3), 4) == x).all())
-      True
+    >>> x = jnp.arange(18.0).reshape(6, 3)
+    >>> bool((unblockify(blockify(x, 4), (6, 3), 4) == x).all())
+    True
   """
   sizes, counts = block_layout(shape, block_size)
   rank = len(shape)

@@ -1,23 +1,24 @@
-"""Optimizers the state-following tests and benchmarks run, third-party ones included.
+"""Optimizers the state-following tests and the benchmarks run, third-party ones included.
 
-psgd-jax 0.2.9 and precondition-opt 0.3.0 fail to import on this stack; the
-aliases that let them import live here, in test code only.
+psgd-jax 0.2.9 and precondition-opt 0.3.0 are the ``test`` extra
+(``pip install -e ".[test]"``), which the benchmarks need too; they import here
+after :func:`benchmarks.compat.add_removed_names`. The tests import this module
+(``from benchmarks import zoo``); the benchmarks never import ``tests/``.
+
+Example:
+  >>> from benchmarks.shapes import llama_params
+  >>> zoo = optimizers(llama_params())
+  >>> SECOND_ORDER <= set(zoo), len(zoo)
+  (True, 15)
 """
-
-import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 
-sys.modules.setdefault("optax._src.clipping", optax.transforms._clipping)
-for _old, _new in (
-    ("tree_map", jax.tree.map),
-    ("tree_flatten", jax.tree_util.tree_flatten),
-    ("tree_unflatten", jax.tree_util.tree_unflatten),
-):
-  if not hasattr(jax, _old):
-    setattr(jax, _old, _new)
+from benchmarks import compat
+
+compat.add_removed_names()
 
 from precondition import distributed_shampoo as _shampoo  # noqa: E402
 from psgd_jax import kron as _kron  # noqa: E402
@@ -25,34 +26,10 @@ from psgd_jax import kron as _kron  # noqa: E402
 from trainers import optimizers as _ours  # noqa: E402
 
 LR = 1e-3
-
-
-def llama_params(d=64, vocab=256, ff=128, layers=None, dtype=jnp.float32):
-  """Llama-named abstract params; ``layers`` adds a leading scanned-layer axis to the block."""
-  lead = () if layers is None else (layers,)
-  s = lambda *shape: jax.ShapeDtypeStruct(lead + shape, dtype)
-  return {
-      "embed": {"embedding": jax.ShapeDtypeStruct((vocab, d), dtype)},
-      "block": {
-          "attn": {
-              "q_kernel": s(d, d),
-              "k_kernel": s(d, d),
-              "v_kernel": s(d, d),
-              "out_kernel": s(d, d),
-          },
-          "mlp": {"gate_kernel": s(d, ff), "up_kernel": s(d, ff), "down_kernel": s(ff, d)},
-          "attn_norm": {"scale": s(d)},
-          "mlp_norm": {"scale": s(d)},
-      },
-      "final_norm": {"scale": jax.ShapeDtypeStruct((d,), dtype)},
-      "head": {"kernel": jax.ShapeDtypeStruct((d, vocab), dtype)},
-  }
-
-
-def decay_mask(params):
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: len(x.shape) >= 2 and "scale" not in jax.tree_util.keystr(path), params
-  )
+# The optimizers with preconditioner factors (the benchmarks add a factors-replicated placement).
+SECOND_ORDER = frozenset(
+    {"psgd_kron", "distributed_shampoo", "tearfree_layout", "kron", "kron_blocks", "shampoo"}
+)
 
 
 def kernel_labels(params):
@@ -109,10 +86,13 @@ def tearfree_layout(block=16):
 
 
 def optimizers(params, scanned=False, block_size=64):
-  """``{name: GradientTransformation}`` for every optimizer the state tests cover;
-  ``block_size`` is the Shampoo-style optimizers' block size."""
+  """``{name: GradientTransformation}`` for every optimizer the state tests cover.
+
+  ``block_size`` is distributed_shampoo's block size; the project's shampoo uses half
+  of it, the tearfree-layout state a quarter and ``kron_blocks`` twice.
+  """
   zoo = {
-      "adamw": optax.adamw(LR, weight_decay=0.1, mask=decay_mask(params)),
+      "adamw": optax.adamw(LR, weight_decay=0.1, mask=_ours.decay_mask(params)),
       "adafactor": optax.adafactor(LR, min_dim_size_to_factor=32),
       "lion": optax.lion(LR),
       "sgd_momentum": optax.sgd(LR, momentum=0.9),
@@ -121,7 +101,7 @@ def optimizers(params, scanned=False, block_size=64):
       "schedule_free": optax.contrib.schedule_free_adamw(LR),
       "chain_clip_masked": optax.chain(
           optax.clip_by_global_norm(1.0),
-          optax.masked(optax.add_decayed_weights(0.1), decay_mask(params)),
+          optax.masked(optax.add_decayed_weights(0.1), _ours.decay_mask(params)),
           optax.scale_by_adam(),
           optax.scale(-LR),
       ),

@@ -1,0 +1,36 @@
+"""The real entry points run in subprocesses, as users run them: ``python -m <module> ...``.
+
+Runs start from the repo root on the CPU backend and inherit this process's
+environment (``conftest.py`` gives OpenBLAS one thread; see ``trainers/host.py``).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: int) -> tuple:
+  """``--config.k=v`` overrides for a short ``configs/lm.py`` run: batches of 16 x 64 bytes."""
+  return (
+      f"--config.total_steps={total_steps}",
+      "--config.batch_size=16",
+      "--config.seq_len=64",
+      f"--config.log_every={log_every}",
+      f"--config.eval_every={eval_every}",
+      f"--config.eval_batches={eval_batches}",
+  )
+
+
+def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+  """``python -m module *args``; output captured as text, the exit status not checked."""
+  return subprocess.run(
+      [sys.executable, "-m", module, *args],
+      cwd=ROOT,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
