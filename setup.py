@@ -27,6 +27,7 @@ setuptools.setup(
         "numpy>=1.26,<3",
         "ml_collections>=1.0,<2",
         "absl-py>=2.0,<3",
+        "orbax-checkpoint==0.12.8",  # Checkpoints (trainers/checkpoint.py); its API moves fast.
     ],
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],

@@ -29,6 +29,11 @@ def get_config(arg=None):
   config.total_steps = 300
   config.log_every = 20
   config.eval_every = 100
+  # big_vision's keys: save every ckpt_steps (and at the end, and on SIGTERM); keep the
+  # checkpoints at multiples of keep_ckpt_steps for good (else only the latest is kept).
+  config.ckpt_steps = 100
+  config.keep_ckpt_steps = ml_collections.config_dict.placeholder(int)
+  config.model_init = ml_collections.config_dict.placeholder(str)  # a workdir or checkpoint
 
   config.mesh = (("data", -1),)
   # min_size_to_shard_mb=0: shard even the tiny model's leaves (the default is 1 MiB).

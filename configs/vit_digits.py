@@ -24,6 +24,9 @@ def get_config(arg=None):
   config.total_steps = 200
   config.log_every = 20
   config.eval_every = 100
+  config.ckpt_steps = 100  # big_vision's checkpoint keys, as in configs/lm.py.
+  config.keep_ckpt_steps = ml_collections.config_dict.placeholder(int)
+  config.model_init = ml_collections.config_dict.placeholder(str)
 
   config.mesh = (("data", -1),)
   config.sharding_strategy = ((".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),)

@@ -32,7 +32,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import bv_sharding as bvs
-from trainers import data, models, optimizers, steps, tasks
+from trainers import checkpoint, data, models, optimizers, provenance, steps, tasks
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -70,11 +70,7 @@ def main(argv):
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   lead = jax.process_index() == 0
   metrics_path = os.path.join(_WORKDIR.value, "metrics.jsonl")
-  if lead:
-    os.makedirs(_WORKDIR.value, exist_ok=True)
-    with open(os.path.join(_WORKDIR.value, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
-    open(metrics_path, "w").close()
+  checkpoint.check_writable(_WORKDIR.value)
   logging.info(
       "process %d of %d, %d devices (%d here)",
       jax.process_index(),
@@ -90,7 +86,6 @@ def main(argv):
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
 
   task = tasks.get_task(config)
-  train_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
   eval_batches = list(
       itertools.islice(  # Same held-out rows at every eval.
           task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1),
@@ -138,34 +133,46 @@ def main(argv):
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     logging.info("initialising params and optimizer state in their planned shardings")
-    state = steps.init_state(init, tx, plan)
-    steps.check_state(plan, state, "after init")
-    logging.info("state shardings match the plan after init")
+    ckpt = checkpoint.Checkpoints(_WORKDIR.value, config)
+    state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: steps.init_state(init, tx, plan))
+    when = "after init" if start.source == "scratch" else "after restore"
+    steps.check_state(plan, state, when)
+    logging.info("state shardings match the plan %s", when)
+    if lead:
+      provenance.record_start(_WORKDIR.value, config, start.step, start.source)
+      moved = checkpoint.keep_metrics_until(metrics_path, start.step)
+      if moved:
+        logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)
+    train_batches = task.batches(
+        task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
+    )
 
-    total, tick, tick_step = config.total_steps, time.perf_counter(), 0
-    for step, batch in zip(range(1, total + 1), train_batches):
+    total, tick, tick_step = config.total_steps, time.perf_counter(), start.step
+    for step, batch in zip(range(start.step + 1, total + 1), train_batches):
       state, loss = train_step(state, data.to_global(batch, batch_sharding))
-      if step == 1:
+      if step == start.step + 1:
         steps.check_state(plan, state, "after the first step")
         logging.info("state shardings match the plan after the first step")
       is_eval = step % config.eval_every == 0 or step == total
-      if not (is_eval or step == 1 or step % config.log_every == 0):
-        continue
-      record = {"step": step, "loss": float(loss), "lr": float(lr(step - 1))}
-      record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
-      per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
-      line = (
-          f"step {step}/{total} loss={record['loss']:.4f} "
-          f"steps/s={record['steps_per_sec']:.2f} {task.unit}/s={per_sec:.0f}"
-      )
-      if is_eval:
-        record["eval_loss"] = evaluate(state["params"])
-        line += f" eval_loss={record['eval_loss']:.4f}"
-      logging.info("%s", line)
-      if lead:
-        with open(metrics_path, "a") as f:
-          f.write(json.dumps(record) + "\n")
-      tick, tick_step = time.perf_counter(), step
+      if is_eval or step == 1 or step % config.log_every == 0:
+        record = {"step": step, "loss": float(loss), "lr": float(lr(step - 1 - start.opt_start))}
+        record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
+        per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
+        line = (
+            f"step {step}/{total} loss={record['loss']:.4f} "
+            f"steps/s={record['steps_per_sec']:.2f} {task.unit}/s={per_sec:.0f}"
+        )
+        if is_eval:
+          record["eval_loss"] = evaluate(state["params"])
+          line += f" eval_loss={record['eval_loss']:.4f}"
+        logging.info("%s", line)
+        if lead:
+          with open(metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        tick, tick_step = time.perf_counter(), step
+      if ckpt.step_done(step, state):
+        return  # SIGTERM: every process saved this step.
+    ckpt.close(total, state)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,386 @@
+"""Durable runs: orbax checkpoints restored onto the current plan, resume, preemption.
+
+A checkpoint (``workdir/checkpoints/<step>/``) holds three orbax items: ``params``,
+``opt`` (the optimizer state) and ``meta`` (step, optimizer name, the step the
+optimizer state was born at). Data and RNG are pure functions of (seed, step),
+so the step is all the rest of the run needs to continue exactly.
+
+Restoring never reads the saved shardings: the target is ``plan.abstract()``, the
+current config's plan, so a checkpoint moves between meshes and process counts.
+Optimizer state is restored only when ``config.optax_name`` and its tree (names,
+shapes, dtypes) are unchanged; otherwise the new optimizer's state is born
+sharded from the plan and its count (hence its schedule) starts at 0.
+
+Example:
+  >>> check_writable(workdir)                      # before anything is allocated
+  >>> ckpt = Checkpoints(workdir, config)
+  >>> state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
+  >>> for step in range(start.step + 1, total + 1):
+  ...   state, loss = train_step(state, batch)
+  ...   if ckpt.step_done(step, state):            # SIGTERM: saved at the same step everywhere
+  ...     break
+  >>> ckpt.close()
+"""
+
+import dataclasses
+import json
+import logging as logging_lib
+import math
+import os
+import signal
+import tempfile
+from typing import Any
+
+import jax
+import optax
+import orbax.checkpoint as ocp
+from absl import logging
+from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as policies
+
+from bv_sharding import Plan
+from trainers.errors import ConfigError
+
+CHECKPOINTS = "checkpoints"
+PARAMS, OPT, META = "params", "opt", "meta"
+
+
+class CheckpointMismatchError(ConfigError):
+  """A checkpoint whose params do not fit this config's model (names, shapes or dtypes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Where a run starts: ``step`` done so far, ``source`` (a path or "scratch"), ``opt_start``.
+
+  ``opt_start`` is the step the optimizer state was born at (its count is
+  ``step - opt_start``), so the logged learning rate is ``lr(step - 1 - opt_start)``.
+  """
+
+  step: int
+  source: str
+  opt_start: int = 0
+
+
+def check_writable(workdir: str) -> None:
+  """Raises ``ConfigError`` unless ``workdir`` can be created and written.
+
+  Example: `check_writable("/etc/passwd/run")` raises (a path under a regular file).
+  """
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise ConfigError(
+        f"--workdir={workdir} is not writable ({e.strerror}): pass a directory this "
+        "process can create and write"
+    ) from None
+
+
+def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+  """``{name: (shape, dtype)}`` for arrays, ``ShapeDtypeStruct``s or orbax metadata.
+
+  Names join the path's keys with "/" (NamedTuple fields and dict keys alike), so
+  a tree and the metadata orbax wrote for it have the same table.
+
+  Example: `leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}`.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {"/".join(_key_text(k) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+
+
+def first_difference(want: dict, have: dict) -> str | None:
+  """The first leaf (by name) where two ``leaf_table``s differ, described; None if equal.
+
+  Example: `first_difference({"a": ((2,), "f32")}, {})` == "'a' is missing ...".
+  """
+  for name in sorted(want.keys() | have.keys()):
+    if name not in have:
+      return f"{name!r} is missing (expected shape {want[name][0]}, {want[name][1]})"
+    if name not in want:
+      return f"{name!r} {have[name][0]} {have[name][1]} is not in this config's model"
+    if want[name] != have[name]:
+      return (
+          f"{name!r} has shape {have[name][0]} {have[name][1]}, this config needs "
+          f"{want[name][0]} {want[name][1]}"
+      )
+  return None
+
+
+class Checkpoints:
+  """The run's orbax ``CheckpointManager``: saves by ``config.ckpt_steps``, at the end and on SIGTERM.
+
+  ``config.ckpt_steps`` (None: only at the end and on preemption) and
+  ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
+  otherwise only the latest is kept) have big_vision's meaning. Saves are async:
+  the loop waits only for the device-to-host copy; orbax writes to a temporary
+  directory and renames it when complete, so a cut-off write is never listed.
+
+  Example: `ckpt = Checkpoints(workdir, config); ckpt.latest_step()`.
+  """
+
+  def __init__(self, workdir: str, config):
+    self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
+    self.config = config
+    self.total_steps = config.total_steps
+    self.manager = open_manager(
+        self.directory,
+        ckpt_steps=config.get("ckpt_steps"),
+        keep_ckpt_steps=config.get("keep_ckpt_steps"),
+        total_steps=config.total_steps,
+    )
+    self.preemption = Preemption()
+    self.opt_start = 0
+    quiet_orbax()
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def restore_or_init(self, plan: Plan, tx: optax.GradientTransformation, fresh) -> tuple:
+    """``(state, Start)``: the latest checkpoint, else ``config.model_init``'s params, else ``fresh()``.
+
+    The state lands in ``plan``'s shardings. A checkpoint of another model raises
+    ``CheckpointMismatchError`` naming the first differing leaf.
+    """
+    step = self.latest_step()
+    if step is not None:
+      state, start = restore(self.manager, step, plan, tx, self.config.optax_name)
+    elif self.config.get("model_init"):
+      params, source = load_params(self.config.model_init, plan)
+      state = {"params": params, "opt": init_opt(tx, plan, params)}
+      start = Start(0, source)
+      logging.info("params from config.model_init=%s (%s); new optimizer state", *(source,) * 2)
+    else:
+      state, start = fresh(), Start(0, "scratch")
+    self.opt_start = start.opt_start
+    return state, start
+
+  def step_done(self, step: int, state) -> bool:
+    """Saves if ``step`` is due or preemption was signalled; True when the run must stop now."""
+    preempted = self.preemption.reached(step)
+    if preempted or self.manager.should_save(step):
+      save(self.manager, step, state, self._meta(step), force=preempted)
+    if preempted:
+      self.manager.wait_until_finished()
+      logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
+    return preempted
+
+  def close(self, step: int, state) -> None:
+    """Saves the final step (if not saved yet) and waits for every write to finish."""
+    if self.manager.latest_step() != step:
+      save(self.manager, step, state, self._meta(step), force=True)
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+  def _meta(self, step: int) -> dict:
+    return {"step": step, "optax_name": self.config.optax_name, "opt_start": self.opt_start}
+
+
+def open_manager(
+    directory: str,
+    *,
+    ckpt_steps: int | None = None,
+    keep_ckpt_steps: int | None = None,
+    total_steps: int | None = None,
+    read_only: bool = False,
+) -> ocp.CheckpointManager:
+  """An async ``CheckpointManager`` over ``directory`` with the three items and big_vision's policies.
+
+  Example: `open_manager("/tmp/run/checkpoints", ckpt_steps=100, keep_ckpt_steps=1000)`.
+  """
+  save_at = [policies.SpecificStepsPolicy(steps=[total_steps] if total_steps else [])]
+  if ckpt_steps:
+    save_at.append(policies.FixedIntervalPolicy(ckpt_steps))
+  keep = [policies.LatestN(n=1)]
+  if keep_ckpt_steps:
+    keep.append(policies.EveryNSteps(keep_ckpt_steps))
+  options = ocp.CheckpointManagerOptions(
+      save_decision_policy=policies.AnySavePolicy(save_at),
+      preservation_policy=policies.AnyPreservationPolicy(keep),
+      enable_async_checkpointing=True,
+      cleanup_tmp_directories=not read_only,
+      read_only=read_only,
+      create=not read_only,
+  )
+  handlers = {
+      PARAMS: ocp.StandardCheckpointHandler(),
+      OPT: ocp.StandardCheckpointHandler(),
+      META: ocp.JsonCheckpointHandler(),
+  }
+  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool) -> None:
+  """Starts an async save of ``state`` (``{"params", "opt"}``) and ``meta`` at ``step``."""
+  args = ocp.args.Composite(
+      **{
+          PARAMS: ocp.args.StandardSave(state["params"]),
+          OPT: ocp.args.StandardSave(state["opt"]),
+          META: ocp.args.JsonSave(meta),
+      }
+  )
+  manager.save(step, args=args, force=force)
+
+
+def init_opt(tx: optax.GradientTransformation, plan: Plan, params) -> Any:
+  """``tx.init(params)`` born in the plan's optimizer-state shardings."""
+  return jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)
+
+
+def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> None:
+  """Raises ``CheckpointMismatchError`` unless the saved params fit ``plan``'s params."""
+  saved = manager.item_metadata(step)[PARAMS]
+  difference = first_difference(leaf_table(plan.abstract()[PARAMS]), leaf_table(saved.tree))
+  if difference:
+    raise CheckpointMismatchError(
+        f"checkpoint {manager.directory / str(step)} is of another model: params/{difference}. "
+        "Point --workdir (or config.model_init) at a checkpoint of this config.model, "
+        "or use a new workdir"
+    )
+
+
+def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, optax_name: str) -> tuple:
+  """``(state, Start)`` from ``step``, in ``plan``'s shardings; a new optimizer's state if it changed."""
+  check_params(manager, step, plan)
+  target = plan.abstract()
+  meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+  saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
+  changed = meta["optax_name"] != optax_name
+  difference = changed or first_difference(leaf_table(target[OPT]), saved_opt)
+  items = {PARAMS: ocp.args.StandardRestore(target[PARAMS])}
+  if not difference:
+    items[OPT] = ocp.args.StandardRestore(target[OPT])
+  restored = manager.restore(step, args=ocp.args.Composite(**items))
+  source = str(manager.directory / str(step))
+  logging.info("resumed at step %d from %s (written by %s)", step, source, meta["optax_name"])
+  if not difference:
+    state = {"params": restored[PARAMS], "opt": restored[OPT]}
+    return state, Start(step, source, meta["opt_start"])
+  why = (
+      f"config.optax_name changed from {meta['optax_name']!r} to {optax_name!r}"
+      if changed
+      else f"its state differs: opt/{difference}"
+  )
+  logging.info(
+      "optimizer changed (%s): params and step %d restored, new %s state born sharded "
+      "from the plan (its count and schedule start at 0)",
+      why,
+      step,
+      optax_name,
+  )
+  params = restored[PARAMS]
+  return {"params": params, "opt": init_opt(tx, plan, params)}, Start(step, source, step)
+
+
+def load_params(path: str, plan: Plan) -> tuple[Any, str]:
+  """Params of the checkpoint at ``path`` in ``plan``'s param shardings, and the step directory.
+
+  ``path`` is a workdir, its ``checkpoints`` directory (latest step) or one step's directory.
+
+  Example: `params, source = load_params("runs/lm", plan)`.
+  """
+  path = os.path.abspath(path)
+  step = None
+  if os.path.isdir(os.path.join(path, CHECKPOINTS)):
+    path = os.path.join(path, CHECKPOINTS)
+  elif os.path.basename(path).isdigit():
+    path, step = os.path.dirname(path), int(os.path.basename(path))
+  manager = open_manager(path, read_only=True) if os.path.isdir(path) else None
+  step = step if step is not None or manager is None else manager.latest_step()
+  if step is None or step not in manager.all_steps():
+    raise ConfigError(
+        f"config.model_init={path}: no complete checkpoint there; name a workdir, its "
+        f"{CHECKPOINTS}/ directory or one of its step directories"
+    )
+  check_params(manager, step, plan)
+  args = ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(plan.abstract()[PARAMS])})
+  params = manager.restore(step, args=args)[PARAMS]
+  manager.close()
+  return params, os.path.join(path, str(step))
+
+
+def keep_metrics_until(path: str, step: int) -> str | None:
+  """Keeps the lines of ``path`` (``metrics.jsonl``) up to ``step``; moves the rest to an attempt file.
+
+  Lines after ``step`` (from an attempt that died before its next checkpoint) and
+  any cut-off line go to ``<workdir>/attempt-N/metrics.jsonl`` (N the first free);
+  the file is replaced atomically, so it holds each step at most once. Returns the
+  attempt file, or None when nothing moved.
+
+  Example: `keep_metrics_until("runs/lm/metrics.jsonl", 200)`.
+  """
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    lines = f.readlines()
+  kept = [_line_step(line) <= step for line in lines]
+  if all(kept):
+    return None
+  n = 1
+  while os.path.exists(os.path.join(os.path.dirname(path), f"attempt-{n}")):
+    n += 1
+  attempt = os.path.join(os.path.dirname(path), f"attempt-{n}")
+  os.makedirs(attempt)
+  moved_to = os.path.join(attempt, os.path.basename(path))
+  with open(moved_to, "w") as f:
+    f.writelines(line for line, keep in zip(lines, kept) if not keep)
+  with open(path + ".tmp", "w") as f:
+    f.writelines(line for line, keep in zip(lines, kept) if keep)
+  os.replace(path + ".tmp", path)
+  return moved_to
+
+
+def _line_step(line: str) -> float:
+  """A metrics line's step; infinity for a cut-off or unreadable line."""
+  try:
+    return json.loads(line)["step"] if line.endswith("\n") else math.inf
+  except (ValueError, KeyError, TypeError):
+    return math.inf
+
+
+class Preemption:
+  """SIGTERM at a step boundary that every process agrees on.
+
+  Several processes: jax's preemption sync point (the coordination service
+  catches SIGTERM on any process and picks the same step for all). One process:
+  a SIGTERM handler sets a flag read at the next step.
+
+  Example: `if Preemption().reached(step): save_and_exit()`.
+  """
+
+  def __init__(self):
+    self.signalled = False
+    self.multi = jax.process_count() > 1
+    if not self.multi:
+      signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    logging.info("SIGTERM: saving at the end of this step")
+    self.signalled = True
+
+  def reached(self, step: int) -> bool:
+    if self.multi:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.signalled
+
+
+class _NoOrbaxInfo(logging_lib.Filter):
+
+  def filter(self, record):
+    return record.levelno >= logging_lib.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def quiet_orbax() -> None:
+  """Drops orbax's INFO lines (dozens per save) from the log; its warnings and errors stay."""
+  logger = logging_lib.getLogger("absl")
+  if not any(isinstance(f, _NoOrbaxInfo) for f in logger.filters):
+    logger.addFilter(_NoOrbaxInfo())
+
+
+def _key_text(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
