@@ -97,12 +97,12 @@ def first_difference(want: dict, have: dict) -> str | None:
   """
   for name in sorted(want.keys() | have.keys()):
     if name not in have:
-      return f"{name!r} is missing (expected shape {want[name][0]}, {want[name][1]})"
+      return f"{name} is missing (expected shape {want[name][0]}, {want[name][1]})"
     if name not in want:
-      return f"{name!r} {have[name][0]} {have[name][1]} is not in this config's model"
+      return f"{name} {have[name][0]} {have[name][1]} is not in this config's model"
     if want[name] != have[name]:
       return (
-          f"{name!r} has shape {have[name][0]} {have[name][1]}, this config needs "
+          f"{name} has shape {have[name][0]} {have[name][1]}, this config needs "
           f"{want[name][0]} {want[name][1]}"
       )
   return None
