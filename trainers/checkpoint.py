@@ -184,6 +184,7 @@ def open_manager(
     keep_ckpt_steps: int | None = None,
     total_steps: int | None = None,
     read_only: bool = False,
+    use_async: bool = True,
 ) -> ocp.CheckpointManager:
   """An async ``CheckpointManager`` over ``directory`` with the three items and big_vision's policies.
 
@@ -198,7 +199,7 @@ def open_manager(
   options = ocp.CheckpointManagerOptions(
       save_decision_policy=policies.AnySavePolicy(save_at),
       preservation_policy=policies.AnyPreservationPolicy(keep),
-      enable_async_checkpointing=True,
+      enable_async_checkpointing=use_async,
       cleanup_tmp_directories=not read_only,
       read_only=read_only,
       create=not read_only,
