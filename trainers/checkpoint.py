@@ -19,7 +19,7 @@ Example:
   ...   state, loss = train_step(state, batch)
   ...   if ckpt.step_done(step, state):            # SIGTERM: saved at the same step everywhere
   ...     break
-  >>> ckpt.close()
+  >>> ckpt.close(state)
 """
 
 import dataclasses
@@ -123,7 +123,6 @@ class Checkpoints:
   def __init__(self, workdir: str, config):
     self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
     self.config = config
-    self.total_steps = config.total_steps
     self.manager = open_manager(
         self.directory,
         ckpt_steps=config.get("ckpt_steps"),
@@ -131,7 +130,7 @@ class Checkpoints:
         total_steps=config.total_steps,
     )
     self.preemption = Preemption()
-    self.opt_start = 0
+    self.opt_start = self.step = 0
     quiet_orbax()
 
   def latest_step(self) -> int | None:
@@ -150,27 +149,31 @@ class Checkpoints:
       params, source = load_params(self.config.model_init, plan)
       state = {"params": params, "opt": init_opt(tx, plan, params)}
       start = Start(0, source)
-      logging.info("params from config.model_init=%s (%s); new optimizer state", *(source,) * 2)
+      logging.info(
+          "params from config.model_init=%s: %s; optimizer state and step start fresh",
+          self.config.model_init,
+          source,
+      )
     else:
       state, start = fresh(), Start(0, "scratch")
-    self.opt_start = start.opt_start
+    self.opt_start, self.step = start.opt_start, start.step
     return state, start
 
   def step_done(self, step: int, state) -> bool:
     """Saves if ``step`` is due or preemption was signalled; True when the run must stop now."""
+    self.step = step
     preempted = self.preemption.reached(step)
     if preempted or self.manager.should_save(step):
       save(self.manager, step, state, self._meta(step), force=preempted)
     if preempted:
-      self.manager.wait_until_finished()
+      self.manager.close()  # Waits for the write.
       logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
     return preempted
 
-  def close(self, step: int, state) -> None:
-    """Saves the final step (if not saved yet) and waits for every write to finish."""
-    if self.manager.latest_step() != step:
-      save(self.manager, step, state, self._meta(step), force=True)
-    self.manager.wait_until_finished()
+  def close(self, state) -> None:
+    """Saves ``state`` at the last step done (unless saved already); waits for every write."""
+    if self.manager.latest_step() != self.step:
+      save(self.manager, self.step, state, self._meta(self.step), force=True)
     self.manager.close()
 
   def _meta(self, step: int) -> dict:
@@ -281,24 +284,29 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
 
   Example: `params, source = load_params("runs/lm", plan)`.
   """
-  path = os.path.abspath(path)
-  step = None
-  if os.path.isdir(os.path.join(path, CHECKPOINTS)):
-    path = os.path.join(path, CHECKPOINTS)
-  elif os.path.basename(path).isdigit():
-    path, step = os.path.dirname(path), int(os.path.basename(path))
-  manager = open_manager(path, read_only=True) if os.path.isdir(path) else None
-  step = step if step is not None or manager is None else manager.latest_step()
-  if step is None or step not in manager.all_steps():
+  directory, step = _locate(os.path.abspath(path))
+  manager = open_manager(directory, read_only=True) if os.path.isdir(directory) else None
+  complete = manager.all_steps() if manager else []
+  step = max(complete, default=None) if step is None else step
+  if step not in complete:
     raise ConfigError(
-        f"config.model_init={path}: no complete checkpoint there; name a workdir, its "
-        f"{CHECKPOINTS}/ directory or one of its step directories"
+        f"config.model_init={path}: no complete checkpoint at {directory}; name a workdir, "
+        f"its {CHECKPOINTS}/ directory or one of its step directories"
     )
   check_params(manager, step, plan)
   args = ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(plan.abstract()[PARAMS])})
   params = manager.restore(step, args=args)[PARAMS]
   manager.close()
-  return params, os.path.join(path, str(step))
+  return params, os.path.join(directory, str(step))
+
+
+def _locate(path: str) -> tuple[str, int | None]:
+  """(checkpoint directory, step or None for the latest) that a workdir, checkpoints/ or step dir names."""
+  if os.path.isdir(os.path.join(path, CHECKPOINTS)):
+    return os.path.join(path, CHECKPOINTS), None
+  if os.path.basename(path).isdigit():
+    return os.path.dirname(path), int(os.path.basename(path))
+  return path, None
 
 
 def keep_metrics_until(path: str, step: int) -> str | None:

@@ -172,7 +172,7 @@ def main(argv):
         tick, tick_step = time.perf_counter(), step
       if ckpt.step_done(step, state):
         return  # SIGTERM: every process saved this step.
-    ckpt.close(total, state)
+    ckpt.close(state)
 
 
 if __name__ == "__main__":
