@@ -145,7 +145,9 @@ def test_uninterrupted_run_keeps_latest_and_kept_checkpoints(reference):
 def test_kill_at_a_random_step_then_resume_is_exact(tmp_path, reference):
   workdir, at = tmp_path / "run", random.randint(3, STEPS - 1)
   proc = start(workdir)
-  wait_for(lambda: logged_step(workdir) >= at, proc, every=0.01)
+  ckpts = workdir / "checkpoints"
+  complete = lambda: ckpts.exists() and any(n.isdigit() for n in os.listdir(ckpts))
+  wait_for(lambda: logged_step(workdir) >= at and complete(), proc, every=0.01)
   proc.kill()
   finish(proc)
   logged = logged_step(workdir)

@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from bv_sharding import Plan
+from trainers import steps
 from trainers.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -147,7 +148,7 @@ class Checkpoints:
       state, start = restore(self.manager, step, plan, tx, self.config.optax_name)
     elif self.config.get("model_init"):
       params, source = load_params(self.config.model_init, plan)
-      state = {"params": params, "opt": init_opt(tx, plan, params)}
+      state = {"params": params, "opt": steps.init_opt(tx, plan, params)}
       start = Start(0, source)
       logging.info(
           "params from config.model_init=%s: %s; optimizer state and step start fresh",
@@ -227,11 +228,6 @@ def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bo
   manager.save(step, args=args, force=force)
 
 
-def init_opt(tx: optax.GradientTransformation, plan: Plan, params) -> Any:
-  """``tx.init(params)`` born in the plan's optimizer-state shardings."""
-  return jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)
-
-
 def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> None:
   """Raises ``CheckpointMismatchError`` unless the saved params fit ``plan``'s params."""
   saved = manager.item_metadata(step)[PARAMS]
@@ -274,7 +270,7 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, optax_nam
       optax_name,
   )
   params = restored[PARAMS]
-  return {"params": params, "opt": init_opt(tx, plan, params)}, Start(step, source, step)
+  return {"params": params, "opt": steps.init_opt(tx, plan, params)}, Start(step, source, step)
 
 
 def load_params(path: str, plan: Plan) -> tuple[Any, str]:

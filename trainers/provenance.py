@@ -2,8 +2,9 @@
 
 Each start writes ``starts/<i>/config.json`` and ``starts/<i>/start.json`` (the
 step it began at, where that came from, argv, processes, devices, versions, git
-revision); ``config.json`` at the top is the first start's and is never rewritten,
-so a later ``--config.optax_name`` change does not hide what trained the first steps.
+revision); ``config.json`` at the top is the config of the start that began at
+step 0, not rewritten by a resume, so a later ``--config.optax_name`` change does
+not hide what trained the first steps.
 
 Example:
   >>> record_start("runs/lm", config, start_step=200, source="runs/lm/checkpoints/200")
@@ -64,7 +65,7 @@ def git_revision(repo: pathlib.Path = REPO) -> str | None:
 def record_start(workdir: str, config, start_step: int, source: str) -> str:
   """Writes this start's config and provenance under ``workdir/starts/<i>``; returns that directory."""
   config_json = config.to_json_best_effort(indent=2)
-  if not os.path.exists(os.path.join(workdir, "config.json")):
+  if start_step == 0 or not os.path.exists(os.path.join(workdir, "config.json")):
     _write(os.path.join(workdir, "config.json"), config_json)
   i = 0
   while os.path.exists(os.path.join(workdir, "starts", str(i))):

@@ -88,10 +88,16 @@ def init_state(init: Callable[[], Any], tx: optax.GradientTransformation, plan: 
 
   Example: `plan.mismatches(init_state(init, tx, plan)) == []`.
   """
-  shardings = plan.shardings
-  params = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings["params"])()
-  opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
-  return {"params": params, "opt": opt}
+  params = jax.jit(lambda: nn.unbox(init()), out_shardings=plan.shardings["params"])()
+  return {"params": params, "opt": init_opt(tx, plan, params)}
+
+
+def init_opt(tx: optax.GradientTransformation, plan: Plan, params) -> Any:
+  """``tx.init(params)`` born in the plan's optimizer-state shardings (e.g. for restored params).
+
+  Example: `state = {"params": params, "opt": init_opt(tx, plan, params)}`.
+  """
+  return jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)
 
 
 def check_state(plan: Plan, state, when: str) -> None:
