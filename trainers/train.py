@@ -9,7 +9,9 @@ r"""Trains a model with params and optimizer state sharded by one `config.shardi
 Top to bottom: logging -> (jax.distributed) -> mesh -> data -> model -> optimizer
 -> one sharding plan for {"params", "opt"} -> born-sharded init -> loop -> eval.
 Bad configs raise `trainers.errors.ConfigError` (or `bvs.ShardingError`) naming the config key before anything is
-allocated. Process 0 writes `workdir/config.json` and `workdir/metrics.jsonl`.
+allocated. Process 0 writes `workdir/config.json` and `workdir/metrics.jsonl`. Every
+process saves orbax checkpoints (every `config.ckpt_steps`, at the end, on SIGTERM); a
+workdir holding one resumes from it exactly (trainers/checkpoint.py).
 
 On CPU every process simulates `--devices_per_process` devices (default 8);
 `--coordinator_address/--num_processes/--process_id` (or BV_COORDINATOR,
