@@ -28,15 +28,19 @@ from trainers import data, models, optimizers, steps, tasks
 WARMUP = 2
 
 
-def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> float:
-  """Steps per second of ``config``'s train step with the state planned by ``strategy``."""
+def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
+  """``(mesh, init, train_step, batches)`` of ``config``'s LM with the state planned by ``strategy``.
+
+  ``init()`` (called under ``jax.set_mesh(mesh)``) returns the born-sharded state;
+  ``batches`` are ``num_batches`` global batches.
+  """
   mesh = bvs.make_mesh(config.mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   task = tasks.get_task(config)
   model = models.get_model(config.model_name, **config.model.to_dict())
   local = list(
       itertools.islice(
-          task.batches(task.train, global_batch=config.batch_size, seed=0), WARMUP + num_steps
+          task.batches(task.train, global_batch=config.batch_size, seed=0), num_batches
       )
   )
   init = lambda: model.init(jax.random.key(0), task.inputs(local[0][:1]))["params"]
@@ -44,9 +48,15 @@ def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> floa
   tx = optimizers.make_optimizer(optimizer, config.lr)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=config.sharding_rules)
   batches = [data.to_global(b, sharding) for b in local]
+  train_step = steps.make_train_step(loss_fn, tx, plan, sharding)
+  return mesh, lambda: steps.init_state(init, tx, plan), train_step, batches
+
+
+def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> float:
+  """Steps per second of ``config``'s train step with the state planned by ``strategy``."""
+  mesh, init, train_step, batches = setup(config, strategy, optimizer, WARMUP + num_steps)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    state = steps.init_state(init, tx, plan)
-    train_step = steps.make_train_step(loss_fn, tx, plan, sharding)
+    state = init()
     for batch in batches[:WARMUP]:
       state, loss = train_step(state, batch)
     jax.block_until_ready(loss)

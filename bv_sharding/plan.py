@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
+import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
@@ -76,6 +77,28 @@ class Plan:
   def shardings(self):
     """``NamedSharding`` tree for ``jax.jit(in_shardings=..., out_shardings=...)``."""
     return self.treedef.unflatten([NamedSharding(self.mesh, e.spec) for e in self.entries])
+
+  def abstract(self):
+    """``jax.ShapeDtypeStruct`` tree carrying the planned ``NamedSharding``s: a restore target.
+
+    Nothing is allocated; a checkpoint restored into it (e.g. orbax's
+    ``StandardRestore(plan.abstract())``) lands in this plan's shardings, whatever
+    mesh wrote it.
+
+    Example:
+      >>> import bv_sharding as bvs, jax, numpy as np
+      >>> mesh = bvs.make_mesh([("data", -1)])
+      >>> p = bvs.plan({"w": jax.ShapeDtypeStruct((8, 4), np.float32)}, "fsdp(axis='data')", mesh)
+      >>> target = p.abstract()["w"]
+      >>> target.shape, target.sharding == p.shardings["w"]
+      ((8, 4), True)
+    """
+    return self.treedef.unflatten(
+        [
+            jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=NamedSharding(self.mesh, e.spec))
+            for e in self.entries
+        ]
+    )
 
   @property
   def total_bytes(self) -> int:

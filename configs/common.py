@@ -26,7 +26,13 @@ def base_config() -> ml_collections.ConfigDict:
   config.optax_name = "adamw"
   config.optax = dict()
   config.wd = 1e-4
-  config.grad_clip_norm = 1.0
+  config.grad_clip_norm = 1.0  # None: no clipping.
+  config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
+  # big_vision's keys: save every ckpt_steps (and at the end, and on SIGTERM); keep the
+  # checkpoints at multiples of keep_ckpt_steps for good (else only the latest is kept).
+  config.ckpt_steps = 100
+  config.keep_ckpt_steps = ml_collections.config_dict.placeholder(int)
+  config.model_init = ml_collections.config_dict.placeholder(str)  # a workdir or checkpoint
   return config
 
 

@@ -14,7 +14,9 @@ from trainers import sources
 def get_config(arg=None):
   """The LM config; ``arg``: ``size=tiny|small|medium``."""
   arg = parse_arg(arg, size="tiny")
-  config = base_config()  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping
+  config = (
+      base_config()
+  )  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping, checkpoints
 
   # The Python standard library's source as a byte-level text corpus (first 4 MiB);
   # configs/lm_data.py trains on your own token files or text.
@@ -34,5 +36,4 @@ def get_config(arg=None):
   config.lr = 3e-3
   # big_vision's schedule keys: a multiplier of config.lr over config.total_steps.
   config.schedule = dict(decay_type="cosine", warmup_steps=10)
-  config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   return config

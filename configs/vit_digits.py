@@ -10,7 +10,9 @@ from trainers import sources
 def get_config(arg=None):
   """The ViT config; ``arg``: ``size=tiny|small``."""
   arg = parse_arg(arg, size="tiny")
-  config = base_config()  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping
+  config = (
+      base_config()
+  )  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping, checkpoints
 
   config.input = sources.input_config(kind="digits")  # configs/vit_images.py: your .npy images
   config.batch_size = 64
@@ -26,5 +28,4 @@ def get_config(arg=None):
   config.lr = 1e-3
   # big_vision's schedule keys: a multiplier of config.lr over config.total_steps.
   config.schedule = dict(decay_type="cosine", warmup_steps=10)
-  config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   return config

@@ -112,10 +112,16 @@ def abstract_state(init: Callable[[], Any], tx: optax.GradientTransformation) ->
 
 def init_state(init: Callable[[], Any], tx: optax.GradientTransformation, plan: Plan) -> dict:
   """Params and optimizer state created directly in their planned shardings (module example)."""
-  shardings = plan.shardings
-  params = jax.jit(lambda: nn.unbox(init()), out_shardings=shardings["params"])()
-  opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
-  return {"params": params, "opt": opt}
+  params = jax.jit(lambda: nn.unbox(init()), out_shardings=plan.shardings["params"])()
+  return {"params": params, "opt": init_opt(tx, plan, params)}
+
+
+def init_opt(tx: optax.GradientTransformation, plan: Plan, params) -> Any:
+  """``tx.init(params)`` born in the plan's optimizer-state shardings (e.g. for restored params).
+
+  Example: ``state = {"params": params, "opt": init_opt(tx, plan, params)}``.
+  """
+  return jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)
 
 
 def check_state(plan: Plan, state, when: str) -> None:

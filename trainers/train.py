@@ -12,7 +12,9 @@ Every config value is checked first (trainers/validation.py), the memory the pla
 before init; a bad one ends the run as one line, `ConfigError: config.<key>=...`, before
 the workdir is touched or anything allocated (`--debug` for the traceback). Process 0 then
 writes `workdir/config.json` and `workdir/metrics.jsonl`; an earlier run's files there are
-moved into `workdir/attempt-N/` (trainers/workdir.py). A NaN or infinite loss stops the run
+moved into `workdir/attempt-N/` (trainers/workdir.py). Every process saves orbax
+checkpoints (every `config.ckpt_steps`, at the end, on SIGTERM); a workdir holding one
+resumes from it exactly (trainers/checkpoint.py). A NaN or infinite loss stops the run
 (`config.on_nonfinite="stop"`) or skips the update ("skip"; trainers/divergence.py).
 
 On CPU every process simulates `--devices_per_process` devices (default 8);
@@ -37,12 +39,14 @@ from ml_collections import config_flags
 
 import bv_sharding as bvs
 from trainers import (
+    checkpoint,
     cli,
     data,
     divergence,
     models,
     optimizers,
     prefetch,
+    provenance,
     steps,
     tasks,
     validation,
@@ -112,7 +116,6 @@ def main(argv):
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
 
   task = tasks.get_task(config)
-  local_batches = task.batches(task.train, global_batch=config.batch_size, seed=config.seed)
   eval_batches = list(
       itertools.islice(  # Same held-out rows at every eval.
           task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1),
@@ -147,48 +150,62 @@ def main(argv):
         np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in eval_batches])
     )
 
-  if is_main_process:  # Every check passed: only now is the workdir touched.
-    note = workdir.prepare(_WORKDIR.value, resuming=False)
+  # Every check passed: only now is the workdir touched.
+  ckpt = checkpoint.Checkpoints(_WORKDIR.value, config)
+  if is_main_process:
+    note = workdir.prepare(_WORKDIR.value, resuming=ckpt.latest_step() is not None)
     if note:
       logging.warning("%s", note)
-    workdir.write_config(_WORKDIR.value, config.to_json_best_effort(indent=2))
   metrics = workdir.MetricsWriter(_WORKDIR.value)
   watch = divergence.LossWatch(policy, config.lr, write=metrics.write if is_main_process else None)
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     logging.info("initialising params and optimizer state in their planned shardings")
-    state = steps.init_state(init, tx, plan)
-    steps.check_state(plan, state, "after init")
-    logging.info("state shardings match the plan after init")
-
-    total, tick, tick_step = config.total_steps, time.perf_counter(), 0
+    state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: steps.init_state(init, tx, plan))
+    when = "after init" if start.source == "scratch" else "after restore"
+    steps.check_state(plan, state, when)
+    logging.info("state shardings match the plan %s", when)
+    if is_main_process:
+      provenance.record_start(_WORKDIR.value, config, start.step, start.source)
+      moved = workdir.keep_metrics_until(metrics.path, start.step)
+      if moved:
+        logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)
+    local_batches = task.batches(
+        task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
+    )
     train_batches = prefetch.to_device(local_batches, batch_sharding, task.prefetch)
-    for step, batch in zip(range(1, total + 1), train_batches):
+
+    total, tick, tick_step = config.total_steps, time.perf_counter(), start.step
+    for step, batch in zip(range(start.step + 1, total + 1), train_batches):
       state, loss = train_step(state, batch)
       loss = float(loss)
       if not watch.observe(step, loss):  # Raises under "stop".
         logging.warning("step %d: loss %s, update skipped", step, loss)
-      if step == 1:
+      if step == start.step + 1:
         steps.check_state(plan, state, "after the first step")
         logging.info("state shardings match the plan after the first step")
       is_eval = step % config.eval_every == 0 or step == total
-      if not (is_eval or step == 1 or step % config.log_every == 0):
-        continue
-      record = {"step": step, "loss": loss}
-      record.update({k: float(lr(step - 1)) for k, lr in learning_rates.items()})
-      record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
-      per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
-      line = (
-          f"step {step}/{total} loss={record['loss']:.4f} "
-          f"steps/s={record['steps_per_sec']:.2f} {task.unit}/s={per_sec:.0f}"
-      )
-      if is_eval:
-        record["eval_loss"] = evaluate(state["params"])
-        line += f" eval_loss={record['eval_loss']:.4f}"
-      logging.info("%s", line)
-      if is_main_process:
-        metrics.write(record)
-      tick, tick_step = time.perf_counter(), step
+      if is_eval or step == 1 or step % config.log_every == 0:
+        record = {"step": step, "loss": loss}
+        record.update(
+            {k: float(lr(step - 1 - start.opt_start)) for k, lr in learning_rates.items()}
+        )
+        record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
+        per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
+        line = (
+            f"step {step}/{total} loss={record['loss']:.4f} "
+            f"steps/s={record['steps_per_sec']:.2f} {task.unit}/s={per_sec:.0f}"
+        )
+        if is_eval:
+          record["eval_loss"] = evaluate(state["params"])
+          line += f" eval_loss={record['eval_loss']:.4f}"
+        logging.info("%s", line)
+        if is_main_process:
+          metrics.write(record)
+        tick, tick_step = time.perf_counter(), step
+      if ckpt.step_done(step, state):
+        return  # SIGTERM: every process saved this step.
+    ckpt.close(state)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
   if clip is not None:
     check_number("config.grad_clip_norm", clip, positive=True, example=1.0, none_ok=True)
   _check_schedule(config.get("schedule"))
+  for key in ("ckpt_steps", "keep_ckpt_steps"):  # None: only at the end / keep only the latest.
+    if config.get(key) is not None:
+      check_count(f"config.{key}", config.get(key), example=100)
   _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
   _check_names("config.data_axes", config.get("data_axes", ()))
   _check_pairs(

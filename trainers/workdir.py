@@ -62,14 +62,58 @@ def move_to_attempt(path: str, names) -> str:
 
   Example: `move_to_attempt(workdir, ["metrics.jsonl"])` == f"{workdir}/attempt-1".
   """
+  attempt = new_attempt(path)
+  for name in names:
+    os.replace(os.path.join(path, name), os.path.join(attempt, name))
+  return attempt
+
+
+def new_attempt(path: str) -> str:
+  """Creates and returns the first unused `attempt-N/` directory of workdir `path`.
+
+  Example: `new_attempt(workdir)` == f"{workdir}/attempt-1" on a workdir without attempts.
+  """
   n = 1
   while os.path.exists(os.path.join(path, ATTEMPT.format(n))):
     n += 1
   attempt = os.path.join(path, ATTEMPT.format(n))
   os.makedirs(attempt)
-  for name in names:
-    os.replace(os.path.join(path, name), os.path.join(attempt, name))
   return attempt
+
+
+def keep_metrics_until(path: str, step: int) -> str | None:
+  """Keeps the lines of ``path`` (``metrics.jsonl``) up to ``step``; moves the rest to an attempt file.
+
+  Lines after ``step`` (from an attempt that died before its next checkpoint) and
+  any cut-off line go to ``<workdir>/attempt-N/metrics.jsonl`` (N the first free);
+  the file is replaced atomically, so it holds each step at most once. Returns the
+  attempt file, or None when nothing moved.
+
+  Example: `keep_metrics_until("runs/lm/metrics.jsonl", 200)`.
+  """
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    lines = f.readlines()
+  kept = [_line_step(line) <= step for line in lines]
+  if all(kept):
+    return None
+  attempt = new_attempt(os.path.dirname(path))
+  moved_to = os.path.join(attempt, os.path.basename(path))
+  with open(moved_to, "w") as f:
+    f.writelines(line for line, keep in zip(lines, kept) if not keep)
+  with open(path + ".tmp", "w") as f:
+    f.writelines(line for line, keep in zip(lines, kept) if keep)
+  os.replace(path + ".tmp", path)
+  return moved_to
+
+
+def _line_step(line: str) -> float:
+  """A metrics line's step; infinity for a cut-off or unreadable line."""
+  try:
+    return json.loads(line)["step"] if line.endswith("\n") else math.inf
+  except (ValueError, KeyError, TypeError):
+    return math.inf
 
 
 def write_config(path: str, text: str) -> None:

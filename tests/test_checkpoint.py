@@ -1,0 +1,351 @@
+"""Durable runs through `python -m trainers.train`, with real orbax checkpoints on disk.
+
+One uninterrupted 8-step run (`reference`, module-scoped) is the yardstick: runs
+killed with SIGKILL (at a random step, and during a checkpoint write) or stopped
+with SIGTERM, then started again on the same workdir, must log the same losses
+and end with the same params, bit for bit. Restores onto other meshes, process
+counts and optimizers start from copies of its checkpoints.
+"""
+
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+import bv_sharding as bvs
+from trainers import checkpoint, models, optimizers, steps
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 8
+RUN = (
+    "--config=configs/lm.py",
+    "--config.batch_size=16",
+    "--config.seq_len=32",
+    "--config.log_every=1",
+    "--config.eval_every=1000",  # Eval only at the last step.
+    "--config.eval_batches=1",
+    "--config.ckpt_steps=2",
+    "--config.keep_ckpt_steps=4",
+)
+ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+
+
+def start(workdir, *overrides, total=STEPS, log=None):
+  """The trainer as a user starts it, in the background; output goes to `log` (workdir.log)."""
+  log = pathlib.Path(log or pathlib.Path(workdir).with_suffix(".log"))
+  cmd = [sys.executable, "-m", "trainers.train", f"--workdir={workdir}", *RUN]
+  cmd += [f"--config.total_steps={total}", *overrides]
+  with open(log, "a") as f:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+  proc.log = log
+  return proc
+
+
+def finish(proc, timeout=300):
+  """Waits for `proc` (killing it after `timeout` seconds); returns (exit status, its output)."""
+  try:
+    status = proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    raise
+  return status, proc.log.read_text()
+
+
+def train(workdir, *overrides, total=STEPS, timeout=300):
+  status, out = finish(start(workdir, *overrides, total=total), timeout)
+  assert status == 0, out[-4000:]
+  return out
+
+
+def launch(workdir, *overrides, total=STEPS, timeout=300):
+  """The same run as 2 jax.distributed processes x 4 devices."""
+  cmd = [sys.executable, "-m", "trainers.launch", "--processes=2", "--devices-per-process=4"]
+  cmd += ["--timeout=280", "--", f"--workdir={workdir}", *RUN, f"--config.total_steps={total}"]
+  done = subprocess.run(
+      [*cmd, *overrides], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+  )
+  assert done.returncode == 0, done.stdout[-4000:]
+  return done.stdout
+
+
+def metrics(workdir) -> list[dict]:
+  return [
+      json.loads(line)
+      for line in pathlib.Path(workdir, "metrics.jsonl").read_text().split("\n")
+      if line
+  ]
+
+
+def saved(workdir, step: int, item: str = "params"):
+  """One item of a checkpoint as numpy arrays (restored onto one device)."""
+  manager = checkpoint.open_manager(os.path.join(workdir, "checkpoints"), read_only=True)
+  on_cpu = SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=on_cpu),
+      manager.item_metadata(step)[item].tree,
+  )
+  tree = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)}))
+  manager.close()
+  return jax.tree.map(np.asarray, tree[item])
+
+
+def wait_for(predicate, proc, timeout=240, every=0.001):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    assert proc.poll() is None, "the run ended before the condition held"
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(every)
+
+
+def logged_step(workdir) -> int:
+  path = pathlib.Path(workdir, "metrics.jsonl")
+  lines = path.read_text().split("\n")[:-1] if path.exists() else []
+  return json.loads(lines[-1])["step"] if lines else 0
+
+
+def assert_same_run(workdir, reference):
+  """Every logged loss and the final params equal the uninterrupted run's, bit for bit."""
+  got, want = metrics(workdir), metrics(reference)
+  assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+  assert [r["loss"] for r in got] == [r["loss"] for r in want]
+  assert got[-1]["eval_loss"] == want[-1]["eval_loss"]
+  same = jax.tree.map(np.array_equal, saved(workdir, STEPS), saved(reference, STEPS))
+  assert all(jax.tree.leaves(same))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("reference") / "run"
+  train(workdir)
+  return workdir
+
+
+@pytest.mark.timeout(600)
+def test_uninterrupted_run_keeps_latest_and_kept_checkpoints(reference):
+  # ckpt_steps=2, keep_ckpt_steps=4: 2 and 6 were deleted once a newer one was complete.
+  assert sorted(os.listdir(reference / "checkpoints")) == ["4", "8"]
+  assert [r["step"] for r in metrics(reference)] == list(range(1, STEPS + 1))
+  start = json.loads((reference / "starts" / "0" / "start.json").read_text())
+  assert start["start_step"] == 0 and start["versions"]["orbax-checkpoint"] == "0.12.8"
+  assert "git_revision" in start and json.loads((reference / "config.json").read_text())
+
+
+@pytest.mark.timeout(600)
+def test_kill_at_a_random_step_then_resume_is_exact(tmp_path, reference):
+  workdir, at = tmp_path / "run", random.randint(3, STEPS - 1)
+  proc = start(workdir)
+  ckpts = workdir / "checkpoints"
+  complete = lambda: ckpts.exists() and any(n.isdigit() for n in os.listdir(ckpts))
+  wait_for(lambda: logged_step(workdir) >= at and complete(), proc, every=0.01)
+  proc.kill()
+  finish(proc)
+  logged = logged_step(workdir)
+  out = train(workdir)
+  resumed = int(out.split("resumed at step ")[1].split()[0])
+  assert resumed <= logged and f"checkpoints/{resumed} " in out, (at, out[-3000:])
+  if logged > resumed:  # The dead attempt's lines after the checkpoint were moved, not lost.
+    moved = (workdir / "attempt-1" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(moved[0])["step"] == resumed + 1 and len(moved) >= logged - resumed
+  assert_same_run(workdir, reference)
+
+
+@pytest.mark.timeout(600)
+def test_kill_during_a_checkpoint_write_uses_the_previous_one(tmp_path, reference):
+  workdir = tmp_path / "run"
+  ckpts = workdir / "checkpoints"
+  proc = start(workdir, "--config.ckpt_steps=1")
+
+  def writing():
+    names = os.listdir(ckpts) if ckpts.exists() else []
+    return logged_step(workdir) >= 3 and any("tmp" in n for n in names)
+
+  wait_for(writing, proc)
+  proc.kill()
+  finish(proc)
+  cut = [n for n in os.listdir(ckpts) if "tmp" in n]
+  complete = sorted(int(n) for n in os.listdir(ckpts) if n.isdigit())
+  assert cut and complete, os.listdir(ckpts)  # The kill cut a write short; an older one is whole.
+  out = train(workdir, "--config.ckpt_steps=1")
+  assert f"resumed at step {complete[-1]} from {ckpts}/{complete[-1]} " in out, out[-3000:]
+  assert not any("tmp" in n for n in os.listdir(ckpts))
+  assert_same_run(workdir, reference)
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, reference):
+  workdir = tmp_path / "run"
+  proc = start(workdir)
+  wait_for(lambda: logged_step(workdir) >= 3, proc, every=0.01)
+  proc.send_signal(signal.SIGTERM)
+  status, out = finish(proc)
+  assert status == 0, out[-3000:]
+  stopped = int(out.split("preempted: saved step ")[1].split()[0])
+  assert stopped < STEPS and str(stopped) in os.listdir(workdir / "checkpoints")
+  assert logged_step(workdir) == stopped
+  out = train(workdir)
+  assert f"resumed at step {stopped} from" in out
+  assert_same_run(workdir, reference)
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
+  """Under trainers.launch (2 processes x 4 devices) jax's preemption sync point picks the step."""
+  workdir, log = tmp_path / "run", tmp_path / "launch.log"
+  cmd = [sys.executable, "-m", "trainers.launch", "--processes=2", "--devices-per-process=4"]
+  cmd += ["--timeout=500", "--", f"--workdir={workdir}", *RUN, "--config.total_steps=40"]
+  with open(log, "w") as f:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+  proc.log = log
+  wait_for(lambda: logged_step(workdir) >= 3, proc, every=0.01)
+  proc.send_signal(signal.SIGTERM)
+  status, out = finish(proc, timeout=500)
+  assert status == 0, out[-3000:]
+  stopped = {
+      line.split("] ")[0]: line.split("saved step ")[1].split()[0]
+      for line in out.splitlines()
+      if "preempted: saved step" in line
+  }
+  assert set(stopped) == {"[p0", "[p1"} and len(set(stopped.values())) == 1, stopped
+  step = int(stopped["[p0"])
+  assert max(int(n) for n in os.listdir(workdir / "checkpoints")) == step
+  assert logged_step(workdir) == step < 40
+
+
+def copy_at(reference, workdir, step):
+  """A copy of the reference workdir holding only its checkpoint at `step`."""
+  shutil.copytree(reference, workdir)
+  for name in os.listdir(workdir / "checkpoints"):
+    if name.isdigit() and int(name) != step:
+      shutil.rmtree(workdir / "checkpoints" / name)
+  return workdir
+
+
+@pytest.mark.timeout(900)
+def test_restore_across_meshes_and_process_counts(tmp_path, reference):
+  """8 devices -> mesh (4, 2) -> 2 processes x 4 -> 2 devices -> 1 device, one step each."""
+  workdir = copy_at(reference, tmp_path / "run", 4)
+  want = {r["step"]: r["loss"] for r in metrics(reference)}
+  hops = [
+      (5, lambda: train(workdir, "--config.mesh=(('data', 4), ('model', 2))", total=5)),
+      (6, lambda: launch(workdir, total=6)),
+      (7, lambda: train(workdir, "--devices_per_process=2", total=7)),
+      (8, lambda: train(workdir, "--devices_per_process=1", total=8)),
+  ]
+  for step, hop in hops:
+    out = hop()
+    assert f"resumed at step {step - 1} from" in out, out[-3000:]
+    assert "state shardings match the plan after restore" in out
+    # A step on the restored values: the loss the 8-device run logged (up to reduction order).
+    assert metrics(workdir)[-1]["loss"] == pytest.approx(want[step], rel=1e-5)
+  assert [r["step"] for r in metrics(workdir)] == list(range(1, STEPS + 1))
+
+
+def tiny_lm(optax_name="adamw"):
+  """The tiny Llama and optimizer of configs/lm.py, for restoring in this process."""
+  model = models.get_model("llama", size="tiny", scan_layers=False, remat=False)
+  init = lambda: model.init(jax.random.key(0), np.zeros((1, 32), np.int32))["params"]
+  schedule = {"warmup_steps": 10, "decay": "cosine", "end_value": 3e-4, "total_steps": STEPS}
+  tx = optimizers.make_optimizer(
+      optax_name, 3e-3, schedule=schedule, weight_decay=1e-4, clip_norm=1.0
+  )
+  return init, tx
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "mesh", [[("data", 8)], [("data", 4), ("model", 2)], [("data", 2)], [("data", 1)]]
+)
+def test_restored_values_are_exact_in_the_new_plans_shardings(reference, mesh):
+  init, tx = tiny_lm()
+  devices = np.prod([n for _, n in mesh])
+  mesh = bvs.make_mesh(mesh, devices=jax.devices()[:devices])
+  strategy = [(".*", 'llm_fsdp(axis="data", min_size_to_shard_mb=0)')]
+  plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh)
+  manager = checkpoint.open_manager(str(reference / "checkpoints"), read_only=True)
+  state, start = checkpoint.restore(manager, STEPS, plan, tx, "adamw")
+  assert start.step == STEPS and plan.mismatches(state) == []
+  want = {"params": saved(reference, STEPS), "opt": saved(reference, STEPS, "opt")}
+  got = checkpoint.leaf_table(state)
+  assert got == checkpoint.leaf_table(want)
+  flat_got = dict(zip(got, jax.tree.leaves(state)))
+  flat_want = dict(zip(checkpoint.leaf_table(want), jax.tree.leaves(want)))
+  assert all(np.array_equal(np.asarray(flat_got[k]), flat_want[k]) for k in flat_want)
+
+
+@pytest.mark.timeout(1500)
+def test_resume_with_other_optimizers_adamw_kron_shampoo(tmp_path, reference):
+  workdir = copy_at(reference, tmp_path / "run", STEPS)
+  evals = [metrics(reference)[-1]["eval_loss"]]
+  for name, total in (("kron", STEPS + 4), ("shampoo", STEPS + 8)):
+    # Kron's and Shampoo's train steps take minutes to compile on a loaded 2-core host.
+    out = train(workdir, f"--config.optax_name={name}", total=total, timeout=700)
+    assert f"resumed at step {total - 4} from" in out, out[-3000:]
+    assert "optimizer changed (config.optax_name changed from" in out and f"new {name} state" in out
+    assert (
+        "state shardings match the plan after restore" in out
+    )  # The new state, born from the plan.
+    assert "state shardings match the plan after the first step" in out
+    records = metrics(workdir)
+    assert [r["step"] for r in records] == list(range(1, total + 1))
+    assert records[-4]["lr"] == 0.0  # The new optimizer's schedule (warmup too) starts again.
+    evals.append(records[-1]["eval_loss"])
+  assert evals[0] > evals[1] > evals[2], evals
+  configs = [json.loads((workdir / "starts" / i / "config.json").read_text()) for i in "012"]
+  assert [c["optax_name"] for c in configs] == ["adamw", "kron", "shampoo"]
+  assert json.loads((workdir / "config.json").read_text())["optax_name"] == "adamw"
+
+
+@pytest.mark.timeout(600)
+def test_model_init_loads_params_onto_another_mesh(tmp_path, reference):
+  workdir = tmp_path / "finetune"
+  out = train(workdir, f"--config.model_init={reference}", "--devices_per_process=2", total=2)
+  assert f"params from config.model_init={reference}: {reference}/checkpoints/{STEPS};" in out, out[
+      -3000:
+  ]
+  assert "state shardings match the plan after restore" in out
+  first = metrics(workdir)[0]
+  assert first["step"] == 1 and first["loss"] < metrics(reference)[0]["loss"] - 1.0
+  assert json.loads((workdir / "starts" / "0" / "start.json").read_text())["start_step"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_of_another_model_fails_before_anything_is_written(tmp_path, reference):
+  workdir = copy_at(reference, tmp_path / "run", STEPS)
+  before = (workdir / "metrics.jsonl").read_text()
+  listing = sorted(os.listdir(workdir / "checkpoints"))
+  status, out = finish(start(workdir, "--config.model.size=small"))
+  assert status != 0 and "CheckpointMismatchError" in out, out[-3000:]
+  assert f"checkpoint {workdir}/checkpoints/{STEPS} is of another model: params/" in out
+  assert out.count("CheckpointMismatchError: ") == 1
+  assert (workdir / "metrics.jsonl").read_text() == before
+  assert sorted(os.listdir(workdir / "checkpoints")) == listing
+  assert sorted(os.listdir(workdir / "starts")) == ["0"] and "resumed at step" not in out
+
+
+@pytest.mark.timeout(300)
+def test_model_init_without_a_checkpoint_fails_before_training(tmp_path):
+  status, out = finish(start(tmp_path / "run", f"--config.model_init={tmp_path}/nothing"))
+  assert status != 0 and "ConfigError" in out
+  assert f"config.model_init={tmp_path}/nothing: no complete checkpoint at" in out, out[-3000:]
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(300)
+def test_unwritable_workdir_fails_before_training(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  status, out = finish(start(blocker / "run", log=tmp_path / "log"))
+  assert status != 0
+  assert f"--workdir={blocker}/run is not writable" in out and "ConfigError" in out, out[-3000:]
+  assert "initialising params" not in out

@@ -1,0 +1,332 @@
+"""Durable runs: orbax checkpoints restored onto the current plan, resume, preemption.
+
+A checkpoint (``workdir/checkpoints/<step>/``) holds three orbax items: ``params``,
+``opt`` (the optimizer state) and ``meta`` (step, optimizer name, the step the
+optimizer state was born at). Data and RNG are pure functions of (seed, step),
+so the step is all the rest of the run needs to continue exactly.
+
+Restoring never reads the saved shardings: the target is ``plan.abstract()``, the
+current config's plan, so a checkpoint moves between meshes and process counts.
+Optimizer state is restored only when ``config.optax_name`` and its tree (names,
+shapes, dtypes) are unchanged; otherwise the new optimizer's state is born
+sharded from the plan and its count (hence its schedule) starts at 0.
+
+Example:
+  >>> ckpt = Checkpoints(workdir, config)
+  >>> state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
+  >>> for step in range(start.step + 1, total + 1):
+  ...   state, loss = train_step(state, batch)
+  ...   if ckpt.step_done(step, state):            # SIGTERM: saved at the same step everywhere
+  ...     break
+  >>> ckpt.close(state)
+"""
+
+import dataclasses
+import logging as logging_lib
+import os
+import signal
+from typing import Any
+
+import jax
+import optax
+import orbax.checkpoint as ocp
+from absl import logging
+from jax.experimental import multihost_utils
+from orbax.checkpoint import checkpoint_managers as policies
+
+from bv_sharding import Plan
+from trainers import steps
+from trainers.errors import ConfigError
+
+CHECKPOINTS = "checkpoints"
+PARAMS, OPT, META = "params", "opt", "meta"
+
+
+class CheckpointMismatchError(ConfigError):
+  """A checkpoint whose params do not fit this config's model (names, shapes or dtypes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Where a run starts: ``step`` done so far, ``source`` (a path or "scratch"), ``opt_start``.
+
+  ``opt_start`` is the step the optimizer state was born at (its count is
+  ``step - opt_start``), so the logged learning rate is ``lr(step - 1 - opt_start)``.
+  """
+
+  step: int
+  source: str
+  opt_start: int = 0
+
+
+def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+  """``{name: (shape, dtype)}`` for arrays, ``ShapeDtypeStruct``s or orbax metadata.
+
+  Names join the path's keys with "/" (NamedTuple fields and dict keys alike), so
+  a tree and the metadata orbax wrote for it have the same table.
+
+  Example: `leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}`.
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {"/".join(_key_text(k) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+
+
+def first_difference(want: dict, have: dict) -> str | None:
+  """The first leaf (by name) where two ``leaf_table``s differ, described; None if equal.
+
+  Example: `first_difference({"a": ((2,), "f32")}, {})` == "'a' is missing ...".
+  """
+  for name in sorted(want.keys() | have.keys()):
+    if name not in have:
+      return f"{name} is missing (expected shape {want[name][0]}, {want[name][1]})"
+    if name not in want:
+      return f"{name} {have[name][0]} {have[name][1]} is not in this config's model"
+    if want[name] != have[name]:
+      return (
+          f"{name} has shape {have[name][0]} {have[name][1]}, this config needs "
+          f"{want[name][0]} {want[name][1]}"
+      )
+  return None
+
+
+class Checkpoints:
+  """The run's orbax ``CheckpointManager``: saves by ``config.ckpt_steps``, at the end and on SIGTERM.
+
+  ``config.ckpt_steps`` (None: only at the end and on preemption) and
+  ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
+  otherwise only the latest is kept) have big_vision's meaning. Saves are async:
+  the loop waits only for the device-to-host copy; orbax writes to a temporary
+  directory and renames it when complete, so a cut-off write is never listed.
+
+  Example: `ckpt = Checkpoints(workdir, config); ckpt.latest_step()`.
+  """
+
+  def __init__(self, workdir: str, config):
+    self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
+    self.config = config
+    self.manager = open_manager(
+        self.directory,
+        ckpt_steps=config.get("ckpt_steps"),
+        keep_ckpt_steps=config.get("keep_ckpt_steps"),
+        total_steps=config.total_steps,
+    )
+    self.preemption = Preemption()
+    self.opt_start = self.step = 0
+    quiet_orbax()
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def restore_or_init(self, plan: Plan, tx: optax.GradientTransformation, fresh) -> tuple:
+    """``(state, Start)``: the latest checkpoint, else ``config.model_init``'s params, else ``fresh()``.
+
+    The state lands in ``plan``'s shardings. A checkpoint of another model raises
+    ``CheckpointMismatchError`` naming the first differing leaf.
+    """
+    step = self.latest_step()
+    if step is not None:
+      state, start = restore(self.manager, step, plan, tx, self.config.optax_name)
+    elif self.config.get("model_init"):
+      params, source = load_params(self.config.model_init, plan)
+      state = {"params": params, "opt": steps.init_opt(tx, plan, params)}
+      start = Start(0, source)
+      logging.info(
+          "params from config.model_init=%s: %s; optimizer state and step start fresh",
+          self.config.model_init,
+          source,
+      )
+    else:
+      state, start = fresh(), Start(0, "scratch")
+    self.opt_start, self.step = start.opt_start, start.step
+    return state, start
+
+  def step_done(self, step: int, state) -> bool:
+    """Saves if ``step`` is due or preemption was signalled; True when the run must stop now."""
+    self.step = step
+    preempted = self.preemption.reached(step)
+    if preempted or self.manager.should_save(step):
+      save(self.manager, step, state, self._meta(step), force=preempted)
+    if preempted:
+      self.manager.close()  # Waits for the write.
+      logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
+    return preempted
+
+  def close(self, state) -> None:
+    """Saves ``state`` at the last step done (unless saved already); waits for every write."""
+    if self.manager.latest_step() != self.step:
+      save(self.manager, self.step, state, self._meta(self.step), force=True)
+    self.manager.close()
+
+  def _meta(self, step: int) -> dict:
+    return {"step": step, "optax_name": self.config.optax_name, "opt_start": self.opt_start}
+
+
+def open_manager(
+    directory: str,
+    *,
+    ckpt_steps: int | None = None,
+    keep_ckpt_steps: int | None = None,
+    total_steps: int | None = None,
+    read_only: bool = False,
+    use_async: bool = True,
+) -> ocp.CheckpointManager:
+  """An async ``CheckpointManager`` over ``directory`` with the three items and big_vision's policies.
+
+  Example: `open_manager("/tmp/run/checkpoints", ckpt_steps=100, keep_ckpt_steps=1000)`.
+  """
+  save_at = [policies.SpecificStepsPolicy(steps=[total_steps] if total_steps else [])]
+  if ckpt_steps:
+    save_at.append(policies.FixedIntervalPolicy(ckpt_steps))
+  keep = [policies.LatestN(n=1)]
+  if keep_ckpt_steps:
+    keep.append(policies.EveryNSteps(keep_ckpt_steps))
+  options = ocp.CheckpointManagerOptions(
+      save_decision_policy=policies.AnySavePolicy(save_at),
+      preservation_policy=policies.AnyPreservationPolicy(keep),
+      enable_async_checkpointing=use_async,
+      cleanup_tmp_directories=not read_only,
+      read_only=read_only,
+      create=not read_only,
+  )
+  handlers = {
+      PARAMS: ocp.StandardCheckpointHandler(),
+      OPT: ocp.StandardCheckpointHandler(),
+      META: ocp.JsonCheckpointHandler(),
+  }
+  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool) -> None:
+  """Starts an async save of ``state`` (``{"params", "opt"}``) and ``meta`` at ``step``."""
+  args = ocp.args.Composite(
+      **{
+          PARAMS: ocp.args.StandardSave(state["params"]),
+          OPT: ocp.args.StandardSave(state["opt"]),
+          META: ocp.args.JsonSave(meta),
+      }
+  )
+  manager.save(step, args=args, force=force)
+
+
+def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> None:
+  """Raises ``CheckpointMismatchError`` unless the saved params fit ``plan``'s params."""
+  saved = manager.item_metadata(step)[PARAMS]
+  difference = first_difference(leaf_table(plan.abstract()[PARAMS]), leaf_table(saved.tree))
+  if difference:
+    raise CheckpointMismatchError(
+        f"checkpoint {manager.directory / str(step)} is of another model: params/{difference}. "
+        "Point --workdir (or config.model_init) at a checkpoint of this config.model, "
+        "or use a new workdir"
+    )
+
+
+def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, optax_name: str) -> tuple:
+  """``(state, Start)`` from ``step``, in ``plan``'s shardings; a new optimizer's state if it changed."""
+  check_params(manager, step, plan)
+  target = plan.abstract()
+  meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+  saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
+  changed = meta["optax_name"] != optax_name
+  difference = changed or first_difference(leaf_table(target[OPT]), saved_opt)
+  items = {PARAMS: ocp.args.StandardRestore(target[PARAMS])}
+  if not difference:
+    items[OPT] = ocp.args.StandardRestore(target[OPT])
+  restored = manager.restore(step, args=ocp.args.Composite(**items))
+  source = str(manager.directory / str(step))
+  logging.info("resumed at step %d from %s (written by %s)", step, source, meta["optax_name"])
+  if not difference:
+    state = {"params": restored[PARAMS], "opt": restored[OPT]}
+    return state, Start(step, source, meta["opt_start"])
+  why = (
+      f"config.optax_name changed from {meta['optax_name']!r} to {optax_name!r}"
+      if changed
+      else f"its state differs: opt/{difference}"
+  )
+  logging.info(
+      "optimizer changed (%s): params and step %d restored, new %s state born sharded "
+      "from the plan (its count and schedule start at 0)",
+      why,
+      step,
+      optax_name,
+  )
+  params = restored[PARAMS]
+  return {"params": params, "opt": steps.init_opt(tx, plan, params)}, Start(step, source, step)
+
+
+def load_params(path: str, plan: Plan) -> tuple[Any, str]:
+  """Params of the checkpoint at ``path`` in ``plan``'s param shardings, and the step directory.
+
+  ``path`` is a workdir, its ``checkpoints`` directory (latest step) or one step's directory.
+
+  Example: `params, source = load_params("runs/lm", plan)`.
+  """
+  directory, step = _locate(os.path.abspath(path))
+  manager = open_manager(directory, read_only=True) if os.path.isdir(directory) else None
+  complete = manager.all_steps() if manager else []
+  step = max(complete, default=None) if step is None else step
+  if step not in complete:
+    raise ConfigError(
+        f"config.model_init={path}: no complete checkpoint at {directory}; name a workdir, "
+        f"its {CHECKPOINTS}/ directory or one of its step directories"
+    )
+  check_params(manager, step, plan)
+  args = ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(plan.abstract()[PARAMS])})
+  params = manager.restore(step, args=args)[PARAMS]
+  manager.close()
+  return params, os.path.join(directory, str(step))
+
+
+def _locate(path: str) -> tuple[str, int | None]:
+  """(checkpoint directory, step or None for the latest) that a workdir, checkpoints/ or step dir names."""
+  if os.path.isdir(os.path.join(path, CHECKPOINTS)):
+    return os.path.join(path, CHECKPOINTS), None
+  if os.path.basename(path).isdigit():
+    return os.path.dirname(path), int(os.path.basename(path))
+  return path, None
+
+
+class Preemption:
+  """SIGTERM at a step boundary that every process agrees on.
+
+  Several processes: jax's preemption sync point (the coordination service
+  catches SIGTERM on any process and picks the same step for all). One process:
+  a SIGTERM handler sets a flag read at the next step.
+
+  Example: `if Preemption().reached(step): save_and_exit()`.
+  """
+
+  def __init__(self):
+    self.signalled = False
+    self.multi = jax.process_count() > 1
+    if not self.multi:
+      signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    logging.info("SIGTERM: saving at the end of this step")
+    self.signalled = True
+
+  def reached(self, step: int) -> bool:
+    if self.multi:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.signalled
+
+
+class _NoOrbaxInfo(logging_lib.Filter):
+
+  def filter(self, record):
+    return record.levelno >= logging_lib.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def quiet_orbax() -> None:
+  """Drops orbax's INFO lines (dozens per save) from the log; its warnings and errors stay."""
+  logger = logging_lib.getLogger("absl")
+  if not any(isinstance(f, _NoOrbaxInfo) for f in logger.filters):
+    logger.addFilter(_NoOrbaxInfo())
+
+
+def _key_text(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
