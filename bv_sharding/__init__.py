@@ -11,7 +11,9 @@ Example:
 """
 
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
+from bv_sharding.coverage import check_coverage
 from bv_sharding.errors import Error, ShardingError
+from bv_sharding.fingerprint import check_same_plan
 from bv_sharding.mesh import make_abstract_mesh, make_mesh
 from bv_sharding.names import flatten as flatten_with_names
 from bv_sharding.plan import Entry, Plan, infer_sharding, plan
@@ -22,6 +24,8 @@ __all__ = [
     "Error",
     "Plan",
     "ShardingError",
+    "check_coverage",
+    "check_same_plan",
     "flatten_with_names",
     "infer_sharding",
     "lookup",

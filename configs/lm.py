@@ -8,6 +8,7 @@ The default (tiny) runs in about a minute on a 2-core CPU with 8 simulated devic
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs.common import parse_arg
 
@@ -31,10 +32,13 @@ def get_config(arg=None):
   config.eval_every = 100
 
   config.mesh = (("data", -1),)
+  config.dcn_mesh = ()  # Across TPU slices, e.g. (("data", 2),); () = one slice.
   # min_size_to_shard_mb=0: shard even the tiny model's leaves (the default is 1 MiB).
   config.sharding_strategy = ((".*", 'llm_fsdp(axis="data", min_size_to_shard_mb=0)'),)
   config.sharding_rules = (("act_batch", "data"),)
   config.data_axes = ()  # () = the mesh axes the "act_batch" rule maps to.
+  # Refuse to start when more of the state's bytes is unsharded (None: no gate).
+  config.max_unsharded_fraction = config_dict.placeholder(float)
 
   config.optax_name = "adamw"
   config.optax = dict()

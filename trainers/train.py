@@ -13,7 +13,10 @@ allocated. Process 0 writes `workdir/config.json` and `workdir/metrics.jsonl`.
 
 On CPU every process simulates `--devices_per_process` devices (default 8);
 `--coordinator_address/--num_processes/--process_id` (or BV_COORDINATOR,
-BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed.
+BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed; without them a job jax
+detects (TPU pod, SLURM, ...) starts it from the environment (`--nodistributed_auto`: off).
+Before allocating, every process checks that all computed the same plan, and
+`config.max_unsharded_fraction` (if set) gates the plan's coverage.
 """
 
 import os
@@ -32,7 +35,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import bv_sharding as bvs
-from trainers import data, models, optimizers, steps, tasks
+from trainers import components, data, distributed, optimizers, steps, tasks
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -53,6 +56,12 @@ _PROCESS_ID = flags.DEFINE_integer(
     int(os.environ.get("BV_PROCESS_ID", 0)),
     "This process's id in [0, num_processes).",
 )
+_AUTO = flags.DEFINE_bool(
+    "distributed_auto",
+    True,
+    "Without --coordinator_address, start jax.distributed where jax detects a cluster "
+    "(TPU pods, SLURM, Open MPI, Kubernetes); --nodistributed_auto for single-host runs.",
+)
 _DEVICES = flags.DEFINE_integer(
     "devices_per_process",
     int(os.environ.get("BV_DEVICES_PER_PROCESS", 8)),
@@ -66,8 +75,7 @@ def main(argv):
   config = _CONFIG.value
   # Both must happen before anything starts the backend.
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-  if _COORDINATOR.value:
-    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  how = distributed.start(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _AUTO.value)
   lead = jax.process_index() == 0
   metrics_path = os.path.join(_WORKDIR.value, "metrics.jsonl")
   if lead:
@@ -76,14 +84,15 @@ def main(argv):
       f.write(config.to_json_best_effort(indent=2))
     open(metrics_path, "w").close()
   logging.info(
-      "process %d of %d, %d devices (%d here)",
+      "process %d of %d (%s), %d devices (%d here)",
       jax.process_index(),
       jax.process_count(),
+      how,
       jax.device_count(),
       jax.local_device_count(),
   )
 
-  mesh = bvs.make_mesh(config.mesh)
+  mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.get("dcn_mesh"))
   data_axes = steps.data_axes(mesh, config.sharding_rules, config.data_axes)
   steps.check_batch_size(config.batch_size, mesh, data_axes, jax.process_count())
   batch_sharding = steps.batch_sharding(mesh, data_axes)
@@ -98,36 +107,20 @@ def main(argv):
       )
   )
 
-  model = models.get_model(config.model_name, **config.model.to_dict())
-  example = task.inputs(jax.tree.map(lambda x: x[:1], eval_batches[0]))
-  init = lambda: model.init(jax.random.key(config.seed), example)["params"]
+  model, init = components.model_and_init(config, components.example_input(task, eval_batches[0]))
 
   def loss_fn(params, batch):
     return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
 
-  schedule = (
-      None
-      if config.schedule is None
-      else {"total_steps": config.total_steps, **config.schedule.to_dict()}
-  )
-  try:
-    tx = optimizers.make_optimizer(
-        config.optax_name,
-        config.lr,
-        schedule=schedule,
-        weight_decay=config.wd,
-        clip_norm=config.grad_clip_norm,
-        **config.optax.to_dict(),
-    )
-  except optimizers.OptimizerError as e:
-    raise optimizers.OptimizerError(f"config.optax_name / config.optax: {e}") from None
+  tx, schedule = components.optimizer(config), components.schedule(config)
   lr = optimizers.make_schedule(config.lr, **schedule) if schedule else lambda _: config.lr
 
-  plan = bvs.plan(
-      steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
-  )
+  plan = components.plan_state(config, init, tx, mesh)
   if lead:
     logging.info("sharding plan:\n%s", plan.report())
+  if config.get("max_unsharded_fraction") is not None:
+    bvs.check_coverage(plan, config.max_unsharded_fraction)
+  bvs.check_same_plan(plan)  # Before allocating: every process planned the same.
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
   eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
 
