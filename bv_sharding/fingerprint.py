@@ -61,7 +61,9 @@ def check_same_plan(plan: Plan) -> None:
   if (heads == heads[0]).all():
     return
   crcs = np.zeros(int(heads[:, DIGEST_BYTES].max()), np.int32)
-  crcs[: len(lines)] = [np.int32(np.uint32(zlib.crc32(line.encode())).view(np.int32)) for line in lines]
+  crcs[: len(lines)] = [
+      np.int32(np.uint32(zlib.crc32(line.encode())).view(np.int32)) for line in lines
+  ]
   everyone = multihost_utils.process_allgather(crcs)
   raise ShardingError(_difference(lines, everyone, jax.process_index()))
 

@@ -113,9 +113,7 @@ def hybrid_devices(
   num_slices = len({d.slice_index for d in devices})
   names, ici, dcn = _split_sizes(config_mesh, dcn_mesh, len(devices), num_slices)
   try:
-    array = mesh_utils.create_hybrid_device_mesh(
-        ici, dcn, devices, allow_split_physical_axes=True
-    )
+    array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
   except (ValueError, AssertionError, NotImplementedError) as e:
     raise ShardingError(
         f"config.mesh {config_mesh!r} (per slice {dict(zip(names, ici))}) with "

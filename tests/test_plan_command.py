@@ -119,7 +119,9 @@ def test_diff_optimizers_prints_only_what_changes():
   assert "optimizer: adamw -> kron" in out
   assert any(line.startswith("+ opt/1/0/Qs_preconditioners/") for line in lines)
   assert any(line.startswith("- opt/1/0/nu/") for line in lines)
-  assert not any("params/" in line.split(" ")[1] for line in lines if line[:2] in ("~ ", "- ", "+ "))
+  assert not any(
+      "params/" in line.split(" ")[1] for line in lines if line[:2] in ("~ ", "- ", "+ ")
+  )
   assert "params MiB/device" not in out and "optimizer state MiB/device" in out
 
 

@@ -269,10 +269,10 @@ def diff_text(d: dict) -> str:
 def draw(rep: dict, path: str, largest: int = 12) -> None:
   """Per-device memory by component next to the ideal, and the largest per-device leaves."""
   try:
-    import matplotlib  # noqa: PLC0415  (optional extra: pip install -e ".[plot]")
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
   except ImportError:
     raise ConfigError('--png needs matplotlib: pip install -e ".[plot]"') from None
   d = rep["per_device"]

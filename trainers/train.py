@@ -83,11 +83,11 @@ def main(argv):
     with open(os.path.join(_WORKDIR.value, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
     open(metrics_path, "w").close()
+  logging.info("jax.distributed: %s", how)
   logging.info(
-      "process %d of %d (%s), %d devices (%d here)",
+      "process %d of %d, %d devices (%d here)",
       jax.process_index(),
       jax.process_count(),
-      how,
       jax.device_count(),
       jax.local_device_count(),
   )
