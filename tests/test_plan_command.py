@@ -8,6 +8,10 @@ import contextlib
 import io
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -139,11 +143,18 @@ def test_diff_meshes():
   assert out.splitlines()[2:] == ["0 leaves changed, 0 only in A, 0 only in B"]
 
 
+def test_multi_slice_mesh_plans_on_ici_times_dcn():
+  status, out, _ = run("--format=json", "--dcn-mesh", '[("data", 2)]', "--mesh", MESH, "--rows=0")
+  assert status == 0
+  assert json.loads(out)["mesh"] == {"data": 128, "model": 4}
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [
         (("--mesh", "[('data', 64), ('model', 4)"), "is not a literal list"),
         (("--mesh", '[("data", 3), ("model", 4)]', "--num-devices=256"), "covers 12 devices"),
+        (("--mesh", '["data", 64]'), "list of (axis_name, size) pairs"),
         (("--config.optax_name=adamww",), "Unknown optimizer 'adamww'"),
         (("--config.nope=1",), "'nope'"),
     ],
@@ -151,3 +162,29 @@ def test_diff_meshes():
 def test_bad_input_exits_2_naming_it(args, fragment):
   status, _, err = run(*args)
   assert status == 2 and fragment in err, err
+
+
+@pytest.mark.timeout(120)
+def test_trainer_refuses_a_plan_over_config_max_unsharded_fraction(tmp_path):
+  """The same gate from the config: the trainer stops before allocating anything."""
+  done = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "trainers.train",
+          "--config=configs/lm.py",
+          f"--workdir={tmp_path}",
+          "--config.max_unsharded_fraction=0.0001",
+          "--config.batch_size=16",
+          "--config.seq_len=64",
+      ],
+      cwd=pathlib.Path(__file__).resolve().parents[1],
+      env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"},
+      capture_output=True,
+      text=True,
+      timeout=110,
+  )
+  out = done.stdout + done.stderr
+  assert done.returncode != 0
+  assert "more than max_unsharded_fraction=0.0001" in out and "Largest unsharded leaves" in out
+  assert "initialising params" not in out

@@ -18,6 +18,7 @@ traced with `jax.eval_shape`. It prints:
 * the coverage (bytes-weighted share of the full split over every mesh axis),
   strategy entries that claimed no leaf and leaves no entry claimed.
 
+`--dcn-mesh` overrides `config.dcn_mesh` (a multi-slice pod: each axis `ici * dcn` long).
 `--format json` prints the same as JSON; `--png FILE` draws per-device memory by
 component and the largest leaves (`pip install -e ".[plot]"`); `--diff OVERRIDE`
 (repeatable) plans a second time with the overrides added (e.g. `config.optax_name=kron`
@@ -51,10 +52,12 @@ GATE_FAILED, BAD_CONFIG = 1, 2
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """One plan's inputs: the config, the mesh's pairs, the device count, and the arguments."""
+  """One plan's inputs: the config, the mesh's (and across slices) pairs, the device count, the
+  arguments."""
 
   config: object
   mesh: tuple
+  dcn_mesh: tuple
   num_devices: int
   args: tuple[str, ...]
 
@@ -67,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
       formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("--mesh", help='overrides config.mesh, e.g. \'[("data", 64), ("model", 4)]\'')
+  p.add_argument("--dcn-mesh", help="overrides config.dcn_mesh (across TPU slices)")
   p.add_argument("--num-devices", type=int, help="devices to plan for (sizes -1 axes)")
   p.add_argument("--format", choices=("text", "json"), default="text")
   p.add_argument("--png", help="draw per-device memory and the largest leaves to this file")
@@ -112,26 +116,27 @@ def load_config(args) -> object:
 def setup(options, config_args) -> Setup:
   """Resolves the config, the mesh (`--mesh` wins over `config.mesh`) and the device count."""
   config = load_config(config_args)
-  mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh)
+  mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
   dcn = config.get("dcn_mesh") or ()
-  sizes = [size for _, size in (*mesh, *dcn)]
-  if options.num_devices:
-    num_devices = options.num_devices
-  elif sizes and all(isinstance(s, int) and s > 0 for s in sizes):
-    num_devices = math.prod(sizes)
-  else:
-    num_devices = config.get("num_devices") or jax.device_count()
-  args = (*config_args, *([f"--mesh={options.mesh}"] if options.mesh else []))
-  return Setup(config, tuple(mesh), num_devices, args)
+  dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn-mesh")
+  num_devices = (
+      options.num_devices
+      or _fixed_size([*mesh, *dcn])
+      or config.get("num_devices")
+      or jax.device_count()
+  )
+  given = [(flag, v) for flag, v in (("--mesh", options.mesh), ("--dcn-mesh", options.dcn_mesh))]
+  args = (*config_args, *(f"{flag}={v}" for flag, v in given if v))
+  return Setup(config, tuple(mesh), tuple(dcn), num_devices, args)
 
 
-def parse_mesh(text: str) -> tuple:
-  """`--mesh` as a literal list of `(name, size)` pairs (parsed, never evaluated)."""
+def parse_mesh(text: str, flag: str) -> tuple:
+  """`--mesh` (or `--dcn-mesh`) as a literal list of `(name, size)` pairs, never evaluated."""
   try:
     return tuple(ast.literal_eval(text))
   except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
     raise ConfigError(
-        f"--mesh {text!r} is not a literal list of (axis_name, size) pairs, e.g. "
+        f"{flag} {text!r} is not a literal list of (axis_name, size) pairs, e.g. "
         '\'[("data", 64), ("model", 4)]\''
     ) from None
 
@@ -142,7 +147,7 @@ def make_plan(s: Setup) -> bvs.Plan:
   task = tasks.get_task(config)
   batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
   _, init = components.model_and_init(config, components.example_input(task, batch))
-  mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=config.get("dcn_mesh"))
+  mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh)
   return components.plan_state(config, init, components.optimizer(config), mesh)
 
 
@@ -348,6 +353,13 @@ def _row(plan: bvs.Plan, e: bvs.Entry) -> dict:
       "unsharded_bytes": coverage.unsharded_bytes(plan, e),
       "why": e.why,
   }
+
+
+def _fixed_size(pairs) -> int | None:
+  """The devices `(name, size)` pairs cover when every size is given, else None (a -1, a typo)."""
+  sizes = [p[1] if isinstance(p, (tuple, list)) and len(p) == 2 else None for p in pairs]
+  ok = sizes and all(isinstance(n, int) and n > 0 for n in sizes)
+  return math.prod(sizes) if ok else None
 
 
 def _is_param(row: dict) -> bool:
