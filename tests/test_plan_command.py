@@ -143,6 +143,15 @@ def test_diff_meshes():
   assert out.splitlines()[2:] == ["0 leaves changed, 0 only in A, 0 only in B"]
 
 
+def test_num_devices_sizes_the_minus_one_axis():
+  status, out, _ = run(
+      "--format=json", "--mesh", '[("data", -1), ("model", 4)]', "--num-devices=512"
+  )
+  assert status == 0 and json.loads(out)["mesh"] == {"data": 128, "model": 4}
+  status, out, _ = run("--format=json", "--mesh", '[("data", -1), ("model", 4)]')
+  assert status == 0 and json.loads(out)["num_devices"] == 256  # config.num_devices
+
+
 def test_multi_slice_mesh_plans_on_ici_times_dcn():
   status, out, _ = run("--format=json", "--dcn-mesh", '[("data", 2)]', "--mesh", MESH, "--rows=0")
   assert status == 0
