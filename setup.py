@@ -3,6 +3,7 @@
 import setuptools
 
 STYLE = ["pyink==26.5.1", "ruff==0.17.6"]  # The house style (pyproject.toml), checked in CI.
+PLOT = ["matplotlib>=3.8,<4"]
 TEST = [
     "pytest>=8,<10",
     "pytest-timeout>=2.3,<3",
@@ -12,6 +13,7 @@ TEST = [
     # aliases of benchmarks/compat.py).
     "psgd-jax==0.2.9",
     "precondition-opt==0.3.0",
+    *PLOT,
     *STYLE,
 ]
 
@@ -33,6 +35,7 @@ setuptools.setup(
     ],
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],
+        "plot": PLOT,  # trainers.plan --png
         "test": TEST,
         "dev": TEST,  # The tests, the formatter and the linter.
     },

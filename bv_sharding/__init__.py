@@ -22,7 +22,9 @@ Writing an op of your own needs :mod:`bv_sharding.ops` (``Leaf``, ``place``,
 
 from bv_sharding import ops
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
+from bv_sharding.coverage import check_coverage
 from bv_sharding.errors import Error, ShardingError, ShardingWarning
+from bv_sharding.fingerprint import check_same_plan
 from bv_sharding.mesh import make_abstract_mesh, make_mesh
 from bv_sharding.names import flatten as flatten_with_names
 from bv_sharding.plan import Entry, Plan, infer_sharding, plan
@@ -34,6 +36,8 @@ __all__ = [
     "Plan",
     "ShardingError",
     "ShardingWarning",
+    "check_coverage",
+    "check_same_plan",
     "flatten_with_names",
     "infer_sharding",
     "lookup",

@@ -4,24 +4,39 @@ At most one size may be ``-1`` (the rest of the devices). Axes are ``Auto``:
 ``jax.make_mesh`` defaults to Explicit axes in jax 0.10, under which common
 optimizer code raises ``ShardingTypeError``.
 
+Multi-slice pods (MaxText's ``dcn_*`` idea): ``config.mesh`` is the mesh inside one
+slice (ICI) and ``config.dcn_mesh`` the mesh across slices (DCN), a list of
+``(axis_name, size)`` pairs over axes of ``config.mesh`` (an axis left out has
+size 1; ``-1`` takes the rest of the slices). Each axis of the result is
+``ici * dcn`` long, slices outermost, so traffic over an axis the DCN part does
+not split stays inside a slice. The devices come from jax's
+``mesh_utils.create_hybrid_device_mesh``, which needs devices with a
+``slice_index`` (TPU multi-slice).
+
 Example:
   >>> dict(make_mesh([("data", -1), ("model", 2)]).shape)  # the 8 simulated test devices
   {'data': 4, 'model': 2}
   >>> dict(make_abstract_mesh([("data", -1), ("model", 8)], 256).shape)  # no devices needed
   {'data': 32, 'model': 8}
+  >>> dict(make_abstract_mesh([("data", -1), ("model", 4)], 512, dcn_mesh=[("data", 2)]).shape)
+  {'data': 128, 'model': 4}
 """
 
 import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from bv_sharding.errors import ShardingError
 
 
-def axis_sizes(config_mesh: Sequence, num_devices: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
-  """Resolves ``config.mesh`` for ``num_devices`` into ``(names, sizes)``.
+def axis_sizes(
+    config_mesh: Sequence, num_devices: int, key: str = "config.mesh"
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+  """Resolves ``config.mesh`` for ``num_devices`` into ``(names, sizes)``; ``key`` names it in errors.
 
   Example:
     >>> axis_sizes([("data", -1), ("model", 2)], 8)
@@ -35,45 +50,135 @@ def axis_sizes(config_mesh: Sequence, num_devices: int) -> tuple[tuple[str, ...]
     raise ShardingError(
         f"num_devices={num_devices!r}: a mesh needs a whole number of devices >= 1, e.g. 8"
     )
-  pairs = _pairs(config_mesh)
+  pairs = _pairs(config_mesh, key)
   names = tuple(name for name, _ in pairs)
   sizes = [size for _, size in pairs]
   if sizes.count(-1) > 1:
     raise ShardingError(
-        f"config.mesh {list(pairs)} has more than one -1; at most one axis "
+        f"{key} {list(pairs)} has more than one -1; at most one axis "
         "may take the rest of the devices"
     )
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
       raise ShardingError(
-          f"config.mesh {list(pairs)}: the fixed axes ({known} devices) do not "
+          f"{key} {list(pairs)}: the fixed axes ({known} devices) do not "
           f"divide the {num_devices} devices; make {num_devices} a multiple"
       )
     sizes[sizes.index(-1)] = num_devices // known
   elif known != num_devices:
     raise ShardingError(
-        f"config.mesh {list(pairs)} covers {known} devices but there are "
+        f"{key} {list(pairs)} covers {known} devices but there are "
         f"{num_devices}; make the sizes multiply to {num_devices} or use -1 "
         "for one axis"
     )
   return names, tuple(sizes)
 
 
-def make_mesh(config_mesh: Sequence, devices: Sequence | None = None) -> Mesh:
-  """A ``Mesh`` with Auto axes over ``devices`` (default: all of ``jax.devices()``)."""
+def make_mesh(
+    config_mesh: Sequence, devices: Sequence | None = None, dcn_mesh: Sequence | None = None
+) -> Mesh:
+  """A ``Mesh`` with Auto axes over ``devices`` (default: all of ``jax.devices()``).
+
+  With ``dcn_mesh`` (``config.dcn_mesh``), a hybrid ICI x DCN mesh over TPU slices.
+  """
   devices = jax.devices() if devices is None else list(devices)
+  auto = lambda n: (AxisType.Auto,) * n
+  if dcn_mesh:
+    names, array = hybrid_devices(config_mesh, dcn_mesh, devices)
+    return Mesh(array, names, axis_types=auto(len(names)))
   names, sizes = axis_sizes(config_mesh, len(devices))
-  return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+  return jax.make_mesh(sizes, names, axis_types=auto(len(names)), devices=devices)
 
 
-def make_abstract_mesh(config_mesh: Sequence, num_devices: int) -> AbstractMesh:
-  """An ``AbstractMesh`` for planning ``num_devices`` without having them."""
-  names, sizes = axis_sizes(config_mesh, num_devices)
+def make_abstract_mesh(
+    config_mesh: Sequence,
+    num_devices: int,
+    dcn_mesh: Sequence | None = None,
+    num_slices: int | None = None,
+) -> AbstractMesh:
+  """An ``AbstractMesh`` for planning ``num_devices`` without having them.
+
+  With ``dcn_mesh``, ``num_devices`` spans ``num_slices`` slices (default: the
+  product of the ``dcn_mesh`` sizes, which then may not hold a ``-1``) and each
+  axis is ``ici * dcn`` long, as :func:`make_mesh` builds it on the pod.
+  """
+  if not dcn_mesh:
+    names, sizes = axis_sizes(config_mesh, num_devices)
+  else:
+    names, sizes = _hybrid_sizes(config_mesh, dcn_mesh, num_devices, num_slices)
   return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def _pairs(config_mesh) -> tuple[tuple[str, int], ...]:
+def hybrid_devices(
+    config_mesh: Sequence, dcn_mesh: Sequence, devices: Sequence
+) -> tuple[tuple[str, ...], np.ndarray]:
+  """``(names, device array)`` of the hybrid ICI x DCN mesh over ``devices``' slices.
+
+  Raises ``ShardingError`` where the devices have no ``slice_index`` (CPU, GPU,
+  one TPU slice without it) or do not split as the two meshes ask.
+  """
+  missing = next((d for d in devices if getattr(d, "slice_index", None) is None), None)
+  if missing is not None:
+    raise ShardingError(
+        f"config.dcn_mesh {dcn_mesh!r} needs devices in TPU slices, but device "
+        f"{missing} ({missing.platform}) has no slice_index; drop config.dcn_mesh to use "
+        "config.mesh alone (one slice, CPU or GPU)"
+    )
+  num_slices = len({d.slice_index for d in devices})
+  names, ici, dcn = _split_sizes(config_mesh, dcn_mesh, len(devices), num_slices)
+  try:
+    array = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+  except (ValueError, AssertionError, NotImplementedError) as e:
+    raise ShardingError(
+        f"config.mesh {config_mesh!r} (per slice {dict(zip(names, ici))}) with "
+        f"config.dcn_mesh {dcn_mesh!r} (across slices {dict(zip(names, dcn))}) does "
+        f"not fit the {len(devices)} devices in {num_slices} slices: {e}"
+    ) from None
+  return names, array
+
+
+def _hybrid_sizes(config_mesh, dcn_mesh, num_devices, num_slices):
+  """``(names, ici * dcn sizes)`` for ``num_devices`` in ``num_slices`` slices."""
+  if num_slices is None:
+    _, dcn_pairs = _aligned_dcn(config_mesh, dcn_mesh)
+    if any(size == -1 for _, size in dcn_pairs):
+      raise ShardingError(
+          f"config.dcn_mesh {dcn_mesh!r} has a -1: say how many slices to plan for "
+          "(num_slices) or give every size"
+      )
+    num_slices = math.prod(size for _, size in dcn_pairs)
+  names, ici, dcn = _split_sizes(config_mesh, dcn_mesh, num_devices, num_slices)
+  return names, tuple(i * d for i, d in zip(ici, dcn))
+
+
+def _split_sizes(config_mesh, dcn_mesh, num_devices, num_slices):
+  """``(names, ici sizes, dcn sizes)``: ``config.mesh`` per slice, ``dcn_mesh`` across slices."""
+  if num_devices % num_slices:
+    raise ShardingError(
+        f"{num_devices} devices do not split into {num_slices} equal slices for "
+        f"config.dcn_mesh {dcn_mesh!r}"
+    )
+  names, dcn_pairs = _aligned_dcn(config_mesh, dcn_mesh)
+  _, ici = axis_sizes(config_mesh, num_devices // num_slices)
+  _, dcn = axis_sizes(dcn_pairs, num_slices, key="config.dcn_mesh")
+  return names, ici, dcn
+
+
+def _aligned_dcn(config_mesh, dcn_mesh):
+  """``config.mesh``'s names and ``dcn_mesh`` as one pair per mesh axis (size 1 if left out)."""
+  names = tuple(name for name, _ in _pairs(config_mesh))
+  dcn = dict(_pairs(dcn_mesh, "config.dcn_mesh"))
+  unknown = [name for name in dcn if name not in names]
+  if unknown:
+    raise ShardingError(
+        f"config.dcn_mesh {dcn_mesh!r} names axis {unknown[0]!r}, which config.mesh "
+        f"does not have; use axes of {list(names)}"
+    )
+  return names, tuple((name, dcn.get(name, 1)) for name in names)
+
+
+def _pairs(config_mesh, key: str = "config.mesh") -> tuple[tuple[str, int], ...]:
   try:
     pairs = tuple((name, size) for name, size in config_mesh)
   except (TypeError, ValueError):
@@ -88,10 +193,10 @@ def _pairs(config_mesh) -> tuple[tuple[str, int], ...]:
   )
   if not ok:
     raise ShardingError(
-        f"config.mesh must be a non-empty list of (axis_name, size) pairs with "
+        f"{key} must be a non-empty list of (axis_name, size) pairs with "
         f'sizes > 0 or -1, e.g. [("data", -1), ("model", 2)]; got {config_mesh!r}'
     )
   names = [n for n, _ in pairs]
   if len(set(names)) != len(names):
-    raise ShardingError(f"config.mesh {list(pairs)} names an axis twice; axis names must be unique")
+    raise ShardingError(f"{key} {list(pairs)} names an axis twice; axis names must be unique")
   return pairs

@@ -114,8 +114,17 @@ class Plan:
 
   @property
   def coverage(self) -> float:
-    """Fraction of all bytes that is sharded."""
-    return sum(e.nbytes for e in self.entries if e.sharded) / max(self.total_bytes, 1)
+    """Bytes-weighted fraction of the ideal split achieved, in [0, 1].
+
+    Each leaf counts its bytes times ``pieces / devices``: the pieces its spec cuts
+    it into over the mesh's device count. A leaf split over every mesh axis counts
+    fully, one split over ``data`` only on a ``data x model`` mesh counts
+    ``data / (data * model)`` of its bytes, a replicated leaf nothing. ``1 - coverage``
+    is the unsharded fraction ``bvs.check_coverage`` gates on.
+    """
+    sizes = dict(self.mesh.shape)
+    split = sum(e.nbytes * specs.shards(tuple(e.spec), sizes) for e in self.entries)
+    return split / self.num_devices / max(self.total_bytes, 1)
 
   def by_name(self) -> dict[str, Entry]:
     return {e.name: e for e in self.entries}
@@ -165,7 +174,7 @@ class Plan:
         f"mesh {dict(self.mesh.shape)}: {len(self.entries)} leaves, "
         f"{self.total_bytes / MiB:.2f} MiB in all, {self.bytes_per_device / MiB:.2f} MiB per "
         f"device ({self.bytes_per_device / max(ideal, 1):.3f}x the ideal), "
-        f"{100 * self.coverage:.1f}% of bytes sharded"
+        f"coverage {100 * self.coverage:.1f}% of the {self.num_devices}-way split"
     )
     for e in self.unsharded()[:largest_unsharded]:
       lines.append(f"  unsharded: {e.name} {e.shape} {e.nbytes / MiB:.3f} MiB: {e.why}")
@@ -366,17 +375,19 @@ def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
 
 
 def _fallback(leaf: Leaf, spec: Spec, candidates) -> tuple[Spec, str]:
-  """Size-based rule: the block-batch dim 0 of a 3+-d stack first, else the largest divisible dim."""
-  note = "no mesh axis to use"
+  """Size-based rule, for every candidate axis in turn (so a leaf can use the whole mesh): the
+  block-batch dim 0 of a 3+-d stack first, else the largest free divisible dim."""
+  placed, note = [], "no mesh axis to use"
   for axis in candidates:
+    new = spec
     if leaf.ndim >= 3:
       new, note = specs.place(leaf, spec, 0, axis, requested=False)
-      if new != spec:
-        return new, note
-    new, note = specs.place_largest(dataclasses.replace(leaf, strict=False), spec, axis)
+    if new == spec:
+      new, note = specs.place_largest(dataclasses.replace(leaf, strict=False), spec, axis)
     if new != spec:
-      return new, note
-  return spec, note
+      spec = new
+      placed.append(note)
+  return spec, "; ".join(placed) or note
 
 
 def _fallback_axes(leaf: Leaf, ops) -> list:

@@ -21,12 +21,15 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval_batches = 4  # Fixed held-out batches, the same at every eval.
   config.log_every = 20
   config.mesh = (("data", -1),)
+  config.dcn_mesh = ()  # Across TPU slices, e.g. (("data", 2),); () = one slice.
   config.sharding_rules = (("act_batch", "data"),)
   config.data_axes = ()  # () = the mesh axes the "act_batch" rule maps to.
   config.optax_name = "adamw"
   config.optax = dict()
   config.wd = 1e-4
   config.grad_clip_norm = 1.0  # None: no clipping.
+  # Refuse to start when more of the state's bytes is unsharded (None: no gate).
+  config.max_unsharded_fraction = ml_collections.config_dict.placeholder(float)
   config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   # big_vision's keys: save every ckpt_steps (and at the end, and on SIGTERM); keep the
   # checkpoints at multiples of keep_ckpt_steps for good (else only the latest is kept).

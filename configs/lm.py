@@ -14,9 +14,8 @@ from trainers import sources
 def get_config(arg=None):
   """The LM config; ``arg``: ``size=tiny|small|medium``."""
   arg = parse_arg(arg, size="tiny")
-  config = (
-      base_config()
-  )  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping, checkpoints
+  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping, checkpoints:
+  config = base_config()
 
   # The Python standard library's source as a byte-level text corpus (first 4 MiB);
   # configs/lm_data.py trains on your own token files or text.

@@ -2,8 +2,8 @@
 
 For planning tools, not for running here: ``config.num_devices`` (256) is the pod
 size to plan for with ``bvs.make_abstract_mesh(config.mesh, config.num_devices)``,
-which allocates nothing. ``trainers/train.py`` ignores ``num_devices`` and uses the
-devices it has.
+which allocates nothing (``python -m trainers.plan --config configs/lm_7b_pod.py``).
+``trainers/train.py`` ignores ``num_devices`` and uses the devices it has.
 
 Example:
   >>> import flax.linen as nn
@@ -35,6 +35,7 @@ def get_config(arg=None):
   config.batch_size = 256
   config.mesh = (("data", -1), ("model", 4))
   config.sharding_strategy = ((".*", 'tensor_parallel(axis="model")|llm_fsdp(axis="data")'),)
+  config.max_unsharded_fraction = 0.02  # Refuse plans that leave more than 2% unsharded.
   config.sharding_rules = (
       ("act_batch", "data"),
       ("act_heads", "model"),

@@ -21,6 +21,8 @@ def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: in
       f"--config.log_every={log_every}",
       f"--config.eval_every={eval_every}",
       f"--config.eval_batches={eval_batches}",
+      # big_vision's schedules need the warmup to end before the run does.
+      f"--config.schedule.warmup_steps={min(10, total_steps // 2)}",
   )
 
 

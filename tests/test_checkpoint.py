@@ -37,6 +37,7 @@ RUN = (
     "--config.eval_batches=1",
     "--config.ckpt_steps=2",
     "--config.keep_ckpt_steps=4",
+    "--config.schedule.warmup_steps=2",  # big_vision's schedules end the warmup before the run.
 )
 ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
 
@@ -255,7 +256,7 @@ def tiny_lm(optax_name="adamw"):
   """The tiny Llama and optimizer of configs/lm.py, for restoring in this process."""
   model = models.get_model("llama", size="tiny", scan_layers=False, remat=False)
   init = lambda: model.init(jax.random.key(0), np.zeros((1, 32), np.int32))["params"]
-  schedule = {"warmup_steps": 10, "decay": "cosine", "end_value": 3e-4, "total_steps": STEPS}
+  schedule = {"warmup_steps": 2, "decay_type": "cosine", "total_steps": STEPS}
   tx = optimizers.make_optimizer(
       optax_name, 3e-3, schedule=schedule, weight_decay=1e-4, clip_norm=1.0
   )

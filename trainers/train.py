@@ -19,7 +19,10 @@ resumes from it exactly (trainers/checkpoint.py). A NaN or infinite loss stops t
 
 On CPU every process simulates `--devices_per_process` devices (default 8);
 `--coordinator_address/--num_processes/--process_id` (or BV_COORDINATOR,
-BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed.
+BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed; without them a job jax
+detects (TPU pod, SLURM, ...) starts it from the environment (`--nodistributed_auto`: off).
+Before allocating, every process checks that all computed the same plan, and
+`config.max_unsharded_fraction` (if set) gates the plan's coverage.
 """
 
 import os
@@ -41,10 +44,10 @@ import bv_sharding as bvs
 from trainers import (
     checkpoint,
     cli,
+    components,
     data,
+    distributed,
     divergence,
-    models,
-    optimizers,
     prefetch,
     provenance,
     steps,
@@ -78,6 +81,12 @@ _PROCESS_ID = flags.DEFINE_integer(
     int(os.environ.get("BV_PROCESS_ID", 0)),
     "This process's id in [0, num_processes).",
 )
+_AUTO = flags.DEFINE_bool(
+    "distributed_auto",
+    True,
+    "Without --coordinator_address, start jax.distributed where jax detects a cluster "
+    "(TPU pods, SLURM, Open MPI, Kubernetes); --nodistributed_auto for single-host runs.",
+)
 _DEVICES = flags.DEFINE_integer(
     "devices_per_process",
     int(os.environ.get("BV_DEVICES_PER_PROCESS", 8)),
@@ -98,9 +107,9 @@ def main(argv):
   workdir.check(_WORKDIR.value)
   # Both must happen before anything starts the backend.
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-  if _COORDINATOR.value:
-    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  how = distributed.start(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _AUTO.value)
   is_main_process = jax.process_index() == 0
+  logging.info("jax.distributed: %s", how)
   logging.info(
       "process %d of %d, %d devices (%d here)",
       jax.process_index(),
@@ -109,7 +118,7 @@ def main(argv):
       jax.local_device_count(),
   )
 
-  mesh = bvs.make_mesh(config.mesh)
+  mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.get("dcn_mesh"))
   data_axes = steps.data_axes(mesh, config.sharding_rules, config.data_axes)
   steps.check_batch_size(config.batch_size, mesh, data_axes, jax.process_count())
   batch_sharding = steps.batch_sharding(mesh, data_axes)
@@ -123,24 +132,21 @@ def main(argv):
       )
   )
 
-  model = models.get_model(config.model_name, **config.model.to_dict())
+  model, init = components.model_and_init(config, components.example_input(task, eval_batches[0]))
   task.check(model)  # Token ids / labels fit the model, before init.
-  example = task.inputs(jax.tree.map(lambda x: x[:1], eval_batches[0]))
-  init = lambda: model.init(jax.random.key(config.seed), example)["params"]
 
   def loss_fn(params, batch):
     return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
 
   # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
-  tx, learning_rates = optimizers.from_config(config)
-  policy = config.get("on_nonfinite", "stop")
-  tx = divergence.guard(tx, policy)
+  tx, learning_rates = components.optimizer(config)
 
-  plan = bvs.plan(
-      steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
-  )
+  plan = components.plan_state(config, init, tx, mesh)
   if is_main_process:
     logging.info("sharding plan:\n%s", plan.report())
+  if config.get("max_unsharded_fraction") is not None:
+    bvs.check_coverage(plan, config.max_unsharded_fraction)
+  bvs.check_same_plan(plan)  # Before allocating: every process planned the same.
   logging.info("%s", validation.check_memory(plan, jax.local_devices()))
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
   eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
@@ -157,7 +163,11 @@ def main(argv):
     if note:
       logging.warning("%s", note)
   metrics = workdir.MetricsWriter(_WORKDIR.value)
-  watch = divergence.LossWatch(policy, config.lr, write=metrics.write if is_main_process else None)
+  watch = divergence.LossWatch(
+      config.get("on_nonfinite", "stop"),
+      config.lr,
+      write=metrics.write if is_main_process else None,
+  )
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     logging.info("initialising params and optimizer state in their planned shardings")

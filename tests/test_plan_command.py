@@ -1,0 +1,199 @@
+"""`python -m trainers.plan` on the pod-scale config (Llama 7B, 256 abstract devices), in process.
+
+Totals are checked against sums computed here from each leaf's shape and spec,
+and for AdamW against the 7B parameter count worked out by hand.
+"""
+
+import contextlib
+import io
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from trainers import plan as command
+
+MESH = '[("data", 64), ("model", 4)]'
+POD = ("--config", "configs/lm_7b_pod.py", "--mesh", MESH)
+V, D, L, F = 32_000, 4096, 32, 11_008  # Llama 7B: vocab, width, layers, MLP width.
+MiB = 2**20
+
+
+def run(*args):
+  """(exit status, stdout, stderr) of the command's main."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    status = command.main([*POD, *args])
+  return status, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reports():
+  result = {}
+  for name in ("adamw", "kron", "shampoo"):
+    status, out, _ = run(f"--config.optax_name={name}", "--format=json")
+    assert status == 0
+    result[name] = json.loads(out)
+  return result
+
+
+def per_device(row, mesh):
+  pieces = math.prod(mesh[a] for e in row["spec"] if e for a in ([e] if isinstance(e, str) else e))
+  return math.prod(row["shape"]) * np.dtype(row["dtype"]).itemsize // pieces
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["adamw", "kron", "shampoo"])
+def test_totals_match_sums_of_shapes_and_specs(reports, optimizer):
+  rep = reports[optimizer]
+  assert rep["mesh"] == {"data": 64, "model": 4} and rep["num_devices"] == 256
+  sums = {"params": 0, "optimizer_state": 0}
+  for row in rep["leaves"]:
+    assert row["bytes_per_device"] == per_device(row, rep["mesh"]), row["name"]
+    sums[row["component"]] += per_device(row, rep["mesh"])
+  totals = rep["per_device"]
+  assert totals["params"] == totals["gradients"] == sums["params"]
+  assert totals["optimizer_state"] == sums["optimizer_state"]
+  assert totals["total"] == 2 * sums["params"] + sums["optimizer_state"]
+  assert rep["largest"]["bytes_per_device"] == max(r["bytes_per_device"] for r in rep["leaves"])
+  n_params = 2 * V * D + L * (4 * D * D + 3 * D * F + 2 * D) + D
+  param_bytes = sum(r["bytes"] for r in rep["leaves"] if r["component"] == "params")
+  assert param_bytes == 4 * n_params
+  unsharded = [r["unsharded_bytes"] for r in rep["leaves"]]
+  assert unsharded == sorted(unsharded, reverse=True)  # Largest unsharded first.
+
+
+def test_adamw_totals_by_hand(reports):
+  """Kernels and the embedding split 256 ways, lm_head over data (64), norm scales whole."""
+  rep = reports["adamw"]
+  params = (V * D + L * (4 * D * D + 3 * D * F)) * 4 // 256 + V * D * 4 // 64 + (2 * L + 1) * D * 4
+  assert rep["per_device"]["params"] == params
+  scalars = sum(r["bytes"] for r in rep["leaves"] if not r["shape"])
+  assert rep["per_device"]["optimizer_state"] == 2 * params + scalars
+  unsharded = (V * D * 4) * (1 - 64 / 256) * 3 + (2 * L + 1) * D * 4 * 3 * (1 - 1 / 256)
+  everything = sum(r["bytes"] for r in rep["leaves"])
+  assert rep["unsharded_fraction"] == pytest.approx(unsharded / everything)
+  assert rep["unused_strategy_entries"] == [] and rep["unclaimed_leaves"] == []
+
+
+def test_text_is_the_json_as_a_table(reports):
+  status, out, _ = run("--config.optax_name=kron", "--rows=3")
+  assert status == 0
+  lines = out.splitlines()
+  rep = reports["kron"]
+  assert lines[0].split()[:5] == ["name", "shape", "dtype", "spec", "MiB/device"]
+  assert [line.split()[0] for line in lines[1:4]] == [r["name"] for r in rep["leaves"][:3]]
+  assert f"... {len(rep['leaves']) - 3} more leaves (--rows)" in out
+  d = rep["per_device"]
+  assert f"optimizer state {d['optimizer_state'] / MiB:.1f} MiB" in out
+  assert f"largest per-device tensor: {rep['largest']['name']}" in out
+  assert "strategy entries that claimed no leaf: none" in out
+
+
+@pytest.mark.parametrize("limit, status", [("0.02", 0), ("0.01", 1)])
+def test_coverage_gate_exit_status(limit, status):
+  # AdamW leaves 1.46% unsharded: lm_head and its moments split over data only.
+  got, _, err = run("--format=json", f"--max-unsharded-fraction={limit}")
+  assert got == status
+  if status:
+    assert "coverage gate failed" in err and "1.46% of the planned bytes" in err
+    named = err.split("Largest unsharded leaves: ")[1].split(". Shard them")[0]
+    assert len(named.split("; ")) == 5 and "params/lm_head/kernel" in named
+
+
+def test_png(tmp_path):
+  path = tmp_path / "plan.png"
+  status, _, _ = run("--config.optax_name=kron", "--rows=0", f"--png={path}")
+  assert status == 0 and path.stat().st_size > 1000
+  image = plt.imread(path)
+  assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 300
+
+
+def test_diff_optimizers_prints_only_what_changes():
+  status, out, _ = run("--diff", "config.optax_name=kron")
+  assert status == 0
+  lines = out.splitlines()
+  assert lines[0].startswith("A: --config configs/lm_7b_pod.py")
+  assert "optimizer: adamw -> kron" in out
+  assert any(line.startswith("+ opt/1/0/Qs_preconditioners/") for line in lines)
+  assert any(line.startswith("- opt/1/0/nu/") for line in lines)
+  assert not any(
+      "params/" in line.split(" ")[1] for line in lines if line[:2] in ("~ ", "- ", "+ ")
+  )
+  assert "params MiB/device" not in out and "optimizer state MiB/device" in out
+
+
+def test_diff_meshes():
+  status, out, _ = run("--format=json", '--diff=--mesh=[("data", 32), ("model", 8)]')
+  assert status == 0
+  d = json.loads(out)
+  assert d["summary"]["mesh"] == [{"data": 64, "model": 4}, {"data": 32, "model": 8}]
+  changed = {c["name"]: c for c in d["changed"]}
+  assert d["only_a"] == d["only_b"] == []
+  assert "params/layers/attention/q_kernel" not in changed  # Still 256 pieces: unchanged.
+  lm_head = changed["params/lm_head/kernel"]  # Over data only: 64 -> 32 pieces.
+  assert lm_head["b"]["bytes_per_device"] == 2 * lm_head["a"]["bytes_per_device"]
+  status, out, _ = run("--diff", f"mesh={MESH}")
+  assert out.splitlines()[2:] == ["0 leaves changed, 0 only in A, 0 only in B"]
+
+
+def test_num_devices_sizes_the_minus_one_axis():
+  status, out, _ = run(
+      "--format=json", "--mesh", '[("data", -1), ("model", 4)]', "--num-devices=512"
+  )
+  assert status == 0 and json.loads(out)["mesh"] == {"data": 128, "model": 4}
+  status, out, _ = run("--format=json", "--mesh", '[("data", -1), ("model", 4)]')
+  assert status == 0 and json.loads(out)["num_devices"] == 256  # config.num_devices
+
+
+def test_multi_slice_mesh_plans_on_ici_times_dcn():
+  status, out, _ = run("--format=json", "--dcn-mesh", '[("data", 2)]', "--mesh", MESH, "--rows=0")
+  assert status == 0
+  assert json.loads(out)["mesh"] == {"data": 128, "model": 4}
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("--mesh", "[('data', 64), ('model', 4)"), "is not a literal list"),
+        (("--mesh", '[("data", 3), ("model", 4)]', "--num-devices=256"), "covers 12 devices"),
+        (("--mesh", '["data", 64]'), "list of (axis_name, size) pairs"),
+        (("--config.optax_name=adamww",), "config.optax_name='adamww' is neither"),
+        (("--config.nope=1",), "'nope'"),
+    ],
+)
+def test_bad_input_exits_2_naming_it(args, fragment):
+  status, _, err = run(*args)
+  assert status == 2 and fragment in err, err
+
+
+@pytest.mark.timeout(120)
+def test_trainer_refuses_a_plan_over_config_max_unsharded_fraction(tmp_path):
+  """The same gate from the config: the trainer stops before allocating anything."""
+  done = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "trainers.train",
+          "--config=configs/lm.py",
+          f"--workdir={tmp_path}",
+          "--config.max_unsharded_fraction=0.0001",
+          "--config.batch_size=16",
+          "--config.seq_len=64",
+      ],
+      cwd=pathlib.Path(__file__).resolve().parents[1],
+      env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"},
+      capture_output=True,
+      text=True,
+      timeout=110,
+  )
+  out = done.stdout + done.stderr
+  assert done.returncode != 0
+  assert "more than max_unsharded_fraction=0.0001" in out and "Largest unsharded leaves" in out
+  assert "initialising params" not in out

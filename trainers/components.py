@@ -1,0 +1,60 @@
+"""The model, init function, optimizer and sharding plan a config describes.
+
+Built the same way for training (`trainers/train.py`) and for planning without
+devices (`trainers/plan.py`), so the command plans exactly what the trainer runs.
+
+Example:
+  >>> example = example_input(task, batch)                   # one row of a batch
+  >>> model, init = model_and_init(config, example)
+  >>> tx, learning_rates = optimizer(config)
+  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 256))
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+import bv_sharding as bvs
+from trainers import divergence, models, optimizers, steps
+
+
+def example_input(task, batch) -> Any:
+  """The model input of the first row of `batch`: what init traces the model with.
+
+  Example: `example_input(task, batch).shape == (1, config.seq_len)` for text.
+  """
+  return task.inputs(jax.tree.map(lambda x: x[:1], batch))
+
+
+def model_and_init(config, example) -> tuple[Any, Callable[[], Any]]:
+  """`(model, init)`: `init()` returns the params (flax boxes kept), seeded by `config.seed`.
+
+  Example: `jax.eval_shape(model_and_init(config, example)[1])` allocates nothing.
+  """
+  model = models.get_model(config.model_name, **config.model.to_dict())
+  return model, lambda: model.init(jax.random.key(config.seed), example)["params"]
+
+
+def optimizer(config) -> tuple[Any, dict[str, Callable]]:
+  """``(tx, learning_rates)`` of the config's optimizer section, under its non-finite policy.
+
+  big_vision's ``optax_name``/``optax``/``lr``/``wd``/``schedule``/``grad_clip_norm`` or a
+  project optimizer (``trainers/optimizers/from_config.py``), wrapped by
+  ``config.on_nonfinite`` (``trainers/divergence.py``); ``learning_rates`` are the very
+  schedules it applies, for logging.
+
+  Example: ``tx, lrs = optimizer(config); float(lrs["lr"](0))``.
+  """
+  tx, learning_rates = optimizers.from_config(config)
+  return divergence.guard(tx, config.get("on_nonfinite", "stop")), learning_rates
+
+
+def plan_state(config, init: Callable[[], Any], tx, mesh) -> bvs.Plan:
+  """The plan of `{"params", "opt"}` on `mesh` (a `Mesh` or an `AbstractMesh`), nothing allocated.
+
+  Example: `plan_state(config, init, tx, mesh).report()`.
+  """
+  return bvs.plan(
+      steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
+  )

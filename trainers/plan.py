@@ -1,0 +1,374 @@
+r"""Plans a config's params and optimizer state on any mesh, before anything is allocated.
+
+  python -m trainers.plan --config configs/lm_7b_pod.py --mesh '[("data", 64), ("model", 4)]'
+  python -m trainers.plan --config configs/lm_7b_pod.py --config.optax_name=kron \
+      --format json --png plan.png --max-unsharded-fraction 0.02
+  python -m trainers.plan --config configs/lm_7b_pod.py --diff config.optax_name=kron \
+      --diff 'mesh=[("data", 32), ("model", 8)]'
+
+The devices need not exist: the plan is made on an `AbstractMesh` of `--num-devices`
+(default `config.num_devices`, else the mesh's own size, else this host's devices)
+from the model and optimizer the trainer would build (`trainers/components.py`),
+traced with `jax.eval_shape`. It prints:
+
+* one row per leaf (name, shape, dtype, spec, MiB per device, why), the leaves
+  with the most unsharded bytes first (see `bv_sharding.coverage`);
+* per-device totals for params, gradients (the params' specs) and optimizer state,
+  and the largest per-device tensor;
+* the coverage (bytes-weighted share of the full split over every mesh axis),
+  strategy entries that claimed no leaf and leaves no entry claimed.
+
+`--dcn-mesh` overrides `config.dcn_mesh` (a multi-slice pod: each axis `ici * dcn` long).
+`--format json` prints the same as JSON; `--png FILE` draws per-device memory by
+component and the largest leaves (`pip install -e ".[plot]"`); `--diff OVERRIDE`
+(repeatable) plans a second time with the overrides added (e.g. `config.optax_name=kron`
+or `'mesh=[("data", 32), ("model", 8)]'`; leading dashes optional) and prints only
+what changes; `--max-unsharded-fraction F` exits 1 naming the five least sharded
+leaves when more than F of the bytes is unsharded. Bad configs exit 2.
+"""
+
+import argparse
+import ast
+import dataclasses
+import json
+import math
+import sys
+
+import jax
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
+
+import bv_sharding as bvs
+from bv_sharding import coverage
+from trainers import components, tasks
+from trainers.errors import ConfigError
+
+MiB = 2**20
+PARAMS = "params"
+COMPONENTS = ("params", "gradients", "optimizer_state")
+GATE_FAILED, BAD_CONFIG = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """One plan's inputs: the config, the mesh's (and across slices) pairs, the device count, the
+  arguments."""
+
+  config: object
+  mesh: tuple
+  dcn_mesh: tuple
+  num_devices: int
+  args: tuple[str, ...]
+
+
+def parser() -> argparse.ArgumentParser:
+  """The command's own options; `--config` and `--config.key=value` go to ml_collections."""
+  p = argparse.ArgumentParser(
+      prog="python -m trainers.plan",
+      description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument("--mesh", help='overrides config.mesh, e.g. \'[("data", 64), ("model", 4)]\'')
+  p.add_argument("--dcn-mesh", help="overrides config.dcn_mesh (across TPU slices)")
+  p.add_argument("--num-devices", type=int, help="devices to plan for (sizes -1 axes)")
+  p.add_argument("--format", choices=("text", "json"), default="text")
+  p.add_argument("--png", help="draw per-device memory and the largest leaves to this file")
+  p.add_argument(
+      "--diff",
+      action="append",
+      help="an override for a second plan (repeat for more); print only what changes",
+  )
+  p.add_argument("--max-unsharded-fraction", type=fraction, help="exit 1 above this fraction")
+  p.add_argument("--rows", type=int, help="print only this many leaf rows (default: all)")
+  return p
+
+
+def fraction(text: str) -> float:
+  """A number in [0, 1] (argparse type of `--max-unsharded-fraction`)."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 <= value <= 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1], e.g. 0.02")
+  return value
+
+
+def load_config(args) -> object:
+  """The config of `--config file.py[:arg]` with `--config.key=value` overrides applied."""
+  values, argv = flags.FlagValues(), ["trainers.plan", *args]
+  config_flags.DEFINE_config_file(
+      "config", None, "Training config file.", flag_values=values, lock_config=True, sys_argv=argv
+  )
+  try:
+    values(argv)
+  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
+    raise ConfigError(
+        f"{args}: {e}; pass --config configs/<file>.py and --config.key=value with keys of the "
+        "config"
+    ) from None
+  if values.config is None:
+    raise ConfigError("--config is required, e.g. --config configs/lm_7b_pod.py")
+  return values.config
+
+
+def setup(options, config_args) -> Setup:
+  """Resolves the config, the mesh (`--mesh` wins over `config.mesh`) and the device count."""
+  config = load_config(config_args)
+  mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
+  dcn = config.get("dcn_mesh") or ()
+  dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn-mesh")
+  num_devices = (
+      options.num_devices
+      or _fixed_size([*mesh, *dcn])
+      or config.get("num_devices")
+      or jax.device_count()
+  )
+  given = [(flag, v) for flag, v in (("--mesh", options.mesh), ("--dcn-mesh", options.dcn_mesh))]
+  args = (*config_args, *(f"{flag}={v}" for flag, v in given if v))
+  return Setup(config, tuple(mesh), tuple(dcn), num_devices, args)
+
+
+def parse_mesh(text: str, flag: str) -> tuple:
+  """`--mesh` (or `--dcn-mesh`) as a literal list of `(name, size)` pairs, never evaluated."""
+  try:
+    return tuple(ast.literal_eval(text))
+  except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+    raise ConfigError(
+        f"{flag} {text!r} is not a literal list of (axis_name, size) pairs, e.g. "
+        '\'[("data", 64), ("model", 4)]\''
+    ) from None
+
+
+def make_plan(s: Setup) -> bvs.Plan:
+  """The trainer's plan of `s.config` on an abstract mesh of `s.num_devices`: nothing allocated."""
+  config = s.config
+  task = tasks.get_task(config)
+  batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
+  _, init = components.model_and_init(config, components.example_input(task, batch))
+  mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh)
+  return components.plan_state(config, init, components.optimizer(config)[0], mesh)
+
+
+def report(s: Setup, plan: bvs.Plan) -> dict:
+  """Everything the command prints, as plain data (the JSON output)."""
+  rows = sorted(
+      (_row(plan, e) for e in plan.entries),
+      key=lambda r: (-r["unsharded_bytes"], -r["bytes_per_device"], r["name"]),
+  )
+  per_device = {c: 0 for c in COMPONENTS}
+  for r in rows:
+    per_device[r["component"]] += r["bytes_per_device"]
+  per_device["gradients"] = per_device["params"]
+  total = sum(per_device.values())
+  everything = sum(r["bytes"] for r in rows) + sum(r["bytes"] for r in rows if _is_param(r))
+  unused, unclaimed = coverage.claims(plan, s.config.sharding_strategy)
+  return {
+      "args": list(s.args),
+      "optimizer": s.config.optax_name,
+      "mesh": dict(plan.mesh.shape),
+      "num_devices": plan.num_devices,
+      "per_device": {**per_device, "total": total, "ideal": everything / plan.num_devices},
+      "largest": max(rows, key=lambda r: r["bytes_per_device"]),
+      "coverage": plan.coverage,
+      "unsharded_fraction": coverage.unsharded_fraction(plan),
+      "unused_strategy_entries": [list(pair) for pair in unused],
+      "unclaimed_leaves": unclaimed,
+      "leaves": rows,
+  }
+
+
+def text(rep: dict, rows: int | None = None) -> str:
+  """The report as a table and summary lines."""
+  shown = rep["leaves"][:rows]
+  table = [("name", "shape", "dtype", "spec", "MiB/device", "why")]
+  table += [
+      (
+          r["name"],
+          str(tuple(r["shape"])),
+          r["dtype"],
+          _spec(r["spec"]),
+          f"{r['bytes_per_device'] / MiB:.3f}",
+          r["why"],
+      )
+      for r in shown
+  ]
+  widths = [max(len(t[i]) for t in table) for i in range(5)]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(t[:5], widths)) + "  " + t[5] for t in table]
+  if len(shown) < len(rep["leaves"]):
+    lines.append(f"... {len(rep['leaves']) - len(shown)} more leaves (--rows)")
+  d, big = rep["per_device"], rep["largest"]
+  lines += [
+      f"mesh {rep['mesh']} ({rep['num_devices']} devices), optimizer {rep['optimizer']}, "
+      f"{len(rep['leaves'])} leaves",
+      "per device: "
+      + ", ".join(f"{c.replace('_', ' ')} {d[c] / MiB:.1f} MiB" for c in COMPONENTS)
+      + f", total {d['total'] / MiB:.1f} MiB ({d['total'] / max(d['ideal'], 1):.3f}x the ideal "
+      f"{d['ideal'] / MiB:.1f} MiB)",
+      f"largest per-device tensor: {big['name']} {tuple(big['shape'])} {_spec(big['spec'])} "
+      f"{big['bytes_per_device'] / MiB:.1f} MiB",
+      f"coverage: {100 * rep['coverage']:.2f}% of the {rep['num_devices']}-way split "
+      f"(unsharded fraction {rep['unsharded_fraction']:.4f})",
+      "strategy entries that claimed no leaf: "
+      + (", ".join(f"({r!r}, {c!r})" for r, c in rep["unused_strategy_entries"]) or "none"),
+      "leaves claimed by no entry: " + (", ".join(rep["unclaimed_leaves"]) or "none"),
+  ]
+  return "\n".join(lines)
+
+
+def diff(a: dict, b: dict) -> dict:
+  """What changes from report `a` to report `b`: mesh, totals, coverage and leaves."""
+  keys = ("shape", "dtype", "spec", "bytes_per_device")
+  rows_a = {r["name"]: r for r in a["leaves"]}
+  rows_b = {r["name"]: r for r in b["leaves"]}
+  pick = lambda r: {k: r[k] for k in ("name", *keys)}
+  return {
+      "a": a["args"],
+      "b": b["args"],
+      "summary": {
+          k: [a[k], b[k]] for k in ("mesh", "optimizer", "unsharded_fraction") if a[k] != b[k]
+      },
+      "per_device": {
+          k: [a["per_device"][k], b["per_device"][k]]
+          for k in a["per_device"]
+          if a["per_device"][k] != b["per_device"][k]
+      },
+      "changed": [
+          {"name": n, "a": pick(rows_a[n]), "b": pick(rows_b[n])}
+          for n in rows_a
+          if n in rows_b and any(rows_a[n][k] != rows_b[n][k] for k in keys)
+      ],
+      "only_a": [pick(r) for n, r in rows_a.items() if n not in rows_b],
+      "only_b": [pick(r) for n, r in rows_b.items() if n not in rows_a],
+  }
+
+
+def diff_text(d: dict) -> str:
+  """The diff, one line per change."""
+  leaf = lambda r: (
+      f"{r['name']} {tuple(r['shape'])} {r['dtype']} {_spec(r['spec'])} "
+      f"{r['bytes_per_device'] / MiB:.3f} MiB"
+  )
+  lines = [f"A: {' '.join(d['a'])}", f"B: {' '.join(d['b'])}"]
+  lines += [f"{k}: {x} -> {y}" for k, (x, y) in d["summary"].items()]
+  lines += [
+      f"{k.replace('_', ' ')} MiB/device: {x / MiB:.1f} -> {y / MiB:.1f}"
+      for k, (x, y) in d["per_device"].items()
+  ]
+  for c in d["changed"]:
+    a, b = c["a"], c["b"]
+    lines.append(
+        f"~ {c['name']}: {tuple(a['shape'])} {a['dtype']} {_spec(a['spec'])} "
+        f"{a['bytes_per_device'] / MiB:.3f} MiB -> {tuple(b['shape'])} {b['dtype']} "
+        f"{_spec(b['spec'])} {b['bytes_per_device'] / MiB:.3f} MiB"
+    )
+  lines += [f"- {leaf(r)}" for r in d["only_a"]] + [f"+ {leaf(r)}" for r in d["only_b"]]
+  lines.append(
+      f"{len(d['changed'])} leaves changed, {len(d['only_a'])} only in A, "
+      f"{len(d['only_b'])} only in B"
+  )
+  return "\n".join(lines)
+
+
+def draw(rep: dict, path: str, largest: int = 12) -> None:
+  """Per-device memory by component next to the ideal, and the largest per-device leaves."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise ConfigError('--png needs matplotlib: pip install -e ".[plot]"') from None
+  d = rep["per_device"]
+  colors = {"params": "tab:blue", "gradients": "tab:orange", "optimizer_state": "tab:green"}
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), width_ratios=(1, 2.4))
+  bottom = 0.0
+  for c in COMPONENTS:
+    left.bar(["per device"], [d[c] / MiB], bottom=bottom, color=colors[c], label=c)
+    bottom += d[c] / MiB
+  left.axhline(d["ideal"] / MiB, color="black", linestyle="--", label="ideal (total / N)")
+  left.set_ylabel("MiB")
+  left.set_title(f"{rep['optimizer']} on {rep['mesh']}", fontsize=9)
+  left.legend(fontsize=7, loc="lower center")
+  top = sorted(rep["leaves"], key=lambda r: -r["bytes_per_device"])[:largest][::-1]
+  right.barh(
+      [r["name"][-48:] for r in top],
+      [r["bytes_per_device"] / MiB for r in top],
+      color=[colors[r["component"]] for r in top],
+  )
+  right.set_xlabel("MiB per device")
+  right.set_title(f"{largest} largest leaves per device", fontsize=9)
+  right.tick_params(axis="y", labelsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=72)
+  plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the command; returns the exit status (0, 1: gate failed, 2: bad config)."""
+  p = parser()
+  options, config_args = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+  try:
+    first = setup(options, config_args)
+    rep = report(first, plan := make_plan(first))
+    if options.diff:
+      extra = [a if a.startswith("-") else f"--{a}" for a in options.diff]
+      more, more_config = p.parse_known_args(extra, argparse.Namespace(**vars(options)))
+      second = setup(more, [*config_args, *more_config])
+      d = diff(rep, report(second, make_plan(second)))
+      print(json.dumps(d, indent=1) if options.format == "json" else diff_text(d))
+      return 0
+    print(json.dumps(rep, indent=1) if options.format == "json" else text(rep, options.rows))
+    if options.png:
+      draw(rep, options.png)
+  except bvs.Error as e:
+    print(f"trainers.plan: {e}", file=sys.stderr)
+    return BAD_CONFIG
+  return gate(plan, options.max_unsharded_fraction)
+
+
+def gate(plan: bvs.Plan, limit: float | None) -> int:
+  """0, or 1 with the five least sharded leaves on stderr when coverage misses `limit`."""
+  if limit is None:
+    return 0
+  try:
+    bvs.check_coverage(plan, limit)
+  except bvs.ShardingError as e:
+    print(f"trainers.plan: coverage gate failed: {e}", file=sys.stderr)
+    return GATE_FAILED
+  return 0
+
+
+def _row(plan: bvs.Plan, e: bvs.Entry) -> dict:
+  return {
+      "name": e.name,
+      "component": PARAMS if e.name.split("/")[0] == PARAMS else "optimizer_state",
+      "shape": list(e.shape),
+      "dtype": np.dtype(e.dtype).name,
+      "spec": [list(a) if isinstance(a, tuple) else a for a in e.spec],
+      "bytes": e.nbytes,
+      "bytes_per_device": e.bytes_per_device,
+      "pieces": coverage.pieces(plan, e),
+      "unsharded_bytes": coverage.unsharded_bytes(plan, e),
+      "why": e.why,
+  }
+
+
+def _fixed_size(pairs) -> int | None:
+  """The devices `(name, size)` pairs cover when every size is given, else None (a -1, a typo)."""
+  sizes = [p[1] if isinstance(p, (tuple, list)) and len(p) == 2 else None for p in pairs]
+  ok = sizes and all(isinstance(n, int) and n > 0 for n in sizes)
+  return math.prod(sizes) if ok else None
+
+
+def _is_param(row: dict) -> bool:
+  return row["component"] == PARAMS
+
+
+def _spec(spec: list) -> str:
+  return "P(" + ", ".join(repr(tuple(a) if isinstance(a, list) else a) for a in spec) + ")"
+
+
+if __name__ == "__main__":
+  sys.exit(main())
