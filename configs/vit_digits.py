@@ -34,6 +34,6 @@ def get_config(arg=None):
   config.optax = dict()
   config.lr = 1e-3
   config.wd = 1e-4
-  config.schedule = dict(decay_type="cosine", warmup_steps=10)  # big_vision's keys
+  config.schedule = dict(decay_type="cosine", warmup_percent=0.05)  # big_vision's keys
   config.grad_clip_norm = 1.0
   return config
