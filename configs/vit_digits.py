@@ -26,6 +26,6 @@ def get_config(arg=None):
   config.sharding_strategy = ((".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),)
 
   config.lr = 1e-3
-  # big_vision's schedule keys: a multiplier of config.lr over config.total_steps.
-  config.schedule = dict(decay_type="cosine", warmup_steps=10)
+  # big_vision's schedule keys: a multiplier of config.lr; the warmup a fraction of total_steps.
+  config.schedule = dict(decay_type="cosine", warmup_percent=0.05)
   return config
