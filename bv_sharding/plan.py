@@ -375,19 +375,17 @@ def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
 
 
 def _fallback(leaf: Leaf, spec: Spec, candidates) -> tuple[Spec, str]:
-  """Size-based rule, for every candidate axis in turn (so a leaf can use the whole mesh): the
-  block-batch dim 0 of a 3+-d stack first, else the largest free divisible dim."""
-  placed, note = [], "no mesh axis to use"
+  """Size-based rule: the block-batch dim 0 of a 3+-d stack first, else the largest divisible dim."""
+  note = "no mesh axis to use"
   for axis in candidates:
-    new = spec
     if leaf.ndim >= 3:
       new, note = specs.place(leaf, spec, 0, axis, requested=False)
-    if new == spec:
-      new, note = specs.place_largest(dataclasses.replace(leaf, strict=False), spec, axis)
+      if new != spec:
+        return new, note
+    new, note = specs.place_largest(dataclasses.replace(leaf, strict=False), spec, axis)
     if new != spec:
-      spec = new
-      placed.append(note)
-  return spec, "; ".join(placed) or note
+      return new, note
+  return spec, note
 
 
 def _fallback_axes(leaf: Leaf, ops) -> list:

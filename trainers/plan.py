@@ -285,12 +285,12 @@ def draw(rep: dict, path: str, largest: int = 12) -> None:
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), width_ratios=(1, 2.4))
   bottom = 0.0
   for c in COMPONENTS:
-    left.bar(["per device"], [d[c] / MiB], bottom=bottom, color=colors[c], label=c)
+    left.bar([0], [d[c] / MiB], width=0.6, bottom=bottom, color=colors[c], label=c)
     bottom += d[c] / MiB
   left.axhline(d["ideal"] / MiB, color="black", linestyle="--", label="ideal (total / N)")
-  left.set_ylabel("MiB")
+  left.set(xlim=(-0.5, 1.9), xticks=[0], xticklabels=["per device"], ylabel="MiB")
   left.set_title(f"{rep['optimizer']} on {rep['mesh']}", fontsize=9)
-  left.legend(fontsize=7, loc="lower center")
+  left.legend(fontsize=7, loc="upper right")
   top = sorted(rep["leaves"], key=lambda r: -r["bytes_per_device"])[:largest][::-1]
   right.barh(
       [r["name"][-48:] for r in top],
