@@ -11,14 +11,24 @@ Optimizer state is restored only when ``config.optax_name`` and its tree (names,
 shapes, dtypes) are unchanged; otherwise the new optimizer's state is born
 sharded from the plan and its count (hence its schedule) starts at 0.
 
+The training loop's use (``Checkpoints`` installs a SIGTERM handler, so it is shown,
+not run here)::
+
+  ckpt = Checkpoints(workdir, config)
+  state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
+  for step in range(start.step + 1, total + 1):
+    state, loss = train_step(state, batch)
+    if ckpt.step_done(step, state):  # SIGTERM: saved at the same step everywhere
+      break
+  ckpt.close(state)
+
 Example:
-  >>> ckpt = Checkpoints(workdir, config)
-  >>> state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
-  >>> for step in range(start.step + 1, total + 1):
-  ...   state, loss = train_step(state, batch)
-  ...   if ckpt.step_done(step, state):            # SIGTERM: saved at the same step everywhere
-  ...     break
-  >>> ckpt.close(state)
+  >>> import jax.numpy as jnp
+  >>> want = leaf_table({"params": {"w": jnp.zeros((4, 2))}})
+  >>> want
+  {'params/w': ((4, 2), 'float32')}
+  >>> first_difference(want, leaf_table({"params": {"w": jnp.zeros((4, 3))}}))
+  'params/w has shape (4, 3) float32, this config needs (4, 2) float32'
 """
 
 import dataclasses

@@ -10,10 +10,25 @@ way. `--debug` (or `BV_DEBUG=1`) shows the full traceback instead.
 Keys under `config.optax` are the optimizer's keyword arguments: any may be added from
 the command line (`--config.optax.b1=0.9`); the optimizer's signature checks them.
 
-Example:
-  >>> run(main)   # at the bottom of trainers/train.py
+``run(main)`` ends ``trainers/train.py``; on the command line a mistake reads::
+
   $ python -m trainers.train --config configs/lm.py --config.lrr=1 --workdir /tmp/x
   ConfigError: --config.lrr: configs/lm.py has no key config.lrr; did you mean 'lr'?
+
+Example:
+  >>> import os, tempfile
+  >>> path = os.path.join(tempfile.mkdtemp(), "tiny.py")
+  >>> with open(path, "w") as f:
+  ...   _ = f.write("import ml_collections\\n"
+  ...               "def get_config(arg=None):\\n"
+  ...               "  return ml_collections.ConfigDict({'lr': 1e-3, 'size': arg})\\n")
+  >>> config = load_config(config_spec(["train", "--config", path + ":small"]))
+  >>> config.lr, config.size
+  (0.001, 'small')
+  >>> check_overrides(config, {"lrr": 1.0}, path)
+  Traceback (most recent call last):
+  ...
+  trainers.errors.ConfigError: --config.lrr: ... has no key config.lrr; did you mean 'lr'? ...
 """
 
 import ast

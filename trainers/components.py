@@ -4,10 +4,20 @@ Built the same way for training (`trainers/train.py`) and for planning without
 devices (`trainers/plan.py`), so the command plans exactly what the trainer runs.
 
 Example:
-  >>> example = example_input(task, batch)                   # one row of a batch
+  >>> import bv_sharding as bvs
+  >>> from configs import lm
+  >>> from trainers import tasks
+  >>> config = lm.get_config()
+  >>> task = tasks.get_task(config)
+  >>> batch = next(task.batches(task.train, global_batch=config.batch_size, seed=0))
+  >>> example = example_input(task, batch)  # one row of a batch
+  >>> example.shape
+  (1, 128)
   >>> model, init = model_and_init(config, example)
   >>> tx, learning_rates = optimizer(config)
-  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 256))
+  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 8))  # nothing allocated
+  >>> print(plan.by_name()["params/layers_0/attention/q_kernel"].why)
+  '.*' -> llm_fsdp: dim 0 over data
 """
 
 from collections.abc import Callable

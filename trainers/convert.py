@@ -9,8 +9,14 @@ gets `<name>.json` with its dtype, token count and largest token id, so the
 trainer checks the vocabulary without scanning. Progress goes to stderr.
 
 Example:
-  >>> convert(find_files("~/my_text", "text"), "/data/my_text", val_fraction=0.01)
-  {'train': 990000, 'val': 10000}
+  >>> import os, tempfile
+  >>> corpus, out = tempfile.mkdtemp(), tempfile.mkdtemp()
+  >>> with open(os.path.join(corpus, "a.txt"), "w") as f:
+  ...   _ = f.write("hello world " * 10)
+  >>> convert(sources.find_files(corpus, "text"), out, val_fraction=0.1)
+  {'train': 108, 'val': 12}
+  >>> sources.sidecar(os.path.join(out, "val.bin"))["max_token"] == ord("w")
+  True
 """
 
 import argparse

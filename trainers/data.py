@@ -8,13 +8,15 @@ iterator state, and `to_global` stitches the slices into global `jax.Array`s.
 The sources (token files, text, .npy images) are opened by trainers/sources.py.
 
 Example:
-  >>> train, held_out = sources.open_tokens(sources.input_spec("text"))
-  >>> it = text_batches(train, seq_len=128, global_batch=32, seed=0)
-  >>> local = next(it)  # this process's rows: (32 // jax.process_count(), 129) int32
+  >>> import jax
+  >>> from trainers import sources
+  >>> train = sources.TokenStream((np.arange(1000, dtype=np.uint8),), ("bytes",))
+  >>> it = text_batches(train, seq_len=16, global_batch=8, seed=0)
+  >>> local = next(it)  # this process's rows: (8 // jax.process_count(), 17) int32
   >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
   >>> tokens = to_global(local, jax.sharding.NamedSharding(mesh, jax.P("data")))
   >>> local.shape, tokens.shape  # one process here: the global batch is the local one
-  ((32, 129), (32, 129))
+  ((8, 17), (8, 17))
 """
 
 import itertools

@@ -6,11 +6,18 @@ optimizer in `optax.apply_if_finite`, so an update from non-finite gradients is 
 applied, and the run goes on; `MAX_SKIPPED` such steps in a row stop it as "stop" would.
 
 Example:
-  >>> tx = guard(tx, config.on_nonfinite)          # before planning: it adds state leaves
-  >>> watch = LossWatch(config.on_nonfinite, lr=config.lr, write=metrics.write)
+  >>> import optax
+  >>> tx = guard(optax.adam(1e-3), "stop")  # before planning: "skip" adds state leaves
+  >>> records = []
+  >>> watch = LossWatch("stop", lr=1e-3, write=records.append)
   >>> watch.observe(1, 2.5)
   True
-  >>> watch.observe(2, float("nan"))               # "stop": raises NonFiniteLossError
+  >>> watch.observe(2, float("nan"))
+  Traceback (most recent call last):
+  ...
+  trainers.errors.NonFiniteLossError: step 2: the loss is nan; the last finite loss was 2.5 at step 1. ...
+  >>> records[-1]["step"]
+  2
 """
 
 import math

@@ -6,10 +6,21 @@ step's rows and assembles them into global `jax.Array`s with the batch sharding
 most `depth` steps ahead of the train loop. The order is the iterator's, so the
 batches stay a pure function of (seed, step).
 
+In the train loop::
+
+  local = data.text_batches(train, seq_len=128, global_batch=32, seed=0, start_step=k)
+  for step, batch in zip(range(k + 1, total + 1), to_device(local, sharding, depth=2)):
+    state, loss = train_step(state, batch)
+
 Example:
-  >>> local = data.text_batches(train, seq_len=128, global_batch=32, seed=0, start_step=k)
-  >>> for step, batch in zip(range(k + 1, total + 1), to_device(local, sharding, depth=2)):
-  ...   state, loss = train_step(state, batch)
+  >>> import jax
+  >>> import numpy as np
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  >>> sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
+  >>> local = (np.full((8, 4), step) for step in range(3))
+  >>> ready = list(to_device(local, sharding, depth=2))  # in order, already on the devices
+  >>> [int(np.asarray(batch)[0, 0]) for batch in ready], ready[0].sharding == sharding
+  ([0, 1, 2], True)
 """
 
 import queue

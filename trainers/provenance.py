@@ -7,8 +7,16 @@ step 0, not rewritten by a resume, so a later ``--config.optax_name`` change doe
 not hide what trained the first steps.
 
 Example:
-  >>> record_start("runs/lm", config, start_step=200, source="runs/lm/checkpoints/200")
-  'runs/lm/starts/1'
+  >>> import json, os, tempfile
+  >>> import ml_collections
+  >>> run = tempfile.mkdtemp()
+  >>> config = ml_collections.ConfigDict({"lr": 1e-3})
+  >>> first = record_start(run, config, start_step=0, source="init")
+  >>> resumed = record_start(run, config, start_step=200, source=f"{run}/checkpoints/200")
+  >>> os.path.relpath(first, run), os.path.relpath(resumed, run)
+  ('starts/0', 'starts/1')
+  >>> json.load(open(os.path.join(resumed, "start.json")))["start_step"]
+  200
 """
 
 import importlib.metadata

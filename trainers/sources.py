@@ -23,9 +23,17 @@ The old string form `config.input = "text"` (the Python standard library's
 source) or `"digits"` still works.
 
 Example:
-  >>> spec = input_spec(input_config(kind="tokens", train="/data/train.bin", val="/data/val.bin"))
-  >>> train, held_out = open_tokens(spec)            # two TokenStreams, nothing read yet
-  >>> train.windows(np.array([0, 5]), 129).shape     # int32 (2, 129)
+  >>> import tempfile
+  >>> folder = tempfile.mkdtemp()
+  >>> np.arange(300, dtype=np.uint16).tofile(f"{folder}/train.bin")
+  >>> np.arange(100, dtype=np.uint16).tofile(f"{folder}/val.bin")
+  >>> spec = input_spec(input_config(kind="tokens", train=f"{folder}/train.bin",
+  ...                                val=f"{folder}/val.bin"))
+  >>> train, held_out = open_tokens(spec)  # two TokenStreams, nothing read yet
+  >>> len(train), len(held_out)
+  (300, 100)
+  >>> train.windows(np.array([0, 5]), 129).shape
+  (2, 129)
 """
 
 import dataclasses

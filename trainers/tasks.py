@@ -7,9 +7,15 @@ classification with a ViT. Everything else in the trainer is the same for all.
 vocab_size, labels below its num_classes) before anything is initialised.
 
 Example:
-  >>> task = get_task(config)                       # config.input = "text"
+  >>> import jax
+  >>> from configs import lm
+  >>> from trainers import models
+  >>> config = lm.get_config()  # config.input: the standard library's source as text
+  >>> task = get_task(config)
+  >>> model = models.get_model(config.model_name, **config.model.to_dict())
   >>> task.check(model)
-  >>> local = next(task.batches(task.train, global_batch=32, seed=0))
+  >>> batch = next(task.batches(task.train, global_batch=2, seed=0))
+  >>> params = model.init(jax.random.key(0), task.inputs(batch))["params"]
   >>> logits = model.apply({"params": params}, task.inputs(batch))
   >>> batch.shape, logits.shape, task.unit  # bytes in, a logit per byte value out
   ((2, 129), (2, 128, 256), 'tokens')

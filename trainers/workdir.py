@@ -7,10 +7,20 @@ each record as one complete JSON line in one write, so a killed run never leaves
 line, and non-finite numbers are written as `null`, never as bare `NaN`.
 
 Example:
-  >>> note = prepare("/tmp/run", resuming=False)   # "moved ... into /tmp/run/attempt-1", or None
-  >>> write_config("/tmp/run", config.to_json_best_effort(indent=2))
-  >>> metrics = MetricsWriter("/tmp/run")
-  >>> metrics.write({"step": 1, "loss": float("nan")})   # {"step": 1, "loss": null}
+  >>> import os, tempfile
+  >>> run = tempfile.mkdtemp()
+  >>> prepare(run, resuming=False) is None  # an empty workdir: nothing to move
+  True
+  >>> write_config(run, '{"lr": 0.001}')
+  >>> metrics = MetricsWriter(run)
+  >>> metrics.write({"step": 1, "loss": float("nan")})
+  >>> open(os.path.join(run, METRICS)).read()
+  '{"step": 1, "loss": null}\\n'
+  >>> note = prepare(run, resuming=False)  # a fresh run on a used workdir
+  >>> note.endswith("into " + os.path.join(run, "attempt-1") + " (nothing deleted); starting fresh")
+  True
+  >>> sorted(os.listdir(os.path.join(run, "attempt-1")))
+  ['config.json', 'metrics.jsonl']
 """
 
 import json
