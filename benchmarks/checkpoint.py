@@ -15,7 +15,9 @@ Prints a markdown table.
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import argparse
 import tempfile

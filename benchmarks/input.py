@@ -16,7 +16,9 @@ Then the loader alone: this process's windows per second, as tokens/s (best of 5
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import argparse
 import itertools
@@ -36,7 +38,7 @@ WARMUP = 2
 
 
 def write_token_file(path: str, mib: int, vocab: int) -> None:
-  """`mib` MiB of random uint16 ids below `vocab` at `path`, written in 16 MiB pieces."""
+  """``mib`` MiB of random uint16 ids below ``vocab`` at ``path``, written in 16 MiB pieces."""
   rng = np.random.default_rng(0)
   with open(path, "wb") as f:
     for _ in range(mib // 16):
@@ -44,7 +46,7 @@ def write_token_file(path: str, mib: int, vocab: int) -> None:
 
 
 def seconds_per_step(train_step, state, batches, num_steps):
-  """(state, mean seconds of `num_steps` steps after WARMUP) over the iterator `batches`."""
+  """(state, mean seconds of ``num_steps`` steps after WARMUP) over the iterator ``batches``."""
   for _, batch in zip(range(WARMUP), batches):
     state, loss = train_step(state, batch)
   jax.block_until_ready(loss)
@@ -56,7 +58,7 @@ def seconds_per_step(train_step, state, batches, num_steps):
 
 
 def loader_tokens_per_sec(task, batch_size: int, seq_len: int, num_steps: int) -> float:
-  """Tokens/s of this process's reads alone (`task.batches` windows, no device), best of 5."""
+  """Tokens/s of this process's reads alone (``task.batches`` windows, no device), best of 5."""
   local = task.batches(task.train, global_batch=batch_size, seed=1)
   best = float("inf")
   for _ in range(5):
@@ -133,7 +135,7 @@ def main():
 
 
 def task_for(config, path: str, seq_len: int):
-  """The token-file task of `config` with windows of `seq_len + 1`."""
+  """The token-file task of ``config`` with windows of ``seq_len + 1``."""
   config = config.copy_and_resolve_references()
   config.seq_len = seq_len
   config.input = sources.input_config(kind="tokens", train=path, eval_fraction=0.01)

@@ -26,12 +26,19 @@ def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: in
   )
 
 
-def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+def environment(**extra: str) -> dict:
+  """This process's environment on the CPU backend, ``extra`` variables added."""
+  return {**os.environ, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def run_module(
+    module: str, *args: str, timeout: float, env: dict | None = None
+) -> subprocess.CompletedProcess:
   """``python -m module *args``; output captured as text, the exit status not checked."""
   return subprocess.run(
       [sys.executable, "-m", module, *args],
       cwd=ROOT,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+      env=environment(**(env or {})),
       capture_output=True,
       text=True,
       timeout=timeout,

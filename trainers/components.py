@@ -1,7 +1,7 @@
 """The model, init function, optimizer and sharding plan a config describes.
 
-Built the same way for training (`trainers/train.py`) and for planning without
-devices (`trainers/plan.py`), so the command plans exactly what the trainer runs.
+Built the same way for training (``trainers/train.py``) and for planning without
+devices (``trainers/plan.py``), so the command plans exactly what the trainer runs.
 
 Example:
   >>> import bv_sharding as bvs
@@ -15,7 +15,7 @@ Example:
   (1, 128)
   >>> model, init = model_and_init(config, example)
   >>> tx, learning_rates = optimizer(config)
-  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 8))  # nothing allocated
+  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 8))  # no arrays
   >>> print(plan.by_name()["params/layers_0/attention/q_kernel"].why)
   '.*' -> llm_fsdp: dim 0 over data
 """
@@ -30,17 +30,17 @@ from trainers import divergence, models, optimizers, steps
 
 
 def example_input(task, batch) -> Any:
-  """The model input of the first row of `batch`: what init traces the model with.
+  """The model input of the first row of ``batch``: what init traces the model with.
 
-  Example: `example_input(task, batch).shape == (1, config.seq_len)` for text.
+  Example: ``example_input(task, batch).shape == (1, config.seq_len)`` for text.
   """
   return task.inputs(jax.tree.map(lambda x: x[:1], batch))
 
 
 def model_and_init(config, example) -> tuple[Any, Callable[[], Any]]:
-  """`(model, init)`: `init()` returns the params (flax boxes kept), seeded by `config.seed`.
+  """``(model, init)``: ``init()`` returns the params (flax boxes kept), seeded by ``config.seed``.
 
-  Example: `jax.eval_shape(model_and_init(config, example)[1])` allocates nothing.
+  Example: ``jax.eval_shape(model_and_init(config, example)[1])`` allocates nothing.
   """
   model = models.get_model(config.model_name, **config.model.to_dict())
   return model, lambda: model.init(jax.random.key(config.seed), example)["params"]
@@ -61,9 +61,9 @@ def optimizer(config) -> tuple[Any, dict[str, Callable]]:
 
 
 def plan_state(config, init: Callable[[], Any], tx, mesh) -> bvs.Plan:
-  """The plan of `{"params", "opt"}` on `mesh` (a `Mesh` or an `AbstractMesh`), nothing allocated.
+  """The plan of ``{"params", "opt"}`` on ``mesh`` (``Mesh`` or ``AbstractMesh``); no arrays.
 
-  Example: `plan_state(config, init, tx, mesh).report()`.
+  Example: ``plan_state(config, init, tx, mesh).report()``.
   """
   return bvs.plan(
       steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules

@@ -39,7 +39,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def versions() -> dict[str, str | None]:
   """Installed versions of Python, bv_sharding and the packages training depends on.
 
-  Example: `versions()["jax"]` == "0.10.2".
+  Example: ``versions()["jax"]`` == "0.10.2".
   """
   found = {"python": platform.python_version()}
   for name in ("bv_sharding", *PACKAGES):
@@ -53,7 +53,7 @@ def versions() -> dict[str, str | None]:
 def git_revision(repo: pathlib.Path = REPO) -> str | None:
   """``HEAD``'s commit of the project's checkout (``+dirty`` if files changed); None if unknown.
 
-  Example: `git_revision()` == "5f8a1ee...+dirty".
+  Example: ``git_revision()`` == "5f8a1ee...+dirty".
   """
   try:
     head = subprocess.run(
@@ -73,7 +73,7 @@ def git_revision(repo: pathlib.Path = REPO) -> str | None:
 
 
 def record_start(workdir: str, config, start_step: int, source: str) -> str:
-  """Writes this start's config and provenance under ``workdir/starts/<i>``; returns that directory."""
+  """Writes this start's config and provenance to ``workdir/starts/<i>``; returns that directory."""
   config_json = config.to_json_best_effort(indent=2)
   if start_step == 0 or not os.path.exists(os.path.join(workdir, "config.json")):
     workdir_lib.write_config(workdir, config_json)
