@@ -32,7 +32,7 @@ import numpy as np
 
 import bv_sharding as bvs
 from configs import lm
-from trainers import data, models, optimizers, prefetch, sources, steps, tasks
+from trainers import components, data, optimizers, prefetch, sources, steps, tasks
 
 WARMUP = 2
 
@@ -88,18 +88,14 @@ def main():
   write_token_file(path, args.file_mib, vocab=256)
   config.input = sources.input_config(kind="tokens", train=path, eval_fraction=0.01)
   task = tasks.get_task(config)
-  model = models.get_model(config.model_name, **config.model.to_dict())
-  task.check(model)
   mesh = bvs.make_mesh(config.mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   local = lambda: task.batches(task.train, global_batch=config.batch_size, seed=0)
-  example = task.inputs(next(local())[:1])
-  init = lambda: model.init(jax.random.key(0), example)["params"]
-  loss_fn = lambda p, b: task.loss(model.apply({"params": p}, task.inputs(b)), b)
+  model, init = components.model_and_init(config, components.example_input(task, next(local())))
+  task.check(model)
+  loss_fn = components.loss_fn(task, model)
   tx = optimizers.make_optimizer(config.optax_name, config.lr)
-  plan = bvs.plan(
-      steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
-  )
+  plan = components.plan_state(config, init, tx, mesh)
   count = WARMUP + args.steps
   inputs = {
       "in-memory": lambda: iter(

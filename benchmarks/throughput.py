@@ -23,7 +23,7 @@ import jax
 
 import bv_sharding as bvs
 from configs import lm
-from trainers import data, models, optimizers, steps, tasks
+from trainers import components, data, optimizers, steps, tasks
 
 WARMUP = 2
 
@@ -37,14 +37,13 @@ def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
   mesh = bvs.make_mesh(config.mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   task = tasks.get_task(config)
-  model = models.get_model(config.model_name, **config.model.to_dict())
   local = list(
       itertools.islice(
           task.batches(task.train, global_batch=config.batch_size, seed=0), num_batches
       )
   )
-  init = lambda: model.init(jax.random.key(0), task.inputs(local[0][:1]))["params"]
-  loss_fn = lambda p, b: task.loss(model.apply({"params": p}, task.inputs(b)), b)
+  model, init = components.model_and_init(config, components.example_input(task, local[0]))
+  loss_fn = components.loss_fn(task, model)
   tx = optimizers.make_optimizer(optimizer, config.lr)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=config.sharding_rules)
   batches = [data.to_global(b, sharding) for b in local]

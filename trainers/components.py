@@ -46,6 +46,14 @@ def model_and_init(config, example) -> tuple[Any, Callable[[], Any]]:
   return model, lambda: model.init(jax.random.key(config.seed), example)["params"]
 
 
+def loss_fn(task, model) -> Callable[[Any, Any], Any]:
+  """``loss(params, batch)``: ``task``'s loss of ``model`` applied to the batch's inputs.
+
+  Example: ``steps.make_train_step(loss_fn(task, model), tx, plan, batch_sharding)``.
+  """
+  return lambda params, batch: task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
+
+
 def optimizer(config) -> tuple[Any, dict[str, Callable]]:
   """``(tx, learning_rates)`` of the config's optimizer section, under its non-finite policy.
 

@@ -135,9 +135,7 @@ def main(argv):
   model, init = components.model_and_init(config, components.example_input(task, eval_batches[0]))
   task.check(model)  # Token ids / labels fit the model, before init.
 
-  def loss_fn(params, batch):
-    return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
-
+  loss_fn = components.loss_fn(task, model)
   # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
   tx, learning_rates = components.optimizer(config)
 
