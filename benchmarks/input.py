@@ -31,10 +31,9 @@ import jax
 import numpy as np
 
 import bv_sharding as bvs
+from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
 from trainers import components, data, optimizers, prefetch, sources, steps, tasks
-
-WARMUP = 2
 
 
 def write_token_file(path: str, mib: int, vocab: int) -> None:
@@ -43,18 +42,6 @@ def write_token_file(path: str, mib: int, vocab: int) -> None:
   with open(path, "wb") as f:
     for _ in range(mib // 16):
       rng.integers(0, vocab, 8 * 2**20, dtype=np.uint16).tofile(f)
-
-
-def seconds_per_step(train_step, state, batches, num_steps):
-  """(state, mean seconds of ``num_steps`` steps after WARMUP) over the iterator ``batches``."""
-  for _, batch in zip(range(WARMUP), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
-  start = time.perf_counter()
-  for _, batch in zip(range(num_steps), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
-  return state, (time.perf_counter() - start) / num_steps
 
 
 def loader_tokens_per_sec(task, batch_size: int, seq_len: int, num_steps: int) -> float:

@@ -16,16 +16,14 @@ os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import argparse
 import itertools
-import time
 
 import flax.linen as nn
 import jax
 
 import bv_sharding as bvs
+from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
 from trainers import components, data, optimizers, steps, tasks
-
-WARMUP = 2
 
 
 def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
@@ -55,15 +53,8 @@ def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> floa
   """Steps per second of ``config``'s train step with the state planned by ``strategy``."""
   mesh, init, train_step, batches = setup(config, strategy, optimizer, WARMUP + num_steps)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    state = init()
-    for batch in batches[:WARMUP]:
-      state, loss = train_step(state, batch)
-    jax.block_until_ready(loss)
-    start = time.perf_counter()
-    for batch in batches[WARMUP:]:
-      state, loss = train_step(state, batch)
-    jax.block_until_ready(loss)
-  return num_steps / (time.perf_counter() - start)
+    _, seconds = seconds_per_step(train_step, init(), batches, num_steps)
+  return 1 / seconds
 
 
 def main():
