@@ -4,6 +4,7 @@ Runs start from the repo root on the CPU backend and inherit this process's
 environment (``conftest.py`` gives OpenBLAS one thread; see ``trainers/host.py``).
 """
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -43,3 +44,11 @@ def run_module(
       text=True,
       timeout=timeout,
   )
+
+
+def load_tool(name: str):
+  """``tools/<name>.py`` imported as a module (``tools/`` holds scripts, not a package)."""
+  spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

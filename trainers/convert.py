@@ -127,6 +127,7 @@ def convert(files: list[str], out_dir: str, val_fraction: float = 0.01, dtype: s
 
 
 def main(argv=None) -> None:
+  """``python -m trainers.convert TEXT OUT_DIR``: writes the token files, prints how to train."""
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )

@@ -116,6 +116,7 @@ def check_args(processes: int, devices: int, timeout: float) -> None:
 
 
 def main(argv=None) -> int:
+  """``python -m trainers.launch ... -- TRAIN_ARGS``: the exit status (the first failure's)."""
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
