@@ -11,14 +11,15 @@ Example:
   >>> from configs import lm
   >>> from trainers import models
   >>> config = lm.get_config()  # config.input: the standard library's source as text
+  >>> config.seq_len = 16
   >>> task = get_task(config)
   >>> model = models.get_model(config.model_name, **config.model.to_dict())
   >>> task.check(model)
   >>> batch = next(task.batches(task.train, global_batch=2, seed=0))
-  >>> params = model.init(jax.random.key(0), task.inputs(batch))["params"]
+  >>> params = jax.jit(model.init)(jax.random.key(0), task.inputs(batch))["params"]
   >>> logits = model.apply({"params": params}, task.inputs(batch))
   >>> batch.shape, logits.shape, task.unit  # bytes in, a logit per byte value out
-  ((2, 129), (2, 128, 256), 'tokens')
+  ((2, 17), (2, 16, 256), 'tokens')
   >>> bool(task.loss(logits, batch) > 0)
   True
 """
