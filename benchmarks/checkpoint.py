@@ -15,7 +15,9 @@ Prints a markdown table.
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import argparse
 import tempfile
@@ -25,7 +27,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from benchmarks.throughput import WARMUP, setup
+from benchmarks.throughput import setup
+from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
 from trainers import checkpoint
 
@@ -41,15 +44,7 @@ def measure(config, saves: int, use_async: bool) -> dict:
   )
   rules = nn.logical_axis_rules(config.sharding_rules)
   with jax.set_mesh(mesh), rules, tempfile.TemporaryDirectory() as d:
-    state = init()
-    for batch in batches[:WARMUP]:
-      state, loss = train_step(state, batch)
-    jax.block_until_ready(loss)
-    start = time.perf_counter()
-    for batch in batches[WARMUP : WARMUP + saves]:
-      state, loss = train_step(state, batch)
-    jax.block_until_ready(loss)
-    step_s = (time.perf_counter() - start) / saves
+    state, step_s = seconds_per_step(train_step, init(), batches, saves)
     manager = checkpoint.open_manager(os.path.join(d, "ckpt"), use_async=use_async)
     blocked, copies = [], []
     for i, batch in enumerate(batches[WARMUP + saves :]):

@@ -16,7 +16,9 @@ Then the loader alone: this process's windows per second, as tokens/s (best of 5
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import argparse
 import itertools
@@ -29,34 +31,21 @@ import jax
 import numpy as np
 
 import bv_sharding as bvs
+from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import data, models, optimizers, prefetch, sources, steps, tasks
-
-WARMUP = 2
+from trainers import components, data, optimizers, prefetch, sources, steps, tasks
 
 
 def write_token_file(path: str, mib: int, vocab: int) -> None:
-  """`mib` MiB of random uint16 ids below `vocab` at `path`, written in 16 MiB pieces."""
+  """``mib`` MiB of random uint16 ids below ``vocab`` at ``path``, written in 16 MiB pieces."""
   rng = np.random.default_rng(0)
   with open(path, "wb") as f:
     for _ in range(mib // 16):
       rng.integers(0, vocab, 8 * 2**20, dtype=np.uint16).tofile(f)
 
 
-def seconds_per_step(train_step, state, batches, num_steps):
-  """(state, mean seconds of `num_steps` steps after WARMUP) over the iterator `batches`."""
-  for _, batch in zip(range(WARMUP), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
-  start = time.perf_counter()
-  for _, batch in zip(range(num_steps), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
-  return state, (time.perf_counter() - start) / num_steps
-
-
 def loader_tokens_per_sec(task, batch_size: int, seq_len: int, num_steps: int) -> float:
-  """Tokens/s of this process's reads alone (`task.batches` windows, no device), best of 5."""
+  """Tokens/s of this process's reads alone (``task.batches`` windows, no device), best of 5."""
   local = task.batches(task.train, global_batch=batch_size, seed=1)
   best = float("inf")
   for _ in range(5):
@@ -86,18 +75,14 @@ def main():
   write_token_file(path, args.file_mib, vocab=256)
   config.input = sources.input_config(kind="tokens", train=path, eval_fraction=0.01)
   task = tasks.get_task(config)
-  model = models.get_model(config.model_name, **config.model.to_dict())
-  task.check(model)
   mesh = bvs.make_mesh(config.mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   local = lambda: task.batches(task.train, global_batch=config.batch_size, seed=0)
-  example = task.inputs(next(local())[:1])
-  init = lambda: model.init(jax.random.key(0), example)["params"]
-  loss_fn = lambda p, b: task.loss(model.apply({"params": p}, task.inputs(b)), b)
+  model, init = components.model_and_init(config, components.example_input(task, next(local())))
+  task.check(model)
+  loss_fn = components.loss_fn(task, model)
   tx = optimizers.make_optimizer(config.optax_name, config.lr)
-  plan = bvs.plan(
-      steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
-  )
+  plan = components.plan_state(config, init, tx, mesh)
   count = WARMUP + args.steps
   inputs = {
       "in-memory": lambda: iter(
@@ -133,7 +118,7 @@ def main():
 
 
 def task_for(config, path: str, seq_len: int):
-  """The token-file task of `config` with windows of `seq_len + 1`."""
+  """The token-file task of ``config`` with windows of ``seq_len + 1``."""
   config = config.copy_and_resolve_references()
   config.seq_len = seq_len
   config.input = sources.input_config(kind="tokens", train=path, eval_fraction=0.01)

@@ -16,16 +16,14 @@ os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import argparse
 import itertools
-import time
 
 import flax.linen as nn
 import jax
 
 import bv_sharding as bvs
+from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import data, models, optimizers, steps, tasks
-
-WARMUP = 2
+from trainers import components, data, optimizers, steps, tasks
 
 
 def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
@@ -37,14 +35,13 @@ def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
   mesh = bvs.make_mesh(config.mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   task = tasks.get_task(config)
-  model = models.get_model(config.model_name, **config.model.to_dict())
   local = list(
       itertools.islice(
           task.batches(task.train, global_batch=config.batch_size, seed=0), num_batches
       )
   )
-  init = lambda: model.init(jax.random.key(0), task.inputs(local[0][:1]))["params"]
-  loss_fn = lambda p, b: task.loss(model.apply({"params": p}, task.inputs(b)), b)
+  model, init = components.model_and_init(config, components.example_input(task, local[0]))
+  loss_fn = components.loss_fn(task, model)
   tx = optimizers.make_optimizer(optimizer, config.lr)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=config.sharding_rules)
   batches = [data.to_global(b, sharding) for b in local]
@@ -56,15 +53,8 @@ def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> floa
   """Steps per second of ``config``'s train step with the state planned by ``strategy``."""
   mesh, init, train_step, batches = setup(config, strategy, optimizer, WARMUP + num_steps)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    state = init()
-    for batch in batches[:WARMUP]:
-      state, loss = train_step(state, batch)
-    jax.block_until_ready(loss)
-    start = time.perf_counter()
-    for batch in batches[WARMUP:]:
-      state, loss = train_step(state, batch)
-    jax.block_until_ready(loss)
-  return num_steps / (time.perf_counter() - start)
+    _, seconds = seconds_per_step(train_step, init(), batches, num_steps)
+  return 1 / seconds
 
 
 def main():

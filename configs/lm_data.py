@@ -9,7 +9,7 @@
       --config configs/lm_data.py:kind=text,train=~/my_text   # UTF-8 files read directly as bytes
 
 Every key of config.input (trainers/sources.py) can also be overridden, e.g.
-`--config.input.train='/data/shards/*.bin' --config.input.eval_fraction=0.01`.
+``--config.input.train='/data/shards/*.bin' --config.input.eval_fraction=0.01``.
 """
 
 from configs import lm
@@ -18,7 +18,7 @@ from trainers import sources
 
 
 def get_config(arg=None):
-  """arg: `kind=tokens|text,train=PATH,val=PATH,dtype=uint16,vocab=256,size=tiny`."""
+  """arg: ``kind=tokens|text,train=PATH,val=PATH,dtype=uint16,vocab=256,size=tiny``."""
   arg = parse_arg(arg, kind="tokens", train="", val="", dtype="uint16", vocab=256, size="tiny")
   config = lm.get_config(f"size={arg['size']}")
   config.input = sources.input_config(

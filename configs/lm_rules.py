@@ -3,10 +3,10 @@
   python -m trainers.train --config configs/lm_rules.py --workdir /tmp/lm_rules
 
 The way users of logical axis names work: the Llama boxes each param with
-`nn.with_logical_partitioning` ("vocab", "embed", "heads", "mlp", "norm"; see
-trainers/models/llama.py), the strategy is `logical_partitioning()` alone, and
-`config.sharding_rules` is a MaxText/T5X-style rule list (name -> mesh axis,
-resolved exactly as `nn.logical_to_mesh_axes` resolves it; a name listed twice is
+``nn.with_logical_partitioning`` ("vocab", "embed", "heads", "mlp", "norm"; see
+trainers/models/llama.py), the strategy is ``logical_partitioning()`` alone, and
+``config.sharding_rules`` is a MaxText/T5X-style rule list (name -> mesh axis,
+resolved exactly as ``nn.logical_to_mesh_axes`` resolves it; a name listed twice is
 a fallback, an empty target means replicated). Over a data x model mesh this is
 FSDP on "embed" over "data" and Megatron-style tensor parallelism on heads, mlp
 and vocab over "model"; optimizer state follows its params. The same rules

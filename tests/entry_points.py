@@ -4,6 +4,7 @@ Runs start from the repo root on the CPU backend and inherit this process's
 environment (``conftest.py`` gives OpenBLAS one thread; see ``trainers/host.py``).
 """
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -26,13 +27,28 @@ def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: in
   )
 
 
-def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+def environment(**extra: str) -> dict:
+  """This process's environment on the CPU backend, ``extra`` variables added."""
+  return {**os.environ, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def run_module(
+    module: str, *args: str, timeout: float, env: dict | None = None
+) -> subprocess.CompletedProcess:
   """``python -m module *args``; output captured as text, the exit status not checked."""
   return subprocess.run(
       [sys.executable, "-m", module, *args],
       cwd=ROOT,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"},
+      env=environment(**(env or {})),
       capture_output=True,
       text=True,
       timeout=timeout,
   )
+
+
+def load_tool(name: str):
+  """``tools/<name>.py`` imported as a module (``tools/`` holds scripts, not a package)."""
+  spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -7,11 +7,8 @@ one line naming the key, exit status 1, nothing allocated, the workdir byte-iden
 
 import json
 import math
-import os
 import pathlib
 import random
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import optax
@@ -19,10 +16,10 @@ import pytest
 
 import configs.lm
 import configs.vit_digits
+from tests.entry_points import run_module
 from trainers import cli, divergence, launch, validation
 from trainers.errors import ConfigError, NonFiniteLossError
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHORT = (
     "--config.total_steps=6",
     "--config.schedule.warmup_steps=2",
@@ -36,16 +33,8 @@ EARLIER = {"config.json": b'{"lr": 0.1}\n', "metrics.jsonl": b'{"step": 1, "loss
 
 
 def run(module, *args, env=None, timeout=120):
-  """(exit status, stdout + stderr) of `python -m module args` from the repo root."""
-  env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
-  done = subprocess.run(
-      [sys.executable, "-m", module, *args],
-      cwd=ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-  )
+  """(exit status, stdout + stderr) of ``python -m module args`` from the repo root."""
+  done = run_module(module, *args, env=env, timeout=timeout)
   return done.returncode, done.stdout + done.stderr
 
 

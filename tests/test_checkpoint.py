@@ -24,9 +24,9 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 import bv_sharding as bvs
+from tests.entry_points import ROOT, environment, run_module
 from trainers import checkpoint, models, optimizers, steps
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 8
 RUN = (
     "--config=configs/lm.py",
@@ -37,9 +37,12 @@ RUN = (
     "--config.eval_batches=1",
     "--config.ckpt_steps=2",
     "--config.keep_ckpt_steps=4",
-    "--config.schedule.warmup_steps=2",  # big_vision's schedules end the warmup before the run.
+    # A schedule that does not depend on total_steps, so runs of different lengths agree:
+    # 2 warmup steps (big_vision's schedules end the warmup before the run), then constant.
+    "--config.schedule.warmup_steps=2",
+    "--config.schedule.decay_type=stair",
 )
-ENV = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+ENV = environment()
 
 
 def start(workdir, *overrides, total=STEPS, log=None):
@@ -71,11 +74,9 @@ def train(workdir, *overrides, total=STEPS, timeout=300):
 
 def launch(workdir, *overrides, total=STEPS, timeout=300):
   """The same run as 2 jax.distributed processes x 4 devices."""
-  cmd = [sys.executable, "-m", "trainers.launch", "--processes=2", "--devices-per-process=4"]
-  cmd += ["--timeout=280", "--", f"--workdir={workdir}", *RUN, f"--config.total_steps={total}"]
-  done = subprocess.run(
-      [*cmd, *overrides], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
-  )
+  args = ["--processes=2", "--devices-per-process=4", "--timeout=280", "--", f"--workdir={workdir}"]
+  args += [*RUN, f"--config.total_steps={total}", *overrides]
+  done = run_module("trainers.launch", *args, timeout=timeout)
   assert done.returncode == 0, done.stdout[-4000:]
   return done.stdout
 

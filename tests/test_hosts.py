@@ -25,7 +25,6 @@ def slurm_env(process: int, port: int) -> dict:
       **dict(zip(SLURM, values)),
       "JAX_COORDINATOR_PORT": str(port),
       "JAX_PLATFORMS": "cpu",
-      "OPENBLAS_NUM_THREADS": "1",
   }
 
 

@@ -8,9 +8,7 @@ of big_vision's ``optax.make`` for a few optimizer sections on a small tree.
 """
 
 import functools
-import importlib.util
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +18,10 @@ import optax
 import pytest
 
 from configs import lm
+from tests.entry_points import ROOT, load_tool
 from trainers.optimizers import OptimizerError, from_config, make_schedule
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "record_big_vision", ROOT / "tools/record_big_vision.py"
-)
-record = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(record)
+record = load_tool("record_big_vision")
 
 
 @functools.cache

@@ -6,21 +6,13 @@ precondition-opt 0.3.0 ``distributed_shampoo`` (eigh roots) in a separate venv
 (JAX 0.5.3, optax 0.2.6). The same settings are replayed here.
 """
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 
+from tests.entry_points import load_tool
 from trainers.optimizers import kron, precond_update_prob_schedule, shampoo
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "make_reference_data", ROOT / "tools/make_reference_data.py"
-)
-
-reference = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reference)
+reference = load_tool("make_reference_data")
 
 
 @pytest.fixture(scope="module")

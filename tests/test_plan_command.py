@@ -8,15 +8,12 @@ import contextlib
 import io
 import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from tests.entry_points import run_module
 from trainers import plan as command
 
 MESH = '[("data", 64), ("model", 4)]'
@@ -176,21 +173,13 @@ def test_bad_input_exits_2_naming_it(args, fragment):
 @pytest.mark.timeout(120)
 def test_trainer_refuses_a_plan_over_config_max_unsharded_fraction(tmp_path):
   """The same gate from the config: the trainer stops before allocating anything."""
-  done = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "trainers.train",
-          "--config=configs/lm.py",
-          f"--workdir={tmp_path}",
-          "--config.max_unsharded_fraction=0.0001",
-          "--config.batch_size=16",
-          "--config.seq_len=64",
-      ],
-      cwd=pathlib.Path(__file__).resolve().parents[1],
-      env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"},
-      capture_output=True,
-      text=True,
+  done = run_module(
+      "trainers.train",
+      "--config=configs/lm.py",
+      f"--workdir={tmp_path}",
+      "--config.max_unsharded_fraction=0.0001",
+      "--config.batch_size=16",
+      "--config.seq_len=64",
       timeout=110,
   )
   out = done.stdout + done.stderr

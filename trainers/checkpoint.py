@@ -11,14 +11,24 @@ Optimizer state is restored only when ``config.optax_name`` and its tree (names,
 shapes, dtypes) are unchanged; otherwise the new optimizer's state is born
 sharded from the plan and its count (hence its schedule) starts at 0.
 
+The training loop's use (``Checkpoints`` installs a SIGTERM handler, so it is shown,
+not run here)::
+
+  ckpt = Checkpoints(workdir, config)
+  state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
+  for step in range(start.step + 1, total + 1):
+    state, loss = train_step(state, batch)
+    if ckpt.step_done(step, state):  # SIGTERM: saved at the same step everywhere
+      break
+  ckpt.close(state)
+
 Example:
-  >>> ckpt = Checkpoints(workdir, config)
-  >>> state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
-  >>> for step in range(start.step + 1, total + 1):
-  ...   state, loss = train_step(state, batch)
-  ...   if ckpt.step_done(step, state):            # SIGTERM: saved at the same step everywhere
-  ...     break
-  >>> ckpt.close(state)
+  >>> import jax.numpy as jnp
+  >>> want = leaf_table({"params": {"w": jnp.zeros((4, 2))}})
+  >>> want
+  {'params/w': ((4, 2), 'float32')}
+  >>> first_difference(want, leaf_table({"params": {"w": jnp.zeros((4, 3))}}))
+  'params/w has shape (4, 3) float32, this config needs (4, 2) float32'
 """
 
 import dataclasses
@@ -65,7 +75,7 @@ def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   Names join the path's keys with "/" (NamedTuple fields and dict keys alike), so
   a tree and the metadata orbax wrote for it have the same table.
 
-  Example: `leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}`.
+  Example: ``leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}``.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {"/".join(_key_text(k) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
@@ -74,7 +84,7 @@ def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
 def first_difference(want: dict, have: dict) -> str | None:
   """The first leaf (by name) where two ``leaf_table``s differ, described; None if equal.
 
-  Example: `first_difference({"a": ((2,), "f32")}, {})` == "'a' is missing ...".
+  Example: ``first_difference({"a": ((2,), "f32")}, {})`` == "'a' is missing ...".
   """
   for name in sorted(want.keys() | have.keys()):
     if name not in have:
@@ -90,7 +100,7 @@ def first_difference(want: dict, have: dict) -> str | None:
 
 
 class Checkpoints:
-  """The run's orbax ``CheckpointManager``: saves by ``config.ckpt_steps``, at the end and on SIGTERM.
+  """The run's orbax ``CheckpointManager``: saves by ``config.ckpt_steps``, at the end, on SIGTERM.
 
   ``config.ckpt_steps`` (None: only at the end and on preemption) and
   ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
@@ -98,7 +108,7 @@ class Checkpoints:
   the loop waits only for the device-to-host copy; orbax writes to a temporary
   directory and renames it when complete, so a cut-off write is never listed.
 
-  Example: `ckpt = Checkpoints(workdir, config); ckpt.latest_step()`.
+  Example: ``ckpt = Checkpoints(workdir, config); ckpt.latest_step()``.
   """
 
   def __init__(self, workdir: str, config):
@@ -118,7 +128,7 @@ class Checkpoints:
     return self.manager.latest_step()
 
   def restore_or_init(self, plan: Plan, tx: optax.GradientTransformation, fresh) -> tuple:
-    """``(state, Start)``: the latest checkpoint, else ``config.model_init``'s params, else ``fresh()``.
+    """``(state, Start)``: the latest checkpoint, else ``config.model_init``, else ``fresh()``.
 
     The state lands in ``plan``'s shardings. A checkpoint of another model raises
     ``CheckpointMismatchError`` naming the first differing leaf.
@@ -170,9 +180,9 @@ def open_manager(
     read_only: bool = False,
     use_async: bool = True,
 ) -> ocp.CheckpointManager:
-  """An async ``CheckpointManager`` over ``directory`` with the three items and big_vision's policies.
+  """An async ``CheckpointManager`` over ``directory``: the three items, big_vision's policies.
 
-  Example: `open_manager("/tmp/run/checkpoints", ckpt_steps=100, keep_ckpt_steps=1000)`.
+  Example: ``open_manager("/tmp/run/checkpoints", ckpt_steps=100, keep_ckpt_steps=1000)``.
   """
   save_at = [policies.SpecificStepsPolicy(steps=[total_steps] if total_steps else [])]
   if ckpt_steps:
@@ -221,7 +231,7 @@ def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> None:
 
 
 def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, optax_name: str) -> tuple:
-  """``(state, Start)`` from ``step``, in ``plan``'s shardings; a new optimizer's state if it changed."""
+  """``(state, Start)`` from ``step`` in ``plan``'s shardings; new optimizer state if it changed."""
   check_params(manager, step, plan)
   target = plan.abstract()
   meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
@@ -258,7 +268,7 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
 
   ``path`` is a workdir, its ``checkpoints`` directory (latest step) or one step's directory.
 
-  Example: `params, source = load_params("runs/lm", plan)`.
+  Example: ``params, source = load_params("runs/lm", plan)``.
   """
   directory, step = _locate(os.path.abspath(path))
   manager = open_manager(directory, read_only=True) if os.path.isdir(directory) else None
@@ -277,7 +287,7 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
 
 
 def _locate(path: str) -> tuple[str, int | None]:
-  """(checkpoint directory, step or None for the latest) that a workdir, checkpoints/ or step dir names."""
+  """(checkpoint directory, step or None: the latest) a workdir, checkpoints/ or step dir names."""
   if os.path.isdir(os.path.join(path, CHECKPOINTS)):
     return os.path.join(path, CHECKPOINTS), None
   if os.path.basename(path).isdigit():
@@ -292,7 +302,7 @@ class Preemption:
   catches SIGTERM on any process and picks the same step for all). One process:
   a SIGTERM handler sets a flag read at the next step.
 
-  Example: `if Preemption().reached(step): save_and_exit()`.
+  Example: ``if Preemption().reached(step): save_and_exit()``.
   """
 
   def __init__(self):

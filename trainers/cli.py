@@ -1,19 +1,34 @@
 """The trainer's command line: config loading and errors of ours as one line, exit status 1.
 
-`run(main)` is `absl.app.run(main)` with a flags parser that loads `--config` first and
-turns each config-loading mistake into one `ConfigError` line naming the file or key: a
-missing `--config`, a missing file, a syntax error, no `get_config`, a `get_config` that
+``run(main)`` is ``absl.app.run(main)`` with a flags parser that loads ``--config`` first and
+turns each config-loading mistake into one ``ConfigError`` line naming the file or key: a
+missing ``--config``, a missing file, a syntax error, no ``get_config``, a ``get_config`` that
 raises, an override of a key the config file does not define (with the closest key), or
-an override value of the wrong type. Any `bvs.Error` raised in `main` is printed the same
-way. `--debug` (or `BV_DEBUG=1`) shows the full traceback instead.
+an override value of the wrong type. Any ``bvs.Error`` raised in ``main`` is printed the same
+way. ``--debug`` (or ``BV_DEBUG=1``) shows the full traceback instead.
 
-Keys under `config.optax` are the optimizer's keyword arguments: any may be added from
-the command line (`--config.optax.b1=0.9`); the optimizer's signature checks them.
+Keys under ``config.optax`` are the optimizer's keyword arguments: any may be added from
+the command line (``--config.optax.b1=0.9``); the optimizer's signature checks them.
 
-Example:
-  >>> run(main)   # at the bottom of trainers/train.py
+``run(main)`` ends ``trainers/train.py``; on the command line a mistake reads::
+
   $ python -m trainers.train --config configs/lm.py --config.lrr=1 --workdir /tmp/x
   ConfigError: --config.lrr: configs/lm.py has no key config.lrr; did you mean 'lr'?
+
+Example:
+  >>> import os, tempfile
+  >>> path = os.path.join(tempfile.mkdtemp(), "tiny.py")
+  >>> with open(path, "w") as f:
+  ...   _ = f.write("import ml_collections\\n"
+  ...               "def get_config(arg=None):\\n"
+  ...               "  return ml_collections.ConfigDict({'lr': 1e-3, 'size': arg})\\n")
+  >>> config = load_config(config_spec(["train", "--config", path + ":small"]))
+  >>> config.lr, config.size
+  (0.001, 'small')
+  >>> check_overrides(config, {"lrr": 1.0}, path)
+  Traceback (most recent call last):
+  ...
+  trainers.errors.ConfigError: --config.lrr: ... has no key config.lrr; did you mean 'lr'? ...
 """
 
 import ast
@@ -37,9 +52,9 @@ flags.DEFINE_bool("debug", False, f"Full tracebacks for errors of ours (or {DEBU
 
 
 def run(main) -> None:
-  """`app.run(main)`; errors of ours (config loading or in `main`) end as one line, status 1.
+  """``app.run(main)``; errors of ours (config loading or in ``main``) end as one line, status 1.
 
-  Example: `run(main)` at the bottom of trainers/train.py.
+  Example: ``run(main)`` at the bottom of trainers/train.py.
   """
 
   def reporting(argv):
@@ -52,9 +67,9 @@ def run(main) -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """Loads the `--config` file, then parses all flags; any mistake is one `ConfigError` line.
+  """Loads the ``--config`` file, then parses all flags; any mistake is one ``ConfigError`` line.
 
-  Example: `parse_flags(["train", "--config=configs/lm.py", "--workdir=/tmp/x"])`.
+  Example: ``parse_flags(["train", "--config=configs/lm.py", "--workdir=/tmp/x"])``.
   """
   try:
     if any(arg.split("=")[0] in HELP for arg in argv):
@@ -72,9 +87,9 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def fail(error: Exception, argv=None) -> None:
-  """Prints `error` as one line to stderr and exits 1 (re-raises it under --debug).
+  """Prints ``error`` as one line to stderr and exits 1 (re-raises it under --debug).
 
-  Example: `fail(ConfigError("config.lr=-1.0: must be ..."))` prints "ConfigError: config.lr=...".
+  Example: ``fail(ConfigError("config.lr=-1.0: must be ..."))`` prints "ConfigError: config.lr=...".
   """
   if os.environ.get(DEBUG_ENV) == "1" or "--debug" in (sys.argv if argv is None else argv):
     raise error
@@ -84,9 +99,9 @@ def fail(error: Exception, argv=None) -> None:
 
 
 def config_spec(argv: list[str]) -> str:
-  """The value of `--config` (`path` or `path:arg`) in `argv`.
+  """The value of ``--config`` (``path`` or ``path:arg``) in ``argv``.
 
-  Example: `config_spec(["train", "--config", "configs/lm.py"])` == "configs/lm.py".
+  Example: ``config_spec(["train", "--config", "configs/lm.py"])`` == "configs/lm.py".
   """
   for i, arg in enumerate(argv):
     name, eq, value = arg.lstrip("-").partition("=")
@@ -102,9 +117,9 @@ def config_spec(argv: list[str]) -> str:
 
 
 def load_config(spec: str):
-  """Runs `get_config(arg)` of the file in `spec` ("path[:arg]"), each mistake one `ConfigError`.
+  """Runs ``get_config(arg)`` of file ``spec`` ("path[:arg]"); each mistake is a ``ConfigError``.
 
-  Example: `load_config("configs/lm.py:size=small").model.size` == "small".
+  Example: ``load_config("configs/lm.py:size=small").model.size`` == "small".
   """
   path, *arg = spec.split(":", 1)
   where = f"--config={spec}"
@@ -135,11 +150,11 @@ def load_config(spec: str):
 
 
 def check_overrides(defined, overrides: Mapping, spec: str) -> None:
-  """Raises for an override `--config.a.b` whose key the config file does not define.
+  """Raises for an override ``--config.a.b`` whose key the config file does not define.
 
-  Keys under `OPEN_DICTS` (optimizer keyword arguments) may be new.
+  Keys under ``OPEN_DICTS`` (optimizer keyword arguments) may be new.
 
-  Example: `check_overrides(config, {"lrr": 1.0}, "configs/lm.py")` raises "did you mean 'lr'?".
+  Example: ``check_overrides(config, {"lrr": 1.0}, "configs/lm.py")`` raises "did you mean 'lr'?".
   """
   for key in overrides:
     parts = key.split(".")

@@ -1,13 +1,23 @@
 """The model, init function, optimizer and sharding plan a config describes.
 
-Built the same way for training (`trainers/train.py`) and for planning without
-devices (`trainers/plan.py`), so the command plans exactly what the trainer runs.
+Built the same way for training (``trainers/train.py``) and for planning without
+devices (``trainers/plan.py``), so the command plans exactly what the trainer runs.
 
 Example:
-  >>> example = example_input(task, batch)                   # one row of a batch
+  >>> import bv_sharding as bvs
+  >>> from configs import lm
+  >>> from trainers import tasks
+  >>> config = lm.get_config()
+  >>> task = tasks.get_task(config)
+  >>> batch = next(task.batches(task.train, global_batch=config.batch_size, seed=0))
+  >>> example = example_input(task, batch)  # one row of a batch
+  >>> example.shape
+  (1, 128)
   >>> model, init = model_and_init(config, example)
   >>> tx, learning_rates = optimizer(config)
-  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 256))
+  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 8))  # no arrays
+  >>> print(plan.by_name()["params/layers_0/attention/q_kernel"].why)
+  '.*' -> llm_fsdp: dim 0 over data
 """
 
 from collections.abc import Callable
@@ -20,20 +30,28 @@ from trainers import divergence, models, optimizers, steps
 
 
 def example_input(task, batch) -> Any:
-  """The model input of the first row of `batch`: what init traces the model with.
+  """The model input of the first row of ``batch``: what init traces the model with.
 
-  Example: `example_input(task, batch).shape == (1, config.seq_len)` for text.
+  Example: ``example_input(task, batch).shape == (1, config.seq_len)`` for text.
   """
   return task.inputs(jax.tree.map(lambda x: x[:1], batch))
 
 
 def model_and_init(config, example) -> tuple[Any, Callable[[], Any]]:
-  """`(model, init)`: `init()` returns the params (flax boxes kept), seeded by `config.seed`.
+  """``(model, init)``: ``init()`` returns the params (flax boxes kept), seeded by ``config.seed``.
 
-  Example: `jax.eval_shape(model_and_init(config, example)[1])` allocates nothing.
+  Example: ``jax.eval_shape(model_and_init(config, example)[1])`` allocates nothing.
   """
   model = models.get_model(config.model_name, **config.model.to_dict())
   return model, lambda: model.init(jax.random.key(config.seed), example)["params"]
+
+
+def loss_fn(task, model) -> Callable[[Any, Any], Any]:
+  """``loss(params, batch)``: ``task``'s loss of ``model`` applied to the batch's inputs.
+
+  Example: ``steps.make_train_step(loss_fn(task, model), tx, plan, batch_sharding)``.
+  """
+  return lambda params, batch: task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
 
 
 def optimizer(config) -> tuple[Any, dict[str, Callable]]:
@@ -51,9 +69,9 @@ def optimizer(config) -> tuple[Any, dict[str, Callable]]:
 
 
 def plan_state(config, init: Callable[[], Any], tx, mesh) -> bvs.Plan:
-  """The plan of `{"params", "opt"}` on `mesh` (a `Mesh` or an `AbstractMesh`), nothing allocated.
+  """The plan of ``{"params", "opt"}`` on ``mesh`` (``Mesh`` or ``AbstractMesh``); no arrays.
 
-  Example: `plan_state(config, init, tx, mesh).report()`.
+  Example: ``plan_state(config, init, tx, mesh).report()``.
   """
   return bvs.plan(
       steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules

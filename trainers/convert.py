@@ -5,12 +5,18 @@
 
 The files (sorted) are streamed in 16 MiB chunks, never held whole; the first
 1 - val_fraction of the bytes go to train.bin, the rest to val.bin. Each output
-gets `<name>.json` with its dtype, token count and largest token id, so the
+gets ``<name>.json`` with its dtype, token count and largest token id, so the
 trainer checks the vocabulary without scanning. Progress goes to stderr.
 
 Example:
-  >>> convert(find_files("~/my_text", "text"), "/data/my_text", val_fraction=0.01)
-  {'train': 990000, 'val': 10000}
+  >>> import os, tempfile
+  >>> corpus, out = tempfile.mkdtemp(), tempfile.mkdtemp()
+  >>> with open(os.path.join(corpus, "a.txt"), "w") as f:
+  ...   _ = f.write("hello world " * 10)
+  >>> convert(sources.find_files(corpus, "text"), out, val_fraction=0.1)
+  {'train': 108, 'val': 12}
+  >>> sources.sidecar(os.path.join(out, "val.bin"))["max_token"] == ord("w")
+  True
 """
 
 import argparse
@@ -28,9 +34,9 @@ CHUNK = 16 * 2**20
 
 
 def chunks(files: list[str]) -> Iterator[bytes]:
-  """The bytes of `files`, one after the other, CHUNK at a time.
+  """The bytes of ``files``, one after the other, CHUNK at a time.
 
-  Example: `b"".join(chunks(["a.txt", "b.txt"]))`.
+  Example: ``b"".join(chunks(["a.txt", "b.txt"]))``.
   """
   for path in files:
     with open(path, "rb") as f:
@@ -39,7 +45,7 @@ def chunks(files: list[str]) -> Iterator[bytes]:
 
 
 class Progress:
-  """Prints `done / total` bytes and the rate to `stream`, at most once a second."""
+  """Prints ``done / total`` bytes and the rate to ``stream``, at most once a second."""
 
   def __init__(self, total: int, stream=None):
     self.total, self.stream, self.done = total, stream or sys.stderr, 0
@@ -61,9 +67,9 @@ class Progress:
 
 
 def write_tokens(stream: Iterator[np.ndarray], path: str, dtype: str) -> int:
-  """Writes the token chunks of `stream` to `path` and its `.json` record; returns the count.
+  """Writes the token chunks of ``stream`` to ``path`` and its ``.json`` record; returns the count.
 
-  Example: `write_tokens(iter([np.arange(5)]), "/tmp/t.bin", "uint16")` == 5.
+  Example: ``write_tokens(iter([np.arange(5)]), "/tmp/t.bin", "uint16")`` == 5.
   """
   count, largest = 0, 0
   with open(path, "wb") as f:
@@ -77,7 +83,7 @@ def write_tokens(stream: Iterator[np.ndarray], path: str, dtype: str) -> int:
 
 
 def split_bytes(files: list[str], cut: int, progress: Progress) -> tuple[Iterator, Iterator]:
-  """Two iterators of uint8 chunks: the first `cut` bytes of `files`, then the rest.
+  """Two iterators of uint8 chunks: the first ``cut`` bytes of ``files``, then the rest.
 
   The first must be used up before the second is started.
   """
@@ -106,9 +112,9 @@ def split_bytes(files: list[str], cut: int, progress: Progress) -> tuple[Iterato
 
 
 def convert(files: list[str], out_dir: str, val_fraction: float = 0.01, dtype: str = "uint8"):
-  """Writes `out_dir`/train.bin and val.bin (byte tokens of `files`); returns their counts.
+  """Writes ``out_dir``/train.bin and val.bin (byte tokens of ``files``); returns their counts.
 
-  Example: `convert(["a.txt"], "/data/a", val_fraction=0.1)` -> {"train": 90, "val": 10}.
+  Example: ``convert(["a.txt"], "/data/a", val_fraction=0.1)`` -> {"train": 90, "val": 10}.
   """
   total = sum(os.path.getsize(f) for f in files)
   os.makedirs(out_dir, exist_ok=True)
@@ -121,6 +127,7 @@ def convert(files: list[str], out_dir: str, val_fraction: float = 0.01, dtype: s
 
 
 def main(argv=None) -> None:
+  """``python -m trainers.convert TEXT OUT_DIR``: writes the token files, prints how to train."""
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )

@@ -1,20 +1,22 @@
 """Deterministic per-process batches: token windows and images.
 
 Every step's *global* batch is a pure function of (seed, step): its row ids are
-drawn from `np.random.default_rng((seed, step))`. Each process then reads only
+drawn from ``np.random.default_rng((seed, step))``. Each process then reads only
 its contiguous slice of rows, so 1 process x 8 devices and 2 processes x 4
-devices see the same global batch, `start_step` resumes the exact order with no
-iterator state, and `to_global` stitches the slices into global `jax.Array`s.
+devices see the same global batch, ``start_step`` resumes the exact order with no
+iterator state, and ``to_global`` stitches the slices into global ``jax.Array``s.
 The sources (token files, text, .npy images) are opened by trainers/sources.py.
 
 Example:
-  >>> train, held_out = sources.open_tokens(sources.input_spec("text"))
-  >>> it = text_batches(train, seq_len=128, global_batch=32, seed=0)
-  >>> local = next(it)  # this process's rows: (32 // jax.process_count(), 129) int32
+  >>> import jax
+  >>> from trainers import sources
+  >>> train = sources.TokenStream((np.arange(1000, dtype=np.uint8),), ("bytes",))
+  >>> it = text_batches(train, seq_len=16, global_batch=8, seed=0)
+  >>> local = next(it)  # this process's rows: (8 // jax.process_count(), 17) int32
   >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
   >>> tokens = to_global(local, jax.sharding.NamedSharding(mesh, jax.P("data")))
   >>> local.shape, tokens.shape  # one process here: the global batch is the local one
-  ((32, 129), (32, 129))
+  ((8, 17), (8, 17))
 """
 
 import itertools
@@ -28,9 +30,9 @@ from trainers import steps
 
 
 def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
-  """Splits every leaf of `data` along axis 0 into (head, last eval_fraction).
+  """Splits every leaf of ``data`` along axis 0 into (head, last eval_fraction).
 
-  Example: `holdout_split(np.arange(10), 0.2)` -> (arange(8), [8, 9]).
+  Example: ``holdout_split(np.arange(10), 0.2)`` -> (arange(8), [8, 9]).
   """
   n = len(jax.tree.leaves(data)[0])
   cut = n - round(n * eval_fraction)
@@ -41,9 +43,9 @@ def load_digits(eval_fraction: float = 0.2) -> tuple[dict, dict]:
   """Returns (train, eval) dicts of sklearn's 1797 8x8 digits.
 
   "image" is float32 (N, 8, 8, 1) in [0, 1]; "label" is int32 (N,). The eval
-  split is the last `eval_fraction` of the (fixed) dataset order.
+  split is the last ``eval_fraction`` of the (fixed) dataset order.
 
-  Example: `train, test = load_digits(); train["image"].shape[1:] == (8, 8, 1)`.
+  Example: ``train, test = load_digits(); train["image"].shape[1:] == (8, 8, 1)``.
   """
   try:
     from sklearn import datasets  # pylint: disable=g-import-not-at-top
@@ -65,13 +67,13 @@ def local_rows(
     process_index: int,
     process_count: int,
 ) -> np.ndarray:
-  """Row ids (into `num_choices` rows) of this process's slice of a step.
+  """Row ids (into ``num_choices`` rows) of this process's slice of a step.
 
   The global batch depends only on (seed, step); process p keeps rows
   [p * global_batch // process_count, (p + 1) * global_batch // process_count).
 
-  Example: `local_rows(0, 3, 8, 100, 1, 2)` is the last 4 of the 8 ids that
-  `local_rows(0, 3, 8, 100, 0, 1)` returns.
+  Example: ``local_rows(0, 3, 8, 100, 1, 2)`` is the last 4 of the 8 ids that
+  ``local_rows(0, 3, 8, 100, 0, 1)`` returns.
   """
   rows = np.random.default_rng((seed, step)).integers(0, num_choices, size=global_batch)
   per_process = global_batch // process_count
@@ -88,12 +90,12 @@ def batches(
     process_index: int | None = None,
     process_count: int | None = None,
 ) -> Iterator[Any]:
-  """Infinite iterator of `take(local_rows(...))` for steps start_step, ...
+  """Infinite iterator of ``take(local_rows(...))`` for steps start_step, ...
 
   process_index / process_count default to jax's; global_batch must be
-  divisible by process_count. `start_step` resumes a run deterministically.
+  divisible by process_count. ``start_step`` resumes a run deterministically.
 
-  Example: `next(batches(lambda ids: ids, 100, global_batch=4, seed=0))`.
+  Example: ``next(batches(lambda ids: ids, 100, global_batch=4, seed=0))``.
   """
   if process_index is None:
     process_index = jax.process_index()
@@ -107,12 +109,12 @@ def batches(
 
 
 def text_batches(tokens, *, seq_len: int, **sampling) -> Iterator[np.ndarray]:
-  """Yields int32 (local_batch, seq_len + 1) windows of a `sources.TokenStream`.
+  """Yields int32 (local_batch, seq_len + 1) windows of a ``sources.TokenStream``.
 
-  Only this process's windows are read. `sampling` are the keyword arguments of
-  `batches` (global_batch, seed, ...). Inputs are `w[:, :-1]`, targets `w[:, 1:]`.
+  Only this process's windows are read. ``sampling`` are the keyword arguments of
+  ``batches`` (global_batch, seed, ...). Inputs are ``w[:, :-1]``, targets ``w[:, 1:]``.
 
-  Example: `text_batches(train, seq_len=128, global_batch=32, seed=0)`.
+  Example: ``text_batches(train, seq_len=128, global_batch=32, seed=0)``.
   """
   return batches(
       lambda starts: tokens.windows(starts, seq_len + 1), len(tokens) - seq_len, **sampling
@@ -120,11 +122,11 @@ def text_batches(tokens, *, seq_len: int, **sampling) -> Iterator[np.ndarray]:
 
 
 def image_batches(split: dict, **sampling) -> Iterator[dict]:
-  """Yields {"image", "label"} local batches of a split (`load_digits`, memmapped .npy).
+  """Yields {"image", "label"} local batches of a split (``load_digits``, memmapped .npy).
 
-  `sampling` are the keyword arguments of `batches` (global_batch, seed, ...).
+  ``sampling`` are the keyword arguments of ``batches`` (global_batch, seed, ...).
 
-  Example: `image_batches(train, global_batch=64, seed=0)`.
+  Example: ``image_batches(train, global_batch=64, seed=0)``.
   """
   take = lambda ids: {"image": split["image"][ids], "label": split["label"][ids].astype(np.int32)}
   return batches(take, len(split["label"]), **sampling)
@@ -133,6 +135,6 @@ def image_batches(split: dict, **sampling) -> Iterator[dict]:
 def to_global(local_batch: Any, sharding: jax.sharding.Sharding) -> Any:
   """Assembles every leaf of this process's rows into a global jax.Array.
 
-  Example: `to_global(local, NamedSharding(mesh, P("data")))`.
+  Example: ``to_global(local, NamedSharding(mesh, P("data")))``.
   """
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)

@@ -1,9 +1,9 @@
 """Starting jax.distributed: from explicit flags, or from the cluster jax detects.
 
 On TPU pods and slices, SLURM, Open MPI and Kubernetes jobs (the environments
-jax's `jax.distributed.initialize()` auto-detects), the trainer starts the job
-with no flags. Explicit `--coordinator_address/--num_processes/--process_id`
-win; `--nodistributed_auto` keeps a run single-host inside such an environment.
+jax's ``jax.distributed.initialize()`` auto-detects), the trainer starts the job
+with no flags. Explicit ``--coordinator_address/--num_processes/--process_id``
+win; ``--nodistributed_auto`` keeps a run single-host inside such an environment.
 
 Example:
   >>> start(None, 1, 0, auto=True)        # nothing detected: one process
@@ -17,10 +17,10 @@ from jax._src import clusters  # jax has no public API for its cluster detection
 def detected_cluster() -> str | None:
   """The name of the cluster environment jax would auto-detect here (e.g. "slurm"), or None.
 
-  The same scan as `jax.distributed.initialize()` with no arguments: every known
+  The same scan as ``jax.distributed.initialize()`` with no arguments: every known
   environment that is not opt-in only, in jax's order.
 
-  Example: `detected_cluster() == "slurm"` inside `srun`.
+  Example: ``detected_cluster() == "slurm"`` inside ``srun``.
   """
   found = next(
       (
@@ -38,7 +38,7 @@ def start(coordinator: str | None, num_processes: int, process_id: int, auto: bo
 
   Must run before anything starts the backend.
 
-  Example: `start("10.0.0.1:1234", 2, 0, auto=True) == "flags"`.
+  Example: ``start("10.0.0.1:1234", 2, 0, auto=True) == "flags"``.
   """
   if coordinator:
     jax.distributed.initialize(coordinator, num_processes, process_id)

@@ -1,16 +1,23 @@
-"""What a run does when its loss stops being finite: `config.on_nonfinite`, "stop" or "skip".
+"""What a run does when its loss stops being finite: ``config.on_nonfinite``, "stop" or "skip".
 
 "stop" (the default) ends the run at the first NaN or infinite loss with a
-`NonFiniteLossError` giving the step and the last finite loss. "skip" wraps the
-optimizer in `optax.apply_if_finite`, so an update from non-finite gradients is not
-applied, and the run goes on; `MAX_SKIPPED` such steps in a row stop it as "stop" would.
+``NonFiniteLossError`` giving the step and the last finite loss. "skip" wraps the
+optimizer in ``optax.apply_if_finite``, so an update from non-finite gradients is not
+applied, and the run goes on; ``MAX_SKIPPED`` such steps in a row stop it as "stop" would.
 
 Example:
-  >>> tx = guard(tx, config.on_nonfinite)          # before planning: it adds state leaves
-  >>> watch = LossWatch(config.on_nonfinite, lr=config.lr, write=metrics.write)
+  >>> import optax
+  >>> tx = guard(optax.adam(1e-3), "stop")  # before planning: "skip" adds state leaves
+  >>> records = []
+  >>> watch = LossWatch("stop", lr=1e-3, write=records.append)
   >>> watch.observe(1, 2.5)
   True
-  >>> watch.observe(2, float("nan"))               # "stop": raises NonFiniteLossError
+  >>> watch.observe(2, float("nan"))
+  Traceback (most recent call last):
+  ...
+  trainers.errors.NonFiniteLossError: step 2: the loss is nan; the last finite loss was 2.5 ...
+  >>> records[-1]["step"]
+  2
 """
 
 import math
@@ -25,9 +32,9 @@ _NEVER_APPLY = 2**31 - 1  # apply_if_finite applies anyway after this many; we n
 
 
 def guard(tx: optax.GradientTransformation, policy: str) -> optax.GradientTransformation:
-  """`tx`, or under "skip" `tx` that leaves params and state alone on non-finite gradients.
+  """``tx``, or under "skip" ``tx`` that leaves params and state alone on non-finite gradients.
 
-  Example: `guard(optax.adamw(1e-3), "skip")` is an `optax.apply_if_finite` transformation.
+  Example: ``guard(optax.adamw(1e-3), "skip")`` is an ``optax.apply_if_finite`` transformation.
   """
   return optax.apply_if_finite(tx, _NEVER_APPLY) if policy == "skip" else tx
 
@@ -35,7 +42,7 @@ def guard(tx: optax.GradientTransformation, policy: str) -> optax.GradientTransf
 class LossWatch:
   """Remembers the last finite loss and applies the policy to a non-finite one.
 
-  `write` (e.g. `MetricsWriter.write`) gets a last record `{"step", "loss", "stopped"}`
+  ``write`` (e.g. ``MetricsWriter.write``) gets a last record ``{"step", "loss", "stopped"}``
   before the run stops.
   """
 
@@ -47,7 +54,7 @@ class LossWatch:
   def observe(self, step: int, loss: float) -> bool:
     """True for a finite loss; False for a skipped step; raises when the run must stop.
 
-    Example: `LossWatch("skip", 1e-3).observe(7, float("inf"))` is False.
+    Example: ``LossWatch("skip", 1e-3).observe(7, float("inf"))`` is False.
     """
     if math.isfinite(loss):
       self.last, self.skipped = (step, loss), 0

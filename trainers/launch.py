@@ -41,7 +41,8 @@ def commands(processes: int, devices: int, train_args: list[str]) -> list[list[s
 
   Example:
     >>> commands(2, 4, ["--config", "configs/lm.py"])[1][3:]
-    ['--coordinator_address=127.0.0.1:...', '--num_processes=2', '--process_id=1', '--devices_per_process=4', '--config', 'configs/lm.py']
+    ['--coordinator_address=127.0.0.1:...', '--num_processes=2', '--process_id=1',
+     '--devices_per_process=4', '--config', 'configs/lm.py']
   """
   address = f"127.0.0.1:{free_port()}"
   return [
@@ -105,9 +106,9 @@ def run(cmds: list[list[str]], timeout: float) -> int:
 
 
 def check_args(processes: int, devices: int, timeout: float) -> None:
-  """Raises `ConfigError` for a count below 1 or a timeout that is not a positive number.
+  """Raises ``ConfigError`` for a count below 1 or a timeout that is not a positive number.
 
-  Example: `check_args(0, 4, 60)` raises naming --processes.
+  Example: ``check_args(0, 4, 60)`` raises naming --processes.
   """
   validation.check_count("--processes", processes, example=2)
   validation.check_count("--devices-per-process", devices, example=4)
@@ -115,6 +116,7 @@ def check_args(processes: int, devices: int, timeout: float) -> None:
 
 
 def main(argv=None) -> int:
+  """``python -m trainers.launch ... -- TRAIN_ARGS``: the exit status (the first failure's)."""
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )

@@ -6,24 +6,24 @@ r"""Plans a config's params and optimizer state on any mesh, before anything is 
   python -m trainers.plan --config configs/lm_7b_pod.py --diff config.optax_name=kron \
       --diff 'mesh=[("data", 32), ("model", 8)]'
 
-The devices need not exist: the plan is made on an `AbstractMesh` of `--num-devices`
-(default `config.num_devices`, else the mesh's own size, else this host's devices)
-from the model and optimizer the trainer would build (`trainers/components.py`),
-traced with `jax.eval_shape`. It prints:
+The devices need not exist: the plan is made on an ``AbstractMesh`` of ``--num-devices``
+(default ``config.num_devices``, else the mesh's own size, else this host's devices)
+from the model and optimizer the trainer would build (``trainers/components.py``),
+traced with ``jax.eval_shape``. It prints:
 
 * one row per leaf (name, shape, dtype, spec, MiB per device, why), the leaves
-  with the most unsharded bytes first (see `bv_sharding.coverage`);
+  with the most unsharded bytes first (see ``bv_sharding.coverage``);
 * per-device totals for params, gradients (the params' specs) and optimizer state,
   and the largest per-device tensor;
 * the coverage (bytes-weighted share of the full split over every mesh axis),
   strategy entries that claimed no leaf and leaves no entry claimed.
 
-`--dcn-mesh` overrides `config.dcn_mesh` (a multi-slice pod: each axis `ici * dcn` long).
-`--format json` prints the same as JSON; `--png FILE` draws per-device memory by
-component and the largest leaves (`pip install -e ".[plot]"`); `--diff OVERRIDE`
-(repeatable) plans a second time with the overrides added (e.g. `config.optax_name=kron`
-or `'mesh=[("data", 32), ("model", 8)]'`; leading dashes optional) and prints only
-what changes; `--max-unsharded-fraction F` exits 1 naming the five least sharded
+``--dcn-mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn`` long).
+``--format json`` prints the same as JSON; ``--png FILE`` draws per-device memory by
+component and the largest leaves (``pip install -e ".[plot]"``); ``--diff OVERRIDE``
+(repeatable) plans a second time with the overrides added (e.g. ``config.optax_name=kron``
+or ``'mesh=[("data", 32), ("model", 8)]'``; leading dashes optional) and prints only
+what changes; ``--max-unsharded-fraction F`` exits 1 naming the five least sharded
 leaves when more than F of the bytes is unsharded. Bad configs exit 2.
 """
 
@@ -63,7 +63,7 @@ class Setup:
 
 
 def parser() -> argparse.ArgumentParser:
-  """The command's own options; `--config` and `--config.key=value` go to ml_collections."""
+  """The command's own options; ``--config`` and ``--config.key=value`` go to ml_collections."""
   p = argparse.ArgumentParser(
       prog="python -m trainers.plan",
       description=__doc__,
@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fraction(text: str) -> float:
-  """A number in [0, 1] (argparse type of `--max-unsharded-fraction`)."""
+  """A number in [0, 1] (argparse type of ``--max-unsharded-fraction``)."""
   try:
     value = float(text)
   except ValueError:
@@ -96,7 +96,7 @@ def fraction(text: str) -> float:
 
 
 def load_config(args) -> object:
-  """The config of `--config file.py[:arg]` with `--config.key=value` overrides applied."""
+  """The config of ``--config file.py[:arg]`` with ``--config.key=value`` overrides applied."""
   values, argv = flags.FlagValues(), ["trainers.plan", *args]
   config_flags.DEFINE_config_file(
       "config", None, "Training config file.", flag_values=values, lock_config=True, sys_argv=argv
@@ -114,7 +114,7 @@ def load_config(args) -> object:
 
 
 def setup(options, config_args) -> Setup:
-  """Resolves the config, the mesh (`--mesh` wins over `config.mesh`) and the device count."""
+  """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count."""
   config = load_config(config_args)
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
   dcn = config.get("dcn_mesh") or ()
@@ -131,7 +131,7 @@ def setup(options, config_args) -> Setup:
 
 
 def parse_mesh(text: str, flag: str) -> tuple:
-  """`--mesh` (or `--dcn-mesh`) as a literal list of `(name, size)` pairs, never evaluated."""
+  """``--mesh`` (or ``--dcn-mesh``) as a literal list of ``(name, size)`` pairs, never evaluated."""
   try:
     return tuple(ast.literal_eval(text))
   except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -142,7 +142,7 @@ def parse_mesh(text: str, flag: str) -> tuple:
 
 
 def make_plan(s: Setup) -> bvs.Plan:
-  """The trainer's plan of `s.config` on an abstract mesh of `s.num_devices`: nothing allocated."""
+  """The trainer's plan of ``s.config`` on an abstract mesh of ``s.num_devices``; no arrays."""
   config = s.config
   task = tasks.get_task(config)
   batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
@@ -218,7 +218,7 @@ def text(rep: dict, rows: int | None = None) -> str:
 
 
 def diff(a: dict, b: dict) -> dict:
-  """What changes from report `a` to report `b`: mesh, totals, coverage and leaves."""
+  """What changes from report ``a`` to report ``b``: mesh, totals, coverage and leaves."""
   keys = ("shape", "dtype", "spec", "bytes_per_device")
   rows_a = {r["name"]: r for r in a["leaves"]}
   rows_b = {r["name"]: r for r in b["leaves"]}
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def gate(plan: bvs.Plan, limit: float | None) -> int:
-  """0, or 1 with the five least sharded leaves on stderr when coverage misses `limit`."""
+  """0, or 1 with the five least sharded leaves on stderr when coverage misses ``limit``."""
   if limit is None:
     return 0
   try:
@@ -356,7 +356,7 @@ def _row(plan: bvs.Plan, e: bvs.Entry) -> dict:
 
 
 def _fixed_size(pairs) -> int | None:
-  """The devices `(name, size)` pairs cover when every size is given, else None (a -1, a typo)."""
+  """The devices ``(name, size)`` pairs cover when every size is given, else None (a -1, a typo)."""
   sizes = [p[1] if isinstance(p, (tuple, list)) and len(p) == 2 else None for p in pairs]
   ok = sizes and all(isinstance(n, int) and n > 0 for n in sizes)
   return math.prod(sizes) if ok else None

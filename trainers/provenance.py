@@ -7,8 +7,16 @@ step 0, not rewritten by a resume, so a later ``--config.optax_name`` change doe
 not hide what trained the first steps.
 
 Example:
-  >>> record_start("runs/lm", config, start_step=200, source="runs/lm/checkpoints/200")
-  'runs/lm/starts/1'
+  >>> import json, os, tempfile
+  >>> import ml_collections
+  >>> run = tempfile.mkdtemp()
+  >>> config = ml_collections.ConfigDict({"lr": 1e-3})
+  >>> first = record_start(run, config, start_step=0, source="init")
+  >>> resumed = record_start(run, config, start_step=200, source=f"{run}/checkpoints/200")
+  >>> os.path.relpath(first, run), os.path.relpath(resumed, run)
+  ('starts/0', 'starts/1')
+  >>> json.load(open(os.path.join(resumed, "start.json")))["start_step"]
+  200
 """
 
 import importlib.metadata
@@ -31,7 +39,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def versions() -> dict[str, str | None]:
   """Installed versions of Python, bv_sharding and the packages training depends on.
 
-  Example: `versions()["jax"]` == "0.10.2".
+  Example: ``versions()["jax"]`` == "0.10.2".
   """
   found = {"python": platform.python_version()}
   for name in ("bv_sharding", *PACKAGES):
@@ -45,7 +53,7 @@ def versions() -> dict[str, str | None]:
 def git_revision(repo: pathlib.Path = REPO) -> str | None:
   """``HEAD``'s commit of the project's checkout (``+dirty`` if files changed); None if unknown.
 
-  Example: `git_revision()` == "5f8a1ee...+dirty".
+  Example: ``git_revision()`` == "5f8a1ee...+dirty".
   """
   try:
     head = subprocess.run(
@@ -65,7 +73,7 @@ def git_revision(repo: pathlib.Path = REPO) -> str | None:
 
 
 def record_start(workdir: str, config, start_step: int, source: str) -> str:
-  """Writes this start's config and provenance under ``workdir/starts/<i>``; returns that directory."""
+  """Writes this start's config and provenance to ``workdir/starts/<i>``; returns that directory."""
   config_json = config.to_json_best_effort(indent=2)
   if start_step == 0 or not os.path.exists(os.path.join(workdir, "config.json")):
     workdir_lib.write_config(workdir, config_json)

@@ -1,6 +1,6 @@
-"""The data sources `config.input` names: token files, text corpora, .npy images, digits.
+"""The data sources ``config.input`` names: token files, text corpora, .npy images, digits.
 
-`config.input` is a dict in big_vision's manner (every key below; "" and 0 mean
+``config.input`` is a dict in big_vision's manner (every key below; "" and 0 mean
 unset so that each key can be overridden on the command line):
 
   kind           "tokens" (flat uint8/uint16/uint32 token ids, nanoGPT's
@@ -9,23 +9,31 @@ unset so that each key can be overridden on the command line):
                  labels.npy integer (N,)) or "digits" (sklearn's 8x8 digits).
   train          a file, a glob or a directory (tokens, text), or the directory
                  holding images.npy and labels.npy (images).
-  val            the same for held-out data; "" = the last `eval_fraction` of train.
-  eval_fraction  the held-out tail of train when `val` is "".
+  val            the same for held-out data; "" = the last ``eval_fraction`` of train.
+  eval_fraction  the held-out tail of train when ``val`` is "".
   dtype          the token files' dtype (tokens; text is always uint8).
   vocab_size     the data's vocabulary; 0 = the largest token id + 1. Token ids
-                 must be below it and below the model's `vocab_size`.
+                 must be below it and below the model's ``vocab_size``.
   max_tokens     use only the first max_tokens of train; 0 = all.
   prefetch       batches prepared and transferred to the devices ahead of the step.
 
-Token and text files are opened with `np.memmap` and never read whole: a
-`TokenStream` is the concatenation of its files, windows are read row by row.
-The old string form `config.input = "text"` (the Python standard library's
-source) or `"digits"` still works.
+Token and text files are opened with ``np.memmap`` and never read whole: a
+``TokenStream`` is the concatenation of its files, windows are read row by row.
+The old string form ``config.input = "text"`` (the Python standard library's
+source) or ``"digits"`` still works.
 
 Example:
-  >>> spec = input_spec(input_config(kind="tokens", train="/data/train.bin", val="/data/val.bin"))
-  >>> train, held_out = open_tokens(spec)            # two TokenStreams, nothing read yet
-  >>> train.windows(np.array([0, 5]), 129).shape     # int32 (2, 129)
+  >>> import tempfile
+  >>> folder = tempfile.mkdtemp()
+  >>> np.arange(300, dtype=np.uint16).tofile(f"{folder}/train.bin")
+  >>> np.arange(100, dtype=np.uint16).tofile(f"{folder}/val.bin")
+  >>> spec = input_spec(input_config(kind="tokens", train=f"{folder}/train.bin",
+  ...                                val=f"{folder}/val.bin"))
+  >>> train, held_out = open_tokens(spec)  # two TokenStreams, nothing read yet
+  >>> len(train), len(held_out)
+  (300, 100)
+  >>> train.windows(np.array([0, 5]), 129).shape
+  (2, 129)
 """
 
 import dataclasses
@@ -61,9 +69,9 @@ NAMED = {
 
 
 def input_config(**overrides) -> dict:
-  """Every `config.input` key with its default, `overrides` replacing some.
+  """Every ``config.input`` key with its default, ``overrides`` replacing some.
 
-  Example: `config.input = input_config(kind="tokens", train="/data/train.bin")`.
+  Example: ``config.input = input_config(kind="tokens", train="/data/train.bin")``.
   """
   unknown = sorted(set(overrides) - set(DEFAULTS))
   if unknown:
@@ -72,9 +80,9 @@ def input_config(**overrides) -> dict:
 
 
 def input_spec(value) -> ml_collections.ConfigDict:
-  """`config.input` (a dict or a name of NAMED) as a ConfigDict with every key, checked.
+  """``config.input`` (a dict or a name of NAMED) as a ConfigDict with every key, checked.
 
-  Example: `input_spec("text").kind == "text"`.
+  Example: ``input_spec("text").kind == "text"``.
   """
   if isinstance(value, str):
     if value not in NAMED:
@@ -102,12 +110,12 @@ def input_spec(value) -> ml_collections.ConfigDict:
 
 
 def find_files(pattern: str, what: str) -> list[str]:
-  """The sorted files `pattern` (a file, a glob or a directory, searched recursively) names.
+  """The sorted files ``pattern`` (a file, a glob or a directory, searched recursively) names.
 
-  `what` names the setting in errors. The `.json` records `python -m trainers.convert`
+  ``what`` names the setting in errors. The ``.json`` records ``python -m trainers.convert``
   writes beside its token files are left out.
 
-  Example: `find_files("/data/shards/*.bin", "config.input.train")` -> ["/data/shards/000.bin", ...].
+  Example: ``find_files("/data/shards/*.bin", "config.input.train")`` -> ["/data/shards/000.bin"].
   """
   if not pattern:
     raise ConfigError(f"{what} is empty; set it to a file, a glob or a directory")
@@ -134,7 +142,7 @@ def find_files(pattern: str, what: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class TokenStream:
-  """Tokens [start, stop) of the concatenation of `arrays` (memmaps), with their file `names`.
+  """Tokens [start, stop) of the concatenation of ``arrays`` (memmaps), with their file ``names``.
 
   Windows may cross from one file into the next, as in one concatenated stream.
 
@@ -159,7 +167,7 @@ class TokenStream:
     return self.stop - self.start
 
   def split(self, cut: int) -> tuple["TokenStream", "TokenStream"]:
-    """(first `cut` tokens, the rest)."""
+    """(first ``cut`` tokens, the rest)."""
     middle = self.start + cut
     return (
         dataclasses.replace(self, stop=middle),
@@ -167,7 +175,7 @@ class TokenStream:
     )
 
   def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-    """int32 (len(starts), length): the tokens from each of `starts` (relative to `start`)."""
+    """int32 (len(starts), length): the tokens from each of ``starts`` (relative to ``start``)."""
     ends = self.ends
     out = np.empty((len(starts), length), np.int32)
     for row, position in enumerate(np.asarray(starts, np.int64) + self.start):
@@ -181,9 +189,9 @@ class TokenStream:
 
 
 def sidecar(path: str) -> dict:
-  """What `python -m trainers.convert` recorded about `path` ({} if nothing).
+  """What ``python -m trainers.convert`` recorded about ``path`` ({} if nothing).
 
-  Example: `sidecar("/data/train.bin").get("max_token")`.
+  Example: ``sidecar("/data/train.bin").get("max_token")``.
   """
   try:
     with open(path + ".json") as f:
@@ -193,17 +201,17 @@ def sidecar(path: str) -> dict:
 
 
 def chunked(reduce, array: np.ndarray) -> int:
-  """`reduce` (np.min, np.max) of a memmap, SCAN_CHUNK elements in memory at a time.
+  """``reduce`` (np.min, np.max) of a memmap, SCAN_CHUNK elements in memory at a time.
 
-  Example: `chunked(np.max, np.memmap("/data/train.bin", np.uint16, mode="r"))`.
+  Example: ``chunked(np.max, np.memmap("/data/train.bin", np.uint16, mode="r"))``.
   """
   return int(reduce([reduce(array[i : i + SCAN_CHUNK]) for i in range(0, len(array), SCAN_CHUNK)]))
 
 
 def max_token(array: np.ndarray, name: str) -> int:
-  """The largest id in file `name`: from convert's record when it matches, else a chunked scan.
+  """The largest id in file ``name``: from convert's record when it matches, else a chunked scan.
 
-  Example: `max_token(np.memmap("/data/train.bin", np.uint16, mode="r"), "/data/train.bin")`.
+  Example: ``max_token(np.memmap("/data/train.bin", np.uint16, mode="r"), "/data/train.bin")``.
   """
   record = sidecar(name)
   if record.get("tokens") == len(array) and "max_token" in record:
@@ -212,12 +220,12 @@ def max_token(array: np.ndarray, name: str) -> int:
 
 
 def check_token_ids(stream: TokenStream, model_vocab: int, declared: int = 0) -> None:
-  """Raises unless every token id of `stream`'s files is below the vocabularies.
+  """Raises unless every token id of ``stream``'s files is below the vocabularies.
 
-  `declared` is config.input.vocab_size (0: none). Skips the scan when the dtype
+  ``declared`` is config.input.vocab_size (0: none). Skips the scan when the dtype
   cannot hold an id that large.
 
-  Example: `check_token_ids(train, model.config.vocab_size, spec.vocab_size)`.
+  Example: ``check_token_ids(train, model.config.vocab_size, spec.vocab_size)``.
   """
   if declared > model_vocab:
     raise ConfigError(
@@ -240,9 +248,9 @@ def check_token_ids(stream: TokenStream, model_vocab: int, declared: int = 0) ->
 
 
 def memmap_tokens(path: str, dtype: str) -> np.memmap:
-  """`path` as a read-only memmap of `dtype`, its size checked.
+  """``path`` as a read-only memmap of ``dtype``, its size checked.
 
-  Example: `memmap_tokens("/data/train.bin", "uint16")`.
+  Example: ``memmap_tokens("/data/train.bin", "uint16")``.
   """
   size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
   if size == 0:
@@ -265,7 +273,7 @@ def memmap_tokens(path: str, dtype: str) -> np.memmap:
 def token_stream(spec: ml_collections.ConfigDict, key: str) -> TokenStream:
   """The files of config.input.<key> as one TokenStream (text: every non-empty file as bytes).
 
-  Example: `token_stream(spec, "train")`.
+  Example: ``token_stream(spec, "train")``.
   """
   files = find_files(spec[key], f"config.input.{key}")
   if spec.kind == "text":
@@ -279,7 +287,7 @@ def token_stream(spec: ml_collections.ConfigDict, key: str) -> TokenStream:
 def open_tokens(spec: ml_collections.ConfigDict) -> tuple[TokenStream, TokenStream]:
   """(train, held-out) TokenStreams of a "tokens" or "text" spec; nothing is read.
 
-  Example: `train, held_out = open_tokens(input_spec("text"))`.
+  Example: ``train, held_out = open_tokens(input_spec("text"))``.
   """
   train = token_stream(spec, "train")
   if spec.max_tokens:
@@ -290,9 +298,9 @@ def open_tokens(spec: ml_collections.ConfigDict) -> tuple[TokenStream, TokenStre
 
 
 def check_length(stream: TokenStream, seq_len: int, what: str, fix: str) -> None:
-  """Raises if `stream` (`what`, in words) is shorter than one window of `seq_len + 1` tokens.
+  """Raises if ``stream`` (``what``, in words) is shorter than one window of ``seq_len + 1`` tokens.
 
-  Example: `check_length(held_out, config.seq_len, "config.input.val", "a longer file")`.
+  Example: ``check_length(held_out, config.seq_len, "config.input.val", "a longer file")``.
   """
   if len(stream) <= seq_len:
     names = stream.names[0] if len(stream.names) == 1 else f"{len(stream.names)} files"
@@ -303,9 +311,9 @@ def check_length(stream: TokenStream, seq_len: int, what: str, fix: str) -> None
 
 
 def load_npy(directory: str, name: str, key: str) -> np.ndarray:
-  """`directory/name` memory-mapped (.npz cannot be: save each array with np.save).
+  """``directory/name`` memory-mapped (.npz cannot be: save each array with np.save).
 
-  Example: `load_npy("/data/train", "images.npy", "train")`.
+  Example: ``load_npy("/data/train", "images.npy", "train")``.
   """
   path = os.path.join(os.path.expanduser(directory), name)
   if not os.path.isfile(path):
@@ -321,7 +329,7 @@ def load_npy(directory: str, name: str, key: str) -> np.ndarray:
 def open_image_split(spec: ml_collections.ConfigDict, key: str) -> dict:
   """{"image": uint8 (N, H, W, C), "label": (N,)} memmaps of config.input.<key>, checked.
 
-  Example: `open_image_split(spec, "train")["image"].shape`.
+  Example: ``open_image_split(spec, "train")["image"].shape``.
   """
   if not spec[key]:
     raise ConfigError(f"config.input.{key} is empty; set it to a directory with images.npy")
@@ -343,9 +351,9 @@ def open_image_split(spec: ml_collections.ConfigDict, key: str) -> dict:
 
 
 def check_labels(split: dict, num_classes: int, key: str) -> None:
-  """Raises unless every label of `split` is in [0, num_classes).
+  """Raises unless every label of ``split`` is in [0, num_classes).
 
-  Example: `check_labels(train, model.num_classes, "train")`.
+  Example: ``check_labels(train, model.num_classes, "train")``.
   """
   labels = split["label"]
   low, high = chunked(np.min, labels), chunked(np.max, labels)

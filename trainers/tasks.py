@@ -1,18 +1,25 @@
 """What differs between training tasks: data splits, batches, model inputs and the loss.
 
-`config.input` (trainers/sources.py) picks the task: "tokens" and "text" are
+``config.input`` (trainers/sources.py) picks the task: "tokens" and "text" are
 next-token prediction with a language model, "images" and "digits" image
 classification with a ViT. Everything else in the trainer is the same for all.
-`Task.check(model)` compares the data with the model (token ids below its
+``Task.check(model)`` compares the data with the model (token ids below its
 vocab_size, labels below its num_classes) before anything is initialised.
 
 Example:
-  >>> task = get_task(config)                       # config.input = "text"
+  >>> import jax
+  >>> from configs import lm
+  >>> from trainers import models
+  >>> config = lm.get_config()  # config.input: the standard library's source as text
+  >>> config.seq_len = 16
+  >>> task = get_task(config)
+  >>> model = models.get_model(config.model_name, **config.model.to_dict())
   >>> task.check(model)
-  >>> local = next(task.batches(task.train, global_batch=32, seed=0))
+  >>> batch = next(task.batches(task.train, global_batch=2, seed=0))
+  >>> params = jax.jit(model.init)(jax.random.key(0), task.inputs(batch))["params"]
   >>> logits = model.apply({"params": params}, task.inputs(batch))
   >>> batch.shape, logits.shape, task.unit  # bytes in, a logit per byte value out
-  ((2, 129), (2, 128, 256), 'tokens')
+  ((2, 17), (2, 16, 256), 'tokens')
   >>> bool(task.loss(logits, batch) > 0)
   True
 """
@@ -53,9 +60,9 @@ def cross_entropy(logits, labels):
 
 
 def language_model(config, spec) -> Task:
-  """Next-token prediction on windows of `config.seq_len + 1` tokens of token files or text.
+  """Next-token prediction on windows of ``config.seq_len + 1`` tokens of token files or text.
 
-  Example: `language_model(config, spec).inputs(windows)` is `windows[:, :-1]`.
+  Example: ``language_model(config, spec).inputs(windows)`` is ``windows[:, :-1]``.
   """
   train, held_out = sources.open_tokens(spec)
   sources.check_length(train, config.seq_len, "config.input.train", "more data")
@@ -85,7 +92,7 @@ def language_model(config, spec) -> Task:
 def image_pixels(images):
   """Model input: uint8 images scaled to [0, 1] float32; float images as they are.
 
-  Example: `image_pixels(jnp.full((1, 2, 2, 1), 255, jnp.uint8)).max() == 1.0`.
+  Example: ``image_pixels(jnp.full((1, 2, 2, 1), 255, jnp.uint8)).max() == 1.0``.
   """
   return images.astype(jnp.float32) / 255 if images.dtype == jnp.uint8 else images
 
@@ -93,7 +100,7 @@ def image_pixels(images):
 def classifier(config, spec) -> Task:
   """Image classification of .npy images or sklearn's 8x8 digits.
 
-  Example: `classifier(config, spec).inputs(batch)` is `batch["image"]` in [0, 1].
+  Example: ``classifier(config, spec).inputs(batch)`` is ``batch["image"]`` in [0, 1].
   """
   del config  # Unused: the images carry their size.
   if spec.kind == "digits":
@@ -136,9 +143,9 @@ TASKS = {
 
 
 def get_task(config) -> Task:
-  """The task of `config.input`'s kind, its files opened and checked (nothing read whole).
+  """The task of ``config.input``'s kind, its files opened and checked (nothing read whole).
 
-  Example: `get_task(config).unit == "tokens"` for `config.input = "text"`.
+  Example: ``get_task(config).unit == "tokens"`` for ``config.input = "text"``.
   """
   spec = sources.input_spec(config.input)
   return TASKS[spec.kind](config, spec)

@@ -1,4 +1,4 @@
-r"""Trains a model with params and optimizer state sharded by one `config.sharding_strategy`.
+r"""Trains a model with params and optimizer state sharded by one ``config.sharding_strategy``.
 
   python -m trainers.train --config configs/lm.py --workdir /tmp/lm
   python -m trainers.train --config configs/lm.py:size=small --workdir /tmp/lm \
@@ -9,20 +9,20 @@ r"""Trains a model with params and optimizer state sharded by one `config.shardi
 Top to bottom: logging -> (jax.distributed) -> mesh -> data -> model -> optimizer
 -> one sharding plan for {"params", "opt"} -> born-sharded init -> loop -> eval.
 Every config value is checked first (trainers/validation.py), the memory the plan needs
-before init; a bad one ends the run as one line, `ConfigError: config.<key>=...`, before
-the workdir is touched or anything allocated (`--debug` for the traceback). Process 0 then
-writes `workdir/config.json` and `workdir/metrics.jsonl`; an earlier run's files there are
-moved into `workdir/attempt-N/` (trainers/workdir.py). Every process saves orbax
-checkpoints (every `config.ckpt_steps`, at the end, on SIGTERM); a workdir holding one
+before init; a bad one ends the run as one line, ``ConfigError: config.<key>=...``, before
+the workdir is touched or anything allocated (``--debug`` for the traceback). Process 0 then
+writes ``workdir/config.json`` and ``workdir/metrics.jsonl``; an earlier run's files there are
+moved into ``workdir/attempt-N/`` (trainers/workdir.py). Every process saves orbax
+checkpoints (every ``config.ckpt_steps``, at the end, on SIGTERM); a workdir holding one
 resumes from it exactly (trainers/checkpoint.py). A NaN or infinite loss stops the run
-(`config.on_nonfinite="stop"`) or skips the update ("skip"; trainers/divergence.py).
+(``config.on_nonfinite="stop"``) or skips the update ("skip"; trainers/divergence.py).
 
-On CPU every process simulates `--devices_per_process` devices (default 8);
-`--coordinator_address/--num_processes/--process_id` (or BV_COORDINATOR,
+On CPU every process simulates ``--devices_per_process`` devices (default 8);
+``--coordinator_address/--num_processes/--process_id`` (or BV_COORDINATOR,
 BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed; without them a job jax
-detects (TPU pod, SLURM, ...) starts it from the environment (`--nodistributed_auto`: off).
+detects (TPU pod, SLURM, ...) starts it from the environment (``--nodistributed_auto``: off).
 Before allocating, every process checks that all computed the same plan, and
-`config.max_unsharded_fraction` (if set) gates the plan's coverage.
+``config.max_unsharded_fraction`` (if set) gates the plan's coverage.
 """
 
 import os
@@ -135,9 +135,7 @@ def main(argv):
   model, init = components.model_and_init(config, components.example_input(task, eval_batches[0]))
   task.check(model)  # Token ids / labels fit the model, before init.
 
-  def loss_fn(params, batch):
-    return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
-
+  loss_fn = components.loss_fn(task, model)
   # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
   tx, learning_rates = components.optimizer(config)
 

@@ -1,12 +1,12 @@
 """Checks of every config value the trainer reads, before anything is written or allocated.
 
-`check_config` runs right after the flags are parsed (before jax's backend starts or the
+``check_config`` runs right after the flags are parsed (before jax's backend starts or the
 workdir is touched): counts >= 1, seeds >= 0, a positive finite learning rate, a positive
 clip norm or None, warmup >= 0, distinct data axes, well-formed strategy and rule lists,
 and >= 1 processes and devices. The input's own checks
-(`trainers/sources.py`) cover what needs the data (seq_len against the files), and
-`check_memory` compares the plan's bytes per device with the devices' memory before init.
-Each failure is one `ConfigError` naming `config.<key>` (or the flag) and a valid value.
+(``trainers/sources.py``) cover what needs the data (seq_len against the files), and
+``check_memory`` compares the plan's bytes per device with the devices' memory before init.
+Each failure is one ``ConfigError`` naming ``config.<key>`` (or the flag) and a valid value.
 
 Example:
   >>> import configs.lm
@@ -35,9 +35,9 @@ LARGEST_LEAVES = 5
 
 
 def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0) -> None:
-  """Raises `ConfigError` for the first config value or process flag the trainer cannot use.
+  """Raises ``ConfigError`` for the first config value or process flag the trainer cannot use.
 
-  Example: `check_config(config, devices_per_process=8)` returns None for configs/lm.py.
+  Example: ``check_config(config, devices_per_process=8)`` returns None for configs/lm.py.
   """
   check_count("--devices_per_process", devices_per_process, example=8)
   check_count("--num_processes", num_processes, example=1)
@@ -77,17 +77,17 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
 
 
 def check_count(key: str, value, example: int) -> None:
-  """Raises unless `value` is an integer >= 1.
+  """Raises unless ``value`` is an integer >= 1.
 
-  Example: `check_count("config.log_every", 0, example=20)` raises naming config.log_every.
+  Example: ``check_count("config.log_every", 0, example=20)`` raises naming config.log_every.
   """
   check_int(key, value, minimum=1, example=example)
 
 
 def check_int(key: str, value, minimum: int, example: int) -> None:
-  """Raises unless `value` is an integer (not a bool) >= `minimum`.
+  """Raises unless ``value`` is an integer (not a bool) >= ``minimum``.
 
-  Example: `check_int("config.seed", -1, minimum=0, example=0)` raises.
+  Example: ``check_int("config.seed", -1, minimum=0, example=0)`` raises.
   """
   if not _is_int(value) or value < minimum:
     raise ConfigError(
@@ -96,9 +96,9 @@ def check_int(key: str, value, minimum: int, example: int) -> None:
 
 
 def check_number(key: str, value, positive: bool, example: float, none_ok: bool = False) -> None:
-  """Raises unless `value` is a finite number, > 0 if `positive` else >= 0.
+  """Raises unless ``value`` is a finite number, > 0 if ``positive`` else >= 0.
 
-  Example: `check_number("config.lr", float("nan"), positive=True, example=3e-3)` raises.
+  Example: ``check_number("config.lr", float("nan"), positive=True, example=3e-3)`` raises.
   """
   ok = (
       isinstance(value, (int, float))
@@ -118,11 +118,11 @@ def check_memory(plan, devices: Sequence, host_available: int | None = None) -> 
   """Raises if the plan's state and gradients do not fit the devices' memory; else says what fit.
 
   Per device the step holds the planned params and optimizer state plus gradients (the
-  params' bytes again). Accelerators are compared one by one with jax's `bytes_limit`; CPU
+  params' bytes again). Accelerators are compared one by one with jax's ``bytes_limit``; CPU
   devices share the host, so their bytes together are compared with the host's available
-  memory (`host_available`, default from /proc/meminfo).
+  memory (``host_available``, default from /proc/meminfo).
 
-  Example: `check_memory(plan, jax.local_devices())` raises for configs/lm_7b_pod.py on 8
+  Example: ``check_memory(plan, jax.local_devices())`` raises for configs/lm_7b_pod.py on 8
   CPU devices.
   """
   grads = sum(e.bytes_per_device for e in plan.entries if e.name.split("/")[0] == "params")
@@ -164,7 +164,7 @@ def _host_available() -> int:
 
 
 def _check_schedule(schedule) -> None:
-  """big_vision's `config.schedule`: None, one dict, or `(regex, dict | None)` pairs."""
+  """big_vision's ``config.schedule``: None, one dict, or ``(regex, dict | None)`` pairs."""
   if schedule is None:
     return
   if _is_dict(schedule):

@@ -1,16 +1,26 @@
 """The run directory: nothing of an earlier run is ever truncated, overwritten or deleted.
 
-`prepare` runs only after the config passed every check. A fresh run on a workdir that
-already holds `config.json` / `metrics.jsonl` moves them into `attempt-N/` inside it and
-says so; a resuming run (see the checkpoint module) keeps them. `MetricsWriter` appends
+``prepare`` runs only after the config passed every check. A fresh run on a workdir that
+already holds ``config.json`` / ``metrics.jsonl`` moves them into ``attempt-N/`` inside it and
+says so; a resuming run (see the checkpoint module) keeps them. ``MetricsWriter`` appends
 each record as one complete JSON line in one write, so a killed run never leaves half a
-line, and non-finite numbers are written as `null`, never as bare `NaN`.
+line, and non-finite numbers are written as ``null``, never as bare ``NaN``.
 
 Example:
-  >>> note = prepare("/tmp/run", resuming=False)   # "moved ... into /tmp/run/attempt-1", or None
-  >>> write_config("/tmp/run", config.to_json_best_effort(indent=2))
-  >>> metrics = MetricsWriter("/tmp/run")
-  >>> metrics.write({"step": 1, "loss": float("nan")})   # {"step": 1, "loss": null}
+  >>> import os, tempfile
+  >>> run = tempfile.mkdtemp()
+  >>> prepare(run, resuming=False) is None  # an empty workdir: nothing to move
+  True
+  >>> write_config(run, '{"lr": 0.001}')
+  >>> metrics = MetricsWriter(run)
+  >>> metrics.write({"step": 1, "loss": float("nan")})
+  >>> open(os.path.join(run, METRICS)).read()
+  '{"step": 1, "loss": null}\\n'
+  >>> note = prepare(run, resuming=False)  # a fresh run on a used workdir
+  >>> note.endswith("into " + os.path.join(run, "attempt-1") + " (nothing deleted); starting fresh")
+  True
+  >>> sorted(os.listdir(os.path.join(run, "attempt-1")))
+  ['config.json', 'metrics.jsonl']
 """
 
 import json
@@ -26,9 +36,9 @@ ATTEMPT = "attempt-{}"
 
 
 def check(path: str) -> None:
-  """Raises `ConfigError` unless `path` is, or can become, a writable directory; writes nothing.
+  """Raises ``ConfigError`` unless ``path`` is, or can become, a writable directory; writes nothing.
 
-  Example: `check("/etc/passwd")` raises: it is a file.
+  Example: ``check("/etc/passwd")`` raises: it is a file.
   """
   existing = path
   while existing and not os.path.exists(existing):
@@ -41,9 +51,9 @@ def check(path: str) -> None:
 
 
 def prepare(path: str, *, resuming: bool) -> str | None:
-  """Creates `path`; unless `resuming`, moves an earlier run's files aside. Returns a note or None.
+  """Creates ``path``; unless ``resuming``, moves an earlier run's files aside; a note or None.
 
-  Example: `prepare(workdir, resuming=False)` on a used workdir returns
+  Example: ``prepare(workdir, resuming=False)`` on a used workdir returns
   "workdir ... held an earlier run: moved config.json, metrics.jsonl into .../attempt-1".
   """
   os.makedirs(path, exist_ok=True)
@@ -58,9 +68,9 @@ def prepare(path: str, *, resuming: bool) -> str | None:
 
 
 def move_to_attempt(path: str, names) -> str:
-  """Moves files `names` of `path` into its first unused `attempt-N/`; returns that directory.
+  """Moves files ``names`` of ``path`` into its first unused ``attempt-N/``; returns that directory.
 
-  Example: `move_to_attempt(workdir, ["metrics.jsonl"])` == f"{workdir}/attempt-1".
+  Example: ``move_to_attempt(workdir, ["metrics.jsonl"])`` == f"{workdir}/attempt-1".
   """
   attempt = new_attempt(path)
   for name in names:
@@ -69,9 +79,9 @@ def move_to_attempt(path: str, names) -> str:
 
 
 def new_attempt(path: str) -> str:
-  """Creates and returns the first unused `attempt-N/` directory of workdir `path`.
+  """Creates and returns the first unused ``attempt-N/`` directory of workdir ``path``.
 
-  Example: `new_attempt(workdir)` == f"{workdir}/attempt-1" on a workdir without attempts.
+  Example: ``new_attempt(workdir)`` == f"{workdir}/attempt-1" on a workdir without attempts.
   """
   n = 1
   while os.path.exists(os.path.join(path, ATTEMPT.format(n))):
@@ -82,14 +92,14 @@ def new_attempt(path: str) -> str:
 
 
 def keep_metrics_until(path: str, step: int) -> str | None:
-  """Keeps the lines of ``path`` (``metrics.jsonl``) up to ``step``; moves the rest to an attempt file.
+  """Keeps the lines of ``path`` (``metrics.jsonl``) up to ``step``; moves the rest to an attempt.
 
   Lines after ``step`` (from an attempt that died before its next checkpoint) and
   any cut-off line go to ``<workdir>/attempt-N/metrics.jsonl`` (N the first free);
   the file is replaced atomically, so it holds each step at most once. Returns the
   attempt file, or None when nothing moved.
 
-  Example: `keep_metrics_until("runs/lm/metrics.jsonl", 200)`.
+  Example: ``keep_metrics_until("runs/lm/metrics.jsonl", 200)``.
   """
   if not os.path.exists(path):
     return None
@@ -117,9 +127,9 @@ def _line_step(line: str) -> float:
 
 
 def write_config(path: str, text: str) -> None:
-  """Writes `config.json` whole: to a temporary file first, then renamed into place.
+  """Writes ``config.json`` whole: to a temporary file first, then renamed into place.
 
-  Example: `write_config(workdir, config.to_json_best_effort(indent=2))`.
+  Example: ``write_config(workdir, config.to_json_best_effort(indent=2))``.
   """
   tmp = os.path.join(path, f".{CONFIG}.tmp")
   with open(tmp, "w") as f:
@@ -128,9 +138,9 @@ def write_config(path: str, text: str) -> None:
 
 
 def json_line(record: dict) -> str:
-  """`record` as one line of strict JSON; NaN and infinities become `null`.
+  """``record`` as one line of strict JSON; NaN and infinities become ``null``.
 
-  Example: `json_line({"loss": float("inf")})` == '{"loss": null}\\n'.
+  Example: ``json_line({"loss": float("inf")})`` == '{"loss": null}\\n'.
   """
   finite = {
       k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
@@ -139,15 +149,15 @@ def json_line(record: dict) -> str:
 
 
 class MetricsWriter:
-  """Appends records to `metrics.jsonl`, each line in a single `os.write` of the whole line."""
+  """Appends records to ``metrics.jsonl``, each line in a single ``os.write`` of the whole line."""
 
   def __init__(self, path: str):
     self.path = os.path.join(path, METRICS)
 
   def write(self, record: dict) -> None:
-    """Appends `record` as one complete line.
+    """Appends ``record`` as one complete line.
 
-    Example: `MetricsWriter(workdir).write({"step": 10, "loss": 2.3})`.
+    Example: ``MetricsWriter(workdir).write({"step": 10, "loss": 2.3})``.
     """
     line = json_line(record).encode()
     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -15,8 +15,13 @@ by it) and scaled by the schedule; a ``None`` schedule freezes the leaves it
 matches. Regexes fullmatch ``/``-joined param names; the first match wins.
 
 Example:
-    >>> tx, lrs = from_config(config)          # config.optax_name = "scale_by_adam"
-    >>> float(lrs["lr"](0)), float(lrs["lr"](config.total_steps // 2))
+  >>> from configs.common import base_config
+  >>> config = base_config()
+  >>> config.optax_name, config.lr, config.total_steps = "scale_by_adam", 1e-3, 100
+  >>> config.schedule = dict(decay_type="cosine", warmup_steps=10)
+  >>> tx, lrs = from_config(config)
+  >>> [round(float(lrs["lr"](step)), 6) for step in (0, 5, 10, 100)]  # warmup, then cosine
+  [0.0, 0.0005, 0.001, 0.0]
 """
 
 from __future__ import annotations
