@@ -122,5 +122,6 @@ def test_bad_config_fails_before_init(tmp_path, override, message):
   assert status != 0
   assert message in out, out[-3000:]
   assert "Traceback" not in out and "initialising params" not in out and records == []
+  assert any(kind in out for kind in ("ShardingError", "ConfigError", "OptimizerError"))
   assert not os.path.exists(tmp_path / "config.json")
   assert time.monotonic() - start < 60
