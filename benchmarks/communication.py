@@ -52,6 +52,50 @@ def collective_bytes(hlo: str) -> int:
   return total
 
 
+GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}[^ ]*\}|\[\d+,(\d+)\]<=\[[\d,]+\][^ ,]*)")
+WIRE = {"all-gather": 1, "all-reduce": 2, "all-to-all": 1}
+
+
+def wire_bytes(hlo: str, num_devices: int) -> tuple[int, int]:
+  """(wire bytes per device, number of collectives) of compiled HLO.
+
+  all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g (= result*(g-1)),
+  all-reduce 2*result*(g-1)/g, all-to-all result*(g-1)/g, collective-permute result;
+  g is the replica group size.
+
+  Example:
+    >>> wire_bytes("%x = f32[8]{0} all-gather(f32[2]{0} %p), replica_groups=[2,4]<=[8]", 8)
+    (24, 1)
+  """
+  total = count = 0
+  for line in hlo.splitlines():
+    found = COLLECTIVE.search(line)
+    if not found or found.group(3):  # the -done half of an async pair
+      continue
+    arrays = ARRAY.findall(found.group(1))
+    result = _bytes(*arrays[-1])
+    g = _group_size(line, num_devices)
+    op = found.group(2)
+    if op == "reduce-scatter":
+      total += result * (g - 1)
+    elif op == "collective-permute":
+      total += result
+    else:
+      total += WIRE[op] * result * (g - 1) // g
+    count += 1
+  return total, count
+
+
+def _group_size(line: str, num_devices: int) -> int:
+  found = GROUPS.search(line)
+  if not found:
+    return num_devices
+  if found.group(2):
+    return int(found.group(2))
+  first = found.group(1)[2:].split("}")[0]
+  return len(first.split(",")) if first else num_devices
+
+
 def _bytes(dtype: str, dims: str) -> int:
   size = 1
   for d in filter(None, dims.split(",")):

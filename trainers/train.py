@@ -110,6 +110,10 @@ def main(argv):
       if config.schedule is None
       else {"total_steps": config.total_steps, **config.schedule.to_dict()}
   )
+  # The params' plan first: Kron and Shampoo cut their blocks inside each device's shard.
+  params_plan = bvs.plan(
+      {"params": jax.eval_shape(init)}, config.sharding_strategy, mesh, rules=config.sharding_rules
+  )
   try:
     tx = optimizers.make_optimizer(
         config.optax_name,
@@ -117,6 +121,7 @@ def main(argv):
         schedule=schedule,
         weight_decay=config.wd,
         clip_norm=config.grad_clip_norm,
+        layout=optimizers.ParamLayout.from_plan(params_plan),
         **config.optax.to_dict(),
     )
   except optimizers.OptimizerError as e:

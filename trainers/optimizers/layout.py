@@ -100,9 +100,7 @@ def shard_blocks(shape, spec, mesh, block_size: int, scanned: bool = False) -> S
   sizes = dict(mesh.shape) if mesh is not None else {}
   shards = tuple(axis_size(sizes, entry) for entry in spec)
   concrete = isinstance(mesh, jax.sharding.Mesh) and math.prod(shards) > 1
-  return ShardBlocks(
-      tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None
-  )
+  return ShardBlocks(tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None)
 
 
 @dataclasses.dataclass(frozen=True)

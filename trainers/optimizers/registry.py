@@ -125,6 +125,7 @@ def make_optimizer(
     weight_decay: float = 0.0,
     weight_decay_mask: Any = decay_mask,
     clip_norm: float | None = None,
+    layout: Any = None,
     **optimizer_kwargs,
 ) -> optax.GradientTransformation:
   """Builds optimizer ``name`` (one of ``OPTIMIZERS``).
@@ -138,6 +139,9 @@ def make_optimizer(
     weight_decay_mask: pytree of bools or callable; default skips
       ``scale``/``bias`` leaves and leaves with ndim < 2.
     clip_norm: clip gradients to this global norm first (None: no clipping).
+    layout: the params' :class:`~trainers.optimizers.layout.ParamLayout`, given to
+      optimizers that take a ``layout`` (Kron, Shampoo: shard-local blocks); the
+      others ignore it.
     **optimizer_kwargs: passed to the optimizer's own constructor.
 
   Raises:
@@ -156,6 +160,8 @@ def make_optimizer(
   if reserved:
     raise OptimizerError(f"Pass {sorted(reserved)} of {name!r} as weight_decay/weight_decay_mask.")
   kwargs = {**entry.defaults, **optimizer_kwargs}
+  if layout is not None and "layout" in inspect.signature(entry.factory).parameters:
+    kwargs["layout"] = layout
   if entry.decay_args is not None:
     kwargs.update(zip(entry.decay_args, (weight_decay, weight_decay_mask)))
   _check_arguments(name, entry, kwargs)
