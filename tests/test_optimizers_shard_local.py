@@ -128,7 +128,9 @@ def test_update_moves_only_scalars(name):
   )
   p = abstract(params, param_shardings)
   opt = abstract(jax.eval_shape(tx.init, params), state_shardings)
-  update = jax.jit(lambda g, o, p: tx.update(g, o, p), out_shardings=(param_shardings, state_shardings))
+  update = jax.jit(
+      lambda g, o, p: tx.update(g, o, p), out_shardings=(param_shardings, state_shardings)
+  )
   hlo = update.lower(p, opt, p).compile().as_text()
   sizes = []
   for line in hlo.splitlines():
@@ -149,7 +151,9 @@ def test_blocks_and_trajectory_do_not_depend_on_the_device_count():
   assert same_blocking(blocks(2), blocks(4))
   assert not same_blocking(blocks(4), blocks(8))
   runs = [
-      _run(kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout(n)), params)
+      _run(
+          kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout(n)), params
+      )
       for n in (2, 4)
   ]
   np.testing.assert_allclose(runs[0][0]["w"], runs[1][0]["w"], rtol=1e-5, atol=1e-6)

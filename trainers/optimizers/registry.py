@@ -21,6 +21,7 @@ import optax
 
 from trainers.errors import OptimizerError
 from trainers.optimizers.kron import kron
+from trainers.optimizers.muon import muon
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import shampoo
 
@@ -82,7 +83,9 @@ _REGISTRY: dict[str, _Entry] = {
     "lion": _Entry(optax.lion),
     "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}),
     "lamb": _Entry(optax.lamb),
-    "muon": _Entry(optax.contrib.muon, ("weight_decay", "weight_decay_mask")),
+    # The project's Muon: scanned (L, m, n) kernels orthogonalised per layer, and with the
+    # trainer's layout each matrix orthogonalised once, by its owner device (muon.py).
+    "muon": _Entry(muon, ("weight_decay", "weight_decay_mask")),
     "schedule_free": _Entry(schedule_free_adamw),
     # Shard-aligned blocks by default: 11.6x less update traffic than psgd-jax's Kron under
     # the seed's placement (python -m benchmarks.communication; README).
