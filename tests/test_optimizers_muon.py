@@ -63,8 +63,8 @@ def test_scanned_kernels_are_orthogonalised_per_layer_not_adam():
   # Layer i of the scanned run equals the unscanned run of layer i alone.
   scanned = _run(muon(0.02), stacked)
   for i in range(3):
-    layer = jax.tree.map(lambda x: x[i], stacked)
-    _close(jax.tree.map(lambda x: x[i], scanned), _run(muon(0.02), layer))
+    layer = lambda tree, i=i: jax.tree.map(lambda x: x[i], tree)
+    _close(layer(scanned), _run(muon(0.02), layer(stacked)))
 
 
 @pytest.mark.timeout(300)
