@@ -98,9 +98,9 @@ def update_flops(tx, state) -> float:
   return float(compiled.cost_analysis().get("flops", 0.0))
 
 
-def measure(config, optimizer: str) -> dict:
+def compile_step(config, optimizer: str):
+  """Compiles the trainer's step: (HLO text, XLA's stderr while compiling, seconds, extras)."""
   mesh = bvs.make_mesh(config.mesh)
-  n = mesh.size
   loss_fn, tx, plan, batch = setup(config, optimizer, mesh)
   batch_sharding = steps.batch_sharding(
       mesh, steps.data_axes(mesh, config.sharding_rules, config.data_axes)
@@ -113,6 +113,12 @@ def measure(config, optimizer: str) -> dict:
       hlo = step.lower(state, batch).compile().as_text()
     seconds = time.perf_counter() - start
     flops = update_flops(tx, state)
+  return hlo, log[0], seconds, (mesh, plan, flops)
+
+
+def measure(config, optimizer: str) -> dict:
+  hlo, log, seconds, (mesh, plan, flops) = compile_step(config, optimizer)
+  n = mesh.size
   _, reference_tx, _, _ = setup(config, optimizer, mesh, layout_mesh=mesh.abstract_mesh)
   total_flops = update_flops(reference_tx, abstract(plan))
   wire, count = wire_bytes(hlo, n)
@@ -125,7 +131,7 @@ def measure(config, optimizer: str) -> dict:
       "flops_ratio": flops / max(total_flops / n, 1.0),
       "fsdp_min": 3 * params * (n - 1) / n,
       "state_ratio": plan.bytes_per_device / (plan.total_bytes / n),
-      "remat": log[0].count(REMAT),
+      "remat": log.count(REMAT),
   }
 
 

@@ -39,7 +39,11 @@ def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> floa
   )
   init = lambda: model.init(jax.random.key(0), task.inputs(local[0][:1]))["params"]
   loss_fn = lambda p, b: task.loss(model.apply({"params": p}, task.inputs(b)), b)
-  tx = optimizers.make_optimizer(optimizer, config.lr)
+  params_plan = bvs.plan(
+      {"params": jax.eval_shape(init)}, strategy, mesh, rules=config.sharding_rules
+  )
+  layout = optimizers.ParamLayout.from_plan(params_plan)  # Kron/Shampoo: shard-local blocks
+  tx = optimizers.make_optimizer(optimizer, config.lr, layout=layout)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=config.sharding_rules)
   batches = [data.to_global(b, sharding) for b in local]
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
