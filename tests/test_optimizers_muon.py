@@ -70,7 +70,7 @@ def test_scanned_kernels_are_orthogonalised_per_layer_not_adam():
 @pytest.mark.timeout(300)
 def test_owner_computed_orthogonalisation_equals_the_replicated_one():
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  params = _params(layers=2)
+  params = _params(layers=5)  # 10 (16, 32) matrices: one round of 8 owners, 2 left over
   specs = {"kernel": P(None, "data", "model"), "down": P(None, "data"), "norm": {"scale": P()}}
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   owned = _run(muon(0.02, layout=ParamLayout(specs, mesh)), params, shardings)

@@ -82,39 +82,59 @@ def _from_matrices(x: jax.Array, shape) -> jax.Array:
 def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None):
   """``ns`` applied to every matrix of the leaves whose ``dims`` entry is not masked.
 
-  With a concrete mesh in ``layout``, matrices of one shape are stacked and split
-  over all mesh axes (one owner each) for ``ns``, then returned to their params'
-  specs.
+  With a concrete mesh in ``layout``, matrices of one shape are stacked and split over
+  all mesh axes (one owner each) in rounds of one matrix per device; the matrices left
+  over from every shape's last round are zero-padded to a common shape (exact:
+  Newton-Schulz keeps zero rows and columns zero) and share rounds. Results go back to
+  their params' specs.
   """
   leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_masked)
   dims = treedef.flatten_up_to(dims)
-  specs = treedef.flatten_up_to(layout.specs) if layout is not None else [None] * len(leaves)
   mesh = layout.mesh if layout is not None else None
-  owners = isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1
+  specs = treedef.flatten_up_to(layout.specs) if layout is not None else None
+  owners = mesh.size if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1 else 1
   groups: dict[tuple[int, int], list[int]] = {}
   for i, (x, d) in enumerate(zip(leaves, dims)):
     if not _is_masked(d):
       groups.setdefault(tuple(sorted(x.shape[-2:])), []).append(i)
-  out = list(leaves)
+  stacks = {i: _as_matrices(leaves[i]) for members in groups.values() for i in members}
+  pieces: dict[int, list[jax.Array]] = {i: [] for i in stacks}
+  left = []  # (leaf, matrices) of every shape's incomplete last round
   for members in groups.values():
-    stacks = [_as_matrices(leaves[i]) for i in members]
-    stack = jnp.concatenate(stacks) if len(stacks) > 1 else stacks[0]
-    count = stack.shape[0]
-    if owners:
-      pad = -count % mesh.size
-      stack = jnp.pad(stack, ((0, pad), (0, 0), (0, 0)))
-      stack = jax.lax.with_sharding_constraint(
-          stack, NamedSharding(mesh, P(tuple(mesh.axis_names)))
-      )
-    done = jax.vmap(ns)(stack)[:count]
+    stack = jnp.concatenate([stacks[i] for i in members])
+    full = stack.shape[0] // owners * owners
+    done = _owned(ns, stack[:full], mesh) if full else stack[:0]
     start = 0
-    for i, part in zip(members, stacks):
-      piece = _from_matrices(done[start : start + part.shape[0]], leaves[i].shape)
-      if owners:
-        piece = jax.lax.with_sharding_constraint(piece, NamedSharding(mesh, specs[i]))
-      out[i] = piece
-      start += part.shape[0]
+    for i in members:
+      n = stacks[i].shape[0]
+      pieces[i].append(done[start : start + n])
+      if start + n > full:
+        left.append((i, stack[max(start, full) : start + n]))
+      start += n
+  if left:
+    m = max(x.shape[1] for _, x in left)
+    n = max(x.shape[2] for _, x in left)
+    padded = [jnp.pad(x, ((0, 0), (0, m - x.shape[1]), (0, n - x.shape[2]))) for _, x in left]
+    done, start = _owned(ns, jnp.concatenate(padded), mesh), 0
+    for i, x in left:
+      pieces[i].append(done[start : start + x.shape[0], : x.shape[1], : x.shape[2]])
+      start += x.shape[0]
+  out = list(leaves)
+  for i, parts in pieces.items():
+    piece = _from_matrices(jnp.concatenate(parts), leaves[i].shape)
+    if owners > 1:
+      piece = jax.lax.with_sharding_constraint(piece, NamedSharding(mesh, specs[i]))
+    out[i] = piece
   return treedef.unflatten(out)
+
+
+def _owned(ns, stack: jax.Array, mesh) -> jax.Array:
+  """``ns`` on every matrix of ``stack``; on a mesh, padded to whole rounds and split over it."""
+  count = stack.shape[0]
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
+    stack = jnp.pad(stack, ((0, -count % mesh.size), (0, 0), (0, 0)))
+    stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(mesh.axis_names)))
+  return jax.vmap(ns)(stack)[:count]
 
 
 def scale_by_muon(
