@@ -186,6 +186,7 @@ def muon(
     adam_b1: float = 0.9,
     adam_b2: float = 0.999,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    consistent_rms: float | None = None,
     layout: ParamLayout | None = None,
 ) -> optax.GradientTransformation:
   """Muon on every matrix (:func:`matrix_dims`), AdamW on the rest.
@@ -208,7 +209,9 @@ def muon(
       {
           "muon": optax.chain(
               scale_by_muon(ns_coeffs, ns_steps, beta, eps, nesterov, layout),
-              scale_by_shape(lambda u: jax.tree.map(_last_two, u, is_leaf=_is_masked)),
+              scale_by_shape(
+                  lambda u: jax.tree.map(_last_two, u, is_leaf=_is_masked), consistent_rms
+              ),
               optax.add_decayed_weights(weight_decay, weight_decay_mask),
               optax.scale_by_learning_rate(learning_rate),
           ),

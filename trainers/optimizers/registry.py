@@ -70,11 +70,14 @@ class _Entry:
   decay_args: names of its (weight decay, mask) arguments; None if it has
     none, and weight decay is then added to the gradient before it.
   defaults: keyword defaults that differ from the factory's.
+  lr_scale: the learning rate (or schedule) given is multiplied by this, so one
+    ``config.lr`` suits every optimizer (documented per entry below).
   """
 
   factory: Callable[..., optax.GradientTransformation]
   decay_args: tuple[str, str] | None = ("weight_decay", "mask")
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  lr_scale: float = 1.0
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -85,16 +88,29 @@ _REGISTRY: dict[str, _Entry] = {
     "lamb": _Entry(optax.lamb),
     # The project's Muon: scanned (L, m, n) kernels orthogonalised per layer, and with the
     # trainer's layout each matrix orthogonalised once, by its owner device (muon.py).
-    "muon": _Entry(muon, ("weight_decay", "weight_decay_mask")),
+    # consistent_rms=0.2 (Moonlight): matrix updates get AdamW's RMS, so AdamW's lr fits.
+    "muon": _Entry(muon, ("weight_decay", "weight_decay_mask"), {"consistent_rms": 0.2}),
     "schedule_free": _Entry(schedule_free_adamw),
     # Shard-aligned blocks by default: 11.6x less update traffic than psgd-jax's Kron under
     # the seed's placement (python -m benchmarks.communication; README).
     "kron": _Entry(kron, defaults={"block_size": 256}),
     # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
     # one or two gradients, and RMSProp grafting of those overshoots at adamw's lr.
-    "shampoo": _Entry(shampoo, defaults={"graft_type": "adam", "start_preconditioning_step": 10}),
+    # lr_scale 0.1 = 1 - beta1: its heavy-ball momentum sums grafted (Adam-sized) steps, so at
+    # AdamW's lr it steps ~10x farther than AdamW (it stalled on configs/lm.py at 2.38 vs 1.61).
+    "shampoo": _Entry(
+        shampoo,
+        defaults={"graft_type": "adam", "start_preconditioning_step": 10},
+        lr_scale=0.1,
+    ),
 }
 OPTIMIZERS = tuple(_REGISTRY)
+
+
+def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:
+  if callable(learning_rate):
+    return lambda step: scale * learning_rate(step)
+  return scale * learning_rate
 
 
 def _lookup(name: str) -> _Entry:
@@ -170,6 +186,8 @@ def make_optimizer(
   _check_arguments(name, entry, kwargs)
   if schedule is not None:
     learning_rate = make_schedule(learning_rate, **schedule)
+  if entry.lr_scale != 1.0:
+    learning_rate = _scaled(learning_rate, entry.lr_scale)
   transforms = [
       optax.clip_by_global_norm(clip_norm) if clip_norm is not None else None,
       optax.add_decayed_weights(weight_decay, weight_decay_mask)
