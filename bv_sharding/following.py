@@ -11,7 +11,7 @@ state leaf's spec:
   the param's axis for dim ``i`` goes on :data:`FACTOR_DIM` (columns) of the factor;
 * dims kept in order (Adafactor's row/column statistics): each kept dim keeps
   its axis;
-* a block stack ``(n, b, b)`` or ``(n, b)`` whose ``n`` the param's shard count divides
+* a block stack ``(n, b, b)`` whose ``n`` the param's shard count divides
   (shard-local Kron/Shampoo blocks, see ``trainers/optimizers/layout.py``): dim 0 over
   all the param's axes, in the order :func:`stack_axes` gives, so every device holds
   the factors of the blocks of its own shard;
@@ -106,7 +106,8 @@ def stack_axes(param_spec) -> tuple[str, ...]:
 
 
 def _is_block_stack(shape) -> bool:
-  return len(shape) == 2 or (len(shape) == 3 and shape[1] == shape[2])
+  """``(n, b, b)``: a stack of square factors (2-D leaves, e.g. one (b, b) statistic, are not)."""
+  return len(shape) == 3 and shape[1] == shape[2]
 
 
 def factor_of(shape, param_shape, index: int) -> tuple[int, int] | None:
