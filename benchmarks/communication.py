@@ -56,34 +56,65 @@ GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}[^ ]*\}|\[\d+,(\d+)\]<=\[[\d,]
 WIRE = {"all-gather": 1, "all-reduce": 2, "all-to-all": 1}
 
 
+LOOP = re.compile(r"body=(%[\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
+COMPUTATION = re.compile(r"^(?:ENTRY )?(%[\w.\-]+) ")
+
+
 def wire_bytes(hlo: str, num_devices: int) -> tuple[int, int]:
-  """(wire bytes per device, number of collectives) of compiled HLO.
+  """(wire bytes per device, number of collectives executed) of compiled HLO.
 
   all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g (= result*(g-1)),
   all-reduce 2*result*(g-1)/g, all-to-all result*(g-1)/g, collective-permute result;
-  g is the replica group size.
+  g is the replica group size. A collective in a while loop's body (scanned layers)
+  counts once per iteration (XLA's known trip count).
 
   Example:
     >>> wire_bytes("%x = f32[8]{0} all-gather(f32[2]{0} %p), replica_groups=[2,4]<=[8]", 8)
     (24, 1)
   """
+  trips = _trip_counts(hlo)
   total = count = 0
+  computation = None
   for line in hlo.splitlines():
+    header = COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
     found = COLLECTIVE.search(line)
     if not found or found.group(3):  # the -done half of an async pair
       continue
-    arrays = ARRAY.findall(found.group(1))
-    result = _bytes(*arrays[-1])
+    times = trips.get(computation, 1)
+    result = sum(_bytes(*a) for a in ARRAY.findall(found.group(1)))
     g = _group_size(line, num_devices)
     op = found.group(2)
     if op == "reduce-scatter":
-      total += result * (g - 1)
+      total += times * result * (g - 1)
     elif op == "collective-permute":
-      total += result
+      total += times * result
     else:
-      total += WIRE[op] * result * (g - 1) // g
-    count += 1
+      total += times * (WIRE[op] * result * (g - 1) // g)
+    count += times
   return total, count
+
+
+def _trip_counts(hlo: str) -> dict[str, int]:
+  """Loop body computation -> iterations (nested loops multiply)."""
+  trips, parent = {}, {}
+  computation = None
+  for line in hlo.splitlines():
+    header = COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+    loop = LOOP.search(line)
+    if loop:
+      trips[loop.group(1)] = int(loop.group(2))
+      parent[loop.group(1)] = computation
+  resolved = {}
+  for body in trips:
+    times, outer = trips[body], parent[body]
+    while outer in trips:
+      times, outer = times * trips[outer], parent[outer]
+    resolved[body] = times
+  return resolved
 
 
 def _group_size(line: str, num_devices: int) -> int:
