@@ -11,7 +11,8 @@ every matrix (GSPMD gathers them). With ``layout`` (the params' specs and mesh, 
 :mod:`trainers.optimizers.layout`) the matrices of one shape are stacked, padded to
 a multiple of the device count and split over all mesh axes: each matrix has one
 owner, which receives it whole (one all-to-all of the momentum), orthogonalises it,
-and sends the result back to the param's shards (one more). Per-device
+and the results are all-gathered and cut back into the params' shards (an all-gather of
+the update; a scatter straight to the shards trips XLA's SPMD partitioner). Per-device
 Newton-Schulz FLOPs are ``ceil(K / N) / K`` of the total for K matrices of a shape.
 
 Example:
@@ -107,7 +108,9 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
     start = 0
     for i in members:
       n = stacks[i].shape[0]
-      pieces[i].append(done[start : start + n])
+      lo, hi = min(start, full), min(start + n, full)
+      if hi > lo:
+        pieces[i].append(done[lo:hi])
       if start + n > full:
         left.append((i, stack[max(start, full) : start + n]))
       start += n
@@ -134,6 +137,10 @@ def _owned(ns, stack: jax.Array, mesh) -> jax.Array:
   if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
     stack = jnp.pad(stack, ((0, -count % mesh.size), (0, 0), (0, 0)))
     stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(mesh.axis_names)))
+    # Results are gathered whole before they are cut back into leaves: slicing the owner-split
+    # stack directly trips XLA's SPMD partitioner (an out-of-bounds slice at verification).
+    done = jax.vmap(ns)(stack)
+    return jax.lax.with_sharding_constraint(done, NamedSharding(mesh, P()))[:count]
   return jax.vmap(ns)(stack)[:count]
 
 
