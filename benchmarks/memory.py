@@ -4,8 +4,16 @@ Llama-shaped 125M and 7B trees (abstract: nothing is allocated), N = 8 and 256
 (``AbstractMesh``), every optimizer of ``benchmarks/zoo.py``, the default plan next to
 the baselines of ``benchmarks/placements.py``. Goal: ratio <= 1.02.
 
-  python -m benchmarks.memory
+Then the trainer's own plans on 2-D meshes: configs/lm_tp_fsdp.py and
+configs/lm_7b_pod.py (data x model) on 256 abstract devices, scanned and unscanned,
+with the registry's optimizers given the params' layout as trainers/train.py does
+(shard-local Kron/Shampoo blocks). Goal: ratio <= 1.05.
+
+  python -m benchmarks.memory [--only-2d]
 """
+
+import itertools
+import sys
 
 import flax.linen as nn
 import jax
@@ -14,9 +22,16 @@ import jax.numpy as jnp
 import bv_sharding as bvs
 from benchmarks import placements, zoo
 from bv_sharding.specs import MiB
+from configs import lm_7b_pod, lm_tp_fsdp
+from trainers import optimizers, steps
 from trainers.models import get_model
 
 GiB = 1024 * MiB
+TRAINER_CONFIGS = {
+    "lm_tp_fsdp": lm_tp_fsdp.get_config("size=small"),
+    "lm_7b_pod": lm_7b_pod.get_config(),
+}
+TRAINER_OPTIMIZERS = ("adamw", "kron", "shampoo", "muon")
 
 
 def llama_shape(size: str):
@@ -43,7 +58,34 @@ def rows(size: str, devices: int):
       )
 
 
-def main():
+def trainer_plan(config, optimizer: str, scan: bool, devices: int = 256) -> bvs.Plan:
+  """The plan trainers/train.py makes for ``config`` on ``devices`` abstract devices."""
+  mesh = bvs.make_abstract_mesh(config.mesh, devices)
+  model = get_model(config.model_name, **{**config.model.to_dict(), "scan_layers": scan})
+  init = lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  strategy, rules = config.sharding_strategy, config.sharding_rules
+  params_plan = bvs.plan({"params": jax.eval_shape(init)}, strategy, mesh, rules=rules)
+  layout = optimizers.ParamLayout.from_plan(params_plan)
+  tx = optimizers.make_optimizer(optimizer, config.lr, weight_decay=config.wd, layout=layout)
+  return bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules)
+
+
+def trainer_table():
+  print("| config | mesh | scan_layers | optimizer | MiB/device | ratio to ideal |")
+  print("|---|---|---|---|---|---|")
+  for (name, config), scan in itertools.product(TRAINER_CONFIGS.items(), (False, True)):
+    for optimizer in TRAINER_OPTIMIZERS:
+      p = trainer_plan(config, optimizer, scan)
+      ratio = p.bytes_per_device / (p.total_bytes / p.num_devices)
+      mark = "" if ratio <= 1.05 else " (over 1.05)"
+      print(
+          f"| {name} | {dict(p.mesh.shape)} | {scan} | {optimizer} | "
+          f"{p.bytes_per_device / 2**20:.1f} | {ratio:.3f}{mark} |",
+          flush=True,
+      )
+
+
+def one_d_table():
   print("| model | N | optimizer | placement | total GiB | MiB/device | ratio to ideal |")
   print("|---|---|---|---|---|---|---|")
   for size in ("125m", "7b"):
@@ -55,6 +97,13 @@ def main():
             f"{ratio:.3f}{mark} |",
             flush=True,
         )
+
+
+def main():
+  if "--only-2d" not in sys.argv:
+    one_d_table()
+    print()
+  trainer_table()
 
 
 if __name__ == "__main__":

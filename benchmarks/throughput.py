@@ -42,7 +42,9 @@ def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
   )
   model, init = components.model_and_init(config, components.example_input(task, local[0]))
   loss_fn = components.loss_fn(task, model)
-  tx = optimizers.make_optimizer(optimizer, config.lr)
+  # Kron/Shampoo/Muon: shard-local blocks from the params' plan, as the trainer builds them.
+  layout = components.param_layout(config.copy_and_resolve_references(), init, mesh)
+  tx = optimizers.make_optimizer(optimizer, config.lr, layout=layout)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=config.sharding_rules)
   batches = [data.to_global(b, sharding) for b in local]
   train_step = steps.make_train_step(loss_fn, tx, plan, sharding)

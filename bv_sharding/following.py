@@ -11,7 +11,11 @@ state leaf's spec:
   the param's axis for dim ``i`` goes on :data:`FACTOR_DIM` (columns) of the factor;
 * dims kept in order (Adafactor's row/column statistics): each kept dim keeps
   its axis;
-* nothing in common (Shampoo block stacks): the size-based fallback.
+* a block stack ``(n, b, b)`` whose ``n`` the param's shard count divides
+  (shard-local Kron/Shampoo blocks, see ``trainers/optimizers/layout.py``): dim 0 over
+  all the param's axes, in the order :func:`stack_axes` gives, so every device holds
+  the factors of the blocks of its own shard;
+* nothing in common: the size-based fallback.
 
 Example:
   >>> relate((512,), (), "params/w", (512, 1024), ("data", None)).spec
@@ -19,13 +23,15 @@ Example:
   >>> f = relate((1024, 1024), ("1",), "params/w", (512, 1024), (None, "data"))
   >>> f.how, f.spec
   ('factor of dim 1', (None, 'data'))
+  >>> relate((64, 128, 128), ("0",), "params/w", (512, 1024), ("data", "model")).spec
+  (('data', 'model'), None, None)
 """
 
 import dataclasses
 import functools
 import itertools
 
-from bv_sharding.specs import Spec
+from bv_sharding.specs import Spec, axes_of
 
 # Which dim of a square Kron factor (d_i, d_i) takes param dim i's axis: dim 1
 # (columns). Measured with `python -m benchmarks.communication --optimizers psgd_kron
@@ -81,7 +87,28 @@ def relate(
   kept = _kept_dims(shape, param_shape, param_spec)
   if kept is not None:
     return follow("dims carried", tuple(param_spec[d] for d in kept))
+  axes = stack_axes(param_spec)
+  if axes and _is_block_stack(shape):
+    return follow("block stack", (axes,) + (None,) * (len(shape) - 1))
   return follow("fallback", None)
+
+
+def stack_axes(param_spec) -> tuple[str, ...]:
+  """The mesh axes of a param's spec in dim order: the axes that split its block stacks.
+
+  A block stack built shard by shard (shard-major over the param's dims) is split
+  evenly by these axes, each device getting the blocks of its own shard.
+
+  Example:
+    >>> stack_axes((None, "data", ("model", "pipe")))
+    ('data', 'model', 'pipe')
+  """
+  return tuple(a for entry in param_spec for a in axes_of(entry))
+
+
+def _is_block_stack(shape) -> bool:
+  """``(n, b, b)``: a stack of square factors (2-D leaves, e.g. one (b, b) statistic, are not)."""
+  return len(shape) == 3 and shape[1] == shape[2]
 
 
 def factor_of(shape, param_shape, index: int) -> tuple[int, int] | None:

@@ -375,8 +375,13 @@ def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
 
 
 def _fallback(leaf: Leaf, spec: Spec, candidates) -> tuple[Spec, str]:
-  """Size-based rule: the block-batch dim 0 of a 3+-d stack first, else the largest divisible dim."""
+  """Size-based rule: the block-batch dim 0 of a 3+-d stack first (over all the candidate
+  axes together when they divide it), else the largest divisible dim."""
   note = "no mesh axis to use"
+  if leaf.ndim >= 3 and len(candidates) > 1:
+    new, note = specs.place(leaf, spec, 0, tuple(candidates), requested=False)
+    if new != spec:
+      return new, note
   for axis in candidates:
     if leaf.ndim >= 3:
       new, note = specs.place(leaf, spec, 0, axis, requested=False)

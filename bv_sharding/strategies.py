@@ -30,7 +30,8 @@ from bv_sharding.specs import Leaf, Spec
 NEVER_SHARDED = names.NORM_AND_BIAS
 LAST_DIM = frozenset({"embedding", "out_kernel", "down_kernel"})
 SECOND_LAST_DIM = frozenset({"q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel"})
-COLUMN_PARALLEL = SECOND_LAST_DIM
+# lm_head's vocab dim is column-parallel too (Megatron's parallel output embedding).
+COLUMN_PARALLEL = SECOND_LAST_DIM | {"lm_head"}
 ROW_PARALLEL = frozenset({"out_kernel", "down_kernel"})
 VOCAB_PARALLEL = frozenset({"embedding"})
 
@@ -128,7 +129,7 @@ def llm_fsdp(axis, min_size_to_shard_mb=1):
 
 @register("tensor_parallel")
 def tensor_parallel(axis):
-  """Megatron layout over ``axis``: column-parallel q/k/v/gate/up kernels (dim -1),
+  """Megatron layout over ``axis``: column-parallel q/k/v/gate/up and lm_head kernels (dim -1),
   row-parallel out/down kernels (dim -2), vocab-parallel embedding (dim -2).
 
   Compose with FSDP on another axis: ``'tensor_parallel(axis="model")|fsdp(axis="data")'``.

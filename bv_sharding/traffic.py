@@ -11,6 +11,9 @@ devices:
 * all-to-all: result * (g - 1) / g;
 * collective-permute: result (each device sends its whole buffer to one peer).
 
+A collective inside a ``while`` loop's body (scanned layers, ``lax.map``) runs once
+per iteration: it counts ``times`` XLA's known trip count (nested loops multiply).
+
 Example:
   >>> import jax
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -20,7 +23,7 @@ Example:
   ...                  out_shardings=NamedSharding(mesh, P()))
   >>> hlo = gather.lower(jax.ShapeDtypeStruct((64, 32), "float32")).compile().as_text()
   >>> collectives(hlo)
-  [Collective(op='all-gather', result_bytes=8192, group_size=8)]
+  [Collective(op='all-gather', result_bytes=8192, group_size=8, times=1)]
   >>> wire_bytes(hlo)  # 8192 * 7 / 8
   7168.0
 """
@@ -38,15 +41,19 @@ _NUM_PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([^}]*)\}")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?(%[\w.\-]+) ")
+_LOOP = re.compile(r"body=(%[\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective of compiled HLO: its op, its result's bytes, its group size."""
+  """One collective of compiled HLO: its op, its result's bytes, its group size, and how
+  many times one step runs it (a loop body's trip count, else 1)."""
 
   op: str
   result_bytes: int
   group_size: int
+  times: int = 1
 
   @property
   def wire_bytes(self) -> float:
@@ -81,21 +88,45 @@ def collectives(hlo: str) -> list[Collective]:
   """Every collective in compiled HLO text, in order (async ones once, at their ``-start``)."""
   devices = _NUM_PARTITIONS.search(hlo)
   everyone = int(devices.group(1)) if devices else 1
-  found = []
+  trips = _trip_counts(hlo)
+  found, computation = [], None
   for line in hlo.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
     call = _CALL.search(line)
     if call is None:
       continue
     result = call["result"]
     if call["start"] and call["op"] in ("all-gather", "collective-permute"):
       result = result.rsplit(",", 1)[-1]  # (operand, result) tuple: the result is last
-    found.append(Collective(call["op"], array_bytes(result), _group_size(line, everyone)))
+    group = _group_size(line, everyone)
+    found.append(Collective(call["op"], array_bytes(result), group, trips.get(computation, 1)))
   return found
 
 
 def wire_bytes(hlo: str) -> float:
-  """Bytes one device sends over all collectives of compiled HLO text."""
-  return sum(c.wire_bytes for c in collectives(hlo))
+  """Bytes one device sends over all collectives one run of compiled HLO text executes."""
+  return sum(c.wire_bytes * c.times for c in collectives(hlo))
+
+
+def _trip_counts(hlo: str) -> dict[str, int]:
+  """Loop body computation -> iterations per run of the program (nested loops multiply)."""
+  trips, parent, computation = {}, {}, None
+  for line in hlo.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+    loop = _LOOP.search(line)
+    if loop:
+      trips[loop.group(1)], parent[loop.group(1)] = int(loop.group(2)), computation
+  resolved = {}
+  for body, times in trips.items():
+    outer = parent[body]
+    while outer in trips:
+      times, outer = times * trips[outer], parent[outer]
+    resolved[body] = times
+  return resolved
 
 
 def _group_size(line: str, everyone: int) -> int:

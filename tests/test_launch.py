@@ -59,4 +59,4 @@ def test_launch_fails_when_a_process_fails(tmp_path):
       timeout=110,
   )
   assert done.returncode != 0
-  assert "[p0] " in done.stdout and "Unknown optimizer 'nope'" in done.stdout
+  assert "[p0] " in done.stdout and "config.optax_name='nope' is neither" in done.stdout

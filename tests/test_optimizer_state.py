@@ -181,7 +181,7 @@ def test_preconditioner_op_overrides_the_factor_dim():
   assert "preconditioner: dim 0 over data" in entries["opt/Qs_preconditioners/w/0"].why
 
 
-def test_shampoo_block_stacks_fall_back_to_the_block_batch_dim():
+def test_shampoo_block_stacks_follow_the_params_axes_on_the_block_batch_dim():
   params = {"w": sds(512, 1024)}
   state = {
       "w": {"stats": [sds(32, 128, 128), sds(32, 128, 128)], "roots": [sds(32, 128, 128)]},
@@ -189,7 +189,7 @@ def test_shampoo_block_stacks_fall_back_to_the_block_batch_dim():
   }
   entries = plan_state(params, state, (".*", 'fsdp(axis="data", min_size_to_shard_mb=1)'))
   stats = entries["opt/w/stats/0"]
-  assert stats.spec == P("data", None, None) and "fallback" in stats.why
+  assert stats.spec == P("data", None, None) and "block stack" in stats.why
   assert entries["opt/blocks/w/0"].spec == P(None, None)  # 64 KiB: under the threshold
 
 

@@ -54,7 +54,19 @@ def loss_fn(task, model) -> Callable[[Any, Any], Any]:
   return lambda params, batch: task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
 
 
-def optimizer(config) -> tuple[Any, dict[str, Callable]]:
+def param_layout(config, init: Callable[[], Any], mesh) -> optimizers.ParamLayout:
+  """The params' layout on ``mesh``, planned alone first: Kron, Shampoo and Muon cut their
+  blocks inside each device's shard (``trainers/optimizers/layout.py``).
+
+  Example: ``optimizer(config, param_layout(config, init, mesh))``.
+  """
+  params = bvs.plan(
+      {"params": jax.eval_shape(init)}, config.sharding_strategy, mesh, rules=config.sharding_rules
+  )
+  return optimizers.ParamLayout.from_plan(params)
+
+
+def optimizer(config, layout=None) -> tuple[Any, dict[str, Callable]]:
   """``(tx, learning_rates)`` of the config's optimizer section, under its non-finite policy.
 
   big_vision's ``optax_name``/``optax``/``lr``/``wd``/``schedule``/``grad_clip_norm`` or a
@@ -64,7 +76,7 @@ def optimizer(config) -> tuple[Any, dict[str, Callable]]:
 
   Example: ``tx, lrs = optimizer(config); float(lrs["lr"](0))``.
   """
-  tx, learning_rates = optimizers.from_config(config)
+  tx, learning_rates = optimizers.from_config(config, layout)
   return divergence.guard(tx, config.get("on_nonfinite", "stop")), learning_rates
 
 

@@ -148,7 +148,8 @@ def make_plan(s: Setup) -> bvs.Plan:
   batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
   _, init = components.model_and_init(config, components.example_input(task, batch))
   mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh)
-  return components.plan_state(config, init, components.optimizer(config)[0], mesh)
+  tx, _ = components.optimizer(config, components.param_layout(config, init, mesh))
+  return components.plan_state(config, init, tx, mesh)
 
 
 def report(s: Setup, plan: bvs.Plan) -> dict:

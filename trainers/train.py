@@ -137,7 +137,8 @@ def main(argv):
 
   loss_fn = components.loss_fn(task, model)
   # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
-  tx, learning_rates = components.optimizer(config)
+  # The params' plan first: Kron, Shampoo and Muon cut their blocks inside each device's shard.
+  tx, learning_rates = components.optimizer(config, components.param_layout(config, init, mesh))
 
   plan = components.plan_state(config, init, tx, mesh)
   if is_main_process:

@@ -8,6 +8,7 @@ Example:
 from trainers.errors import OptimizerError
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
+from trainers.optimizers.layout import ParamLayout, same_blocking
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
@@ -15,6 +16,7 @@ from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_b
 __all__ = [
     "OPTIMIZERS",
     "OptimizerError",
+    "ParamLayout",
     "ShampooParamState",
     "ShampooState",
     "decay_mask",
@@ -23,6 +25,7 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "precond_update_prob_schedule",
+    "same_blocking",
     "scale_by_kron",
     "scale_by_shampoo",
     "shampoo",

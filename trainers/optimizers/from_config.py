@@ -49,28 +49,32 @@ _BIG_VISION_OWN = {  # big_vision's own optax.big_vision.* names: no optax attri
 }
 
 
-def from_config(config) -> tuple[optax.GradientTransformation, dict[str, Callable]]:
+def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict[str, Callable]]:
   """``(tx, learning_rates)`` from ``config.optax_name``, ``optax``, ``lr``, ``wd``,
   ``schedule``, ``grad_clip_norm`` (and big_vision's ``lr_mults``/``wd_mults``).
 
   ``learning_rates`` maps ``"lr"`` (and ``"lr1"``, ``"lr2"``, ... for further
   ``(regex, schedule)`` entries) to ``step -> learning rate``: the very
-  schedules the optimizer applies, for logging.
+  schedules the optimizer applies, for logging (a registry optimizer's ``lr_scale``
+  included). ``layout``: the params' :class:`~trainers.optimizers.layout.ParamLayout`, for
+  the project's optimizers that cut shard-local blocks (Kron, Shampoo, Muon).
   """
   name = config.optax_name
   kwargs = _plain(config.get("optax") or {})
   entries = _schedule_entries(config)
   schedules = [None if sched is None else _schedule(config, sched) for _, sched in entries]
+  peak = config.lr * (registry.lr_scale(name) if name in registry.OPTIMIZERS else 1.0)
   learning_rates = {
-      f"lr{i or ''}": (lambda step, s=s: config.lr * s(step))
+      f"lr{i or ''}": (lambda step, s=s: peak * s(step))
       for i, s in enumerate(s for s in schedules if s is not None)
   }
   if name in registry.OPTIMIZERS:
-    return _registry_optimizer(config, name, kwargs, entries, schedules), learning_rates
+    tx = _registry_optimizer(config, name, kwargs, entries, schedules, layout)
+    return tx, learning_rates
   return _optax_chain(config, _optax_factory(name, kwargs), entries, schedules), learning_rates
 
 
-def _registry_optimizer(config, name, kwargs, entries, schedules):
+def _registry_optimizer(config, name, kwargs, entries, schedules, layout):
   if len(entries) != 1 or schedules[0] is None:
     raise OptimizerError(
         f"config.schedule lists {len(entries)} (regex, schedule) entries or freezes params; "
@@ -83,6 +87,7 @@ def _registry_optimizer(config, name, kwargs, entries, schedules):
         lambda step: config.lr * schedules[0](step),
         weight_decay=config.get("wd") or 0.0,
         clip_norm=config.get("grad_clip_norm"),
+        layout=layout,
         **kwargs,
     )
   except OptimizerError as e:

@@ -15,22 +15,22 @@ sharding rules written for it carry over::
      "update_counter": int32[]}         # steps since the last Q update
 
 With ``block_size`` set (as distributed_kron's ``partition_grads_into_blocks``),
-every param whose (per-layer) dims number at least 2 is split with
-:func:`~trainers.optimizers.tensor_ops.blockify` into blocks of at most
-``block_size`` per dim, and each block gets its own Kron preconditioner:
+every param whose (per-layer) dims number at least 2 is split into blocks of at
+most ``block_size`` per dim, and each block gets its own Kron preconditioner:
 ``Qs = [(n_blocks, b_0, b_0), (n_blocks, b_1, b_1), ...]``, vmapped like
 scanned layers. ``mu`` stays param-shaped. A scanned param is blocked layer by
-layer and its layer axis folded into the block axis (layer-major:
-``n_blocks = L * blocks_per_layer``). Blocks are ordered row-major over the
-block grid, so if dim 0 of a param is sharded with shard boundaries on block
-boundaries, dim 0 of its Q stacks can be sharded the same way and
-preconditioning needs no communication. Padding (dims not a multiple of
-``block_size``) is zero in grads and probes, so Q's padded rows and columns
-stay decoupled from the real ones: a padded block acts like a smaller one.
-Blocked params solve ``v Q^{-1}`` with :func:`triangular_inverse` (matmuls)
-instead of a batched LAPACK ``triangular_solve``, which deadlocks XLA:CPU with
-several devices once each device holds a few large blocks; scanned-only params
-keep LAPACK.
+layer (its layer axis is never cut). With ``layout`` (the params' specs and
+mesh, see :mod:`trainers.optimizers.layout`) the blocks are cut inside each
+device's shard and stacked shard-major, and fitting and preconditioning run in
+``shard_map`` where the block lives: the update's only collectives are scalars.
+Without it the param is one shard (blocks row-major over the block grid).
+Padding (dims not a multiple of ``block_size``) is zero in grads and probes, so
+Q's padded rows and columns stay decoupled from the real ones: a padded block
+acts like a smaller one. Every stacked preconditioner (blocked or scanned)
+solves ``v Q^{-1}`` with :func:`triangular_inverse` (matmuls) instead of a
+batched LAPACK ``triangular_solve``, which deadlocks XLA:CPU with several
+devices; only a param with a single preconditioner calls LAPACK, one matrix at
+a time.
 
 Design difference to psgd-jax: the preconditioner update (which needs a
 triangular solve) is computed on every step and selected with ``jnp.where``
@@ -62,12 +62,8 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from trainers.optimizers.tensor_ops import (
-    blockify,
-    gram_along,
-    matmul_along,
-    unblockify,
-)
+from trainers.optimizers.layout import ParamLayout, ShardBlocks, shard_blocks
+from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
 _BALANCE_PROBABILITY = 0.01
@@ -308,64 +304,72 @@ def _probe_vectors(key: jax.Array, grads: list[jax.Array]):
   return do_balance, probes
 
 
-def _maybe_vmap(scanned: bool, fn: Callable) -> Callable:
-  return jax.vmap(fn) if scanned else fn
+def leaf_blocks(
+    param: jax.Array,
+    scanned: bool,
+    block_size: int | None,
+    spec: Any = (),
+    mesh: Any = None,
+) -> ShardBlocks | None:
+  """The shard-local blocking of ``param``, or None if it keeps one preconditioner.
 
-
-def leaf_block_size(param: jax.Array, scanned: bool, block_size: int | None) -> int | None:
-  """``block_size`` if ``param`` is split into blocks, else None.
-
-  Params with fewer than 2 dims (not counting a scanned layer axis) keep
-  their single preconditioner.
+  Params with fewer than 2 dims (not counting a scanned layer axis), and every
+  param when ``block_size`` is None, are not blocked.
 
   Example:
-      >>> leaf_block_size(jnp.ones((4, 3)), False, 2)
-      2
-      >>> print(leaf_block_size(jnp.ones((2, 3)), True, 2))  # 1-D per layer
+      >>> leaf_blocks(jnp.ones((4, 3)), False, 2).count
+      4
+      >>> print(leaf_blocks(jnp.ones((2, 3)), True, 2))  # 1-D per layer
       None
   """
   if block_size is None or param.ndim - scanned < 2:
     return None
-  return block_size
+  return shard_blocks(param.shape, spec, mesh, block_size, scanned)
 
 
-def split_blocks(x: jax.Array, block_size: int | None, scanned: bool) -> jax.Array:
-  """Param-shaped ``x`` as a stack of blocks (unchanged if block_size is None).
+def _stack_shape(param, scanned: bool, blocks: ShardBlocks | None):
+  """(number of stacked preconditioners or None, shape each one preconditions)."""
+  if blocks is not None:
+    return blocks.count, blocks.sizes
+  if scanned:
+    return param.shape[0], param.shape[1:]
+  return None, param.shape
 
-  A scanned ``x`` is blocked per layer and the layer axis folded into the
-  block axis, layer-major.
 
-  Example:
-      >>> split_blocks(jnp.ones((5, 4)), 2, False).shape  # dim 0 padded to 6
-      (6, 2, 2)
-      >>> split_blocks(jnp.ones((3, 5, 4)), 2, True).shape  # 3 layers x 6 blocks
-      (18, 2, 2)
+def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, options):
+  """One param's (or block stack's) Kron step: balance and fit the Qs on ``target``
+  with ``probe``, keep the fit where ``do_update``, precondition ``momentum``.
+
+  ``options``: (stacked, preconditioner_lr, update precision, grads precision).
+  Stacked Qs solve with :func:`triangular_inverse`: jaxlib spreads a batched LAPACK
+  solve over XLA's CPU thread pool and waits, which deadlocks when several
+  (simulated) devices hold the pool's threads.
   """
-  if block_size is None:
-    return x
-  if not scanned:
-    return blockify(x, block_size)
-  per_layer = jax.vmap(functools.partial(blockify, block_size=block_size))(x)
-  return per_layer.reshape(-1, *per_layer.shape[2:])
+  stacked, lr, update_precision, grads_precision = options
+  vmapped = lambda fn: jax.vmap(fn) if stacked else fn
+  balanced = vmapped(balance_qs)(qs)
+  start = [jnp.where(do_balance, n, o) for n, o in zip(balanced, qs)]
+  with jax.default_matmul_precision(update_precision):
+    fit = functools.partial(update_qs, lr=lr, solve_by_inverse=stacked)
+    fitted = vmapped(fit)(start, target, probe)
+  qs = [jnp.where(do_update, n.astype(o.dtype), o) for n, o in zip(fitted, qs)]
+  with jax.default_matmul_precision(grads_precision):
+    direction = vmapped(precondition)(qs, momentum)
+  return qs, direction
 
 
-def merge_blocks(
-    blocks: jax.Array, shape: tuple[int, ...], block_size: int | None, scanned: bool
-) -> jax.Array:
-  """Inverse of :func:`split_blocks`: back to the param ``shape``.
+def _kron_leaf(qs, momentum, target, probe, scalars, blocks, options):
+  """:func:`_fit_and_precondition` on one param: on its shard-local block stack
+  (in ``shard_map`` on a mesh), else on the param itself."""
+  if blocks is None:
+    return _fit_and_precondition(qs, momentum, target, probe, *scalars, options)
 
-  Example:
-      >>> x = jnp.arange(60.0).reshape(3, 5, 4)
-      >>> bool((merge_blocks(split_blocks(x, 2, True), x.shape, 2, True) == x).all())
-      True
-  """
-  if block_size is None:
-    return blocks
-  if not scanned:
-    return unblockify(blocks, shape, block_size)
-  per_layer = blocks.reshape(shape[0], -1, *blocks.shape[1:])
-  merge = functools.partial(unblockify, shape=shape[1:], block_size=block_size)
-  return jax.vmap(merge)(per_layer)
+  def per_shard(arrays, qs, *scalars):
+    new_qs, direction = _fit_and_precondition(qs, *arrays, *scalars, options)
+    return [direction], new_qs
+
+  (direction,), qs = blocks.run(per_shard, [momentum, target, probe], qs, scalars)
+  return qs, direction
 
 
 def scale_by_kron(
@@ -383,6 +387,7 @@ def scale_by_kron(
     precond_grads_precision: str | None = None,
     scanned_layers: optax.Params | None = None,
     block_size: int | None = None,
+    layout: ParamLayout | None = None,
 ) -> optax.GradientTransformation:
   """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
@@ -404,6 +409,9 @@ def scale_by_kron(
     block_size: if set, params with >= 2 (per-layer) dims are split into
       blocks of at most this size per dim, each with its own Qs (stacked as
       ``(n_blocks, b, b)``); see the module docstring.
+    layout: the params' specs and mesh (:class:`ParamLayout`); with
+      ``block_size``, blocks are cut inside each device's shard and fitted
+      there (see :mod:`trainers.optimizers.layout`).
 
   Example:
       >>> tx = scale_by_kron(preconditioner_update_probability=1.0)
@@ -416,33 +424,45 @@ def scale_by_kron(
   """
   if block_size is not None and block_size < 1:
     raise ValueError(f"block_size={block_size}; expected None or >= 1")
+  options = (precond_update_precision, precond_grads_precision)
 
   def scanned_tree(params):
     if scanned_layers is None:
       return jax.tree.map(lambda _: False, params)
     return scanned_layers
 
+  def blocks_tree(params):
+    """A :class:`ShardBlocks` (or None) per leaf; a plain list, flattened like params."""
+    treedef = jax.tree.structure(params)
+    leaves, scanned = treedef.flatten_up_to(params), treedef.flatten_up_to(scanned_tree(params))
+    if layout is None:
+      return [leaf_blocks(p, s, block_size) for p, s in zip(leaves, scanned)]
+    specs = treedef.flatten_up_to(layout.specs)
+    return [
+        leaf_blocks(p, s, block_size, spec, layout.mesh)
+        for p, s, spec in zip(leaves, scanned, specs)
+    ]
+
   def init_fn(params):
-    def init_leaf(param, scanned):
-      blocks = leaf_block_size(param, scanned, block_size)
-      split = functools.partial(split_blocks, block_size=blocks, scanned=scanned)
-      stack = jax.eval_shape(split, param).shape
-      stacked = scanned or blocks is not None
-      shape = stack[1:] if stacked else stack
+    def init_leaf(param, scanned, blocks):
+      stack, shape = _stack_shape(param, scanned, blocks)
       tri = triangular_dims(shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
       dtype = param.dtype if precond_dtype is None else precond_dtype
       qs = init_qs(shape, tri, preconditioner_init_scale, dtype)
-      if stacked:
-        qs = [jnp.broadcast_to(q, (stack[0],) + q.shape) for q in qs]
+      if stack is not None:
+        qs = [jnp.broadcast_to(q, (stack,) + q.shape) for q in qs]
       return qs
 
+    leaves, treedef = jax.tree.flatten(params)
+    scanned = treedef.flatten_up_to(scanned_tree(params))
+    qs = [init_leaf(*a) for a in zip(leaves, scanned, blocks_tree(params))]
     mu = None
     if b1 > 0:
       mu = otu.tree_zeros_like(params, dtype=mu_dtype)
     return dict(
         count=jnp.zeros([], jnp.int32),
         mu=mu,
-        Qs_preconditioners=jax.tree.map(init_leaf, params, scanned_tree(params)),
+        Qs_preconditioners=treedef.unflatten(qs),
         update_counter=jnp.zeros([], jnp.int32),
     )
 
@@ -469,52 +489,28 @@ def scale_by_kron(
     do_update = counter >= 1 / prob
     counter = jnp.where(do_update, 0, counter)
 
-    blocks = [leaf_block_size(g, s, block_size) for g, s in zip(grads, scanned)]
-
+    # Probes and damping are drawn param-shaped and blocked with the grad, so padding
+    # stays zero and one block equals the unblocked fit.
     _, update_key = jax.random.split(key)
-    fit_to = momentum if momentum_into_precond_update else grads
-    new_qs = fit_preconditioners(update_key, qs, fit_to, scanned, blocks)
-    qs = jax.tree.map(lambda n, o: jnp.where(do_update, n, o), new_qs, qs)
-
-    out = []
-    with jax.default_matmul_precision(precond_grads_precision):
-      for q, m, g, s, b in zip(qs, momentum, grads, scanned, blocks):
-        stacked = _maybe_vmap(s or b is not None, precondition)(q, split_blocks(m, b, s))
-        direction = merge_blocks(stacked, m.shape, b, s)
-        out.append(_clip_rms(direction).astype(g.dtype))
+    targets = momentum if momentum_into_precond_update else grads
+    do_balance, probes = _probe_vectors(update_key, targets)
+    damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
+    new_qs, out = [], []
+    for q, m, t, v, g, s, b in zip(
+        qs, momentum, targets, probes, grads, scanned, blocks_tree(updates)
+    ):
+      t = t + damp.astype(t.dtype) * jnp.mean(jnp.abs(t)) * v
+      leaf_options = (s or b is not None, preconditioner_lr, *options)
+      q, direction = _kron_leaf(q, m, t, v, (do_update, do_balance), b, leaf_options)
+      new_qs.append(q)
+      out.append(_clip_rms(direction).astype(g.dtype))
     new_state = dict(
         count=count,
         mu=otu.tree_cast(mu, mu_dtype),
-        Qs_preconditioners=treedef.unflatten(qs),
+        Qs_preconditioners=treedef.unflatten(new_qs),
         update_counter=counter,
     )
     return treedef.unflatten(out), new_state
-
-  def fit_preconditioners(key, qs, grads, scanned, blocks):
-    """Balanced-and-updated Qs for every param (no control flow).
-
-    Probes and damping are drawn param-shaped and blocked with the grad,
-    so padding stays zero and one block equals the unblocked fit. Blocked
-    params solve with :func:`triangular_inverse` (their many-block batches
-    would hit jaxlib's deadlocking batched LAPACK path on CPU).
-    """
-    do_balance, probes = _probe_vectors(key, grads)
-    damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
-    new_qs = []
-    with jax.default_matmul_precision(precond_update_precision):
-      for q, g, v, s, b in zip(qs, grads, probes, scanned, blocks):
-        g = g + damp.astype(g.dtype) * jnp.mean(jnp.abs(g)) * v
-        g, v = split_blocks(g, b, s), split_blocks(v, b, s)
-        stacked = s or b is not None
-        balanced = _maybe_vmap(stacked, balance_qs)(q)
-        q = [jnp.where(do_balance, n, o) for n, o in zip(balanced, q)]
-        # Stacked Qs never reach LAPACK: jaxlib spreads a batched solve over
-        # XLA's CPU thread pool and waits, which deadlocks when several
-        # (simulated) devices hold the pool's threads.
-        fit = functools.partial(update_qs, lr=preconditioner_lr, solve_by_inverse=stacked)
-        fitted = _maybe_vmap(stacked, fit)(q, g, v)
-        new_qs.append([n.astype(o.dtype) for n, o in zip(fitted, q)])
-    return new_qs
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -537,6 +533,7 @@ def kron(
     precond_grads_precision: str | None = None,
     scanned_layers: optax.Params | None = None,
     block_size: int | None = None,
+    layout: ParamLayout | None = None,
 ) -> optax.GradientTransformation:
   """PSGD Kron with decoupled weight decay and a learning rate.
 
@@ -564,6 +561,7 @@ def kron(
           precond_grads_precision=precond_grads_precision,
           scanned_layers=scanned_layers,
           block_size=block_size,
+          layout=layout,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

@@ -22,6 +22,7 @@ from bv_sharding.errors import closest
 from bv_sharding.names import NORM_AND_BIAS
 from trainers.errors import OptimizerError
 from trainers.optimizers.kron import kron
+from trainers.optimizers.muon import muon
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import shampoo
 
@@ -70,11 +71,14 @@ class _Entry:
   decay_args: names of its (weight decay, mask) arguments; None if it has
     none, and weight decay is then added to the gradient before it.
   defaults: keyword defaults that differ from the factory's.
+  lr_scale: the learning rate (or schedule) given is multiplied by this, so one
+    ``config.lr`` suits every optimizer (documented per entry below).
   """
 
   factory: Callable[..., optax.GradientTransformation]
   decay_args: tuple[str, str] | None = ("weight_decay", "mask")
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  lr_scale: float = 1.0
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -83,16 +87,41 @@ _REGISTRY: dict[str, _Entry] = {
     "lion": _Entry(optax.lion),
     "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}),
     "lamb": _Entry(optax.lamb),
-    "muon": _Entry(optax.contrib.muon, ("weight_decay", "weight_decay_mask")),
+    # The project's Muon: scanned (L, m, n) kernels orthogonalised per layer, and with the
+    # trainer's layout each matrix orthogonalised once, by its owner device (muon.py).
+    # consistent_rms=0.2 (Moonlight): matrix updates get AdamW's RMS, so AdamW's lr fits.
+    "muon": _Entry(muon, ("weight_decay", "weight_decay_mask"), {"consistent_rms": 0.2}),
     "schedule_free": _Entry(schedule_free_adamw),
     # Shard-aligned blocks by default: 14.9x less update traffic than psgd-jax's Kron under
     # the seed's placement (python -m benchmarks.communication; README).
     "kron": _Entry(kron, defaults={"block_size": 256}),
     # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
     # one or two gradients, and RMSProp grafting of those overshoots at adamw's lr.
-    "shampoo": _Entry(shampoo, defaults={"graft_type": "adam", "start_preconditioning_step": 10}),
+    # lr_scale 0.1 = 1 - beta1: its heavy-ball momentum sums grafted (Adam-sized) steps, so at
+    # AdamW's lr it steps ~10x farther than AdamW (it stalled on configs/lm.py at 2.38 vs 1.61).
+    "shampoo": _Entry(
+        shampoo,
+        defaults={"graft_type": "adam", "start_preconditioning_step": 10},
+        lr_scale=0.1,
+    ),
 }
 OPTIMIZERS = tuple(_REGISTRY)
+
+
+def lr_scale(name: str) -> float:
+  """The factor registry optimizer ``name`` applies to the learning rate it is given.
+
+  Example:
+    >>> lr_scale("adamw"), lr_scale("shampoo")
+    (1.0, 0.1)
+  """
+  return _lookup(name).lr_scale
+
+
+def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:
+  if callable(learning_rate):
+    return lambda step: scale * learning_rate(step)
+  return scale * learning_rate
 
 
 def _lookup(name: str) -> _Entry:
@@ -123,6 +152,7 @@ def make_optimizer(
     weight_decay: float = 0.0,
     weight_decay_mask: Any = decay_mask,
     clip_norm: float | None = None,
+    layout: Any = None,
     **optimizer_kwargs,
 ) -> optax.GradientTransformation:
   """Builds optimizer ``name`` (one of ``OPTIMIZERS``).
@@ -136,6 +166,9 @@ def make_optimizer(
     weight_decay_mask: pytree of bools or callable; default skips
       ``scale``/``bias`` leaves and leaves with ndim < 2.
     clip_norm: clip gradients to this global norm first (None: no clipping).
+    layout: the params' :class:`~trainers.optimizers.layout.ParamLayout`, given to
+      optimizers that take a ``layout`` (Kron, Shampoo: shard-local blocks); the
+      others ignore it.
     **optimizer_kwargs: passed to the optimizer's own constructor.
 
   Raises:
@@ -154,11 +187,15 @@ def make_optimizer(
   if reserved:
     raise OptimizerError(f"Pass {sorted(reserved)} of {name!r} as weight_decay/weight_decay_mask.")
   kwargs = {**entry.defaults, **optimizer_kwargs}
+  if layout is not None and "layout" in inspect.signature(entry.factory).parameters:
+    kwargs["layout"] = layout
   if entry.decay_args is not None:
     kwargs.update(zip(entry.decay_args, (weight_decay, weight_decay_mask)))
   _check_arguments(name, entry, kwargs)
   if schedule is not None:
     learning_rate = make_schedule(learning_rate, **schedule)
+  if entry.lr_scale != 1.0:
+    learning_rate = _scaled(learning_rate, entry.lr_scale)
   transforms = [
       optax.clip_by_global_norm(clip_norm) if clip_norm is not None else None,
       optax.add_decayed_weights(weight_decay, weight_decay_mask)

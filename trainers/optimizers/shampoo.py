@@ -22,7 +22,11 @@ State layout (tearfree-like)::
 
 Params whose dims are all 1 (scalars) have empty ``stats``/``roots`` lists and
 use the graft direction only; unit dims of other params are dropped before
-blocking, so a 1-D param is a single factor.
+blocking, so a 1-D param is a single factor. With ``layout`` (the params' specs
+and mesh, see :mod:`trainers.optimizers.layout`) blocks are cut inside each
+device's shard and stacked shard-major; statistics, roots and preconditioning
+run in ``shard_map`` where the block lives, and only the grafting norms cross
+devices.
 
 Roots come from ``eigh`` and are computed on every step, then kept with
 ``jnp.where`` only every ``update_preconditioners_freq`` steps: there is no
@@ -39,20 +43,14 @@ Example:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from trainers.optimizers.tensor_ops import (
-    block_layout,
-    blockify,
-    gram_along,
-    matmul_along,
-    unblockify,
-)
+from trainers.optimizers.layout import ParamLayout, ShardBlocks, shard_blocks
+from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
 _NORM_EPS = 1e-25
@@ -108,6 +106,30 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
   return jax.vmap(one_block)(blocks, *roots)
 
 
+def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon):
+  """One block stack's step: statistics EMA, roots (kept where ``refresh``), direction."""
+  stats = [
+      _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2) for axis, s in enumerate(stats)
+  ]
+  p = exponent or 2 * len(stats)
+  roots = [
+      jnp.where(refresh, inverse_pth_root(s, p, matrix_epsilon), r) for s, r in zip(stats, roots)
+  ]
+  return _precondition_blocks(blocks, roots), stats, roots
+
+
+def factor_blocks(shape, block_size: int, spec=(), mesh=None) -> ShardBlocks:
+  """The shard-local blocking of a param of ``shape``, unit dims dropped.
+
+  Example:
+      >>> factor_blocks((8, 1, 3), 4).sizes
+      (4, 3)
+  """
+  spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  kept = [e for d, e in zip(shape, spec) if d > 1]
+  return shard_blocks(_factor_shape(shape), kept, mesh, block_size)
+
+
 def _cast_like(new: jax.Array | None, old: jax.Array | None):
   """Keeps state dtypes stable across steps (e.g. bf16 params, f32 math)."""
   return None if old is None else new.astype(old.dtype)
@@ -128,6 +150,7 @@ def scale_by_shampoo(
     graft_type: str = "rmsprop",
     nesterov: bool = True,
     exponent_override: int | None = None,
+    layout: ParamLayout | None = None,
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -147,6 +170,8 @@ def scale_by_shampoo(
       bias-corrected ``nu``) or "sgd" (``g``); sets the per-param step norm.
     nesterov: Nesterov momentum ``d + beta1 m`` instead of ``m``.
     exponent_override: use ``S^{-1/p}`` with this p instead of 2 * factors.
+    layout: the params' specs and mesh (:class:`ParamLayout`): blocks are cut
+      inside each device's shard and updated there.
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
@@ -159,9 +184,17 @@ def scale_by_shampoo(
   if block_size < 1 or update_preconditioners_freq < 1:
     raise ValueError("block_size and update_preconditioners_freq must be >= 1")
 
-  def init_leaf(param):
-    sizes, counts = block_layout(_factor_shape(param.shape), block_size)
-    eye = [jnp.broadcast_to(jnp.eye(b), (math.prod(counts), b, b)) for b in sizes]
+  def blocks_tree(params):
+    if layout is None:
+      return jax.tree.map(lambda p: factor_blocks(p.shape, block_size), params)
+    specs = jax.tree.structure(params).flatten_up_to(layout.specs)
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten(
+        [factor_blocks(p.shape, block_size, s, layout.mesh) for p, s in zip(leaves, specs)]
+    )
+
+  def init_leaf(param, blocks: ShardBlocks):
+    eye = [jnp.broadcast_to(jnp.eye(b), (blocks.count, b, b)) for b in blocks.sizes]
     return ShampooParamState(
         stats=[matrix_epsilon * e for e in eye],
         roots=eye,
@@ -170,7 +203,8 @@ def scale_by_shampoo(
     )
 
   def init_fn(params):
-    return ShampooState(count=jnp.zeros([], jnp.int32), per_param=jax.tree.map(init_leaf, params))
+    per_param = jax.tree.map(init_leaf, params, blocks_tree(params))
+    return ShampooState(count=jnp.zeros([], jnp.int32), per_param=per_param)
 
   def graft(g, nu, count):
     if graft_type == "sgd":
@@ -179,28 +213,28 @@ def scale_by_shampoo(
     denom = nu / (1.0 - beta2**count) if graft_type == "adam" else nu
     return g / (jnp.sqrt(denom) + epsilon), nu
 
-  def precondition(g, state: ShampooParamState, count):
-    """New stats/roots and the Shampoo direction of one param."""
-    shape = _factor_shape(g.shape)
-    blocks = blockify(g.reshape(shape), block_size)
-    stats = [
-        _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2)
-        for axis, s in enumerate(state.stats)
-    ]
-    p = exponent_override or 2 * len(stats)
-    refresh = count % update_preconditioners_freq == 0
-    roots = [
-        jnp.where(refresh, inverse_pth_root(s, p, matrix_epsilon), r)
-        for s, r in zip(stats, state.roots)
-    ]
-    direction = _precondition_blocks(blocks, roots)
-    return stats, roots, unblockify(direction, shape, block_size).reshape(g.shape)
+  def precondition(g, state: ShampooParamState, count, blocks: ShardBlocks):
+    """New stats/roots and the Shampoo direction of one param, block by block."""
 
-  def update_leaf(g, state: ShampooParamState, count):
+    def per_shard(arrays, factors, refresh):
+      stats, roots = factors
+      direction, stats, roots = _shampoo_blocks(
+          *arrays, stats, roots, refresh, beta2, exponent_override, matrix_epsilon
+      )
+      return [direction], (stats, roots)
+
+    refresh = count % update_preconditioners_freq == 0
+    factor_g = g.reshape(blocks.shape)
+    (direction,), (stats, roots) = blocks.run(
+        per_shard, [factor_g], (state.stats, state.roots), [refresh]
+    )
+    return stats, roots, direction.reshape(g.shape)
+
+  def update_leaf(g, state: ShampooParamState, count, blocks):
     graft_dir, nu = graft(g, state.graft_nu, count + 1)
     stats, roots, direction = state.stats, state.roots, graft_dir
     if stats:
-      stats, roots, precond = precondition(g, state, count)
+      stats, roots, precond = precondition(g, state, count, blocks)
       scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
       direction = jnp.where(count >= start_preconditioning_step, precond * scale, graft_dir)
     momentum = state.momentum
@@ -216,7 +250,8 @@ def scale_by_shampoo(
     del params
     grads, treedef = jax.tree.flatten(updates)
     per_param = treedef.flatten_up_to(state.per_param)
-    results = [update_leaf(g, s, state.count) for g, s in zip(grads, per_param)]
+    blocks = treedef.flatten_up_to(blocks_tree(updates))
+    results = [update_leaf(g, s, state.count, b) for g, s, b in zip(grads, per_param, blocks)]
     new_updates = treedef.unflatten([r[0] for r in results])
     new_per_param = treedef.unflatten([r[1] for r in results])
     return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
@@ -238,6 +273,7 @@ def shampoo(
     exponent_override: int | None = None,
     weight_decay: float = 0.0,
     mask: Any | None = None,
+    layout: ParamLayout | None = None,
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -261,6 +297,7 @@ def shampoo(
           graft_type=graft_type,
           nesterov=nesterov,
           exponent_override=exponent_override,
+          layout=layout,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

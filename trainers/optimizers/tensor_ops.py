@@ -27,18 +27,21 @@ def gram_along(x: jax.Array, axis: int) -> jax.Array:
 
 
 def block_layout(shape, block_size) -> tuple[list[int], list[int]]:
-  """(block size, number of blocks) per dim.
+  """(block size, number of blocks) per dim; ``block_size`` is one int or one per dim.
 
   Example:
     >>> block_layout((6, 3), 4)
     ([4, 3], [2, 1])
+    >>> block_layout((6, 3), (3, 1))
+    ([3, 1], [2, 3])
   """
-  sizes = [min(d, block_size) for d in shape]
+  per_dim = [block_size] * len(shape) if isinstance(block_size, int) else block_size
+  sizes = [min(d, b) for d, b in zip(shape, per_dim)]
   return sizes, [-(-d // b) for d, b in zip(shape, sizes)]
 
 
-def blockify(x: jax.Array, block_size: int) -> jax.Array:
-  """Splits every dim into blocks: ``(n_blocks, b_0, ..., b_k)``.
+def blockify(x: jax.Array, block_size) -> jax.Array:
+  """Splits every dim into blocks: ``(n_blocks, b_0, ..., b_k)`` (see :func:`block_layout`).
 
   Dims that are not a multiple of their block size are zero-padded. Blocks
   are ordered row-major over the block grid (dim 0's block index varies
@@ -60,7 +63,7 @@ def blockify(x: jax.Array, block_size: int) -> jax.Array:
   return x.reshape((math.prod(counts), *sizes))
 
 
-def unblockify(blocks: jax.Array, shape: tuple[int, ...], block_size: int) -> jax.Array:
+def unblockify(blocks: jax.Array, shape: tuple[int, ...], block_size) -> jax.Array:
   """Inverse of :func:`blockify`.
 
   Example:

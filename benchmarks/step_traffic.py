@@ -1,0 +1,170 @@
+"""Step traffic: wire bytes of the whole compiled train step, per optimizer, on 8 simulated devices.
+
+For configs/lm.py (small, medium) and configs/lm_tp_fsdp.py the real train step
+(trainers/steps.py, the trainer's plan and optimizer, the param layout included) is
+compiled, not run, and per optimizer the table gives: wire bytes per device of every
+collective (all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduce
+2*result*(g-1)/g), the ratio to the adamw step and to the FSDP minimum
+3*params*(N-1)/N (params gathered twice, grads reduce-scattered), the number of
+collectives, compile time, the per-device FLOPs of the optimizer update alone
+(``cost_analysis``) and their ratio to the single-device update's FLOPs / N, the
+state bytes per device over the ideal (total / N), and whether XLA printed
+"Involuntary full rematerialization" while compiling.
+
+  python -m benchmarks.step_traffic [--configs lm:size=small] [--optimizers adamw,kron]
+"""
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import contextlib
+import importlib
+import itertools
+import tempfile
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import flax.linen as nn  # noqa: E402
+
+import bv_sharding as bvs  # noqa: E402
+from bv_sharding import traffic  # noqa: E402
+from trainers import models, optimizers, steps, tasks  # noqa: E402
+
+CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
+OPTIMIZERS = ("adamw", "kron", "shampoo", "muon")
+REMAT = "Involuntary full rematerialization"
+
+
+@contextlib.contextmanager
+def captured_stderr():
+  """Collects what the process (XLA's C++ included) writes to fd 2; yields a list that gets it."""
+  out = []
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+b") as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield out
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      out.append(tmp.read().decode(errors="replace"))
+
+
+def load_config(spec: str):
+  name, _, arg = spec.partition(":")
+  return importlib.import_module(f"configs.{name}").get_config(arg or None)
+
+
+def setup(config, optimizer: str, mesh, layout_mesh=None):
+  """(loss_fn, tx, plan, batch) as trainers/train.py builds them; ``layout_mesh``
+  overrides the mesh the optimizer's layout names (an AbstractMesh: same blocks,
+  computed on global arrays)."""
+  task = tasks.get_task(config)
+  batch = next(task.batches(task.train, global_batch=config.batch_size, seed=0))
+  model = models.get_model(config.model_name, **config.model.to_dict())
+  init = lambda: model.init(jax.random.key(0), task.inputs(batch[:1]))["params"]
+  loss_fn = lambda p, b: task.loss(model.apply({"params": p}, task.inputs(b)), b)
+  strategy, rules = config.sharding_strategy, config.sharding_rules
+  params_plan = bvs.plan({"params": jax.eval_shape(init)}, strategy, mesh, rules=rules)
+  layout = optimizers.ParamLayout(params_plan.specs["params"], layout_mesh or mesh)
+  tx = optimizers.make_optimizer(
+      optimizer, config.lr, weight_decay=config.wd, clip_norm=config.grad_clip_norm, layout=layout
+  )
+  plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules)
+  return loss_fn, tx, plan, jax.ShapeDtypeStruct(batch.shape, batch.dtype)
+
+
+def abstract(plan, shardings=None):
+  """The plan's tree as ShapeDtypeStructs (with ``shardings`` when given)."""
+  leaves = [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan.entries]
+  tree = plan.treedef.unflatten(leaves)
+  if shardings is None:
+    return tree
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+
+
+def update_flops(tx, state) -> float:
+  """FLOPs per device of one optimizer update of ``state`` (``cost_analysis``)."""
+  update = lambda grads, opt, params: tx.update(grads, opt, params)
+  compiled = jax.jit(update).lower(state["params"], state["opt"], state["params"]).compile()
+  return float(compiled.cost_analysis().get("flops", 0.0))
+
+
+def compile_step(config, optimizer: str):
+  """Compiles the trainer's step: (HLO text, XLA's stderr while compiling, seconds, extras)."""
+  mesh = bvs.make_mesh(config.mesh)
+  loss_fn, tx, plan, batch = setup(config, optimizer, mesh)
+  batch_sharding = steps.batch_sharding(
+      mesh, steps.data_axes(mesh, config.sharding_rules, config.data_axes)
+  )
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
+    step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
+    state = abstract(plan, plan.shardings)
+    start = time.perf_counter()
+    with captured_stderr() as log:
+      hlo = step.lower(state, batch).compile().as_text()
+    seconds = time.perf_counter() - start
+    flops = update_flops(tx, state)
+  return hlo, log[0], seconds, (mesh, plan, flops)
+
+
+def measure(config, optimizer: str) -> dict:
+  hlo, log, seconds, (mesh, plan, flops) = compile_step(config, optimizer)
+  n = mesh.size
+  _, reference_tx, _, _ = setup(config, optimizer, mesh, layout_mesh=mesh.abstract_mesh)
+  total_flops = update_flops(reference_tx, abstract(plan))
+  wire, count = traffic.wire_bytes(hlo), sum(c.times for c in traffic.collectives(hlo))
+  params = sum(e.nbytes for e in plan.entries if e.name.startswith("params/"))
+  return {
+      "wire": wire,
+      "collectives": count,
+      "seconds": seconds,
+      "flops": flops,
+      "flops_ratio": flops / max(total_flops / n, 1.0),
+      "fsdp_min": 3 * params * (n - 1) / n,
+      "state_ratio": plan.bytes_per_device / (plan.total_bytes / n),
+      "remat": log.count(REMAT),
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+  parser.add_argument("--scan_layers", default="false", help="false, true or false,true")
+  args = parser.parse_args()
+  print(
+      "| config | scan | optimizer | step MB/device | x adamw | x FSDP min | collectives | "
+      "compile s | update GFLOP/device | x (1-device update / N) | state x ideal | remat |"
+  )
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  scans = [s == "true" for s in args.scan_layers.split(",")]
+  for spec, scan in itertools.product(args.configs.split(","), scans):
+    adamw = None
+    for optimizer in args.optimizers.split(","):
+      config = load_config(spec)
+      config.model.scan_layers = scan
+      r = measure(config, optimizer)
+      adamw = r["wire"] if optimizer == "adamw" else adamw
+      vs_adamw = f"{r['wire'] / adamw:.2f}" if adamw else "-"
+      print(
+          f"| {spec} | {scan} | {optimizer} | {r['wire'] / 1e6:.1f} | {vs_adamw} | "
+          f"{r['wire'] / r['fsdp_min']:.2f} | {r['collectives']} | {r['seconds']:.1f} | "
+          f"{r['flops'] / 1e9:.3f} | {r['flops_ratio']:.2f} | {r['state_ratio']:.3f} | "
+          f"{r['remat']} |",
+          flush=True,
+      )
+
+
+if __name__ == "__main__":
+  main()

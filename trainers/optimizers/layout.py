@@ -1,0 +1,249 @@
+"""Shard-local blocks: where each param's shards live, and block stacks cut inside them.
+
+Kron and Shampoo precondition blocks of a param. Cut from the whole param, a block
+spans several devices' shards and every factor update gathers, transposes and
+scatters. Given the param layout (the plan's specs and the mesh) through
+:class:`ParamLayout`, they instead cut every device's shard into its own blocks:
+
+* dim ``k`` of a param with ``s_k`` shards has local extent ``e_k = d_k / s_k``; the
+  block size on it is ``min(block_size, e_k)`` and a local extent that is not a
+  multiple is zero-padded inside its shard (a padded block acts like a smaller one);
+* blocks are stacked shard-major (shards in row-major order over the param's dims,
+  then each shard's blocks as :func:`~trainers.optimizers.tensor_ops.blockify`
+  orders them), so splitting the stack's dim 0 over
+  :func:`bv_sharding.following.stack_axes` gives each device the blocks of its own
+  shard, which is where the plan puts them;
+* on a concrete ``Mesh`` the per-block work runs in ``jax.shard_map`` over the param's
+  spec: no collective but the scalars computed outside it (norms, counters). On an
+  ``AbstractMesh`` (or without a layout) the same blocks are computed on global
+  arrays: the unsharded reference, and shapes for planning.
+
+Same math on any mesh: whenever every local extent is a multiple of ``block_size``,
+the blocks are the same ``block_size`` tiles of the param whatever the device count,
+so the trajectory is the same; only the order of the stack differs.
+:func:`same_blocking` tells whether two layouts give the same tiles. When they do
+not (local extents below ``block_size`` or not multiples of it), the factors of one
+layout do not fit the other's blocks and a restore onto that mesh must re-initialise
+them.
+
+Example:
+    >>> blocks = ShardBlocks((8, 6), (2, 1), block_size=2)
+    >>> blocks.local_shape, blocks.count, blocks.sizes
+    ((4, 6), 12, (2, 2))
+    >>> x = jnp.arange(48.0).reshape(8, 6)
+    >>> stack = blocks.split(x)
+    >>> stack.shape, bool((blocks.merge(stack) == x).all())
+    ((12, 2, 2), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from bv_sharding.following import stack_axes
+from bv_sharding.specs import axis_size
+from trainers.optimizers.tensor_ops import blockify, unblockify
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+  """How params are sharded: ``specs`` (a ``PartitionSpec`` per param leaf) on ``mesh``.
+
+  ``mesh`` is a ``jax.sharding.Mesh`` (the optimizer runs its blocks in
+  ``shard_map``) or an ``AbstractMesh`` (same blocks, computed on global arrays).
+  The trainer builds it from the plan of the params with :meth:`from_plan`.
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> layout = ParamLayout({"w": P("data", None)}, mesh)
+      >>> layout.blocks_of({"w": jnp.ones((8, 6))}, 2)["w"].count
+      12
+  """
+
+  specs: Any
+  mesh: Any
+
+  @classmethod
+  def from_plan(cls, plan) -> ParamLayout:
+    """The layout of a ``bvs.Plan`` made over ``{"params": abstract_params}``."""
+    return cls(plan.specs["params"], plan.mesh)
+
+  def blocks_of(self, params, block_size: int, scanned=None) -> Any:
+    """A :class:`ShardBlocks` per leaf of ``params`` (``scanned``: a bool per leaf)."""
+    scanned = jax.tree.map(lambda _: False, params) if scanned is None else scanned
+    treedef = jax.tree.structure(params)
+    leaves = zip(treedef.flatten_up_to(params), treedef.flatten_up_to(self.specs))
+    blocks = [
+        shard_blocks(x.shape, spec, self.mesh, block_size, s)
+        for (x, spec), s in zip(leaves, treedef.flatten_up_to(scanned))
+    ]
+    return treedef.unflatten(blocks)
+
+
+def shard_blocks(shape, spec, mesh, block_size: int, scanned: bool = False) -> ShardBlocks:
+  """The :class:`ShardBlocks` of a param of ``shape`` sharded as ``spec`` on ``mesh``.
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).shards
+      (2, 2)
+  """
+  spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  sizes = dict(mesh.shape) if mesh is not None else {}
+  shards = tuple(axis_size(sizes, entry) for entry in spec)
+  concrete = isinstance(mesh, jax.sharding.Mesh) and math.prod(shards) > 1
+  return ShardBlocks(tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardBlocks:
+  """One param's shard-local blocking: ``shards`` per dim, blocks of ``block_size``.
+
+  ``scanned``: dim 0 is a layer axis, blocked layer by layer (never cut).
+  ``spec``/``mesh``: where to run :meth:`run` in ``shard_map`` (``mesh`` None:
+  on global arrays).
+  """
+
+  shape: tuple[int, ...]
+  shards: tuple[int, ...]
+  block_size: int
+  scanned: bool = False
+  spec: tuple = ()
+  mesh: Any = None
+
+  @property
+  def local_shape(self) -> tuple[int, ...]:
+    return tuple(d // s for d, s in zip(self.shape, self.shards))
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    """Block size per (per-layer) dim."""
+    local = self.local_shape[1:] if self.scanned else self.local_shape
+    return tuple(min(e, self.block_size) for e in local)
+
+  @property
+  def count(self) -> int:
+    """Number of blocks in the whole stack."""
+    local = self.local_shape[1:] if self.scanned else self.local_shape
+    per_shard = math.prod(-(-e // b) for e, b in zip(local, self.sizes))
+    layers = self.local_shape[0] if self.scanned else 1
+    return math.prod(self.shards) * layers * per_shard
+
+  @property
+  def stack_spec(self) -> P:
+    """Spec of dim 0 of a block stack: split over the param's axes (shard-major)."""
+    axes = stack_axes(self.spec)
+    return P(axes if len(axes) > 1 else axes[0]) if axes else P()
+
+  def tiles(self) -> tuple[tuple[int, ...], ...]:
+    """Per dim, the sorted start offsets of the blocks in the param (padding aside)."""
+    starts = []
+    for dim, (extent, shards) in enumerate(zip(self.local_shape, self.shards)):
+      if self.scanned and dim == 0:
+        continue
+      b = min(extent, self.block_size)
+      starts.append(tuple(k * extent + j for k in range(shards) for j in range(0, extent, b)))
+    return tuple(starts)
+
+  def split(self, x: jax.Array, local: bool = False) -> jax.Array:
+    """Param-shaped ``x`` (or its local shard) as the block stack ``(n, *sizes)``."""
+    shards = self._grid(x, local)
+    per_shard = blockify(x, tuple(d // s for d, s in zip(x.shape, shards)))
+    cut = functools.partial(blockify, block_size=self.block_size)
+    if self.scanned:
+      cut = jax.vmap(cut)
+    blocks = jax.vmap(cut)(per_shard)
+    return blocks.reshape(-1, *blocks.shape[-len(self.sizes) :])
+
+  def merge(self, blocks: jax.Array, local: bool = False) -> jax.Array:
+    """Inverse of :meth:`split`."""
+    shape = self.local_shape if local else self.shape
+    shards = (1,) * len(shape) if local else self.shards
+    local_shape = self.local_shape
+    per_layer = local_shape[1:] if self.scanned else local_shape
+    glue = functools.partial(unblockify, shape=per_layer, block_size=self.block_size)
+    if self.scanned:
+      glue = jax.vmap(glue)
+      blocks = blocks.reshape(math.prod(shards), local_shape[0], -1, *blocks.shape[1:])
+    else:
+      blocks = blocks.reshape(math.prod(shards), -1, *blocks.shape[1:])
+    return unblockify(jax.vmap(glue)(blocks), shape, local_shape)
+
+  def run(
+      self,
+      fn: Callable,
+      arrays: Sequence[jax.Array],
+      stacks: Any,
+      scalars: Sequence[jax.Array] = (),
+  ) -> tuple[list[jax.Array], Any]:
+    """``fn(block_stacks, stacks, *scalars) -> (out_block_stacks, new_stacks)`` per shard.
+
+    ``arrays`` are param-shaped and split into blocks for ``fn``; its outputs are
+    merged back to param shape. ``stacks`` (a pytree of block stacks, e.g. factors)
+    go in and out as they are. On a mesh this is a ``shard_map`` over the param's
+    spec, with the stacks split along dim 0 and the scalars replicated.
+    """
+
+    def body(arrays, stacks, scalars, local):
+      outs, new_stacks = fn([self.split(x, local) for x in arrays], stacks, *scalars)
+      return [self.merge(o, local) for o in outs], new_stacks
+
+    if self.mesh is None:
+      return body(arrays, stacks, scalars, local=False)
+    param = P(*self.spec)
+    mapped = jax.shard_map(
+        functools.partial(body, local=True),
+        mesh=self.mesh,
+        in_specs=(param, self.stack_spec, P()),
+        out_specs=(param, self.stack_spec),
+        check_vma=False,
+    )
+    return mapped(list(arrays), stacks, list(scalars))
+
+  def _grid(self, x: jax.Array, local: bool) -> tuple[int, ...]:
+    if local:
+      return (1,) * x.ndim
+    return self.shards
+
+
+def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
+  """Whether two layouts of one param cut it into the same blocks (so the same math).
+
+  Their factors then hold the same values, stacked in another order; otherwise
+  factors fitted under one layout cannot precondition the other's blocks.
+
+  Example:
+      >>> on = lambda n: shard_blocks(
+      ...     (512, 256), P("data"), jax.sharding.AbstractMesh((n,), ("data",)), 128)
+      >>> same_blocking(on(2), on(4)), same_blocking(on(2), on(8))  # 64 < 128 on 8
+      (True, False)
+  """
+  return a.shape == b.shape and a.scanned == b.scanned and a.tiles() == b.tiles()
+
+
+def reorder(stack: jax.Array, old: ShardBlocks, new: ShardBlocks) -> jax.Array:
+  """A block stack of layout ``old`` in the order of layout ``new`` (same blocking).
+
+  Example:
+      >>> mesh = lambda n: jax.sharding.AbstractMesh((n,), ("data",))
+      >>> a = shard_blocks((4, 4), P(None, "data"), mesh(2), 2)
+      >>> b = shard_blocks((4, 4), P(None, "data"), mesh(1), 2)
+      >>> x = jnp.arange(16.0).reshape(4, 4)
+      >>> bool((reorder(a.split(x), a, b) == b.split(x)).all())
+      True
+  """
+  if not same_blocking(old, new):
+    raise ValueError(f"blocks of {old.shape} differ between the layouts; re-initialise them")
+  ids = jnp.arange(math.prod(old.shape), dtype=jnp.int32).reshape(old.shape)
+  corner = lambda blocks: blocks.split(ids).reshape(blocks.count, -1)[:, 0]
+  old_ids, first = corner(old), corner(new)
+  where = jnp.argsort(old_ids)[jnp.searchsorted(jnp.sort(old_ids), first)]
+  return stack[where]
