@@ -25,7 +25,7 @@ Example:
   >>> check_coverage(plan, 0.0001)
   Traceback (most recent call last):
   ...
-  bv_sharding.errors.ShardingError: 0.09% of the planned bytes are not split over the whole mesh ...
+  bv_sharding.errors.ShardingError: 0.0854% of the planned bytes are not split over the whole mesh ...
 """
 
 from bv_sharding import patterns, specs
@@ -72,7 +72,7 @@ def check_coverage(plan: Plan, max_unsharded_fraction: float) -> None:
     return
   worst = "; ".join(_describe(plan, e) for e in least_sharded(plan, NAMED_IN_ERRORS))
   raise ShardingError(
-      f"{100 * fraction:.2f}% of the planned bytes are not split over the whole mesh "
+      f"{100 * fraction:.3g}% of the planned bytes are not split over the whole mesh "
       f"{dict(plan.mesh.shape)}, more than max_unsharded_fraction={max_unsharded_fraction:g}. "
       f"Largest unsharded leaves: {worst}. Shard them (a strategy entry, a fixed regex, "
       "divisible dims), change the mesh, or raise the limit."

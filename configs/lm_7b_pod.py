@@ -19,7 +19,7 @@ Example:
   ...   plan = bvs.plan(steps.abstract_state(init, tx), config.sharding_strategy, mesh,
   ...                   rules=config.sharding_rules)
   >>> dict(mesh.shape), round(plan.bytes_per_device / (plan.total_bytes / 256), 3)
-  ({'data': 64, 'model': 4}, 1.068)
+  ({'data': 64, 'model': 4}, 1.01)
 """
 
 from configs import lm

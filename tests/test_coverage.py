@@ -35,7 +35,7 @@ def test_gate_passes_at_the_limit_and_names_leaves_above_it():
   with pytest.raises(bvs.ShardingError) as info:
     bvs.check_coverage(plan, 0.1)
   message = str(info.value)
-  assert "45.83% of the planned bytes" in message and "max_unsharded_fraction=0.1" in message
+  assert "45.8% of the planned bytes" in message and "max_unsharded_fraction=0.1" in message
   assert "whole (64, 64)" in message and "data_only (64, 64)" in message and "both" not in message
   with pytest.raises(bvs.ShardingError, match="a number in \\[0, 1\\]"):
     bvs.check_coverage(plan, 2)

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from trainers.optimizers import make_optimizer, scale_by_kron, scale_by_shampoo
+from trainers.optimizers.registry import lr_scale
 
 PARAMS = {
     "w": jnp.ones((8, 4)),
@@ -97,7 +98,9 @@ def test_kron_and_shampoo_beat_tuned_adamw_on_ill_conditioned_problem():
   steps = 200
   adamw = min(_final_loss(loss_fn, "adamw", lr, steps) for lr in (0.03, 0.1, 0.3, 1.0, 3.0))
   kron = _final_loss(loss_fn, "kron", 0.1, steps, preconditioner_update_probability=1.0)
-  shampoo = _final_loss(loss_fn, "shampoo", 0.1, steps, beta2=0.99)
+  # The registry scales Shampoo's lr by lr_scale("shampoo") (0.1, its momentum's 1 - beta1):
+  # the same effective step of 0.1.
+  shampoo = _final_loss(loss_fn, "shampoo", 0.1 / lr_scale("shampoo"), steps, beta2=0.99)
   assert kron < 0.1 * adamw, (kron, adamw)
   assert shampoo < 0.1 * adamw, (shampoo, adamw)
 

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
+from trainers.errors import OptimizerError
 from trainers.optimizers.layout import ParamLayout, ShardBlocks, shard_blocks
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
@@ -106,7 +107,7 @@ def triangular_dims(
       [False, True]
   """
   if memory_save_mode not in _MEMORY_SAVE_MODES:
-    raise ValueError(
+    raise OptimizerError(
         f"memory_save_mode={memory_save_mode!r}; expected one of " f"{_MEMORY_SAVE_MODES}"
     )
   forced_diag = [memory_save_mode == "all_diag"] * len(shape)
@@ -423,7 +424,7 @@ def scale_by_kron(
       [(4, 2, 2), (4, 2, 2), (4, 2, 2)]
   """
   if block_size is not None and block_size < 1:
-    raise ValueError(f"block_size={block_size}; expected None or >= 1")
+    raise OptimizerError(f"block_size={block_size}; expected None or >= 1")
   options = (precond_update_precision, precond_grads_precision)
 
   def scanned_tree(params):

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from bv_sharding.following import stack_axes
 from bv_sharding.specs import axis_size
+from trainers.errors import OptimizerError
 from trainers.optimizers.tensor_ops import blockify, unblockify
 
 
@@ -241,7 +242,7 @@ def reorder(stack: jax.Array, old: ShardBlocks, new: ShardBlocks) -> jax.Array:
       True
   """
   if not same_blocking(old, new):
-    raise ValueError(f"blocks of {old.shape} differ between the layouts; re-initialise them")
+    raise OptimizerError(f"blocks of {old.shape} differ between the layouts; re-initialise them")
   ids = jnp.arange(math.prod(old.shape), dtype=jnp.int32).reshape(old.shape)
   corner = lambda blocks: blocks.split(ids).reshape(blocks.count, -1)[:, 0]
   old_ids, first = corner(old), corner(new)

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from trainers.errors import OptimizerError
 from trainers.optimizers.layout import ParamLayout, ShardBlocks, shard_blocks
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
@@ -180,9 +181,9 @@ def scale_by_shampoo(
       (2, 2, 2)
   """
   if graft_type not in _GRAFT_TYPES:
-    raise ValueError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
+    raise OptimizerError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
   if block_size < 1 or update_preconditioners_freq < 1:
-    raise ValueError("block_size and update_preconditioners_freq must be >= 1")
+    raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
 
   def blocks_tree(params):
     if layout is None:
