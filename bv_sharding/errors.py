@@ -36,5 +36,16 @@ def closest(name: str, choices) -> str:
     >>> closest("fsdpp", ["fsdp", "replicate"])
     "; did you mean 'fsdp'?"
   """
+  match = nearest(name, choices)
+  return f"; did you mean {match!r}?" if match else ""
+
+
+def nearest(name: str, choices) -> str | None:
+  """The choice closest to ``name`` (as ``difflib`` judges, cutoff 0.5), or ``None``.
+
+  Example:
+    >>> nearest("warmup_step", ["warmup_steps", "decay_type"])
+    'warmup_steps'
+  """
   match = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)
-  return f"; did you mean {match[0]!r}?" if match else ""
+  return match[0] if match else None

@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import operator
 import re
@@ -37,6 +36,7 @@ import jax
 import optax
 
 from bv_sharding import flatten_with_names
+from bv_sharding.errors import nearest
 from trainers.errors import OptimizerError
 from trainers.optimizers import registry
 from trainers.optimizers.schedules import make_schedule
@@ -104,8 +104,8 @@ def _optax_factory(name: str, kwargs: dict) -> optax.GradientTransformation:
   try:
     factory = operator.attrgetter(path)(optax)
   except AttributeError:
-    close = difflib.get_close_matches(path, [*registry.OPTIMIZERS, *dir(optax)], n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    close = nearest(path, [*registry.OPTIMIZERS, *dir(optax)])
+    hint = f" Did you mean {close!r}?" if close else ""
     raise OptimizerError(
         f"config.optax_name={name!r} is neither one of the project's optimizers "
         f"({', '.join(registry.OPTIMIZERS)}) nor an optax attribute.{hint}"

@@ -17,11 +17,10 @@ Example:
 
 from __future__ import annotations
 
-import difflib
-
 import jax.numpy as jnp
 import optax
 
+from bv_sharding.errors import nearest
 from trainers.errors import OptimizerError
 
 DECAY_TYPES = ("stair", "cosine", "linear", "polynomial", "rsqrt")
@@ -172,8 +171,8 @@ def check_keys(schedule) -> None:
     if key in RENAMED:
       raise OptimizerError(f"config.schedule.{key} was renamed: use {RENAMED[key]}")
     if key not in KEYS:
-      close = difflib.get_close_matches(key, KEYS, n=1)
-      hint = f" Did you mean {close[0]!r}?" if close else ""
+      close = nearest(key, KEYS)
+      hint = f" Did you mean {close!r}?" if close else ""
       raise OptimizerError(
           f"config.schedule.{key} is not a schedule key.{hint} Keys: {', '.join(KEYS)}"
       )
