@@ -8,7 +8,7 @@ Example:
   >>> import flax.linen as nn
   >>> with nn.logical_axis_rules([("act_batch", "data"), ("act_heads", "model")]):
   ...   nn.logical_to_mesh_axes(ACT_HEADS)
-  PartitionSpec('data', None, 'model', None)
+  P('data', None, 'model', None)
 """
 
 ACT_BATCH = "act_batch"
