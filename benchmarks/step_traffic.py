@@ -16,7 +16,9 @@ state bytes per device over the ideal (total / N), and whether XLA printed
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/host.py).
 
 import argparse
 import contextlib
