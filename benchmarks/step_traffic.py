@@ -20,7 +20,9 @@ backward loop, sends 2 + 2 units where a backend with reduce-scatter sends 2 + 1
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+from trainers.host import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/host.py).
 
 import argparse
 import contextlib

@@ -132,11 +132,11 @@ def factor_of(shape, param_shape, index: int) -> tuple[int, int] | None:
   Entry ``i`` is the factor of dim ``i`` (``(d_i, d_i)`` or diagonal ``(d_i,)``), or
   of dim ``i + 1`` behind a leading scanned-layer axis (``(L, d, d)`` or ``(L, d)``).
   """
-  for dim, lead in ((index, ()), (index + 1, param_shape[:1])):
+  for dim, layer_axis in ((index, ()), (index + 1, param_shape[:1])):
     if dim < len(param_shape):
       d = param_shape[dim]
-      if shape in (lead + (d, d), lead + (d,)):
-        return dim, len(lead)
+      if shape in (layer_axis + (d, d), layer_axis + (d,)):
+        return dim, len(layer_axis)
   return None
 
 

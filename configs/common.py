@@ -20,6 +20,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.seed = 0
   config.eval_batches = 4  # Fixed held-out batches, the same at every eval.
   config.log_every = 20
+  config.eval_every = 100
   config.mesh = (("data", -1),)
   config.dcn_mesh = ()  # Across TPU slices, e.g. (("data", 2),); () = one slice.
   config.sharding_rules = (("act_batch", "data"),)

@@ -14,7 +14,7 @@ from trainers import sources
 def get_config(arg=None):
   """The LM config; ``arg``: ``size=tiny|small|medium``."""
   arg = parse_arg(arg, size="tiny")
-  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping, checkpoints:
+  # seed, eval_batches, log_every, eval_every, mesh, rules, adamw, wd, clipping, checkpoints:
   config = base_config()
 
   # The Python standard library's source as a byte-level text corpus (first 4 MiB);
@@ -27,7 +27,6 @@ def get_config(arg=None):
   config.model = dict(size=arg["size"], scan_layers=False, remat=False)
 
   config.total_steps = 300
-  config.eval_every = 100
 
   # min_size_to_shard_mb=0: shard even the tiny model's leaves (the default is 1 MiB).
   config.sharding_strategy = ((".*", 'llm_fsdp(axis="data", min_size_to_shard_mb=0)'),)

@@ -10,9 +10,8 @@ from trainers import sources
 def get_config(arg=None):
   """The ViT config; ``arg``: ``size=tiny|small``."""
   arg = parse_arg(arg, size="tiny")
-  config = (
-      base_config()
-  )  # seed, eval_batches, log_every, mesh, rules, adamw, wd, clipping, checkpoints
+  # seed, eval_batches, log_every, eval_every, mesh, rules, adamw, wd, clipping, checkpoints:
+  config = base_config()
 
   config.input = sources.input_config(kind="digits")  # configs/vit_images.py: your .npy images
   config.batch_size = 64
@@ -21,7 +20,6 @@ def get_config(arg=None):
   config.model = dict(size=arg["size"], num_classes=10)
 
   config.total_steps = 200
-  config.eval_every = 100
 
   config.sharding_strategy = ((".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),)
 

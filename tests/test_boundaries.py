@@ -8,14 +8,11 @@ import numpy as np
 import pytest
 
 import bv_sharding as bvs
+from benchmarks.shapes import sds
 from bv_sharding import patterns, registry
 from trainers import steps
 
 MESH = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
-
-
-def sds(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 @pytest.mark.parametrize("mesh", [[("data", 8)], (("data", -1),), {"data": 8}, None])

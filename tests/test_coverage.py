@@ -1,15 +1,10 @@
 """Coverage: bytes split over the whole mesh, the gate, and which strategy entries claim leaves."""
 
-import jax
 import pytest
 
 import bv_sharding as bvs
+from benchmarks.shapes import sds
 from bv_sharding import coverage
-
-
-def sds(*shape):
-  return jax.ShapeDtypeStruct(shape, "float32")
-
 
 MESH = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
 TREE = {"both": sds(64, 64), "data_only": sds(64, 64), "whole": sds(64, 64)}

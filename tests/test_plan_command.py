@@ -13,13 +13,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from bv_sharding.specs import MiB
 from tests.entry_points import run_module
 from trainers import plan as command
 
 MESH = '[("data", 64), ("model", 4)]'
 POD = ("--config", "configs/lm_7b_pod.py", "--mesh", MESH)
 V, D, L, F = 32_000, 4096, 32, 11_008  # Llama 7B: vocab, width, layers, MLP width.
-MiB = 2**20
 
 
 def run(*args):
@@ -161,7 +161,7 @@ def test_multi_slice_mesh_plans_on_ici_times_dcn():
         (("--mesh", '[("data", 3), ("model", 4)]', "--num-devices=256"), "covers 12 devices"),
         (("--mesh", '["data", 64]'), "list of (axis_name, size) pairs"),
         (("--config.optax_name=adamww",), "config.optax_name='adamww' is neither"),
-        (("--config.nope=1",), "'nope'"),
+        (("--config.nope=1",), "has no key config.nope"),
     ],
 )
 def test_bad_input_exits_2_naming_it(args, fragment):

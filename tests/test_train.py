@@ -27,6 +27,13 @@ def train(workdir, *overrides, config="configs/lm.py", timeout=240):
   return done.returncode, done.stdout + done.stderr, records
 
 
+def trained(workdir, *overrides, config="configs/lm.py"):
+  """Runs the trainer, which must succeed; returns (output, metrics records)."""
+  status, out, records = train(workdir, *overrides, config=config)
+  assert status == 0, out[-3000:]
+  return out, records
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "optimizer, config",
@@ -38,8 +45,7 @@ def train(workdir, *overrides, config="configs/lm.py", timeout=240):
     ],
 )
 def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
-  status, out, records = train(tmp_path, *SHORT, f"--config.optax_name={optimizer}", config=config)
-  assert status == 0, out[-3000:]
+  out, records = trained(tmp_path, *SHORT, f"--config.optax_name={optimizer}", config=config)
   assert [r["step"] for r in records] == [1, 10, 20, 30]
   assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
   assert "eval_loss" in records[-1] and all(k in records[0] for k in ("lr", "steps_per_sec"))
@@ -53,14 +59,13 @@ def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
 @pytest.mark.timeout(240)
 def test_big_vision_optimizer_section_trains_and_logs_the_lr_it_applies(tmp_path):
   """big_vision's spelling: an optax attribute as optax_name, schedule.decay_type."""
-  status, out, records = train(
+  _, records = trained(
       tmp_path,
       *SHORT,
       "--config.optax_name=scale_by_adam",
       "--config.schedule.decay_type=cosine",
       "--config.schedule.warmup_steps=5",
   )
-  assert status == 0, out[-3000:]
   assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
   lr, total = 3e-3, 30  # configs/lm.py's lr; cosine multiplier after 5 warmup steps
   for r in records:
@@ -71,14 +76,8 @@ def test_big_vision_optimizer_section_trains_and_logs_the_lr_it_applies(tmp_path
 
 @pytest.mark.timeout(240)
 def test_lm_rules_places_params_by_logical_names_and_trains(tmp_path):
-  status, out, records = train(
-      tmp_path,
-      *SHORT,
-      "--config.total_steps=12",
-      "--config.log_every=6",
-      config="configs/lm_rules.py",
-  )
-  assert status == 0, out[-3000:]
+  steps = ("--config.total_steps=12", "--config.log_every=6")
+  out, records = trained(tmp_path, *SHORT, *steps, config="configs/lm_rules.py")
   assert "state shardings match the plan after the first step" in out
   assert "P('data', 'model')" in out and "logical_partitioning: dim 0 over data" in out
   assert records[-1]["loss"] < records[0]["loss"], records
@@ -86,14 +85,8 @@ def test_lm_rules_places_params_by_logical_names_and_trains(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_vit_digits_runs(tmp_path):
-  status, out, records = train(
-      tmp_path,
-      "--config.total_steps=5",
-      "--config.log_every=5",
-      "--config.eval_every=5",
-      config="configs/vit_digits.py",
-  )
-  assert status == 0, out[-3000:]
+  steps = ("--config.total_steps=5", "--config.log_every=5", "--config.eval_every=5")
+  out, records = trained(tmp_path, *steps, config="configs/vit_digits.py")
   assert [r["step"] for r in records] == [1, 5] and "eval_loss" in records[-1]
   assert "images/s=" in out
 

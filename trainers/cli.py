@@ -25,6 +25,8 @@ Example:
   >>> config = load_config(config_spec(["train", "--config", path + ":small"]))
   >>> config.lr, config.size
   (0.001, 'small')
+  >>> config_from_args(["--config", path, "--config.lr=0.1"]).lr
+  0.1
   >>> check_overrides(config, {"lrr": 1.0}, path)
   Traceback (most recent call last):
   ...
@@ -74,16 +76,56 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     if any(arg.split("=")[0] in HELP for arg in argv):
       return flags.FLAGS(argv)
-    spec = config_spec(argv)
-    defined = load_config(spec)
-    try:
-      rest = flags.FLAGS(argv)
-    except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-      raise ConfigError(f"command line: {e}") from e
-    check_overrides(defined, config_flags.get_override_values(flags.FLAGS[CONFIG_FLAG]), spec)
-    return rest
+    return parse_with_config(argv, flags.FLAGS)
   except Error as e:
     fail(e, argv)
+
+
+def define_config_flag(flag_values=flags.FLAGS, argv=None) -> flags.FlagHolder:
+  """Defines ``--config`` and its ``--config.key=value`` overrides (those in ``argv``).
+
+  The config stays unlocked and takes new keys: :func:`check_overrides` rejects a key
+  the config file does not define, except under ``OPEN_DICTS``.
+
+  Example: ``_CONFIG = define_config_flag()`` in trainers/train.py.
+  """
+  return config_flags.DEFINE_config_file(
+      CONFIG_FLAG,
+      None,
+      "Training config file.",
+      flag_values=flag_values,
+      lock_config=False,
+      accept_new_attributes=True,
+      sys_argv=argv,
+  )
+
+
+def parse_with_config(argv: list[str], flag_values) -> list[str]:
+  """Parses ``argv`` into ``flag_values`` after loading its ``--config`` file by itself, so
+  each mistake is a ``ConfigError``; returns the arguments that are not flags.
+
+  Example: ``parse_with_config(["train", "--config=configs/lm.py"], flags.FLAGS)``.
+  """
+  spec = config_spec(argv)
+  defined = load_config(spec)
+  try:
+    rest = flag_values(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    raise ConfigError(f"command line: {e}") from e
+  check_overrides(defined, config_flags.get_override_values(flag_values[CONFIG_FLAG]), spec)
+  return rest
+
+
+def config_from_args(args: list[str]):
+  """The config of ``--config file.py[:arg]`` in ``args``, with its ``--config.key=value``
+  overrides: the trainer's loading and checks, on flags of its own (for other commands).
+
+  Example: ``config_from_args(["--config=configs/lm.py", "--config.lr=0.1"]).lr`` == 0.1.
+  """
+  argv, values = [sys.argv[0], *args], flags.FlagValues()
+  config = define_config_flag(values, argv)
+  parse_with_config(argv, values)
+  return config.value
 
 
 def fail(error: Exception, argv=None) -> None:

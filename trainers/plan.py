@@ -36,15 +36,13 @@ import sys
 
 import jax
 import numpy as np
-from absl import flags
-from ml_collections import config_flags
 
 import bv_sharding as bvs
 from bv_sharding import coverage
-from trainers import components, tasks
+from bv_sharding.specs import MiB
+from trainers import cli, components, tasks
 from trainers.errors import ConfigError
 
-MiB = 2**20
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
 GATE_FAILED, BAD_CONFIG = 1, 2
@@ -95,27 +93,9 @@ def fraction(text: str) -> float:
   return value
 
 
-def load_config(args) -> object:
-  """The config of ``--config file.py[:arg]`` with ``--config.key=value`` overrides applied."""
-  values, argv = flags.FlagValues(), ["trainers.plan", *args]
-  config_flags.DEFINE_config_file(
-      "config", None, "Training config file.", flag_values=values, lock_config=True, sys_argv=argv
-  )
-  try:
-    values(argv)
-  except (flags.Error, KeyError, AttributeError, ValueError, TypeError) as e:
-    raise ConfigError(
-        f"{args}: {e}; pass --config configs/<file>.py and --config.key=value with keys of the "
-        "config"
-    ) from None
-  if values.config is None:
-    raise ConfigError("--config is required, e.g. --config configs/lm_7b_pod.py")
-  return values.config
-
-
 def setup(options, config_args) -> Setup:
   """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count."""
-  config = load_config(config_args)
+  config = cli.config_from_args(config_args)
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
   dcn = config.get("dcn_mesh") or ()
   dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn-mesh")

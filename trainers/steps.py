@@ -39,8 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from bv_sharding import Plan, ShardingError
 from trainers.errors import ConfigError
-
-BATCH_RULE = "act_batch"
+from trainers.models.axes import ACT_BATCH
 
 
 def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...]:
@@ -53,13 +52,13 @@ def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...
     ('data', 'fsdp')
   """
   if not axes:
-    axes = next((mapped for name, mapped in rules if name == BATCH_RULE), None)
+    axes = next((mapped for name, mapped in rules if name == ACT_BATCH), None)
   axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
   if not axes:
     raise ConfigError(
         f"config.data_axes is empty and config.sharding_rules has no "
-        f'{BATCH_RULE!r} rule; set config.data_axes = ("data",) or add '
-        f'("{BATCH_RULE}", "data") to config.sharding_rules'
+        f'{ACT_BATCH!r} rule; set config.data_axes = ("data",) or add '
+        f'("{ACT_BATCH}", "data") to config.sharding_rules'
     )
   unknown = [a for a in axes if a not in mesh.shape]
   if unknown:

@@ -38,7 +38,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 from absl import flags, logging
-from ml_collections import config_flags
 
 import bv_sharding as bvs
 from trainers import (
@@ -56,13 +55,7 @@ from trainers import (
     workdir,
 )
 
-_CONFIG = config_flags.DEFINE_config_file(
-    cli.CONFIG_FLAG,
-    None,
-    "Training config file.",
-    lock_config=False,  # cli.check_overrides rejects unknown keys; config.optax takes any.
-    accept_new_attributes=True,
-)
+_CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where config.json and metrics.jsonl go.", required=True
 )
@@ -105,10 +98,47 @@ def main(argv):
       process_id=_PROCESS_ID.value,
   )
   workdir.check(_WORKDIR.value)
-  # Both must happen before anything starts the backend.
+  start_backend()
+  is_main_process = jax.process_index() == 0
+  mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.get("dcn_mesh"))
+  batch_sharding = checked_batch_sharding(config, mesh)
+  task = tasks.get_task(config)
+  eval_batches = held_out_batches(task, config)
+  model, init = components.model_and_init(config, components.example_input(task, eval_batches[0]))
+  task.check(model)  # Token ids / labels fit the model, before init.
+  loss_fn = components.loss_fn(task, model)
+  # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
+  # The params' plan first: Kron, Shampoo and Muon cut their blocks inside each device's shard.
+  tx, learning_rates = components.optimizer(config, components.param_layout(config, init, mesh))
+  plan = checked_plan(config, init, tx, mesh, is_main_process)
+  train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
+  eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
+  evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
+
+  # Every check passed: only now is the workdir touched.
+  ckpt, metrics = open_workdir(_WORKDIR.value, config, is_main_process)
+  write = metrics.write if is_main_process else None
+  watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
+    state, start = restore_or_init(ckpt, plan, tx, init)
+    if is_main_process:
+      note_start(_WORKDIR.value, config, start, metrics.path)
+    local_batches = task.batches(
+        task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
+    )
+    train_batches = prefetch.to_device(local_batches, batch_sharding, task.prefetch)
+    log = StepLog(config, task, learning_rates, start, evaluate, write)
+    todo = range(start.step + 1, config.total_steps + 1)
+    train(state, zip(todo, train_batches), train_step, (plan, watch, log, ckpt))
+
+
+def start_backend() -> None:
+  """Sets the simulated CPU device count and starts jax.distributed (if any).
+
+  Both must happen before anything starts the backend.
+  """
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
   how = distributed.start(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _AUTO.value)
-  is_main_process = jax.process_index() == 0
   logging.info("jax.distributed: %s", how)
   logging.info(
       "process %d of %d, %d devices (%d here)",
@@ -118,28 +148,23 @@ def main(argv):
       jax.local_device_count(),
   )
 
-  mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.get("dcn_mesh"))
+
+def checked_batch_sharding(config, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+  """The batch's sharding over the data axes, once the batch size divides over them."""
   data_axes = steps.data_axes(mesh, config.sharding_rules, config.data_axes)
   steps.check_batch_size(config.batch_size, mesh, data_axes, jax.process_count())
-  batch_sharding = steps.batch_sharding(mesh, data_axes)
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
+  return steps.batch_sharding(mesh, data_axes)
 
-  task = tasks.get_task(config)
-  eval_batches = list(
-      itertools.islice(  # Same held-out rows at every eval.
-          task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1),
-          config.eval_batches,
-      )
-  )
 
-  model, init = components.model_and_init(config, components.example_input(task, eval_batches[0]))
-  task.check(model)  # Token ids / labels fit the model, before init.
+def held_out_batches(task, config) -> list:
+  """The ``config.eval_batches`` held-out batches: the same rows at every eval."""
+  batches = task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1)
+  return list(itertools.islice(batches, config.eval_batches))
 
-  loss_fn = components.loss_fn(task, model)
-  # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
-  # The params' plan first: Kron, Shampoo and Muon cut their blocks inside each device's shard.
-  tx, learning_rates = components.optimizer(config, components.param_layout(config, init, mesh))
 
+def checked_plan(config, init, tx, mesh, is_main_process: bool) -> bvs.Plan:
+  """The plan of ``{"params", "opt"}``, checked (coverage, same on every process, memory)."""
   plan = components.plan_state(config, init, tx, mesh)
   if is_main_process:
     logging.info("sharding plan:\n%s", plan.report())
@@ -147,74 +172,108 @@ def main(argv):
     bvs.check_coverage(plan, config.max_unsharded_fraction)
   bvs.check_same_plan(plan)  # Before allocating: every process planned the same.
   logging.info("%s", validation.check_memory(plan, jax.local_devices()))
-  train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
-  eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
+  return plan
 
-  def evaluate(params):
-    return float(
-        np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in eval_batches])
-    )
 
-  # Every check passed: only now is the workdir touched.
-  ckpt = checkpoint.Checkpoints(_WORKDIR.value, config)
+def mean_loss(eval_step, params, batches, batch_sharding) -> float:
+  """The mean of ``eval_step`` over the held-out ``batches``."""
+  return float(np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in batches]))
+
+
+def open_workdir(path: str, config, is_main_process: bool):
+  """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
+  earlier run's files aside unless resuming."""
+  ckpt = checkpoint.Checkpoints(path, config)
   if is_main_process:
-    note = workdir.prepare(_WORKDIR.value, resuming=ckpt.latest_step() is not None)
+    note = workdir.prepare(path, resuming=ckpt.latest_step() is not None)
     if note:
       logging.warning("%s", note)
-  metrics = workdir.MetricsWriter(_WORKDIR.value)
-  watch = divergence.LossWatch(
-      config.get("on_nonfinite", "stop"),
-      config.lr,
-      write=metrics.write if is_main_process else None,
-  )
+  return ckpt, workdir.MetricsWriter(path)
 
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    logging.info("initialising params and optimizer state in their planned shardings")
-    state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: steps.init_state(init, tx, plan))
-    when = "after init" if start.source == "scratch" else "after restore"
-    steps.check_state(plan, state, when)
-    logging.info("state shardings match the plan %s", when)
-    if is_main_process:
-      provenance.record_start(_WORKDIR.value, config, start.step, start.source)
-      moved = workdir.keep_metrics_until(metrics.path, start.step)
-      if moved:
-        logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)
-    local_batches = task.batches(
-        task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
+
+def restore_or_init(ckpt: checkpoint.Checkpoints, plan: bvs.Plan, tx, init):
+  """(state, :class:`checkpoint.Start`): the latest checkpoint's, else a fresh init; as planned."""
+  logging.info("initialising params and optimizer state in their planned shardings")
+  state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: steps.init_state(init, tx, plan))
+  when = "after init" if start.source == "scratch" else "after restore"
+  steps.check_state(plan, state, when)
+  logging.info("state shardings match the plan %s", when)
+  return state, start
+
+
+def note_start(path: str, config, start: checkpoint.Start, metrics_path) -> None:
+  """Process 0 records where this run starts; metrics.jsonl lines after that step move aside."""
+  provenance.record_start(path, config, start.step, start.source)
+  moved = workdir.keep_metrics_until(metrics_path, start.step)
+  if moved:
+    logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)
+
+
+def train(state, numbered_batches, train_step, run) -> None:
+  """Takes a step per (step, batch) pair, then saves; returns early on SIGTERM.
+
+  ``run``: (plan, :class:`divergence.LossWatch`, :class:`StepLog`, checkpoints).
+  """
+  plan, watch, log, ckpt = run
+  for i, (step, batch) in enumerate(numbered_batches):
+    state, loss = train_step(state, batch)
+    loss = float(loss)
+    if not watch.observe(step, loss):  # Raises under "stop".
+      logging.warning("step %d: loss %s, update skipped", step, loss)
+    if i == 0:
+      steps.check_state(plan, state, "after the first step")
+      logging.info("state shardings match the plan after the first step")
+    log(step, loss, state["params"])
+    if ckpt.step_done(step, state):
+      return  # SIGTERM: every process saved this step.
+  ckpt.close(state)
+
+
+def logs_step(step: int, config) -> tuple[bool, bool]:
+  """(whether ``step`` is logged, whether it is evaluated).
+
+  Logged: step 1, every ``config.log_every`` steps and every eval; evaluated: every
+  ``config.eval_every`` steps and the last. Example: with log_every=10, eval_every=25 and
+  total_steps=30, steps 1, 10, 20, 25 and 30 are logged; 25 and 30 evaluated.
+  """
+  is_eval = step % config.eval_every == 0 or step == config.total_steps
+  return is_eval or step == 1 or step % config.log_every == 0, is_eval
+
+
+class StepLog:
+  """Logs a line, and gives ``write`` a metrics record, at the steps :func:`logs_step` picks.
+
+  A record holds the step, the loss, each learning rate applied at that step, the steps per
+  second since the last record and, at evals, ``eval_loss`` (``evaluate(params)``).
+  """
+
+  def __init__(self, config, task, learning_rates, start: checkpoint.Start, evaluate, write):
+    self.config, self.task = config, task
+    self.learning_rates, self.opt_start = learning_rates, start.opt_start
+    self.evaluate, self.write = evaluate, write
+    self.tick, self.tick_step = time.perf_counter(), start.step
+
+  def __call__(self, step: int, loss: float, params) -> None:
+    logged, is_eval = logs_step(step, self.config)
+    if not logged:
+      return
+    record = {"step": step, "loss": loss}
+    record.update(
+        {k: float(lr(step - 1 - self.opt_start)) for k, lr in self.learning_rates.items()}
     )
-    train_batches = prefetch.to_device(local_batches, batch_sharding, task.prefetch)
-
-    total, tick, tick_step = config.total_steps, time.perf_counter(), start.step
-    for step, batch in zip(range(start.step + 1, total + 1), train_batches):
-      state, loss = train_step(state, batch)
-      loss = float(loss)
-      if not watch.observe(step, loss):  # Raises under "stop".
-        logging.warning("step %d: loss %s, update skipped", step, loss)
-      if step == start.step + 1:
-        steps.check_state(plan, state, "after the first step")
-        logging.info("state shardings match the plan after the first step")
-      is_eval = step % config.eval_every == 0 or step == total
-      if is_eval or step == 1 or step % config.log_every == 0:
-        record = {"step": step, "loss": loss}
-        record.update(
-            {k: float(lr(step - 1 - start.opt_start)) for k, lr in learning_rates.items()}
-        )
-        record["steps_per_sec"] = (step - tick_step) / (time.perf_counter() - tick)
-        per_sec = record["steps_per_sec"] * config.batch_size * task.per_example
-        line = (
-            f"step {step}/{total} loss={record['loss']:.4f} "
-            f"steps/s={record['steps_per_sec']:.2f} {task.unit}/s={per_sec:.0f}"
-        )
-        if is_eval:
-          record["eval_loss"] = evaluate(state["params"])
-          line += f" eval_loss={record['eval_loss']:.4f}"
-        logging.info("%s", line)
-        if is_main_process:
-          metrics.write(record)
-        tick, tick_step = time.perf_counter(), step
-      if ckpt.step_done(step, state):
-        return  # SIGTERM: every process saved this step.
-    ckpt.close(state)
+    record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)
+    per_sec = record["steps_per_sec"] * self.config.batch_size * self.task.per_example
+    line = (
+        f"step {step}/{self.config.total_steps} loss={record['loss']:.4f} "
+        f"steps/s={record['steps_per_sec']:.2f} {self.task.unit}/s={per_sec:.0f}"
+    )
+    if is_eval:
+      record["eval_loss"] = self.evaluate(params)
+      line += f" eval_loss={record['eval_loss']:.4f}"
+    logging.info("%s", line)
+    if self.write is not None:
+      self.write(record)
+    self.tick, self.tick_step = time.perf_counter(), step
 
 
 if __name__ == "__main__":

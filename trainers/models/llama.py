@@ -24,8 +24,8 @@ logical axes ("layers", "embed", "heads").
 The output head is untied from the input embedding (``lm_head/kernel``).
 
 Activations are constrained with ``nn.with_logical_constraint`` using the names
-in ``ACT_*`` below ("act_batch", "act_len", "act_embed", "act_heads", "act_mlp",
-"act_vocab"); outside an ``nn.logical_axis_rules`` context these are no-ops.
+of :mod:`trainers.models.axes` ("act_batch", "act_len", "act_embed", "act_heads",
+"act_mlp", "act_vocab"); outside an ``nn.logical_axis_rules`` context these are no-ops.
 
 Example:
   >>> model = build("tiny", scan_layers=True)
@@ -43,11 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.models import _presets
-
-ACT_EMBED = ("act_batch", "act_len", "act_embed")
-ACT_HEADS = ("act_batch", "act_len", "act_heads", None)
-ACT_MLP = ("act_batch", "act_len", "act_mlp")
-ACT_VOCAB = ("act_batch", "act_len", "act_vocab")
+from trainers.models.axes import ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,8 @@ Parameter tree (as in big_vision/models/vit.py, classifier-token pooling):
   head/{kernel,bias}               zero-initialised classifier
 
 Params are plain arrays (not logically boxed), like big_vision's; the token
-stream is constrained to ("act_batch", "act_len", "act_embed").
+stream is constrained to ``trainers.models.axes.ACT_EMBED`` ("act_batch", "act_len",
+"act_embed").
 
 Example:
   >>> model = build("tiny", num_classes=10)
@@ -29,8 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.models import _presets
-
-ACT_EMBED = ("act_batch", "act_len", "act_embed")
+from trainers.models.axes import ACT_EMBED
 
 
 @dataclasses.dataclass(frozen=True)

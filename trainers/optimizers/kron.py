@@ -373,6 +373,126 @@ def _kron_leaf(qs, momentum, target, probe, scalars, blocks, options):
   return qs, direction
 
 
+def _layers_and_blocks(params, placement) -> tuple[list[bool], list[ShardBlocks | None]]:
+  """Per leaf of ``params``: whether it is scanned, and its :class:`ShardBlocks` (or None).
+
+  ``placement``: ``scale_by_kron``'s (scanned_layers, block_size, layout).
+  """
+  scanned_layers, block_size, layout = placement
+  treedef = jax.tree.structure(params)
+  leaves = treedef.flatten_up_to(params)
+  scanned = [False] * len(leaves)
+  if scanned_layers is not None:
+    scanned = treedef.flatten_up_to(scanned_layers)
+  if layout is None:
+    return scanned, [leaf_blocks(p, s, block_size) for p, s in zip(leaves, scanned)]
+  specs = treedef.flatten_up_to(layout.specs)
+  blocks = [
+      leaf_blocks(p, s, block_size, spec, layout.mesh) for p, s, spec in zip(leaves, scanned, specs)
+  ]
+  return scanned, blocks
+
+
+def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, q_init) -> list[jax.Array]:
+  """One param's Qs (:func:`init_qs`), stacked over its layers or blocks.
+
+  ``q_init``: ``scale_by_kron``'s ((max_size_triangular, min_ndim_triangular,
+  memory_save_mode), preconditioner_init_scale, precond_dtype).
+  """
+  triangular, scale, dtype = q_init
+  stack, shape = _stack_shape(param, scanned, blocks)
+  tri = triangular_dims(shape, *triangular)
+  qs = init_qs(shape, tri, scale, param.dtype if dtype is None else dtype)
+  if stack is not None:
+    qs = [jnp.broadcast_to(q, (stack,) + q.shape) for q in qs]
+  return qs
+
+
+def _kron_init(params, *, momentum, placement, q_init) -> dict[str, Any]:
+  """``scale_by_kron``'s state for ``params`` (see the module docstring).
+
+  ``momentum``: (b1, mu_dtype); ``placement`` and ``q_init`` as in :func:`_init_leaf`.
+  """
+  b1, mu_dtype = momentum
+  leaves, treedef = jax.tree.flatten(params)
+  scanned, blocks = _layers_and_blocks(params, placement)
+  qs = [_init_leaf(*leaf, q_init) for leaf in zip(leaves, scanned, blocks)]
+  return dict(
+      count=jnp.zeros([], jnp.int32),
+      mu=otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None,
+      Qs_preconditioners=treedef.unflatten(qs),
+      update_counter=jnp.zeros([], jnp.int32),
+  )
+
+
+def _update_momentum(updates, mu, b1: float, count):
+  """(the new ``mu``, the bias-corrected momentum); without momentum (None, ``updates``)."""
+  if mu is None:
+    return None, updates
+  mu = otu.tree_update_moment(updates, mu, b1, 1)
+  return mu, otu.tree_bias_correction(mu, b1, count)
+
+
+def _count_to_update(counter: jax.Array, probability: Probability, count: jax.Array):
+  """(whether Q is fitted this step, the new counter): every ``ceil(1/prob)`` steps.
+
+  Example:
+      >>> [bool(_count_to_update(jnp.int32(c), 0.5, 1)[0]) for c in range(3)]
+      [False, True, True]
+  """
+  prob = probability(count) if callable(probability) else probability
+  counter = optax.safe_increment(counter)
+  do_update = counter >= 1 / prob
+  return do_update, jnp.where(do_update, 0, counter)
+
+
+def _probe_key(count: jax.Array) -> jax.Array:
+  """The key of step ``count``'s balancing coin and probes, split as psgd-jax does."""
+  _, key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), count))
+  return key
+
+
+def _damped(target: jax.Array, probe: jax.Array) -> jax.Array:
+  """``target`` plus psgd's damping, ``sqrt(eps) * mean|target|`` times the probe."""
+  damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
+  return target + damp.astype(target.dtype) * jnp.mean(jnp.abs(target)) * probe
+
+
+def _kron_update(updates, state, params=None, *, probability, momentum, placement, fit):
+  """``scale_by_kron``'s update: momentum, a Q fit every ``ceil(1/prob)`` steps, ``P m``.
+
+  ``fit``: (momentum_into_precond_update, preconditioner_lr, update precision, grads
+  precision); the others as in :func:`_kron_init` and :func:`_count_to_update`.
+  """
+  del params
+  (b1, mu_dtype), (into_momentum, *leaf_options) = momentum, fit
+  count = optax.safe_increment(state["count"])
+  mu, momentum = _update_momentum(updates, state["mu"], b1, count)
+  grads, treedef = jax.tree.flatten(updates)
+  momentum = treedef.flatten_up_to(momentum)
+  qs = treedef.flatten_up_to(state["Qs_preconditioners"])
+  do_update, counter = _count_to_update(state["update_counter"], probability, count)
+  # Probes and damping are drawn param-shaped and blocked with the grad, so padding
+  # stays zero and one block equals the unblocked fit.
+  targets = momentum if into_momentum else grads
+  do_balance, probes = _probe_vectors(_probe_key(state["count"]), targets)
+  new_qs, out = [], []
+  for q, m, t, v, g, s, b in zip(
+      qs, momentum, targets, probes, grads, *_layers_and_blocks(updates, placement)
+  ):
+    options = (s or b is not None, *leaf_options)
+    q, direction = _kron_leaf(q, m, _damped(t, v), v, (do_update, do_balance), b, options)
+    new_qs.append(q)
+    out.append(_clip_rms(direction).astype(g.dtype))
+  new_state = dict(
+      count=count,
+      mu=otu.tree_cast(mu, mu_dtype),
+      Qs_preconditioners=treedef.unflatten(new_qs),
+      update_counter=counter,
+  )
+  return treedef.unflatten(out), new_state
+
+
 def scale_by_kron(
     b1: float = 0.9,
     preconditioner_update_probability: Probability = precond_update_prob_schedule(),
@@ -425,95 +545,18 @@ def scale_by_kron(
   """
   if block_size is not None and block_size < 1:
     raise OptimizerError(f"block_size={block_size}; expected None or >= 1")
-  options = (precond_update_precision, precond_grads_precision)
-
-  def scanned_tree(params):
-    if scanned_layers is None:
-      return jax.tree.map(lambda _: False, params)
-    return scanned_layers
-
-  def blocks_tree(params):
-    """A :class:`ShardBlocks` (or None) per leaf; a plain list, flattened like params."""
-    treedef = jax.tree.structure(params)
-    leaves, scanned = treedef.flatten_up_to(params), treedef.flatten_up_to(scanned_tree(params))
-    if layout is None:
-      return [leaf_blocks(p, s, block_size) for p, s in zip(leaves, scanned)]
-    specs = treedef.flatten_up_to(layout.specs)
-    return [
-        leaf_blocks(p, s, block_size, spec, layout.mesh)
-        for p, s, spec in zip(leaves, scanned, specs)
-    ]
-
-  def init_fn(params):
-    def init_leaf(param, scanned, blocks):
-      stack, shape = _stack_shape(param, scanned, blocks)
-      tri = triangular_dims(shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
-      dtype = param.dtype if precond_dtype is None else precond_dtype
-      qs = init_qs(shape, tri, preconditioner_init_scale, dtype)
-      if stack is not None:
-        qs = [jnp.broadcast_to(q, (stack,) + q.shape) for q in qs]
-      return qs
-
-    leaves, treedef = jax.tree.flatten(params)
-    scanned = treedef.flatten_up_to(scanned_tree(params))
-    qs = [init_leaf(*a) for a in zip(leaves, scanned, blocks_tree(params))]
-    mu = None
-    if b1 > 0:
-      mu = otu.tree_zeros_like(params, dtype=mu_dtype)
-    return dict(
-        count=jnp.zeros([], jnp.int32),
-        mu=mu,
-        Qs_preconditioners=treedef.unflatten(qs),
-        update_counter=jnp.zeros([], jnp.int32),
-    )
-
-  def update_fn(updates, state, params=None):
-    del params
-    count = optax.safe_increment(state["count"])
-    key = jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), state["count"])
-
-    prob = preconditioner_update_probability
-    if callable(prob):
-      prob = prob(count)
-
-    mu, momentum = None, updates
-    if state["mu"] is not None:
-      mu = otu.tree_update_moment(updates, state["mu"], b1, 1)
-      momentum = otu.tree_bias_correction(mu, b1, count)
-
-    grads, treedef = jax.tree.flatten(updates)
-    momentum = treedef.flatten_up_to(momentum)
-    qs = treedef.flatten_up_to(state["Qs_preconditioners"])
-    scanned = treedef.flatten_up_to(scanned_tree(updates))
-
-    counter = optax.safe_increment(state["update_counter"])
-    do_update = counter >= 1 / prob
-    counter = jnp.where(do_update, 0, counter)
-
-    # Probes and damping are drawn param-shaped and blocked with the grad, so padding
-    # stays zero and one block equals the unblocked fit.
-    _, update_key = jax.random.split(key)
-    targets = momentum if momentum_into_precond_update else grads
-    do_balance, probes = _probe_vectors(update_key, targets)
-    damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
-    new_qs, out = [], []
-    for q, m, t, v, g, s, b in zip(
-        qs, momentum, targets, probes, grads, scanned, blocks_tree(updates)
-    ):
-      t = t + damp.astype(t.dtype) * jnp.mean(jnp.abs(t)) * v
-      leaf_options = (s or b is not None, preconditioner_lr, *options)
-      q, direction = _kron_leaf(q, m, t, v, (do_update, do_balance), b, leaf_options)
-      new_qs.append(q)
-      out.append(_clip_rms(direction).astype(g.dtype))
-    new_state = dict(
-        count=count,
-        mu=otu.tree_cast(mu, mu_dtype),
-        Qs_preconditioners=treedef.unflatten(new_qs),
-        update_counter=counter,
-    )
-    return treedef.unflatten(out), new_state
-
-  return optax.GradientTransformation(init_fn, update_fn)
+  placement, momentum = (scanned_layers, block_size, layout), (b1, mu_dtype)
+  triangular = (max_size_triangular, min_ndim_triangular, memory_save_mode)
+  q_init = (triangular, preconditioner_init_scale, precond_dtype)
+  precisions = (precond_update_precision, precond_grads_precision)
+  fit = (momentum_into_precond_update, preconditioner_lr, *precisions)
+  prob = preconditioner_update_probability
+  return optax.GradientTransformation(
+      functools.partial(_kron_init, momentum=momentum, placement=placement, q_init=q_init),
+      functools.partial(
+          _kron_update, probability=prob, momentum=momentum, placement=placement, fit=fit
+      ),
+  )
 
 
 def kron(

@@ -43,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -147,6 +148,123 @@ def _ema(old, new, decay):
   return old + new if decay == 1.0 else decay * old + (1.0 - decay) * new
 
 
+def _blocks_per_leaf(params, placement) -> list[ShardBlocks]:
+  """Each leaf's :func:`factor_blocks`, flattened like ``params``.
+
+  ``placement``: ``scale_by_shampoo``'s (block_size, layout).
+  """
+  block_size, layout = placement
+  leaves, treedef = jax.tree.flatten(params)
+  if layout is None:
+    return [factor_blocks(p.shape, block_size) for p in leaves]
+  specs = treedef.flatten_up_to(layout.specs)
+  return [factor_blocks(p.shape, block_size, s, layout.mesh) for p, s in zip(leaves, specs)]
+
+
+def _init_leaf(param, blocks: ShardBlocks, init) -> ShampooParamState:
+  """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments.
+
+  ``init``: ``scale_by_shampoo``'s (matrix_epsilon, graft_type, beta1).
+  """
+  matrix_epsilon, graft_type, beta1 = init
+  eye = [jnp.broadcast_to(jnp.eye(b), (blocks.count, b, b)) for b in blocks.sizes]
+  return ShampooParamState(
+      stats=[matrix_epsilon * e for e in eye],
+      roots=eye,
+      graft_nu=None if graft_type == "sgd" else jnp.zeros_like(param),
+      momentum=None if beta1 == 0 else jnp.zeros_like(param),
+  )
+
+
+def _shampoo_init(params, *, placement, init) -> ShampooState:
+  """``scale_by_shampoo``'s state for ``params``; the arguments as in :func:`_init_leaf`."""
+  leaves, treedef = jax.tree.flatten(params)
+  blocks = _blocks_per_leaf(params, placement)
+  per_param = [_init_leaf(p, b, init) for p, b in zip(leaves, blocks)]
+  return ShampooState(count=jnp.zeros([], jnp.int32), per_param=treedef.unflatten(per_param))
+
+
+def _graft(g: jax.Array, nu: jax.Array | None, count, graft):
+  """(the graft direction, its new second moment ``nu``) at step ``count`` (from 1).
+
+  ``graft``: ``scale_by_shampoo``'s (graft_type, beta2, epsilon).
+
+  Example:
+      >>> _graft(jnp.ones(2), jnp.zeros(2), 1, ("adam", 0.5, 0.0))[0].tolist()
+      [1.0, 1.0]
+  """
+  graft_type, beta2, epsilon = graft
+  if graft_type == "sgd":
+    return g, None
+  nu = _ema(nu, jnp.square(g), beta2)
+  denom = nu / (1.0 - beta2**count) if graft_type == "adam" else nu
+  return g / (jnp.sqrt(denom) + epsilon), nu
+
+
+def _precondition(g: jax.Array, factors, count, blocks: ShardBlocks, statistics):
+  """(new stats, new roots, the Shampoo direction) of one param, block by block.
+
+  ``factors``: its (stats, roots); ``statistics``: ``scale_by_shampoo``'s
+  (update_preconditioners_freq, beta2, exponent_override, matrix_epsilon).
+  """
+  freq, *step = statistics
+
+  def per_shard(arrays, factors, refresh):
+    direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
+    return [direction], (stats, roots)
+
+  refresh = count % freq == 0
+  (direction,), (stats, roots) = blocks.run(
+      per_shard, [g.reshape(blocks.shape)], factors, [refresh]
+  )
+  return stats, roots, direction.reshape(g.shape)
+
+
+def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
+  """(the direction after momentum, the new momentum ``beta1 m + d``); None: no momentum.
+
+  Example:
+      >>> _with_momentum(1.0, 2.0, 0.5, nesterov=False)
+      (2.0, 2.0)
+  """
+  if momentum is None:
+    return direction, None
+  momentum = beta1 * momentum + direction
+  return (direction + beta1 * momentum if nesterov else momentum), momentum
+
+
+def _update_leaf(g: jax.Array, state: ShampooParamState, count, blocks: ShardBlocks, step):
+  """One param's direction and new state; ``step`` as in :func:`_shampoo_update`."""
+  graft, statistics, start_preconditioning_step, momentum = step
+  graft_dir, nu = _graft(g, state.graft_nu, count + 1, graft)
+  stats, roots, direction = state.stats, state.roots, graft_dir
+  if stats:
+    stats, roots, precond = _precondition(g, (stats, roots), count, blocks, statistics)
+    scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
+    direction = jnp.where(count >= start_preconditioning_step, precond * scale, graft_dir)
+  direction, new_momentum = _with_momentum(direction, state.momentum, *momentum)
+  new_state = ShampooParamState(
+      stats, roots, _cast_like(nu, state.graft_nu), _cast_like(new_momentum, state.momentum)
+  )
+  return direction.astype(g.dtype), new_state
+
+
+def _shampoo_update(updates, state: ShampooState, params=None, *, placement, step):
+  """``scale_by_shampoo``'s update, param by param.
+
+  ``step``: (graft as in :func:`_graft`, statistics as in :func:`_precondition`,
+  start_preconditioning_step, (beta1, nesterov)).
+  """
+  del params
+  grads, treedef = jax.tree.flatten(updates)
+  per_param = treedef.flatten_up_to(state.per_param)
+  blocks = _blocks_per_leaf(updates, placement)
+  results = [_update_leaf(g, s, state.count, b, step) for g, s, b in zip(grads, per_param, blocks)]
+  new_updates = treedef.unflatten([r[0] for r in results])
+  new_per_param = treedef.unflatten([r[1] for r in results])
+  return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
+
+
 def scale_by_shampoo(
     block_size: int = 1024,
     beta1: float = 0.9,
@@ -192,79 +310,15 @@ def scale_by_shampoo(
   if block_size < 1 or update_preconditioners_freq < 1:
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
 
-  def blocks_tree(params):
-    if layout is None:
-      return jax.tree.map(lambda p: factor_blocks(p.shape, block_size), params)
-    specs = jax.tree.structure(params).flatten_up_to(layout.specs)
-    leaves, treedef = jax.tree.flatten(params)
-    return treedef.unflatten(
-        [factor_blocks(p.shape, block_size, s, layout.mesh) for p, s in zip(leaves, specs)]
-    )
-
-  def init_leaf(param, blocks: ShardBlocks):
-    eye = [jnp.broadcast_to(jnp.eye(b), (blocks.count, b, b)) for b in blocks.sizes]
-    return ShampooParamState(
-        stats=[matrix_epsilon * e for e in eye],
-        roots=eye,
-        graft_nu=None if graft_type == "sgd" else jnp.zeros_like(param),
-        momentum=None if beta1 == 0 else jnp.zeros_like(param),
-    )
-
-  def init_fn(params):
-    per_param = jax.tree.map(init_leaf, params, blocks_tree(params))
-    return ShampooState(count=jnp.zeros([], jnp.int32), per_param=per_param)
-
-  def graft(g, nu, count):
-    if graft_type == "sgd":
-      return g, None
-    nu = _ema(nu, jnp.square(g), beta2)
-    denom = nu / (1.0 - beta2**count) if graft_type == "adam" else nu
-    return g / (jnp.sqrt(denom) + epsilon), nu
-
-  def precondition(g, state: ShampooParamState, count, blocks: ShardBlocks):
-    """New stats/roots and the Shampoo direction of one param, block by block."""
-
-    def per_shard(arrays, factors, refresh):
-      stats, roots = factors
-      direction, stats, roots = _shampoo_blocks(
-          *arrays, stats, roots, refresh, beta2, exponent_override, matrix_epsilon
-      )
-      return [direction], (stats, roots)
-
-    refresh = count % update_preconditioners_freq == 0
-    factor_g = g.reshape(blocks.shape)
-    (direction,), (stats, roots) = blocks.run(
-        per_shard, [factor_g], (state.stats, state.roots), [refresh]
-    )
-    return stats, roots, direction.reshape(g.shape)
-
-  def update_leaf(g, state: ShampooParamState, count, blocks):
-    graft_dir, nu = graft(g, state.graft_nu, count + 1)
-    stats, roots, direction = state.stats, state.roots, graft_dir
-    if stats:
-      stats, roots, precond = precondition(g, state, count, blocks)
-      scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
-      direction = jnp.where(count >= start_preconditioning_step, precond * scale, graft_dir)
-    momentum = state.momentum
-    if momentum is not None:
-      momentum = beta1 * momentum + direction
-      direction = direction + beta1 * momentum if nesterov else momentum
-    new_state = ShampooParamState(
-        stats, roots, _cast_like(nu, state.graft_nu), _cast_like(momentum, state.momentum)
-    )
-    return direction.astype(g.dtype), new_state
-
-  def update_fn(updates, state, params=None):
-    del params
-    grads, treedef = jax.tree.flatten(updates)
-    per_param = treedef.flatten_up_to(state.per_param)
-    blocks = treedef.flatten_up_to(blocks_tree(updates))
-    results = [update_leaf(g, s, state.count, b) for g, s, b in zip(grads, per_param, blocks)]
-    new_updates = treedef.unflatten([r[0] for r in results])
-    new_per_param = treedef.unflatten([r[1] for r in results])
-    return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
-
-  return optax.GradientTransformation(init_fn, update_fn)
+  placement = (block_size, layout)
+  init = (matrix_epsilon, graft_type, beta1)
+  graft = (graft_type, beta2, epsilon)
+  statistics = (update_preconditioners_freq, beta2, exponent_override, matrix_epsilon)
+  step = (graft, statistics, start_preconditioning_step, (beta1, nesterov))
+  return optax.GradientTransformation(
+      functools.partial(_shampoo_init, placement=placement, init=init),
+      functools.partial(_shampoo_update, placement=placement, step=step),
+  )
 
 
 def shampoo(
