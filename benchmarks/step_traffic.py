@@ -122,20 +122,27 @@ def compile_step(config, optimizer: str):
   return hlo, log[0], seconds, (mesh, plan, flops)
 
 
+def in_param_units(hlo: str, plan) -> tuple[float, float]:
+  """(all-gather, all-reduce + reduce-scatter) wire bytes of ``hlo`` over params*(N-1)/N."""
+  n = plan.mesh.size
+  unit = sum(e.nbytes for e in plan.entries if e.name.startswith("params/")) * (n - 1) / n
+  found = traffic.collectives(hlo)
+  sent = lambda ops: sum(c.wire_bytes * c.times for c in found if c.op in ops) / unit
+  return sent(("all-gather",)), sent(("all-reduce", "reduce-scatter"))
+
+
 def measure(config, optimizer: str) -> dict:
   hlo, log, seconds, (mesh, plan, flops) = compile_step(config, optimizer)
   n = mesh.size
   _, reference_tx, _, _ = setup(config, optimizer, mesh, layout_mesh=mesh.abstract_mesh)
   total_flops = update_flops(reference_tx, abstract(plan))
-  found = traffic.collectives(hlo)
-  wire, count = traffic.wire_bytes(hlo), sum(c.times for c in found)
+  wire, count = traffic.wire_bytes(hlo), sum(c.times for c in traffic.collectives(hlo))
   params = sum(e.nbytes for e in plan.entries if e.name.startswith("params/"))
-  unit = params * (n - 1) / n
-  sent = lambda ops: sum(c.wire_bytes * c.times for c in found if c.op in ops) / unit
+  gathers, reductions = in_param_units(hlo, plan)
   return {
       "wire": wire,
-      "gathers": sent(("all-gather",)),
-      "reductions": sent(("all-reduce", "reduce-scatter")),
+      "gathers": gathers,
+      "reductions": reductions,
       "collectives": count,
       "seconds": seconds,
       "flops": flops,
