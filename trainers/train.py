@@ -138,7 +138,8 @@ def main(argv):
   loss_fn = components.loss_fn(task, model)
   # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
   # The params' plan first: Kron, Shampoo and Muon cut their blocks inside each device's shard.
-  tx, learning_rates = components.optimizer(config, components.param_layout(config, init, mesh))
+  layout = components.param_layout(config, init, mesh)
+  tx, learning_rates = components.optimizer(config, layout)
 
   plan = components.plan_state(config, init, tx, mesh)
   if is_main_process:
@@ -156,7 +157,9 @@ def main(argv):
     )
 
   # Every check passed: only now is the workdir touched.
-  ckpt = checkpoint.Checkpoints(_WORKDIR.value, config)
+  # A restore onto another mesh moves Kron's and Shampoo's block stacks to this layout.
+  blocking = checkpoint.Blocking(layout, lambda other: components.optimizer(config, other)[0])
+  ckpt = checkpoint.Checkpoints(_WORKDIR.value, config, blocking)
   if is_main_process:
     note = workdir.prepare(_WORKDIR.value, resuming=ckpt.latest_step() is not None)
     if note:
