@@ -2,14 +2,16 @@
 
 A checkpoint (``workdir/checkpoints/<step>/``) holds three orbax items: ``params``,
 ``opt`` (the optimizer state) and ``meta`` (step, optimizer name, the step the
-optimizer state was born at). Data and RNG are pure functions of (seed, step),
+optimizer state was born at, the params' layout). Data and RNG are pure functions of (seed, step),
 so the step is all the rest of the run needs to continue exactly.
 
 Restoring never reads the saved shardings: the target is ``plan.abstract()``, the
 current config's plan, so a checkpoint moves between meshes and process counts.
 Optimizer state is restored only when ``config.optax_name`` and its tree (names,
 shapes, dtypes) are unchanged; otherwise the new optimizer's state is born
-sharded from the plan and its count (hence its schedule) starts at 0.
+sharded from the plan and its count (hence its schedule) starts at 0. Kron's and
+Shampoo's block stacks saved on another layout are reordered to this one's when
+the tiles are the same, else the state is re-initialised (:func:`block_moves`).
 
 The training loop's use (``Checkpoints`` installs a SIGTERM handler, so it is shown,
 not run here)::
@@ -121,8 +123,9 @@ class Checkpoints:
   ``config.ckpt_steps`` (None: only at the end and on preemption) and
   ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
   otherwise only the latest is kept) have big_vision's meaning. Saves are async:
-  the loop waits only for the device-to-host copy; orbax writes to a temporary
-  directory and renames it when complete, so a cut-off write is never listed.
+  the loop waits for the device-to-host copy and orbax's setup of the write (README:
+  cost of a save); orbax writes to a temporary directory and renames it when
+  complete, so a cut-off write is never listed.
 
   Example: ``ckpt = Checkpoints(workdir, config); ckpt.latest_step()``.
   """
