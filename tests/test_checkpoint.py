@@ -18,14 +18,17 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
 import bv_sharding as bvs
+from configs import lm
 from tests.entry_points import ROOT, environment, run_module
-from trainers import checkpoint, models, optimizers, steps
+from trainers import checkpoint, components, models, optimizers, steps
+from trainers.optimizers import layout
 
 STEPS = 8
 RUN = (
@@ -97,7 +100,7 @@ def saved(workdir, step: int, item: str = "params"):
       lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=on_cpu),
       manager.item_metadata(step)[item].tree,
   )
-  tree = manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)}))
+  tree = manager.restore(step, args=ocp.args.Composite(**{item: checkpoint.tree_restore(target)}))
   manager.close()
   return jax.tree.map(np.asarray, tree[item])
 
@@ -299,7 +302,10 @@ def test_resume_with_other_optimizers_adamw_kron_shampoo(tmp_path, reference):
         timeout=700,
     )
     assert f"resumed at step {total - 4} from" in out, out[-3000:]
-    assert "optimizer changed (config.optax_name changed from" in out and f"new {name} state" in out
+    assert (
+        "optimizer state re-initialised (config.optax_name changed from" in out
+        and f"new {name} state" in out
+    )
     assert (
         "state shardings match the plan after restore" in out
     )  # The new state, born from the plan.
@@ -364,3 +370,72 @@ def test_unwritable_workdir_fails_before_training(tmp_path):
   assert f"--workdir={blocker}/run: {blocker} is a file, not a directory" in out, out[-3000:]
   assert "ConfigError" in out
   assert "initialising params" not in out
+
+
+def blocked_lm(optax_name: str, block_size: int, devices: int):
+  """configs/lm.py's tiny Llama with ``optax_name`` on ``devices``: (plan, blocking, params)."""
+  config = lm.get_config()
+  config.optax_name, config.optax, config.total_steps = optax_name, {"block_size": block_size}, 8
+  config.schedule.warmup_steps = 2
+  _, init = components.model_and_init(config, np.zeros((1, 32), np.int32))
+  mesh = bvs.make_mesh([("data", devices)], devices=jax.devices()[:devices])
+  layout = components.param_layout(config, init, mesh)
+  tx = components.optimizer(config, layout)[0]
+  optimizer_for = lambda other: components.optimizer(config, other)[0]
+  plan = components.plan_state(config, init, tx, mesh)
+  return plan, checkpoint.Blocking(layout, optimizer_for), plan.abstract()["params"]
+
+
+def stacks_of(optax_name: str, block_size: int, devices: int) -> list:
+  """``layout.stack_blocks`` of the optimizer ``blocked_lm`` builds."""
+  _, blocking, params = blocked_lm(optax_name, block_size, devices)
+  tx = blocking.optimizer_for(blocking.layout)
+  return layout.stack_blocks(tx, params, jax.eval_shape(tx.init, params))
+
+
+def corners(blocks) -> list[int]:
+  """The flat index in the param of each stacked block's first element, in stack order."""
+  ids = np.arange(np.prod(blocks.shape)).reshape(blocks.shape)
+  return list(np.asarray(blocks.split(jnp.asarray(ids))).reshape(blocks.count, -1)[:, 0])
+
+
+def assert_same_blocks_after_restore(workdir, optax_name, block_size, devices, step):
+  """The checkpoint written on 8 devices, restored onto ``devices``: every factor is that of
+  the same param block (found by the block's first element), and some stacks moved."""
+  plan, blocking, _ = blocked_lm(optax_name, block_size, devices)
+  tx = blocking.optimizer_for(blocking.layout)
+  manager = checkpoint.open_manager(str(workdir / "checkpoints"), read_only=True)
+  state, _ = checkpoint.restore(manager, step, plan, tx, optax_name, blocking)
+  got = [np.asarray(x) for x in jax.tree.leaves(state["opt"])]
+  want = jax.tree.leaves(saved(workdir, step, "opt"))
+  old, new = stacks_of(optax_name, block_size, 8), stacks_of(optax_name, block_size, devices)
+  moved = 0
+  for g, w, a, b in zip(got, want, old, new, strict=True):
+    if a is not None:
+      where = {c: i for i, c in enumerate(corners(a))}
+      assert np.array_equal(g, w[[where[c] for c in corners(b)]])
+      moved += not np.array_equal(g, w)
+  assert moved > 0
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(
+    "optax_name,block_size,devices,how",
+    [("kron", 8, 2, "reordered"), ("shampoo", 1024, 4, "re-initialised")],
+)
+def test_block_stacks_restore_onto_fewer_devices(tmp_path, optax_name, block_size, devices, how):
+  """8 devices -> fewer: 8x8 tiles stay the same tiles (stacks reordered); Shampoo's 1024
+  blocks are each device's whole shard, other tiles on fewer devices (state re-initialised)."""
+  workdir = tmp_path / "run"
+  run = [f"--config.optax_name={optax_name}", f"--config.optax.block_size={block_size}"]
+  # Kron's and Shampoo's train steps take minutes to compile on a loaded 2-core host.
+  train(workdir, *run, total=4, timeout=900)
+  out = train(workdir, *run, f"--devices_per_process={devices}", total=6, timeout=900)
+  assert "resumed at step 4 from" in out, out[-3000:]
+  if how == "reordered":
+    assert "block stacks reordered" in out and "re-initialised" not in out, out[-3000:]
+    assert_same_blocks_after_restore(workdir, optax_name, block_size, devices, 4)
+  else:
+    assert "optimizer state re-initialised (its blocks differ on this mesh: opt/" in out
+  losses = [r["loss"] for r in metrics(workdir)]
+  assert len(losses) == 6 and np.isfinite(losses).all() and losses[-1] < losses[0], losses

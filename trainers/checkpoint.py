@@ -2,14 +2,16 @@
 
 A checkpoint (``workdir/checkpoints/<step>/``) holds three orbax items: ``params``,
 ``opt`` (the optimizer state) and ``meta`` (step, optimizer name, the step the
-optimizer state was born at). Data and RNG are pure functions of (seed, step),
+optimizer state was born at, the params' layout). Data and RNG are pure functions of (seed, step),
 so the step is all the rest of the run needs to continue exactly.
 
 Restoring never reads the saved shardings: the target is ``plan.abstract()``, the
 current config's plan, so a checkpoint moves between meshes and process counts.
 Optimizer state is restored only when ``config.optax_name`` and its tree (names,
 shapes, dtypes) are unchanged; otherwise the new optimizer's state is born
-sharded from the plan and its count (hence its schedule) starts at 0.
+sharded from the plan and its count (hence its schedule) starts at 0. Kron's and
+Shampoo's block stacks saved on another layout are reordered to this one's when
+the tiles are the same, else the state is re-initialised (:func:`block_moves`).
 
 The training loop's use (``Checkpoints`` installs a SIGTERM handler, so it is shown,
 not run here)::
@@ -35,6 +37,7 @@ import dataclasses
 import logging as logging_lib
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,10 +46,12 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from bv_sharding import Plan
 from trainers import steps
-from trainers.errors import ConfigError
+from trainers.errors import ConfigError, OptimizerError
+from trainers.optimizers.layout import ParamLayout, reorder, stack_blocks, stack_moves
 
 CHECKPOINTS = "checkpoints"
 PARAMS, OPT, META = "params", "opt", "meta"
@@ -54,6 +59,19 @@ PARAMS, OPT, META = "params", "opt", "meta"
 
 class CheckpointMismatchError(ConfigError):
   """A checkpoint whose params do not fit this config's model (names, shapes or dtypes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocking:
+  """What a restore needs to move Kron's and Shampoo's block stacks to another mesh.
+
+  ``layout``: this run's :class:`~trainers.optimizers.ParamLayout` (saved in each
+  checkpoint's ``meta``); ``optimizer_for(layout)``: this run's optimizer built for a
+  layout, so the saving run's blocks are known (:func:`block_moves`).
+  """
+
+  layout: ParamLayout
+  optimizer_for: Callable[[ParamLayout], optax.GradientTransformation]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,15 +123,16 @@ class Checkpoints:
   ``config.ckpt_steps`` (None: only at the end and on preemption) and
   ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
   otherwise only the latest is kept) have big_vision's meaning. Saves are async:
-  the loop waits only for the device-to-host copy; orbax writes to a temporary
-  directory and renames it when complete, so a cut-off write is never listed.
+  the loop waits for the device-to-host copy and orbax's setup of the write (README:
+  cost of a save); orbax writes to a temporary directory and renames it when
+  complete, so a cut-off write is never listed.
 
   Example: ``ckpt = Checkpoints(workdir, config); ckpt.latest_step()``.
   """
 
-  def __init__(self, workdir: str, config):
+  def __init__(self, workdir: str, config, blocking: Blocking | None = None):
     self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
-    self.config = config
+    self.config, self.blocking = config, blocking
     self.manager = open_manager(
         self.directory,
         ckpt_steps=config.get("ckpt_steps"),
@@ -135,7 +154,7 @@ class Checkpoints:
     """
     step = self.latest_step()
     if step is not None:
-      state, start = restore(self.manager, step, plan, tx, self.config.optax_name)
+      state, start = restore(self.manager, step, plan, tx, self.config.optax_name, self.blocking)
     elif self.config.get("model_init"):
       params, source = load_params(self.config.model_init, plan)
       state = {"params": params, "opt": steps.init_opt(tx, plan, params)}
@@ -168,7 +187,10 @@ class Checkpoints:
     self.manager.close()
 
   def _meta(self, step: int) -> dict:
-    return {"step": step, "optax_name": self.config.optax_name, "opt_start": self.opt_start}
+    meta = {"step": step, "optax_name": self.config.optax_name, "opt_start": self.opt_start}
+    if self.blocking:
+      meta["layout"] = self.blocking.layout.record()
+    return meta
 
 
 def open_manager(
@@ -198,20 +220,41 @@ def open_manager(
       read_only=read_only,
       create=not read_only,
   )
-  handlers = {
-      PARAMS: ocp.StandardCheckpointHandler(),
-      OPT: ocp.StandardCheckpointHandler(),
-      META: ocp.JsonCheckpointHandler(),
-  }
+  handlers = {PARAMS: tree_handler(), OPT: tree_handler(), META: ocp.JsonCheckpointHandler()}
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def tree_handler() -> ocp.PyTreeCheckpointHandler:
+  """orbax's pytree handler, its ``jax.Array``s written without replica-parallel slicing.
+
+  orbax's default splits every replicated shard into one slice per replica, each a
+  jax dispatch in the caller's thread (most of the time a save blocked the loop); here
+  replica 0 of each shard writes it whole, by the process that holds it.
+  """
+  arrays = ocp.type_handlers.ArrayHandler(
+      use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+  )
+  others = [
+      (t, ocp.type_handlers.get_type_handler(t))
+      for t in ocp.type_handlers.supported_types()
+      if t is not jax.Array
+  ]
+  registry = ocp.type_handlers.create_type_handler_registry(*others, (jax.Array, arrays))
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+def tree_restore(target) -> ocp.args.PyTreeRestore:
+  """Restore args for one item onto ``target`` (``ShapeDtypeStruct``s carrying shardings)."""
+  restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  return ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool) -> None:
   """Starts an async save of ``state`` (``{"params", "opt"}``) and ``meta`` at ``step``."""
   args = ocp.args.Composite(
       **{
-          PARAMS: ocp.args.StandardSave(state["params"]),
-          OPT: ocp.args.StandardSave(state["opt"]),
+          PARAMS: ocp.args.PyTreeSave(state["params"]),
+          OPT: ocp.args.PyTreeSave(state["opt"]),
           META: ocp.args.JsonSave(meta),
       }
   )
@@ -230,30 +273,36 @@ def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> None:
     )
 
 
-def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, optax_name: str) -> tuple:
-  """``(state, Start)`` from ``step`` in ``plan``'s shardings; new optimizer state if it changed."""
+def restore(
+    manager: ocp.CheckpointManager,
+    step: int,
+    plan: Plan,
+    tx,
+    optax_name: str,
+    blocking: Blocking | None = None,
+) -> tuple:
+  """``(state, Start)`` from ``step`` in ``plan``'s shardings; new optimizer state if it changed.
+
+  With ``blocking``, block stacks saved on another layout are reordered to this one's
+  (same tiles) or the optimizer state is re-initialised (other tiles); see
+  :func:`block_moves`.
+  """
   check_params(manager, step, plan)
   target = plan.abstract()
   meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
   saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
-  changed = meta["optax_name"] != optax_name
-  difference = changed or first_difference(leaf_table(target[OPT]), saved_opt)
-  items = {PARAMS: ocp.args.StandardRestore(target[PARAMS])}
-  if not difference:
-    items[OPT] = ocp.args.StandardRestore(target[OPT])
+  why, moves = opt_decision(meta, optax_name, blocking, target, saved_opt)
+  items = {PARAMS: tree_restore(target[PARAMS])}
+  if not why:
+    items[OPT] = tree_restore(target[OPT])
   restored = manager.restore(step, args=ocp.args.Composite(**items))
   source = str(manager.directory / str(step))
   logging.info("resumed at step %d from %s (written by %s)", step, source, meta["optax_name"])
-  if not difference:
-    state = {"params": restored[PARAMS], "opt": restored[OPT]}
-    return state, Start(step, source, meta["opt_start"])
-  why = (
-      f"config.optax_name changed from {meta['optax_name']!r} to {optax_name!r}"
-      if changed
-      else f"its state differs: opt/{difference}"
-  )
+  if not why:
+    opt = restored[OPT] if moves is None else reorder_stacks(restored[OPT], moves, target[OPT])
+    return {"params": restored[PARAMS], "opt": opt}, Start(step, source, meta["opt_start"])
   logging.info(
-      "optimizer changed (%s): params and step %d restored, new %s state born sharded "
+      "optimizer state re-initialised (%s): params and step %d restored, new %s state born sharded "
       "from the plan (its count and schedule start at 0)",
       why,
       step,
@@ -261,6 +310,67 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, optax_nam
   )
   params = restored[PARAMS]
   return {"params": params, "opt": steps.init_opt(tx, plan, params)}, Start(step, source, step)
+
+
+def opt_decision(meta: dict, optax_name: str, blocking, target, saved_opt: dict) -> tuple:
+  """``(why, moves)``: why the saved optimizer state cannot be used (None: it can), and
+  :func:`block_moves` to apply to it.
+
+  ``meta``: the checkpoint's; ``target``: the plan's abstract state; ``saved_opt``: the
+  ``leaf_table`` of the saved optimizer state.
+  """
+  if meta["optax_name"] != optax_name:
+    return f"config.optax_name changed from {meta['optax_name']!r} to {optax_name!r}", None
+  moves = None
+  if blocking and "layout" in meta:
+    try:
+      moves = block_moves(meta["layout"], blocking, target[PARAMS])
+    except OptimizerError as e:
+      return f"its blocks differ on this mesh: {e}", None
+  difference = first_difference(leaf_table(target[OPT]), saved_opt)
+  return (difference and f"its state differs: opt/{difference}"), moves
+
+
+def block_moves(saved: dict, blocking: Blocking, params) -> list | None:
+  """How each optimizer state leaf moves from the saving run's layout to ``blocking.layout``.
+
+  ``saved``: the ``ParamLayout.record()`` in the checkpoint's meta. None when the
+  layouts are equal; else :func:`~trainers.optimizers.layout.stack_moves` of the
+  optimizer built for each, logged in one line. Raises ``OptimizerError`` when a
+  stack's blocks differ (the caller re-initialises the state).
+  """
+  now = blocking.layout.record()
+  if saved == now:
+    return None
+  before, after = (ParamLayout.from_record(r, params) for r in (saved, now))
+  stacks = []
+  for layout in (before, after):
+    tx = blocking.optimizer_for(layout)
+    state = jax.eval_shape(tx.init, params)
+    stacks.append(stack_blocks(tx, params, state))
+  moves = stack_moves(*stacks, [f"opt/{name}" for name in leaf_table(state)])
+  logging.info(
+      "optimizer state saved on mesh %s, restored on mesh %s: %d of %d block stacks "
+      "reordered (same tiles, so each factor still preconditions its own block)",
+      dict(saved["mesh"]),
+      dict(now["mesh"]),
+      sum(m is not None for m in moves),
+      sum(b is not None for b in stacks[1]),
+  )
+  return moves
+
+
+def reorder_stacks(opt, moves: list, target):
+  """``opt`` with each moved stack in its new order, in ``target``'s shardings."""
+  leaves, treedef = jax.tree.flatten(opt)
+  shardings = [t.sharding for t in jax.tree.leaves(target)]
+  moved = [
+      x
+      if move is None
+      else jax.jit(lambda x, move=move: reorder(x, *move), out_shardings=sharding)(x)
+      for x, move, sharding in zip(leaves, moves, shardings, strict=True)
+  ]
+  return treedef.unflatten(moved)
 
 
 def load_params(path: str, plan: Plan) -> tuple[Any, str]:
@@ -280,7 +390,7 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
         f"its {CHECKPOINTS}/ directory or one of its step directories"
     )
   check_params(manager, step, plan)
-  args = ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(plan.abstract()[PARAMS])})
+  args = ocp.args.Composite(**{PARAMS: tree_restore(plan.abstract()[PARAMS])})
   params = manager.restore(step, args=args)[PARAMS]
   manager.close()
   return params, os.path.join(directory, str(step))

@@ -109,14 +109,17 @@ def main(argv):
   loss_fn = components.loss_fn(task, model)
   # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
   # The params' plan first: Kron, Shampoo and Muon cut their blocks inside each device's shard.
-  tx, learning_rates = components.optimizer(config, components.param_layout(config, init, mesh))
+  layout = components.param_layout(config, init, mesh)
+  tx, learning_rates = components.optimizer(config, layout)
   plan = checked_plan(config, init, tx, mesh, is_main_process)
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
   eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
   # Every check passed: only now is the workdir touched.
-  ckpt, metrics = open_workdir(_WORKDIR.value, config, is_main_process)
+  # A restore onto another mesh moves Kron's and Shampoo's block stacks to this layout.
+  blocking = checkpoint.Blocking(layout, lambda other: components.optimizer(config, other)[0])
+  ckpt, metrics = open_workdir(_WORKDIR.value, config, blocking, is_main_process)
   write = metrics.write if is_main_process else None
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
@@ -180,10 +183,10 @@ def mean_loss(eval_step, params, batches, batch_sharding) -> float:
   return float(np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in batches]))
 
 
-def open_workdir(path: str, config, is_main_process: bool):
+def open_workdir(path: str, config, blocking: checkpoint.Blocking, is_main_process: bool):
   """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
   earlier run's files aside unless resuming."""
-  ckpt = checkpoint.Checkpoints(path, config)
+  ckpt = checkpoint.Checkpoints(path, config, blocking)
   if is_main_process:
     note = workdir.prepare(path, resuming=ckpt.latest_step() is not None)
     if note:

@@ -38,6 +38,7 @@ Example:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import math
@@ -52,6 +53,9 @@ from bv_sharding.following import stack_axes
 from bv_sharding.specs import axis_size
 from trainers.errors import OptimizerError
 from trainers.optimizers.tensor_ops import blockify, unblockify
+
+# While :func:`stack_blocks` traces an update: the (blocks, stacks) each ShardBlocks.run got.
+_RUNS = contextvars.ContextVar("shard_block_runs", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,30 @@ class ParamLayout:
   def from_plan(cls, plan) -> ParamLayout:
     """The layout of a ``bvs.Plan`` made over ``{"params": abstract_params}``."""
     return cls(plan.specs["params"], plan.mesh)
+
+  @classmethod
+  def from_record(cls, record: dict, params) -> ParamLayout:
+    """The layout a :meth:`record` describes, on an ``AbstractMesh``, for ``params``' tree."""
+    names, sizes = zip(*record["mesh"]) if record["mesh"] else ((), ())
+    specs = [P(*(tuple(e) if isinstance(e, list) else e for e in spec)) for spec in record["specs"]]
+    mesh = jax.sharding.AbstractMesh(tuple(sizes), tuple(names))
+    return cls(jax.tree.structure(params).unflatten(specs), mesh)
+
+  def record(self) -> dict:
+    """JSON-able ``{"mesh": [[axis, size], ...], "specs": [spec per param leaf]}``.
+
+    Example:
+        >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+        >>> layout = ParamLayout({"w": P("data", None), "b": P()}, mesh)
+        >>> layout.record()
+        {'mesh': [['data', 4]], 'specs': [[], ['data', None]]}
+    """
+    specs = jax.tree.leaves(self.specs, is_leaf=lambda x: isinstance(x, P))
+    entry = lambda e: list(e) if isinstance(e, tuple) else e
+    return {
+        "mesh": [[name, size] for name, size in dict(self.mesh.shape).items()],
+        "specs": [[entry(e) for e in spec] for spec in specs],
+    }
 
   def blocks_of(self, params, block_size: int, scanned=None) -> Any:
     """A :class:`ShardBlocks` per leaf of ``params`` (``scanned``: a bool per leaf)."""
@@ -226,6 +254,10 @@ class ShardBlocks:
     spec, with the stacks split along dim 0 and the scalars replicated.
     """
 
+    runs = _RUNS.get()
+    if runs is not None:
+      runs.append((self, stacks))
+
     def body(arrays, stacks, scalars, local):
       outs, new_stacks = fn([self.split(x, local) for x in arrays], stacks, *scalars)
       return [self.merge(o, local) for o in outs], new_stacks
@@ -303,3 +335,67 @@ def reorder(stack: jax.Array, old: ShardBlocks, new: ShardBlocks) -> jax.Array:
   old_ids, first = corner(old), corner(new)
   where = jnp.argsort(old_ids)[jnp.searchsorted(jnp.sort(old_ids), first)]
   return stack[where]
+
+
+def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
+  """Per leaf of ``state`` (flattened), the blocks it stacks along dim 0, else None.
+
+  Traces ``tx.update`` on ``params``-shaped grads (nothing runs) and keeps the state
+  leaves :meth:`ShardBlocks.run` receives as stacks: Kron's and Shampoo's factors.
+
+  Example:
+      >>> from trainers.optimizers.shampoo import scale_by_shampoo
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+      >>> tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
+      >>> [b and b.count for b in stack_blocks(tx, params, jax.eval_shape(tx.init, params))]
+      [None, 2, 2, 2, 2]
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  found = {}
+
+  def update(grads, leaves):
+    runs = []
+    token = _RUNS.set(runs)
+    try:
+      tx.update(grads, treedef.unflatten(leaves), grads)
+    finally:
+      _RUNS.reset(token)
+    index = {id(x): i for i, x in enumerate(leaves)}
+    for blocks, stacks in runs:
+      found.update({index[id(x)]: blocks for x in jax.tree.leaves(stacks) if id(x) in index})
+
+  jax.eval_shape(update, params, leaves)
+  return [found.get(i) for i in range(len(leaves))]
+
+
+def stack_moves(
+    old: Sequence, new: Sequence, names: Sequence[str] = ()
+) -> list[tuple[ShardBlocks, ShardBlocks] | None]:
+  """Per state leaf: ``(old, new)`` blocks where its stack must be reordered, else None.
+
+  ``old``/``new``: :func:`stack_blocks` of one optimizer under two layouts; ``names``:
+  the leaves' names, for the error. Raises ``OptimizerError`` naming the first stack
+  whose blocks differ (not the same tiles: :func:`reorder` cannot move it).
+
+  Example:
+      >>> mesh = lambda n: jax.sharding.AbstractMesh((n,), ("data",))
+      >>> on = lambda n: shard_blocks((8, 4), P("data"), mesh(n), 2)
+      >>> [m and m[1].shards for m in stack_moves([None, on(4), on(2)], [None, on(2), on(2)])]
+      [None, (2, 1), None]
+  """
+  moves = []
+  names = list(names) or [f"state leaf {i}" for i in range(len(old))]
+  for name, a, b in zip(names, old, new, strict=True):
+    if a is None and b is None or a == b:
+      moves.append(None)
+    elif a is None or b is None or not same_blocking(a, b):
+      raise OptimizerError(f"{name}: {_tiles_text(a)} before, {_tiles_text(b)} now")
+    else:
+      moves.append(None if a.shards == b.shards else (a, b))
+  return moves
+
+
+def _tiles_text(blocks: ShardBlocks | None) -> str:
+  if blocks is None:
+    return "no blocks"
+  return f"{blocks.sizes} blocks of a {blocks.shape} param in {blocks.shards} shards"
