@@ -79,9 +79,7 @@ def _shardings(tx, layout, params):
   mesh = layout.mesh
   state = jax.eval_shape(tx.init, params)
   blocking = factor_blocks if isinstance(state[0], ShampooState) else shard_blocks
-  blocks = {
-      k: blocking(v.shape, spec=SPECS[k], mesh=mesh, block_size=4) for k, v in params.items()
-  }
+  blocks = {k: blocking(v.shape, spec=SPECS[k], mesh=mesh, block_size=4) for k, v in params.items()}
 
   def for_state(path, x):
     name = next((k for k in params if k in jax.tree_util.keystr(path)), None)
