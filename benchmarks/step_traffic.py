@@ -9,7 +9,11 @@ collective (all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduc
 collectives, compile time, the per-device FLOPs of the optimizer update alone
 (``cost_analysis``) and their ratio to the single-device update's FLOPs / N, the
 state bytes per device over the ideal (total / N), and whether XLA printed
-"Involuntary full rematerialization" while compiling.
+"Involuntary full rematerialization" while compiling. "gathers x P" and "reductions x P"
+split the bytes into all-gathers and all-reduces/reduce-scatters, in units of the params'
+P*(N-1)/N: XLA:CPU has no reduce-scatter (it all-reduces and slices, 2 units), so on
+this backend a step whose layers are scanned, which re-gathers the params in the
+backward loop, sends 2 + 2 units where a backend with reduce-scatter sends 2 + 1.
 
   python -m benchmarks.step_traffic [--configs lm:size=small] [--optimizers adamw,kron]
 """
@@ -118,6 +122,15 @@ def compile_step(config, optimizer: str):
   return hlo, log[0], seconds, (mesh, plan, flops)
 
 
+def in_param_units(hlo: str, plan) -> tuple[float, float]:
+  """(all-gather, all-reduce + reduce-scatter) wire bytes of ``hlo`` over params*(N-1)/N."""
+  n = plan.mesh.size
+  unit = sum(e.nbytes for e in plan.entries if e.name.startswith("params/")) * (n - 1) / n
+  found = traffic.collectives(hlo)
+  sent = lambda ops: sum(c.wire_bytes * c.times for c in found if c.op in ops) / unit
+  return sent(("all-gather",)), sent(("all-reduce", "reduce-scatter"))
+
+
 def measure(config, optimizer: str) -> dict:
   hlo, log, seconds, (mesh, plan, flops) = compile_step(config, optimizer)
   n = mesh.size
@@ -125,8 +138,11 @@ def measure(config, optimizer: str) -> dict:
   total_flops = update_flops(reference_tx, abstract(plan))
   wire, count = traffic.wire_bytes(hlo), sum(c.times for c in traffic.collectives(hlo))
   params = sum(e.nbytes for e in plan.entries if e.name.startswith("params/"))
+  gathers, reductions = in_param_units(hlo, plan)
   return {
       "wire": wire,
+      "gathers": gathers,
+      "reductions": reductions,
       "collectives": count,
       "seconds": seconds,
       "flops": flops,
@@ -146,10 +162,11 @@ def main():
   parser.add_argument("--scan_layers", default="false", help="false, true or false,true")
   args = parser.parse_args()
   print(
-      "| config | scan | optimizer | step MB/device | x adamw | x FSDP min | collectives | "
-      "compile s | update GFLOP/device | x (1-device update / N) | state x ideal | remat |"
+      "| config | scan | optimizer | step MB/device | x adamw | x FSDP min | gathers x P | "
+      "reductions x P | collectives | compile s | update GFLOP/device | "
+      "x (1-device update / N) | state x ideal | remat |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   scans = [s == "true" for s in args.scan_layers.split(",")]
   for spec, scan in itertools.product(args.configs.split(","), scans):
     adamw = None
@@ -161,7 +178,8 @@ def main():
       vs_adamw = f"{r['wire'] / adamw:.2f}" if adamw else "-"
       print(
           f"| {spec} | {scan} | {optimizer} | {r['wire'] / 1e6:.1f} | {vs_adamw} | "
-          f"{r['wire'] / r['fsdp_min']:.2f} | {r['collectives']} | {r['seconds']:.1f} | "
+          f"{r['wire'] / r['fsdp_min']:.2f} | {r['gathers']:.2f} | {r['reductions']:.2f} | "
+          f"{r['collectives']} | {r['seconds']:.1f} | "
           f"{r['flops'] / 1e9:.3f} | {r['flops_ratio']:.2f} | {r['state_ratio']:.3f} | "
           f"{r['remat']} |",
           flush=True,

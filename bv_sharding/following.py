@@ -14,7 +14,8 @@ state leaf's spec:
 * a block stack ``(n, b, b)`` whose ``n`` the param's shard count divides
   (shard-local Kron/Shampoo blocks, see ``trainers/optimizers/layout.py``): dim 0 over
   all the param's axes, in the order :func:`stack_axes` gives, so every device holds
-  the factors of the blocks of its own shard;
+  the factors of the blocks of its own shard; a never-sharded param's stack goes over
+  every mesh axis (its blocks are dealt to the devices, one piece each);
 * nothing in common: the size-based fallback.
 
 Example:
@@ -70,9 +71,19 @@ def find_param(components: tuple[str, ...], params: dict[tuple[str, ...], str]):
 
 
 def relate(
-    shape, rest, param: str, param_shape, param_spec, factor_dim: int = FACTOR_DIM
+    shape,
+    rest,
+    param: str,
+    param_shape,
+    param_spec,
+    factor_dim: int = FACTOR_DIM,
+    mesh_axes: tuple[str, ...] = (),
 ) -> Follow:
-  """How a state leaf of ``shape``, found at ``rest`` below ``param``, follows it."""
+  """How a state leaf of ``shape``, found at ``rest`` below ``param``, follows it.
+
+  ``mesh_axes``: the mesh's axes of size > 1, which split a never-sharded param's block
+  stacks (see :func:`stack_axes`).
+  """
   shape, param_shape, param_spec = tuple(shape), tuple(param_shape), tuple(param_spec)
   follow = functools.partial(Follow, param, param_shape, param_spec)
   index = _list_index(rest)
@@ -87,23 +98,27 @@ def relate(
   kept = _kept_dims(shape, param_shape, param_spec)
   if kept is not None:
     return follow("dims carried", tuple(param_spec[d] for d in kept))
-  axes = stack_axes(param_spec)
+  axes = stack_axes(param_spec, mesh_axes)
   if axes and _is_block_stack(shape):
     return follow("block stack", (axes,) + (None,) * (len(shape) - 1))
   return follow("fallback", None)
 
 
-def stack_axes(param_spec) -> tuple[str, ...]:
-  """The mesh axes of a param's spec in dim order: the axes that split its block stacks.
+def stack_axes(param_spec, mesh_axes: tuple[str, ...] = ()) -> tuple[str, ...]:
+  """The axes that split a param's block stacks: its spec's axes in dim order.
 
   A block stack built shard by shard (shard-major over the param's dims) is split
-  evenly by these axes, each device getting the blocks of its own shard.
+  evenly by these axes, each device getting the blocks of its own shard. A param no
+  axis splits has its blocks dealt to every device instead: ``mesh_axes`` (the mesh's
+  axes of size > 1, in mesh order).
 
   Example:
     >>> stack_axes((None, "data", ("model", "pipe")))
     ('data', 'model', 'pipe')
+    >>> stack_axes((None,), ("data", "model"))
+    ('data', 'model')
   """
-  return tuple(a for entry in param_spec for a in axes_of(entry))
+  return tuple(a for entry in param_spec for a in axes_of(entry)) or tuple(mesh_axes)
 
 
 def _is_block_stack(shape) -> bool:

@@ -117,19 +117,49 @@ class ParamLayout:
     return treedef.unflatten(blocks)
 
 
-def shard_blocks(shape, spec, mesh, block_size: int, scanned: bool = False) -> ShardBlocks:
+def shard_blocks(
+    shape, spec, mesh, block_size: int, scanned: bool = False, deal: bool = False
+) -> ShardBlocks:
   """The :class:`ShardBlocks` of a param of ``shape`` sharded as ``spec`` on ``mesh``.
+
+  ``deal``: a param no mesh axis splits is blocked as if its largest dim that the
+  device count divides were split over every mesh axis, and each device works on its
+  own piece (:attr:`ShardBlocks.dealt`); otherwise (and when no dim divides) its
+  blocks are computed on global arrays.
 
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
       >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).shards
       (2, 2)
+      >>> dealt = shard_blocks((8,), P(), mesh, 4, deal=True)
+      >>> dealt.dealt, dealt.shards, dealt.stack_spec
+      (True, (4,), P(('data', 'model'),))
   """
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   sizes = dict(mesh.shape) if mesh is not None else {}
+  dealt = deal and not stack_axes(spec) and _deal_dim(shape, sizes, scanned) is not None
+  if dealt:
+    spec = _dealt_spec(shape, sizes, scanned)
   shards = tuple(axis_size(sizes, entry) for entry in spec)
   concrete = isinstance(mesh, jax.sharding.Mesh) and math.prod(shards) > 1
-  return ShardBlocks(tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None)
+  return ShardBlocks(
+      tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None, dealt
+  )
+
+
+def _deal_dim(shape, sizes: dict[str, int], scanned: bool) -> int | None:
+  """The largest dim (not a scanned layer axis) the device count divides, if any."""
+  devices = math.prod(sizes.values())
+  dims = [d for d in range(int(scanned), len(shape)) if devices > 1 and shape[d] % devices == 0]
+  return max(dims, key=lambda d: shape[d], default=None)
+
+
+def _dealt_spec(shape, sizes: dict[str, int], scanned: bool) -> tuple:
+  """A never-sharded param's virtual spec: every mesh axis (size > 1) on its deal dim."""
+  axes = tuple(a for a, n in sizes.items() if n > 1)
+  spec = [None] * len(shape)
+  spec[_deal_dim(shape, sizes, scanned)] = axes[0] if len(axes) == 1 else axes
+  return tuple(spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +168,9 @@ class ShardBlocks:
 
   ``scanned``: dim 0 is a layer axis, blocked layer by layer (never cut).
   ``spec``/``mesh``: where to run :meth:`run` in ``shard_map`` (``mesh`` None:
-  on global arrays).
+  on global arrays). ``dealt``: the param is replicated and ``spec`` is virtual:
+  every device holds the whole param, cuts it as ``spec`` would shard it and works
+  on its own piece's blocks; the pieces' results are gathered (a param's bytes).
   """
 
   shape: tuple[int, ...]
@@ -147,6 +179,7 @@ class ShardBlocks:
   scanned: bool = False
   spec: tuple = ()
   mesh: Any = None
+  dealt: bool = False
 
   @property
   def local_shape(self) -> tuple[int, ...]:
@@ -231,6 +264,8 @@ class ShardBlocks:
 
     if self.mesh is None:
       return body(arrays, stacks, scalars, local=False)
+    if self.dealt:
+      return self._run_dealt(fn, arrays, stacks, scalars)
     param = P(*self.spec)
     mapped = jax.shard_map(
         functools.partial(body, local=True),
@@ -240,6 +275,26 @@ class ShardBlocks:
         check_vma=False,
     )
     return mapped(list(arrays), stacks, list(scalars))
+
+  def _run_dealt(self, fn: Callable, arrays, stacks, scalars):
+    """:meth:`run` of a dealt param: each device the blocks of its piece, results gathered."""
+    axes = stack_axes(self.spec)
+    per_device = self.count // math.prod(self.shards)
+
+    def body(arrays, stacks, scalars):
+      start = jax.lax.axis_index(axes) * per_device
+      mine = [jax.lax.dynamic_slice_in_dim(self.split(x), start, per_device) for x in arrays]
+      return fn(mine, stacks, *scalars)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=self.mesh,
+        in_specs=(P(), self.stack_spec, P()),
+        out_specs=(self.stack_spec, self.stack_spec),
+        check_vma=False,
+    )
+    outs, new_stacks = mapped(list(arrays), stacks, list(scalars))
+    return [self.merge(o) for o in outs], new_stacks
 
   def _grid(self, x: jax.Array, local: bool) -> tuple[int, ...]:
     if local:

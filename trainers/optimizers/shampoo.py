@@ -123,13 +123,20 @@ def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsil
 def factor_blocks(shape, block_size: int, spec=(), mesh=None) -> ShardBlocks:
   """The shard-local blocking of a param of ``shape``, unit dims dropped.
 
+  A never-sharded param (e.g. a norm scale) is dealt: cut into one piece per device,
+  so its statistics are split over the devices and each is updated, inverted and
+  applied on its owner; only the piece's preconditioned gradient is gathered.
+
   Example:
       >>> factor_blocks((8, 1, 3), 4).sizes
       (4, 3)
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> factor_blocks((256,), 1024, (), mesh).sizes  # 256 / 4 devices
+      (64,)
   """
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   kept = [e for d, e in zip(shape, spec) if d > 1]
-  return shard_blocks(_factor_shape(shape), kept, mesh, block_size)
+  return shard_blocks(_factor_shape(shape), kept, mesh, block_size, deal=True)
 
 
 def _cast_like(new: jax.Array | None, old: jax.Array | None):
