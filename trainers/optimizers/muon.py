@@ -10,9 +10,10 @@ Newton-Schulz needs whole matrices. Without a layout every device orthogonalises
 every matrix (GSPMD gathers them). With ``layout`` (the params' specs and mesh, see
 :mod:`trainers.optimizers.layout`) the matrices of one shape are stacked, padded to
 a multiple of the device count and split over all mesh axes: each matrix has one
-owner, which receives it whole (one all-to-all of the momentum), orthogonalises it,
-and the results are all-gathered and cut back into the params' shards (an all-gather of
-the update; a scatter straight to the shards trips XLA's SPMD partitioner). Per-device
+owner, which receives it whole (one all-to-all of the momentum per mesh axis, moved to
+the stack's dim 0 one axis at a time), orthogonalises it, and the results are
+all-gathered and cut back into the params' shards (an all-gather of the update; a
+scatter straight to the shards trips XLA's SPMD partitioner). Per-device
 Newton-Schulz FLOPs are ``ceil(K / N) / K`` of the total for K matrices of a shape.
 
 Example:
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
+from bv_sharding.specs import axes_of
 from trainers.optimizers.layout import ParamLayout
 
 _NOT_MATRICES = ("scale", "bias")
@@ -99,12 +101,14 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
     if not _is_masked(d):
       groups.setdefault(tuple(sorted(x.shape[-2:])), []).append(i)
   stacks = {i: _as_matrices(leaves[i]) for members in groups.values() for i in members}
+  spec_of = lambda i: _matrix_spec(specs[i], leaves[i].shape) if owners > 1 else None
   pieces: dict[int, list[jax.Array]] = {i: [] for i in stacks}
   left = []  # (leaf, matrices) of every shape's incomplete last round
   for members in groups.values():
     stack = jnp.concatenate([stacks[i] for i in members])
     full = stack.shape[0] // owners * owners
-    done = _owned(ns, stack[:full], mesh) if full else stack[:0]
+    spec = _common([spec_of(i) for i in members])
+    done = _owned(ns, stack[:full], mesh, spec) if full else stack[:0]
     start = 0
     for i in members:
       n = stacks[i].shape[0]
@@ -118,7 +122,8 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
     m = max(x.shape[1] for _, x in left)
     n = max(x.shape[2] for _, x in left)
     padded = [jnp.pad(x, ((0, 0), (0, m - x.shape[1]), (0, n - x.shape[2]))) for _, x in left]
-    done, start = _owned(ns, jnp.concatenate(padded), mesh), 0
+    spec = _common([spec_of(i) for i, _ in left])
+    done, start = _owned(ns, jnp.concatenate(padded), mesh, spec), 0
     for i, x in left:
       pieces[i].append(done[start : start + x.shape[0], : x.shape[1], : x.shape[2]])
       start += x.shape[0]
@@ -131,12 +136,58 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
   return treedef.unflatten(out)
 
 
-def _owned(ns, stack: jax.Array, mesh) -> jax.Array:
-  """``ns`` on every matrix of ``stack``; on a mesh, padded to whole rounds and split over it."""
+def _matrix_spec(spec: P, shape) -> tuple | None:
+  """Mesh axes of the rows and columns of :func:`_as_matrices` of a leaf with ``spec``.
+
+  None when a leading (batch) dim is sharded: the stack's dim 0 is then sharded already.
+
+  Example:
+      >>> _matrix_spec(P("data", "model"), (768, 256)), _matrix_spec(P("layers"), (2, 4, 4))
+      (('model', 'data'), None)
+  """
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  if any(entries[:-2]):
+    return None
+  rows, cols = entries[-2:]
+  return (cols, rows) if shape[-2] > shape[-1] else (rows, cols)
+
+
+def _common(specs: list) -> tuple | None:
+  """The matrix spec all of ``specs`` share, or None when they differ (or one is None)."""
+  return specs[0] if len(set(specs)) == 1 else None
+
+
+def _to_owners(stack: jax.Array, mesh, spec: tuple | None) -> jax.Array:
+  """``stack`` split over all mesh axes on dim 0: one matrix per device and round.
+
+  With the stack's matrix ``spec`` known, the mesh axes move to dim 0 one at a time (an
+  all-to-all each): asked to move axes of both matrix dims at once, XLA replicates the stack
+  and partitions it again ("Involuntary full rematerialization"). Without it (members
+  sharded differently, their concatenation's sharding is XLA's choice) in one constraint.
+
+  Args:
+    stack: ``(K, m, n)`` matrices, ``K`` a multiple of the mesh size.
+    mesh: a concrete mesh.
+    spec: the mesh axes of the rows and of the columns, or None.
+
+  Returns:
+    ``stack`` with dim 0 over ``mesh.axis_names``.
+  """
+  axes = mesh.axis_names
+  for k in range(1, len(axes) if spec is not None else 0):
+    rest = [tuple(a for a in axes_of(entry) if a not in axes[:k]) or None for entry in spec]
+    stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(axes[:k], *rest)))
+  return jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(axes)))
+
+
+def _owned(ns, stack: jax.Array, mesh, spec: tuple | None = None) -> jax.Array:
+  """``ns`` on every matrix of ``stack``; on a mesh, padded to whole rounds and split over it.
+
+  ``spec``: the mesh axes of the stack's rows and columns where known (:func:`_to_owners`).
+  """
   count = stack.shape[0]
   if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
-    stack = jnp.pad(stack, ((0, -count % mesh.size), (0, 0), (0, 0)))
-    stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(mesh.axis_names)))
+    stack = _to_owners(jnp.pad(stack, ((0, -count % mesh.size), (0, 0), (0, 0))), mesh, spec)
     # Results are gathered whole before they are cut back into leaves: slicing the owner-split
     # stack directly trips XLA's SPMD partitioner (an out-of-bounds slice at verification).
     done = jax.vmap(ns)(stack)
