@@ -26,7 +26,8 @@ blocking, so a 1-D param is a single factor. With ``layout`` (the params' specs
 and mesh, see :mod:`trainers.optimizers.layout`) blocks are cut inside each
 device's shard and stacked shard-major; statistics, roots and preconditioning
 run in ``shard_map`` where the block lives, and only the grafting norms cross
-devices.
+devices. A never-sharded param is dealt (:func:`factor_blocks`): each device
+preconditions one piece of it and the pieces' directions are all-gathered.
 
 Roots come from ``eigh`` and are computed on every step, then kept with
 ``jnp.where`` only every ``update_preconditioners_freq`` steps: there is no
