@@ -77,11 +77,11 @@ def relate(
     param_shape,
     param_spec,
     factor_dim: int = FACTOR_DIM,
-    mesh_axes: tuple[str, ...] = (),
+    mesh_sizes: dict[str, int] | None = None,
 ) -> Follow:
   """How a state leaf of ``shape``, found at ``rest`` below ``param``, follows it.
 
-  ``mesh_axes``: the mesh's axes of size > 1, which split a never-sharded param's block
+  ``mesh_sizes``: the mesh's axis sizes, whose axes split a never-sharded param's block
   stacks (see :func:`stack_axes`).
   """
   shape, param_shape, param_spec = tuple(shape), tuple(param_shape), tuple(param_spec)
@@ -98,27 +98,28 @@ def relate(
   kept = _kept_dims(shape, param_shape, param_spec)
   if kept is not None:
     return follow("dims carried", tuple(param_spec[d] for d in kept))
-  axes = stack_axes(param_spec, mesh_axes)
+  axes = stack_axes(param_spec, mesh_sizes)
   if axes and _is_block_stack(shape):
     return follow("block stack", (axes,) + (None,) * (len(shape) - 1))
   return follow("fallback", None)
 
 
-def stack_axes(param_spec, mesh_axes: tuple[str, ...] = ()) -> tuple[str, ...]:
+def stack_axes(param_spec, mesh_sizes: dict[str, int] | None = None) -> tuple[str, ...]:
   """The axes that split a param's block stacks: its spec's axes in dim order.
 
   A block stack built shard by shard (shard-major over the param's dims) is split
   evenly by these axes, each device getting the blocks of its own shard. A param no
-  axis splits has its blocks dealt to every device instead: ``mesh_axes`` (the mesh's
-  axes of size > 1, in mesh order).
+  axis splits has its blocks dealt to every device instead: the axes of ``mesh_sizes``
+  (axis name -> size) of size > 1, in mesh order.
 
   Example:
     >>> stack_axes((None, "data", ("model", "pipe")))
     ('data', 'model', 'pipe')
-    >>> stack_axes((None,), ("data", "model"))
+    >>> stack_axes((None,), {"data": 4, "pipe": 1, "model": 2})
     ('data', 'model')
   """
-  return tuple(a for entry in param_spec for a in axes_of(entry)) or tuple(mesh_axes)
+  own = tuple(a for entry in param_spec for a in axes_of(entry))
+  return own or tuple(a for a, n in (mesh_sizes or {}).items() if n > 1)
 
 
 def _is_block_stack(shape) -> bool:

@@ -305,8 +305,7 @@ def _with_follow(leaf: Leaf, by_path: dict, params: dict) -> Leaf:
   if name is None or leaf.ndim == 0:
     return leaf
   param, (param_spec, _) = params[name]
-  mesh_axes = tuple(a for a, n in leaf.mesh.items() if n > 1)
-  follow = following.relate(leaf.shape, rest, name, param.shape, param_spec, mesh_axes=mesh_axes)
+  follow = following.relate(leaf.shape, rest, name, param.shape, param_spec, mesh_sizes=leaf.mesh)
   return dataclasses.replace(leaf, follow=follow)
 
 

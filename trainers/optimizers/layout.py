@@ -137,13 +137,13 @@ def shard_blocks(
   """
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   sizes = dict(mesh.shape) if mesh is not None else {}
-  dealt = deal and not stack_axes(spec) and _deal_dim(shape, sizes, scanned) is not None
-  if dealt:
-    spec = _dealt_spec(shape, sizes, scanned)
+  dim = _deal_dim(shape, sizes, scanned) if deal and not stack_axes(spec) else None
+  if dim is not None:
+    spec = _dealt_spec(len(shape), dim, sizes)
   shards = tuple(axis_size(sizes, entry) for entry in spec)
   concrete = isinstance(mesh, jax.sharding.Mesh) and math.prod(shards) > 1
   return ShardBlocks(
-      tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None, dealt
+      tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None, dim is not None
   )
 
 
@@ -154,11 +154,11 @@ def _deal_dim(shape, sizes: dict[str, int], scanned: bool) -> int | None:
   return max(dims, key=lambda d: shape[d], default=None)
 
 
-def _dealt_spec(shape, sizes: dict[str, int], scanned: bool) -> tuple:
-  """A never-sharded param's virtual spec: every mesh axis (size > 1) on its deal dim."""
-  axes = tuple(a for a, n in sizes.items() if n > 1)
-  spec = [None] * len(shape)
-  spec[_deal_dim(shape, sizes, scanned)] = axes[0] if len(axes) == 1 else axes
+def _dealt_spec(ndim: int, dim: int, sizes: dict[str, int]) -> tuple:
+  """A never-sharded param's virtual spec: its blocks' stack axes on its deal ``dim``."""
+  axes = stack_axes((), sizes)
+  spec = [None] * ndim
+  spec[dim] = axes[0] if len(axes) == 1 else axes
   return tuple(spec)
 
 
