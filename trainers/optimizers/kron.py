@@ -53,6 +53,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -337,48 +338,68 @@ def _stack_shape(param, scanned: bool, blocks: ShardBlocks | None):
   return None, param.shape
 
 
-def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, options):
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  """:func:`scale_by_kron`'s arguments, read by name by its init and update."""
+
+  b1: float
+  preconditioner_update_probability: Probability
+  max_size_triangular: int
+  min_ndim_triangular: int
+  memory_save_mode: str | None
+  momentum_into_precond_update: bool
+  preconditioner_lr: float
+  preconditioner_init_scale: float
+  mu_dtype: Any | None
+  precond_dtype: Any | None
+  precond_update_precision: str | None
+  precond_grads_precision: str | None
+  scanned_layers: optax.Params | None
+  block_size: int | None
+  layout: ParamLayout | None
+
+
+def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, stacked, settings):
   """One param's (or block stack's) Kron step: balance and fit the Qs on ``target``
   with ``probe``, keep the fit where ``do_update``, precondition ``momentum``.
 
-  ``options``: (stacked, preconditioner_lr, update precision, grads precision).
-  Stacked Qs solve with :func:`triangular_inverse`: jaxlib spreads a batched LAPACK
-  solve over XLA's CPU thread pool and waits, which deadlocks when several
-  (simulated) devices hold the pool's threads.
+  ``stacked``: the Qs are stacks (scanned layers or blocks); ``settings``: a
+  :class:`_Settings`. Stacked Qs solve with :func:`triangular_inverse`: jaxlib spreads a
+  batched LAPACK solve over XLA's CPU thread pool and waits, which deadlocks when
+  several (simulated) devices hold the pool's threads.
   """
-  stacked, lr, update_precision, grads_precision = options
   vmapped = lambda fn: jax.vmap(fn) if stacked else fn
   balanced = vmapped(balance_qs)(qs)
   start = [jnp.where(do_balance, n, o) for n, o in zip(balanced, qs)]
-  with jax.default_matmul_precision(update_precision):
-    fit = functools.partial(update_qs, lr=lr, solve_by_inverse=stacked)
+  with jax.default_matmul_precision(settings.precond_update_precision):
+    fit = functools.partial(update_qs, lr=settings.preconditioner_lr, solve_by_inverse=stacked)
     fitted = vmapped(fit)(start, target, probe)
   qs = [jnp.where(do_update, n.astype(o.dtype), o) for n, o in zip(fitted, qs)]
-  with jax.default_matmul_precision(grads_precision):
+  with jax.default_matmul_precision(settings.precond_grads_precision):
     direction = vmapped(precondition)(qs, momentum)
   return qs, direction
 
 
-def _kron_leaf(qs, momentum, target, probe, scalars, blocks, options):
+def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, settings):
   """:func:`_fit_and_precondition` on one param: on its shard-local block stack
   (in ``shard_map`` on a mesh), else on the param itself."""
   if blocks is None:
-    return _fit_and_precondition(qs, momentum, target, probe, *scalars, options)
+    return _fit_and_precondition(qs, momentum, target, probe, *scalars, stacked, settings)
 
   def per_shard(arrays, qs, *scalars):
-    new_qs, direction = _fit_and_precondition(qs, *arrays, *scalars, options)
+    new_qs, direction = _fit_and_precondition(qs, *arrays, *scalars, stacked, settings)
     return [direction], new_qs
 
   (direction,), qs = blocks.run(per_shard, [momentum, target, probe], qs, scalars)
   return qs, direction
 
 
-def _layers_and_blocks(params, placement) -> tuple[list[bool], list[ShardBlocks | None]]:
+def _layers_and_blocks(params, settings) -> tuple[list[bool], list[ShardBlocks | None]]:
   """Per leaf of ``params``: whether it is scanned, and its :class:`ShardBlocks` (or None).
 
-  ``placement``: ``scale_by_kron``'s (scanned_layers, block_size, layout).
+  ``settings``: a :class:`_Settings` (its scanned_layers, block_size and layout).
   """
-  scanned_layers, block_size, layout = placement
+  scanned_layers, block_size, layout = settings.scanned_layers, settings.block_size, settings.layout
   treedef = jax.tree.structure(params)
   leaves = treedef.flatten_up_to(params)
   scanned = [False] * len(leaves)
@@ -393,33 +414,27 @@ def _layers_and_blocks(params, placement) -> tuple[list[bool], list[ShardBlocks 
   return scanned, blocks
 
 
-def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, q_init) -> list[jax.Array]:
-  """One param's Qs (:func:`init_qs`), stacked over its layers or blocks.
-
-  ``q_init``: ``scale_by_kron``'s ((max_size_triangular, min_ndim_triangular,
-  memory_save_mode), preconditioner_init_scale, precond_dtype).
-  """
-  triangular, scale, dtype = q_init
+def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, settings) -> list[jax.Array]:
+  """One param's Qs (:func:`init_qs`), stacked over its layers or blocks."""
   stack, shape = _stack_shape(param, scanned, blocks)
-  tri = triangular_dims(shape, *triangular)
-  qs = init_qs(shape, tri, scale, param.dtype if dtype is None else dtype)
+  tri = triangular_dims(
+      shape, settings.max_size_triangular, settings.min_ndim_triangular, settings.memory_save_mode
+  )
+  dtype = param.dtype if settings.precond_dtype is None else settings.precond_dtype
+  qs = init_qs(shape, tri, settings.preconditioner_init_scale, dtype)
   if stack is not None:
     qs = [jnp.broadcast_to(q, (stack,) + q.shape) for q in qs]
   return qs
 
 
-def _kron_init(params, *, momentum, placement, q_init) -> dict[str, Any]:
-  """``scale_by_kron``'s state for ``params`` (see the module docstring).
-
-  ``momentum``: (b1, mu_dtype); ``placement`` and ``q_init`` as in :func:`_init_leaf`.
-  """
-  b1, mu_dtype = momentum
+def _kron_init(params, settings: _Settings) -> dict[str, Any]:
+  """``scale_by_kron``'s state for ``params`` (see the module docstring)."""
   leaves, treedef = jax.tree.flatten(params)
-  scanned, blocks = _layers_and_blocks(params, placement)
-  qs = [_init_leaf(*leaf, q_init) for leaf in zip(leaves, scanned, blocks)]
+  scanned, blocks = _layers_and_blocks(params, settings)
+  qs = [_init_leaf(*leaf, settings) for leaf in zip(leaves, scanned, blocks)]
   return dict(
       count=jnp.zeros([], jnp.int32),
-      mu=otu.tree_zeros_like(params, dtype=mu_dtype) if b1 > 0 else None,
+      mu=otu.tree_zeros_like(params, dtype=settings.mu_dtype) if settings.b1 > 0 else None,
       Qs_preconditioners=treedef.unflatten(qs),
       update_counter=jnp.zeros([], jnp.int32),
   )
@@ -458,35 +473,32 @@ def _damped(target: jax.Array, probe: jax.Array) -> jax.Array:
   return target + damp.astype(target.dtype) * jnp.mean(jnp.abs(target)) * probe
 
 
-def _kron_update(updates, state, params=None, *, probability, momentum, placement, fit):
-  """``scale_by_kron``'s update: momentum, a Q fit every ``ceil(1/prob)`` steps, ``P m``.
-
-  ``fit``: (momentum_into_precond_update, preconditioner_lr, update precision, grads
-  precision); the others as in :func:`_kron_init` and :func:`_count_to_update`.
-  """
+def _kron_update(updates, state, params=None, *, settings: _Settings):
+  """``scale_by_kron``'s update: momentum, a Q fit every ``ceil(1/prob)`` steps, ``P m``."""
   del params
-  (b1, mu_dtype), (into_momentum, *leaf_options) = momentum, fit
   count = optax.safe_increment(state["count"])
-  mu, momentum = _update_momentum(updates, state["mu"], b1, count)
+  mu, momentum = _update_momentum(updates, state["mu"], settings.b1, count)
   grads, treedef = jax.tree.flatten(updates)
   momentum = treedef.flatten_up_to(momentum)
   qs = treedef.flatten_up_to(state["Qs_preconditioners"])
-  do_update, counter = _count_to_update(state["update_counter"], probability, count)
+  do_update, counter = _count_to_update(
+      state["update_counter"], settings.preconditioner_update_probability, count
+  )
   # Probes and damping are drawn param-shaped and blocked with the grad, so padding
   # stays zero and one block equals the unblocked fit.
-  targets = momentum if into_momentum else grads
+  targets = momentum if settings.momentum_into_precond_update else grads
   do_balance, probes = _probe_vectors(_probe_key(state["count"]), targets)
   new_qs, out = [], []
   for q, m, t, v, g, s, b in zip(
-      qs, momentum, targets, probes, grads, *_layers_and_blocks(updates, placement)
+      qs, momentum, targets, probes, grads, *_layers_and_blocks(updates, settings)
   ):
-    options = (s or b is not None, *leaf_options)
-    q, direction = _kron_leaf(q, m, _damped(t, v), v, (do_update, do_balance), b, options)
+    stacked = s or b is not None
+    q, direction = _kron_leaf(q, m, _damped(t, v), v, (do_update, do_balance), b, stacked, settings)
     new_qs.append(q)
     out.append(_clip_rms(direction).astype(g.dtype))
   new_state = dict(
       count=count,
-      mu=otu.tree_cast(mu, mu_dtype),
+      mu=otu.tree_cast(mu, settings.mu_dtype),
       Qs_preconditioners=treedef.unflatten(new_qs),
       update_counter=counter,
   )
@@ -543,19 +555,12 @@ def scale_by_kron(
       >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # 1 x 2 x 2 blocks
       [(4, 2, 2), (4, 2, 2), (4, 2, 2)]
   """
+  settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if block_size is not None and block_size < 1:
     raise OptimizerError(f"block_size={block_size}; expected None or >= 1")
-  placement, momentum = (scanned_layers, block_size, layout), (b1, mu_dtype)
-  triangular = (max_size_triangular, min_ndim_triangular, memory_save_mode)
-  q_init = (triangular, preconditioner_init_scale, precond_dtype)
-  precisions = (precond_update_precision, precond_grads_precision)
-  fit = (momentum_into_precond_update, preconditioner_lr, *precisions)
-  prob = preconditioner_update_probability
   return optax.GradientTransformation(
-      functools.partial(_kron_init, momentum=momentum, placement=placement, q_init=q_init),
-      functools.partial(
-          _kron_update, probability=prob, momentum=momentum, placement=placement, fit=fit
-      ),
+      functools.partial(_kron_init, settings=settings),
+      functools.partial(_kron_update, settings=settings),
   )
 
 

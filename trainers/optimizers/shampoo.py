@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -149,12 +150,26 @@ def _ema(old, new, decay):
   return old + new if decay == 1.0 else decay * old + (1.0 - decay) * new
 
 
-def _blocks_per_leaf(params, placement) -> list[ShardBlocks]:
-  """Each leaf's :func:`factor_blocks`, flattened like ``params``.
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  """:func:`scale_by_shampoo`'s arguments, read by name by its init and update."""
 
-  ``placement``: ``scale_by_shampoo``'s (block_size, layout).
-  """
-  block_size, layout = placement
+  block_size: int
+  beta1: float
+  beta2: float
+  epsilon: float
+  matrix_epsilon: float
+  update_preconditioners_freq: int
+  start_preconditioning_step: int
+  graft_type: str
+  nesterov: bool
+  exponent_override: int | None
+  layout: ParamLayout | None
+
+
+def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
+  """Each leaf's :func:`factor_blocks`, flattened like ``params``."""
+  block_size, layout = settings.block_size, settings.layout
   leaves, treedef = jax.tree.flatten(params)
   if layout is None:
     return [factor_blocks(p.shape, block_size) for p in leaves]
@@ -162,39 +177,34 @@ def _blocks_per_leaf(params, placement) -> list[ShardBlocks]:
   return [factor_blocks(p.shape, block_size, s, layout.mesh) for p, s in zip(leaves, specs)]
 
 
-def _init_leaf(param, blocks: ShardBlocks, init) -> ShampooParamState:
-  """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments.
-
-  ``init``: ``scale_by_shampoo``'s (matrix_epsilon, graft_type, beta1).
-  """
-  matrix_epsilon, graft_type, beta1 = init
+def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamState:
+  """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments."""
   eye = [jnp.broadcast_to(jnp.eye(b), (blocks.count, b, b)) for b in blocks.sizes]
   return ShampooParamState(
-      stats=[matrix_epsilon * e for e in eye],
+      stats=[settings.matrix_epsilon * e for e in eye],
       roots=eye,
-      graft_nu=None if graft_type == "sgd" else jnp.zeros_like(param),
-      momentum=None if beta1 == 0 else jnp.zeros_like(param),
+      graft_nu=None if settings.graft_type == "sgd" else jnp.zeros_like(param),
+      momentum=None if settings.beta1 == 0 else jnp.zeros_like(param),
   )
 
 
-def _shampoo_init(params, *, placement, init) -> ShampooState:
-  """``scale_by_shampoo``'s state for ``params``; the arguments as in :func:`_init_leaf`."""
+def _shampoo_init(params, settings: _Settings) -> ShampooState:
+  """``scale_by_shampoo``'s state for ``params``."""
   leaves, treedef = jax.tree.flatten(params)
-  blocks = _blocks_per_leaf(params, placement)
-  per_param = [_init_leaf(p, b, init) for p, b in zip(leaves, blocks)]
+  blocks = _blocks_per_leaf(params, settings)
+  per_param = [_init_leaf(p, b, settings) for p, b in zip(leaves, blocks)]
   return ShampooState(count=jnp.zeros([], jnp.int32), per_param=treedef.unflatten(per_param))
 
 
-def _graft(g: jax.Array, nu: jax.Array | None, count, graft):
+def _graft(
+    g: jax.Array, nu: jax.Array | None, count, graft_type: str, beta2: float, epsilon: float
+):
   """(the graft direction, its new second moment ``nu``) at step ``count`` (from 1).
 
-  ``graft``: ``scale_by_shampoo``'s (graft_type, beta2, epsilon).
-
   Example:
-      >>> _graft(jnp.ones(2), jnp.zeros(2), 1, ("adam", 0.5, 0.0))[0].tolist()
+      >>> _graft(jnp.ones(2), jnp.zeros(2), 1, "adam", 0.5, 0.0)[0].tolist()
       [1.0, 1.0]
   """
-  graft_type, beta2, epsilon = graft
   if graft_type == "sgd":
     return g, None
   nu = _ema(nu, jnp.square(g), beta2)
@@ -202,19 +212,18 @@ def _graft(g: jax.Array, nu: jax.Array | None, count, graft):
   return g / (jnp.sqrt(denom) + epsilon), nu
 
 
-def _precondition(g: jax.Array, factors, count, blocks: ShardBlocks, statistics):
+def _precondition(g: jax.Array, factors, count, blocks: ShardBlocks, settings: _Settings):
   """(new stats, new roots, the Shampoo direction) of one param, block by block.
 
-  ``factors``: its (stats, roots); ``statistics``: ``scale_by_shampoo``'s
-  (update_preconditioners_freq, beta2, exponent_override, matrix_epsilon).
+  ``factors``: its (stats, roots).
   """
-  freq, *step = statistics
+  step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
 
   def per_shard(arrays, factors, refresh):
     direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
     return [direction], (stats, roots)
 
-  refresh = count % freq == 0
+  refresh = count % settings.update_preconditioners_freq == 0
   (direction,), (stats, roots) = blocks.run(
       per_shard, [g.reshape(blocks.shape)], factors, [refresh]
   )
@@ -234,33 +243,36 @@ def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
   return (direction + beta1 * momentum if nesterov else momentum), momentum
 
 
-def _update_leaf(g: jax.Array, state: ShampooParamState, count, blocks: ShardBlocks, step):
-  """One param's direction and new state; ``step`` as in :func:`_shampoo_update`."""
-  graft, statistics, start_preconditioning_step, momentum = step
-  graft_dir, nu = _graft(g, state.graft_nu, count + 1, graft)
+def _update_leaf(
+    g: jax.Array, state: ShampooParamState, count, blocks: ShardBlocks, settings: _Settings
+):
+  """One param's direction and new state."""
+  graft = (settings.graft_type, settings.beta2, settings.epsilon)
+  graft_dir, nu = _graft(g, state.graft_nu, count + 1, *graft)
   stats, roots, direction = state.stats, state.roots, graft_dir
   if stats:
-    stats, roots, precond = _precondition(g, (stats, roots), count, blocks, statistics)
+    stats, roots, precond = _precondition(g, (stats, roots), count, blocks, settings)
     scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
-    direction = jnp.where(count >= start_preconditioning_step, precond * scale, graft_dir)
-  direction, new_momentum = _with_momentum(direction, state.momentum, *momentum)
+    preconditioning = count >= settings.start_preconditioning_step
+    direction = jnp.where(preconditioning, precond * scale, graft_dir)
+  direction, new_momentum = _with_momentum(
+      direction, state.momentum, settings.beta1, settings.nesterov
+  )
   new_state = ShampooParamState(
       stats, roots, _cast_like(nu, state.graft_nu), _cast_like(new_momentum, state.momentum)
   )
   return direction.astype(g.dtype), new_state
 
 
-def _shampoo_update(updates, state: ShampooState, params=None, *, placement, step):
-  """``scale_by_shampoo``'s update, param by param.
-
-  ``step``: (graft as in :func:`_graft`, statistics as in :func:`_precondition`,
-  start_preconditioning_step, (beta1, nesterov)).
-  """
+def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Settings):
+  """``scale_by_shampoo``'s update, param by param."""
   del params
   grads, treedef = jax.tree.flatten(updates)
   per_param = treedef.flatten_up_to(state.per_param)
-  blocks = _blocks_per_leaf(updates, placement)
-  results = [_update_leaf(g, s, state.count, b, step) for g, s, b in zip(grads, per_param, blocks)]
+  blocks = _blocks_per_leaf(updates, settings)
+  results = [
+      _update_leaf(g, s, state.count, b, settings) for g, s, b in zip(grads, per_param, blocks)
+  ]
   new_updates = treedef.unflatten([r[0] for r in results])
   new_per_param = treedef.unflatten([r[1] for r in results])
   return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
@@ -306,19 +318,14 @@ def scale_by_shampoo(
       >>> state.per_param["w"].roots[0].shape
       (2, 2, 2)
   """
+  settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if graft_type not in _GRAFT_TYPES:
     raise OptimizerError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
   if block_size < 1 or update_preconditioners_freq < 1:
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
-
-  placement = (block_size, layout)
-  init = (matrix_epsilon, graft_type, beta1)
-  graft = (graft_type, beta2, epsilon)
-  statistics = (update_preconditioners_freq, beta2, exponent_override, matrix_epsilon)
-  step = (graft, statistics, start_preconditioning_step, (beta1, nesterov))
   return optax.GradientTransformation(
-      functools.partial(_shampoo_init, placement=placement, init=init),
-      functools.partial(_shampoo_update, placement=placement, step=step),
+      functools.partial(_shampoo_init, settings=settings),
+      functools.partial(_shampoo_update, settings=settings),
   )
 
 
