@@ -31,7 +31,7 @@ setuptools.setup(
         "ml_collections>=1.0,<2",
         "absl-py>=2.0,<3",
         "regex>=2024.4",  # Strategy regexes matched with a time bound (bv_sharding/patterns.py).
-        "orbax-checkpoint==0.12.8",  # Checkpoints (trainers/checkpoint.py); its API moves fast.
+        "orbax-checkpoint==0.12.8",  # Checkpoints (trainers/rundir/checkpoint.py); its API moves fast.
     ],
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],

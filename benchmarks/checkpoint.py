@@ -4,7 +4,7 @@
 
 For each model size (configs/lm.py, AdamW, 8 simulated CPU devices, batch 16) the
 same jitted train step runs: first without saving (the time of one step), then
-with an orbax save (trainers/checkpoint.py's manager) after each step. "blocked"
+with an orbax save (trainers/rundir/checkpoint.py's manager) after each step. "blocked"
 is the median time the loop thread spends inside ``save`` (after the previous save's
 write has finished, as it has in a run saving every ``config.ckpt_steps``); "copy" is
 the median device-to-host copy of the same state in the same run (``jax.device_get``,
@@ -16,7 +16,7 @@ Prints a markdown table.
 
 import os
 
-from trainers.host import ONE_BLAS_THREAD
+from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
@@ -31,7 +31,7 @@ import numpy as np
 from benchmarks.throughput import setup
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import checkpoint
+from trainers.rundir import checkpoint
 
 
 def state_mib(state) -> float:

@@ -18,7 +18,7 @@ kron_blocks 256 (the registry's default).
 import argparse
 import os
 
-from trainers.host import ONE_BLAS_THREAD
+from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 

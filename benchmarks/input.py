@@ -6,7 +6,7 @@ On 8 simulated CPU devices, configs/lm.py's tiny Llama trains from a token file
 written here (random uint16 ids, --file_mib MiB, memory-mapped) in three ways,
 with the same train step and the same batches (steps of one (seed, step) order):
   in-memory   every batch already a global jax.Array on the devices (the floor);
-  prefetch    trainers/prefetch.py: read and transferred in a background thread;
+  prefetch    trainers/input/prefetch.py: read and transferred in a background thread;
   inline      read and transferred in the loop, no prefetch.
 Short rounds alternate the three (so a busy host slows all alike): the median
 over the rounds of the mean step time, and of its ratio to the same round's
@@ -16,7 +16,7 @@ Then the loader alone: this process's windows per second, as tokens/s (best of 5
 
 import os
 
-from trainers.host import ONE_BLAS_THREAD
+from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
@@ -33,7 +33,8 @@ import numpy as np
 import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import components, data, optimizers, prefetch, sources, steps, tasks
+from trainers import build, optimizers, steps
+from trainers.input import batching, prefetch, sources, tasks
 
 
 def write_token_file(path: str, mib: int, vocab: int) -> None:
@@ -78,18 +79,18 @@ def main():
   mesh = bvs.make_mesh(config.mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   local = lambda: task.batches(task.train, global_batch=config.batch_size, seed=0)
-  model, init = components.model_and_init(config, components.example_input(task, next(local())))
+  model, init = build.model_and_init(config, build.example_input(task, next(local())))
   task.check(model)
-  loss_fn = components.loss_fn(task, model)
+  loss_fn = build.loss_fn(task, model)
   tx = optimizers.make_optimizer(config.optax_name, config.lr)
-  plan = components.plan_state(config, init, tx, mesh)
+  plan = build.plan_state(config, init, tx, mesh)
   count = WARMUP + args.steps
   inputs = {
       "in-memory": lambda: iter(
-          [data.to_global(b, sharding) for b in itertools.islice(local(), count)]
+          [batching.to_global(b, sharding) for b in itertools.islice(local(), count)]
       ),
       "prefetch": lambda: prefetch.to_device(local(), sharding, task.prefetch),
-      "inline": lambda: (data.to_global(b, sharding) for b in local()),
+      "inline": lambda: (batching.to_global(b, sharding) for b in local()),
   }
   times = {name: [] for name in inputs}
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):

@@ -20,9 +20,9 @@ backward loop, sends 2 + 2 units where a backend with reduce-scatter sends 2 + 1
 
 import os
 
-from trainers.host import ONE_BLAS_THREAD
+from trainers import ONE_BLAS_THREAD
 
-os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/host.py).
+os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
 
 import argparse
 import contextlib
@@ -39,7 +39,8 @@ import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
 from bv_sharding import traffic  # noqa: E402
-from trainers import models, optimizers, steps, tasks  # noqa: E402
+from trainers import models, optimizers, steps  # noqa: E402
+from trainers.input import tasks  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
 OPTIMIZERS = ("adamw", "kron", "shampoo", "muon")

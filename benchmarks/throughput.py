@@ -10,7 +10,7 @@ Compilation and two warm-up steps are excluded. Prints a markdown table.
 
 import os
 
-from trainers.host import ONE_BLAS_THREAD
+from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
@@ -23,7 +23,8 @@ import jax
 import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import components, data, optimizers, steps, tasks
+from trainers import build, optimizers, steps
+from trainers.input import batching, tasks
 
 
 def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
@@ -40,13 +41,13 @@ def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
           task.batches(task.train, global_batch=config.batch_size, seed=0), num_batches
       )
   )
-  model, init = components.model_and_init(config, components.example_input(task, local[0]))
-  loss_fn = components.loss_fn(task, model)
+  model, init = build.model_and_init(config, build.example_input(task, local[0]))
+  loss_fn = build.loss_fn(task, model)
   # Kron/Shampoo/Muon: shard-local blocks from the params' plan, as the trainer builds them.
-  layout = components.param_layout(config.copy_and_resolve_references(), init, mesh)
+  layout = build.param_layout(config.copy_and_resolve_references(), init, mesh)
   tx = optimizers.make_optimizer(optimizer, config.lr, layout=layout)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=config.sharding_rules)
-  batches = [data.to_global(b, sharding) for b in local]
+  batches = [batching.to_global(b, sharding) for b in local]
   train_step = steps.make_train_step(loss_fn, tx, plan, sharding)
   return mesh, lambda: steps.init_state(init, tx, plan), train_step, batches
 

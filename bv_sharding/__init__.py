@@ -27,7 +27,7 @@ from bv_sharding.errors import Error, ShardingError, ShardingWarning
 from bv_sharding.fingerprint import check_same_plan
 from bv_sharding.mesh import make_abstract_mesh, make_mesh
 from bv_sharding.names import flatten as flatten_with_names
-from bv_sharding.plan import Entry, Plan, infer_sharding, plan
+from bv_sharding.planning import Entry, Plan, infer_sharding, plan
 from bv_sharding.registry import lookup, parse_chain, register, registered, temporary_ops
 
 __all__ = [

@@ -30,7 +30,7 @@ Example:
 
 from bv_sharding import patterns, specs
 from bv_sharding.errors import ShardingError
-from bv_sharding.plan import Entry, Plan
+from bv_sharding.planning import Entry, Plan
 from bv_sharding.specs import MiB
 
 NAMED_IN_ERRORS = 5

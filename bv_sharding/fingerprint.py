@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from bv_sharding.errors import ShardingError
-from bv_sharding.plan import Plan
+from bv_sharding.planning import Plan
 
 DIGEST_BYTES = 32
 

@@ -8,7 +8,7 @@ The default (tiny) runs in about a minute on a 2-core CPU with 8 simulated devic
 """
 
 from configs.common import base_config, parse_arg
-from trainers import sources
+from trainers.input import sources
 
 
 def get_config(arg=None):

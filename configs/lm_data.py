@@ -8,13 +8,13 @@
   python -m trainers.train --workdir runs/txt \
       --config configs/lm_data.py:kind=text,train=~/my_text   # UTF-8 files read directly as bytes
 
-Every key of config.input (trainers/sources.py) can also be overridden, e.g.
+Every key of config.input (trainers/input/sources.py) can also be overridden, e.g.
 ``--config.input.train='/data/shards/*.bin' --config.input.eval_fraction=0.01``.
 """
 
 from configs import lm
 from configs.common import parse_arg
-from trainers import sources
+from trainers.input import sources
 
 
 def get_config(arg=None):

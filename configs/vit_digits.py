@@ -4,7 +4,7 @@ python -m trainers.train --config configs/vit_digits.py --workdir /tmp/vit
 """
 
 from configs.common import base_config, parse_arg
-from trainers import sources
+from trainers.input import sources
 
 
 def get_config(arg=None):

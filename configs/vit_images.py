@@ -10,7 +10,7 @@ last config.input.eval_fraction of train.
 
 from configs import vit_digits
 from configs.common import parse_arg
-from trainers import sources
+from trainers.input import sources
 
 
 def get_config(arg=None):

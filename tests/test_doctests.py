@@ -39,9 +39,12 @@ MODULES = [
 
 
 def test_every_library_module_is_collected():
-  assert {"bv_sharding.plan", "bv_sharding.registry", "trainers.steps", "benchmarks.zoo"} <= set(
-      MODULES
-  )
+  assert {
+      "bv_sharding.planning",
+      "bv_sharding.registry",
+      "trainers.steps",
+      "benchmarks.zoo",
+  } <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,27 @@
+"""A big_vision-style trainer built on ``bv_sharding``: commands on top, library below.
+
+Commands (``python -m trainers.<name>``): ``train``, ``plan`` (a run's plan without
+devices), ``launch`` (several ``jax.distributed`` processes on one host) and ``convert``
+(text to token files). Each builds its run through :mod:`trainers.build`. Below them:
+
+  build, steps, validation,      the run record, the jitted steps, the checks before a run
+  cli, errors, divergence,       flags and one-line errors, the non-finite loss policy
+  distributed                    jax.distributed start-up
+  input/                         sources, deterministic batches, prefetch, tasks
+  models/, optimizers/           Llama and ViT; the optimizer registry, Kron, Shampoo, Muon
+  rundir/                        workdir files, provenance, orbax checkpoints
+
+Every entry point gives OpenBLAS one thread before numpy loads it: its threads fight
+XLA's for the cores of small hosts and make each small triangular solve ~1000x slower.
+Processes they start inherit the setting through the environment::
+
+  import os
+  from trainers import ONE_BLAS_THREAD
+  os.environ.setdefault(*ONE_BLAS_THREAD)
+
+Example:
+  >>> ONE_BLAS_THREAD
+  ('OPENBLAS_NUM_THREADS', '1')
+"""
+
+ONE_BLAS_THREAD = ("OPENBLAS_NUM_THREADS", "1")

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from trainers import sources
+from trainers.input import sources
 
 CHUNK = 16 * 2**20
 

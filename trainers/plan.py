@@ -8,7 +8,7 @@ r"""Plans a config's params and optimizer state on any mesh, before anything is 
 
 The devices need not exist: the plan is made on an ``AbstractMesh`` of ``--num-devices``
 (default ``config.num_devices``, else the mesh's own size, else this host's devices)
-from the model and optimizer the trainer would build (``trainers/components.py``),
+from the model and optimizer the trainer would build (``trainers/build.py``),
 traced with ``jax.eval_shape``. It prints:
 
 * one row per leaf (name, shape, dtype, spec, MiB per device, why), the leaves
@@ -40,8 +40,9 @@ import numpy as np
 import bv_sharding as bvs
 from bv_sharding import coverage
 from bv_sharding.specs import MiB
-from trainers import cli, components, tasks
+from trainers import build, cli
 from trainers.errors import ConfigError
+from trainers.input import tasks
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -126,10 +127,10 @@ def make_plan(s: Setup) -> bvs.Plan:
   config = s.config
   task = tasks.get_task(config)
   batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
-  _, init = components.model_and_init(config, components.example_input(task, batch))
+  _, init = build.model_and_init(config, build.example_input(task, batch))
   mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh)
-  tx, _ = components.optimizer(config, components.param_layout(config, init, mesh))
-  return components.plan_state(config, init, tx, mesh)
+  tx, _ = build.optimizer(config, build.param_layout(config, init, mesh))
+  return build.plan_state(config, init, tx, mesh)
 
 
 def report(s: Setup, plan: bvs.Plan) -> dict:

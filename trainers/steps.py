@@ -10,7 +10,6 @@ Example:
   >>> import bv_sharding as bvs
   >>> mesh = bvs.make_mesh([("data", -1)])  # the 8 simulated test devices
   >>> axes = data_axes(mesh, [("act_batch", "data")])
-  >>> check_batch_size(16, mesh, axes, jax.process_count())
   >>> model, tx = nn.Dense(4), optax.adam(1e-2)
   >>> init = lambda: model.init(jax.random.key(0), jax.numpy.ones((1, 8)))["params"]
   >>> loss_fn = lambda params, x: ((model.apply({"params": params}, x) - 1) ** 2).mean()
@@ -27,7 +26,6 @@ Example:
   (True, True)
 """
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,32 +65,6 @@ def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...
         f"have; use axes of {list(mesh.shape)}"
     )
   return axes
-
-
-def check_batch_size(
-    batch_size: int, mesh=None, axes: Sequence[str] = (), process_count: int = 1
-) -> None:
-  """Raises ``ConfigError`` unless ``batch_size`` splits evenly over the data axes and the processes.
-
-  The one place batch divisibility is checked: the trainer calls it with the mesh
-  before anything is allocated, ``trainers.data.batches`` without one (processes only).
-
-  Example:
-    >>> from bv_sharding import make_abstract_mesh
-    >>> check_batch_size(32, make_abstract_mesh([("data", -1)], 8), ("data",), 2)
-    >>> check_batch_size(30, make_abstract_mesh([("data", -1)], 8), ("data",), 1)
-    Traceback (most recent call last):
-    ...
-    trainers.errors.ConfigError: config.batch_size=30 must be a positive multiple of 8: ...
-  """
-  shards = math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1
-  need = math.lcm(shards, process_count)
-  if batch_size <= 0 or batch_size % need:
-    over = f"the data axes {tuple(axes)} span {shards} devices and " if mesh is not None else ""
-    raise ConfigError(
-        f"config.batch_size={batch_size} must be a positive multiple of {need}: {over}there are "
-        f"{process_count} processes; use e.g. --config.batch_size={max(need, batch_size // need * need)}"
-    )
 
 
 def batch_sharding(mesh, axes: Sequence[str]) -> NamedSharding:

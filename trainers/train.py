@@ -12,9 +12,9 @@ Every config value is checked first (trainers/validation.py), the memory the pla
 before init; a bad one ends the run as one line, ``ConfigError: config.<key>=...``, before
 the workdir is touched or anything allocated (``--debug`` for the traceback). Process 0 then
 writes ``workdir/config.json`` and ``workdir/metrics.jsonl``; an earlier run's files there are
-moved into ``workdir/attempt-N/`` (trainers/workdir.py). Every process saves orbax
+moved into ``workdir/attempt-N/`` (trainers/rundir/workdir.py). Every process saves orbax
 checkpoints (every ``config.ckpt_steps``, at the end, on SIGTERM); a workdir holding one
-resumes from it exactly (trainers/checkpoint.py). A NaN or infinite loss stops the run
+resumes from it exactly (trainers/rundir/checkpoint.py). A NaN or infinite loss stops the run
 (``config.on_nonfinite="stop"``) or skips the update ("skip"; trainers/divergence.py).
 
 On CPU every process simulates ``--devices_per_process`` devices (default 8);
@@ -27,9 +27,9 @@ Before allocating, every process checks that all computed the same plan, and
 
 import os
 
-from trainers.host import ONE_BLAS_THREAD
+from trainers import ONE_BLAS_THREAD
 
-os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/host.py).
+os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
 
 import itertools
 import time
@@ -40,20 +40,9 @@ import numpy as np
 from absl import flags, logging
 
 import bv_sharding as bvs
-from trainers import (
-    checkpoint,
-    cli,
-    components,
-    data,
-    distributed,
-    divergence,
-    prefetch,
-    provenance,
-    steps,
-    tasks,
-    validation,
-    workdir,
-)
+from trainers import build, cli, distributed, divergence, steps, validation
+from trainers.input import batching, prefetch, tasks
+from trainers.rundir import checkpoint, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string(
@@ -104,13 +93,13 @@ def main(argv):
   batch_sharding = checked_batch_sharding(config, mesh)
   task = tasks.get_task(config)
   eval_batches = held_out_batches(task, config)
-  model, init = components.model_and_init(config, components.example_input(task, eval_batches[0]))
+  model, init = build.model_and_init(config, build.example_input(task, eval_batches[0]))
   task.check(model)  # Token ids / labels fit the model, before init.
-  loss_fn = components.loss_fn(task, model)
+  loss_fn = build.loss_fn(task, model)
   # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
   # The params' plan first: Kron, Shampoo and Muon cut their blocks inside each device's shard.
-  layout = components.param_layout(config, init, mesh)
-  tx, learning_rates = components.optimizer(config, layout)
+  layout = build.param_layout(config, init, mesh)
+  tx, learning_rates = build.optimizer(config, layout)
   plan = checked_plan(config, init, tx, mesh, is_main_process)
   train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
   eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
@@ -118,7 +107,7 @@ def main(argv):
 
   # Every check passed: only now is the workdir touched.
   # A restore onto another mesh moves Kron's and Shampoo's block stacks to this layout.
-  blocking = checkpoint.Blocking(layout, lambda other: components.optimizer(config, other)[0])
+  blocking = checkpoint.Blocking(layout, lambda other: build.optimizer(config, other)[0])
   ckpt, metrics = open_workdir(_WORKDIR.value, config, blocking, is_main_process)
   write = metrics.write if is_main_process else None
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
@@ -155,7 +144,7 @@ def start_backend() -> None:
 def checked_batch_sharding(config, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   """The batch's sharding over the data axes, once the batch size divides over them."""
   data_axes = steps.data_axes(mesh, config.sharding_rules, config.data_axes)
-  steps.check_batch_size(config.batch_size, mesh, data_axes, jax.process_count())
+  batching.check_batch_size(config.batch_size, mesh, data_axes, jax.process_count())
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
   return steps.batch_sharding(mesh, data_axes)
 
@@ -168,7 +157,7 @@ def held_out_batches(task, config) -> list:
 
 def checked_plan(config, init, tx, mesh, is_main_process: bool) -> bvs.Plan:
   """The plan of ``{"params", "opt"}``, checked (coverage, same on every process, memory)."""
-  plan = components.plan_state(config, init, tx, mesh)
+  plan = build.plan_state(config, init, tx, mesh)
   if is_main_process:
     logging.info("sharding plan:\n%s", plan.report())
   if config.get("max_unsharded_fraction") is not None:
@@ -180,7 +169,7 @@ def checked_plan(config, init, tx, mesh, is_main_process: bool) -> bvs.Plan:
 
 def mean_loss(eval_step, params, batches, batch_sharding) -> float:
   """The mean of ``eval_step`` over the held-out ``batches``."""
-  return float(np.mean([eval_step(params, data.to_global(b, batch_sharding)) for b in batches]))
+  return float(np.mean([eval_step(params, batching.to_global(b, batch_sharding)) for b in batches]))
 
 
 def open_workdir(path: str, config, blocking: checkpoint.Blocking, is_main_process: bool):

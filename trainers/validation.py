@@ -4,7 +4,7 @@
 workdir is touched): counts >= 1, seeds >= 0, a positive finite learning rate, a positive
 clip norm or None, warmup >= 0, distinct data axes, well-formed strategy and rule lists,
 and >= 1 processes and devices. The input's own checks
-(``trainers/sources.py``) cover what needs the data (seq_len against the files), and
+(``trainers/input/sources.py``) cover what needs the data (seq_len against the files), and
 ``check_memory`` compares the plan's bytes per device with the devices' memory before init.
 Each failure is one ``ConfigError`` naming ``config.<key>`` (or the flag) and a valid value.
 

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from tests.entry_points import quick_lm, run_module
+from tests.helpers import quick_lm, run_module
 
 TRAIN = (
     "--config=configs/lm.py",

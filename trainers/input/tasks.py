@@ -1,6 +1,6 @@
 """What differs between training tasks: data splits, batches, model inputs and the loss.
 
-``config.input`` (trainers/sources.py) picks the task: "tokens" and "text" are
+``config.input`` (trainers/input/sources.py) picks the task: "tokens" and "text" are
 next-token prediction with a language model, "images" and "digits" image
 classification with a ViT. Everything else in the trainer is the same for all.
 ``Task.check(model)`` compares the data with the model (token ids below its
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
-from trainers import data, sources
 from trainers.errors import ConfigError
+from trainers.input import batching, sources
 
 
 class Task(NamedTuple):
@@ -79,7 +79,7 @@ def language_model(config, spec) -> Task:
   return Task(
       train,
       held_out,
-      batches=lambda split, **kw: data.text_batches(split, seq_len=config.seq_len, **kw),
+      batches=lambda split, **kw: batching.text_batches(split, seq_len=config.seq_len, **kw),
       inputs=lambda batch: batch[:, :-1],
       loss=lambda logits, batch: cross_entropy(logits, batch[:, 1:]),
       unit="tokens",
@@ -104,11 +104,11 @@ def classifier(config, spec) -> Task:
   """
   del config  # Unused: the images carry their size.
   if spec.kind == "digits":
-    train, held_out = data.load_digits()
+    train, held_out = sources.load_digits()
   elif spec.val:
     train, held_out = (sources.open_image_split(spec, key) for key in ("train", "val"))
   else:
-    train, held_out = data.holdout_split(
+    train, held_out = sources.holdout_split(
         sources.open_image_split(spec, "train"), spec.eval_fraction
     )
     if not len(held_out["label"]):
@@ -124,7 +124,7 @@ def classifier(config, spec) -> Task:
   return Task(
       train,
       held_out,
-      batches=data.image_batches,
+      batches=batching.image_batches,
       inputs=lambda batch: image_pixels(batch["image"]),
       loss=lambda logits, batch: cross_entropy(logits, batch["label"]),
       unit="images",

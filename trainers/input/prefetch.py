@@ -8,7 +8,7 @@ batches stay a pure function of (seed, step).
 
 In the train loop::
 
-  local = data.text_batches(train, seq_len=128, global_batch=32, seed=0, start_step=k)
+  local = batching.text_batches(train, seq_len=128, global_batch=32, seed=0, start_step=k)
   for step, batch in zip(range(k + 1, total + 1), to_device(local, sharding, depth=2)):
     state, loss = train_step(state, batch)
 
@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from trainers import data
+from trainers.input import batching
 
 _DONE = object()
 
@@ -50,7 +50,7 @@ def _produce(batches: Iterator, sharding, out: queue.Queue, stop: threading.Even
   """Puts global batches (then _DONE, or the exception raised) into ``out`` until ``stop``."""
   try:
     for local in batches:
-      if not _put(out, data.to_global(local, sharding), stop):
+      if not _put(out, batching.to_global(local, sharding), stop):
         return
     _put(out, _DONE, stop)
   except Exception as e:
@@ -60,7 +60,7 @@ def _produce(batches: Iterator, sharding, out: queue.Queue, stop: threading.Even
 def to_device(
     batches: Iterator[Any], sharding: jax.sharding.Sharding, depth: int = 2
 ) -> Iterator[Any]:
-  """Yields ``data.to_global(b, sharding)`` for each b of ``batches``, ``depth`` steps prefetched.
+  """Yields ``batching.to_global(b, sharding)`` for each b of ``batches``, ``depth`` steps prefetched.
 
   The thread starts at the first ``next`` and stops when the generator is closed
   or collected; an exception in it is raised here.

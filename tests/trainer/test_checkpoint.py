@@ -26,9 +26,10 @@ from jax.sharding import SingleDeviceSharding
 
 import bv_sharding as bvs
 from configs import lm
-from tests.entry_points import ROOT, environment, run_module
-from trainers import checkpoint, components, models, optimizers, steps
+from tests.helpers import ROOT, environment, run_module
+from trainers import build, models, optimizers, steps
 from trainers.optimizers import layout
+from trainers.rundir import checkpoint
 
 STEPS = 8
 RUN = (
@@ -377,12 +378,12 @@ def blocked_lm(optax_name: str, block_size: int, devices: int):
   config = lm.get_config()
   config.optax_name, config.optax, config.total_steps = optax_name, {"block_size": block_size}, 8
   config.schedule.warmup_steps = 2
-  _, init = components.model_and_init(config, np.zeros((1, 32), np.int32))
+  _, init = build.model_and_init(config, np.zeros((1, 32), np.int32))
   mesh = bvs.make_mesh([("data", devices)], devices=jax.devices()[:devices])
-  layout = components.param_layout(config, init, mesh)
-  tx = components.optimizer(config, layout)[0]
-  optimizer_for = lambda other: components.optimizer(config, other)[0]
-  plan = components.plan_state(config, init, tx, mesh)
+  layout = build.param_layout(config, init, mesh)
+  tx = build.optimizer(config, layout)[0]
+  optimizer_for = lambda other: build.optimizer(config, other)[0]
+  plan = build.plan_state(config, init, tx, mesh)
   return plan, checkpoint.Blocking(layout, optimizer_for), plan.abstract()["params"]
 
 

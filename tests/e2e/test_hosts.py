@@ -13,7 +13,7 @@ import bv_sharding as bvs
 from bv_sharding import fingerprint
 from trainers import distributed, launch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 

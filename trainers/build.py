@@ -6,7 +6,7 @@ devices (``trainers/plan.py``), so the command plans exactly what the trainer ru
 Example:
   >>> import bv_sharding as bvs
   >>> from configs import lm
-  >>> from trainers import tasks
+  >>> from trainers.input import tasks
   >>> config = lm.get_config()
   >>> task = tasks.get_task(config)
   >>> batch = next(task.batches(task.train, global_batch=config.batch_size, seed=0))

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def python_block(section: str) -> str:

@@ -30,7 +30,7 @@ import time
 
 import jax
 
-from trainers import workdir as workdir_lib
+from trainers.rundir import workdir as workdir_lib
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml_collections")
 REPO = pathlib.Path(__file__).resolve().parents[1]

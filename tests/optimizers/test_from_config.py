@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from configs import lm
-from tests.entry_points import ROOT, load_tool
+from tests.helpers import ROOT, load_tool
 from trainers.optimizers import OptimizerError, from_config, make_schedule
 
 record = load_tool("record_big_vision")

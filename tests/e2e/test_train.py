@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.entry_points import quick_lm, run_module
+from tests.helpers import quick_lm, run_module
 
 SHORT = quick_lm(total_steps=30, log_every=10, eval_every=30, eval_batches=2)
 

@@ -41,7 +41,9 @@ import glob
 import json
 import os
 import sysconfig
+from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -88,7 +90,7 @@ def input_spec(value) -> ml_collections.ConfigDict:
     if value not in NAMED:
       raise ConfigError(
           f"config.input={value!r} is not a named input; use one of {sorted(NAMED)} or a dict "
-          f"with kind in {KINDS} (see trainers/sources.py)"
+          f"with kind in {KINDS} (see trainers/input/sources.py)"
       )
     value = NAMED[value]
   spec = ml_collections.ConfigDict(input_config(**dict(value)))
@@ -363,3 +365,33 @@ def check_labels(split: dict, num_classes: int, key: str) -> None:
         f"{where} holds labels in [{low}, {high}] but the model has "
         f"{num_classes} classes; set config.model.num_classes={high + 1} or fix the labels"
     )
+
+
+def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
+  """Splits every leaf of ``data`` along axis 0 into (head, last eval_fraction).
+
+  Example: ``holdout_split(np.arange(10), 0.2)`` -> (arange(8), [8, 9]).
+  """
+  n = len(jax.tree.leaves(data)[0])
+  cut = n - round(n * eval_fraction)
+  return (jax.tree.map(lambda x: x[:cut], data), jax.tree.map(lambda x: x[cut:], data))
+
+
+def load_digits(eval_fraction: float = 0.2) -> tuple[dict, dict]:
+  """Returns (train, eval) dicts of sklearn's 1797 8x8 digits.
+
+  "image" is float32 (N, 8, 8, 1) in [0, 1]; "label" is int32 (N,). The eval
+  split is the last ``eval_fraction`` of the (fixed) dataset order.
+
+  Example: ``train, test = load_digits(); train["image"].shape[1:] == (8, 8, 1)``.
+  """
+  try:
+    from sklearn import datasets  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("Image data needs scikit-learn: `pip install scikit-learn`.") from e
+  digits = datasets.load_digits()
+  data = {
+      "image": (digits.images[..., None] / 16.0).astype(np.float32),
+      "label": digits.target.astype(np.int32),
+  }
+  return holdout_split(data, eval_fraction)

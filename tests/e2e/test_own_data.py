@@ -7,7 +7,7 @@ a few steps of a tiny model; the loss must fall. A bad input fails before init.
 import numpy as np
 import pytest
 
-from tests.test_train import SHORT, train
+from tests.e2e.test_train import SHORT, train
 
 
 def learnable_tokens(n, vocab=512, period=97, seed=0):

@@ -1,4 +1,4 @@
-"""trainers/sources.py and trainers/convert.py: token files, text corpora and .npy images on disk.
+"""trainers/input/sources.py and trainers/convert.py: token files, text corpora and .npy images on disk.
 
 Every file here is written by the test; windows are compared with the same
 tokens held in memory, and every kind of bad input must raise a ConfigError
@@ -11,8 +11,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from trainers import convert, data, models, sources, tasks
+from trainers import convert, models
 from trainers.errors import ConfigError
+from trainers.input import batching, sources, tasks
 
 TOKENS = (np.arange(30_000) * 7 % 1000).astype(np.uint16)  # ids < 1000, no two windows alike
 
@@ -29,7 +30,7 @@ def task(seq_len=16, **overrides):
 
 
 def window_batch(stream, step=0, process_index=0, process_count=1, global_batch=8):
-  it = data.text_batches(
+  it = batching.text_batches(
       stream,
       seq_len=16,
       global_batch=global_batch,

@@ -1,4 +1,4 @@
-"""trainers/prefetch.py: the background thread keeps the order, the sharding and its distance."""
+"""trainers/input/prefetch.py: the background thread keeps the order, the sharding and its distance."""
 
 import threading
 import time
@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers import data, prefetch
+from trainers.input import batching, prefetch
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_batches_arrive_in_order_on_the_batch_sharding(sharding):
   assert len(got) == 5
   for step, (batch, local) in enumerate(zip(got, local_batches(5))):
     assert batch["x"].sharding == sharding and batch["x"].shape == (16, 3)
-    expected = data.to_global(local, sharding)
+    expected = batching.to_global(local, sharding)
     for key in local:
       np.testing.assert_array_equal(np.asarray(batch[key]), np.asarray(expected[key]))
     assert np.asarray(batch["x"])[0, 0] == step

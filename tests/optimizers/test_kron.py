@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding import traffic
-from tests.test_optimizers_second_order import _final_loss, _ill_conditioned_regression
+from tests.optimizers.test_second_order import _final_loss, _ill_conditioned_regression
 from trainers.optimizers import kron, scale_by_kron
 
 SHAPES = lambda tree: jax.tree.map(lambda x: x.shape, tree)

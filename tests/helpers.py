@@ -1,7 +1,7 @@
 """The real entry points run in subprocesses, as users run them: ``python -m <module> ...``.
 
 Runs start from the repo root on the CPU backend and inherit this process's
-environment (``conftest.py`` gives OpenBLAS one thread; see ``trainers/host.py``).
+environment (``conftest.py`` gives OpenBLAS one thread; see ``trainers/__init__.py``).
 """
 
 import importlib.util
@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
 
 
 def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: int) -> tuple:

@@ -24,7 +24,7 @@ import pytest
 
 import bv_sharding as bvs
 
-DATA = pathlib.Path(__file__).parent / "data" / "big_vision_placements.json"
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "big_vision_placements.json"
 RECORDED_COMMIT = "0127fb6b337ee2a27bf4e54dea79cff176527356"  # big_vision main, 2025-05-19
 
 

@@ -9,7 +9,7 @@ precondition-opt 0.3.0 ``distributed_shampoo`` (eigh roots) in a separate venv
 import numpy as np
 import pytest
 
-from tests.entry_points import load_tool
+from tests.helpers import load_tool
 from trainers.optimizers import kron, precond_update_prob_schedule, shampoo
 
 reference = load_tool("make_reference_data")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bv_sharding.specs import MiB
-from tests.entry_points import run_module
+from tests.helpers import run_module
 from trainers import plan as command
 
 MESH = '[("data", 64), ("model", 4)]'

@@ -5,11 +5,11 @@ drawn from ``np.random.default_rng((seed, step))``. Each process then reads only
 its contiguous slice of rows, so 1 process x 8 devices and 2 processes x 4
 devices see the same global batch, ``start_step`` resumes the exact order with no
 iterator state, and ``to_global`` stitches the slices into global ``jax.Array``s.
-The sources (token files, text, .npy images) are opened by trainers/sources.py.
+The sources (token files, text, .npy images) are opened by trainers/input/sources.py.
 
 Example:
   >>> import jax
-  >>> from trainers import sources
+  >>> from trainers.input import sources
   >>> train = sources.TokenStream((np.arange(1000, dtype=np.uint8),), ("bytes",))
   >>> it = text_batches(train, seq_len=16, global_batch=8, seed=0)
   >>> local = next(it)  # this process's rows: (8 // jax.process_count(), 17) int32
@@ -20,43 +20,14 @@ Example:
 """
 
 import itertools
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from trainers import steps
-
-
-def holdout_split(data: Any, eval_fraction: float) -> tuple[Any, Any]:
-  """Splits every leaf of ``data`` along axis 0 into (head, last eval_fraction).
-
-  Example: ``holdout_split(np.arange(10), 0.2)`` -> (arange(8), [8, 9]).
-  """
-  n = len(jax.tree.leaves(data)[0])
-  cut = n - round(n * eval_fraction)
-  return (jax.tree.map(lambda x: x[:cut], data), jax.tree.map(lambda x: x[cut:], data))
-
-
-def load_digits(eval_fraction: float = 0.2) -> tuple[dict, dict]:
-  """Returns (train, eval) dicts of sklearn's 1797 8x8 digits.
-
-  "image" is float32 (N, 8, 8, 1) in [0, 1]; "label" is int32 (N,). The eval
-  split is the last ``eval_fraction`` of the (fixed) dataset order.
-
-  Example: ``train, test = load_digits(); train["image"].shape[1:] == (8, 8, 1)``.
-  """
-  try:
-    from sklearn import datasets  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ImportError("Image data needs scikit-learn: `pip install scikit-learn`.") from e
-  digits = datasets.load_digits()
-  data = {
-      "image": (digits.images[..., None] / 16.0).astype(np.float32),
-      "label": digits.target.astype(np.int32),
-  }
-  return holdout_split(data, eval_fraction)
+from trainers.errors import ConfigError
 
 
 def local_rows(
@@ -101,7 +72,7 @@ def batches(
     process_index = jax.process_index()
   if process_count is None:
     process_count = jax.process_count()
-  steps.check_batch_size(global_batch, process_count=process_count)
+  check_batch_size(global_batch, process_count=process_count)
   return (
       take(local_rows(seed, step, global_batch, num_choices, process_index, process_count))
       for step in itertools.count(start_step)
@@ -138,3 +109,29 @@ def to_global(local_batch: Any, sharding: jax.sharding.Sharding) -> Any:
   Example: ``to_global(local, NamedSharding(mesh, P("data")))``.
   """
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
+
+
+def check_batch_size(
+    batch_size: int, mesh=None, axes: Sequence[str] = (), process_count: int = 1
+) -> None:
+  """Raises ``ConfigError`` unless ``batch_size`` splits evenly over the data axes and the processes.
+
+  The one place batch divisibility is checked: the trainer calls it with the mesh
+  before anything is allocated, ``batches`` without one (processes only).
+
+  Example:
+    >>> from bv_sharding import make_abstract_mesh
+    >>> check_batch_size(32, make_abstract_mesh([("data", -1)], 8), ("data",), 2)
+    >>> check_batch_size(30, make_abstract_mesh([("data", -1)], 8), ("data",), 1)
+    Traceback (most recent call last):
+    ...
+    trainers.errors.ConfigError: config.batch_size=30 must be a positive multiple of 8: ...
+  """
+  shards = math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1
+  need = math.lcm(shards, process_count)
+  if batch_size <= 0 or batch_size % need:
+    over = f"the data axes {tuple(axes)} span {shards} devices and " if mesh is not None else ""
+    raise ConfigError(
+        f"config.batch_size={batch_size} must be a positive multiple of {need}: {over}there are "
+        f"{process_count} processes; use e.g. --config.batch_size={max(need, batch_size // need * need)}"
+    )

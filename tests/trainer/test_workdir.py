@@ -1,4 +1,4 @@
-"""trainers/workdir.py: an earlier run's files are moved aside, never truncated; lines are whole JSON."""
+"""trainers/rundir/workdir.py: an earlier run's files are moved aside, never truncated; lines are whole JSON."""
 
 import json
 import math
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from trainers import workdir
 from trainers.errors import ConfigError
+from trainers.rundir import workdir
 
 
 def fill(path, content):
@@ -73,7 +73,7 @@ def test_metrics_lines_are_strict_json_without_nan(tmp_path):
 def test_a_killed_writer_leaves_only_whole_lines(tmp_path):
   """A process killed while writing long lines in a loop never leaves a partial line."""
   code = (
-      "import sys; from trainers import workdir\n"
+      "import sys; from trainers.rundir import workdir\n"
       "w = workdir.MetricsWriter(sys.argv[1])\n"
       "for step in range(10**9):\n"
       "  w.write({'step': step, 'pad': 'x' * 4000})\n"
@@ -81,7 +81,7 @@ def test_a_killed_writer_leaves_only_whole_lines(tmp_path):
   )
   proc = subprocess.Popen(
       [sys.executable, "-c", code, str(tmp_path)],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
       stdout=subprocess.PIPE,
       text=True,
   )

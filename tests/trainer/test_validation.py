@@ -16,7 +16,7 @@ import pytest
 
 import configs.lm
 import configs.vit_digits
-from tests.entry_points import run_module
+from tests.helpers import run_module
 from trainers import cli, divergence, launch, validation
 from trainers.errors import ConfigError, NonFiniteLossError
 

@@ -1,4 +1,4 @@
-"""Tests for trainers.data: determinism, held-out splits, per-process slicing, resuming."""
+"""Tests for trainers.input.batching: determinism, held-out splits, per-process slicing, resuming."""
 
 import os
 import pathlib
@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from trainers import data, sources
 from trainers.errors import ConfigError
+from trainers.input import batching, sources
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 ARRAY = (np.arange(10_000) % 251).astype(np.uint8)
 STREAM = sources.TokenStream((ARRAY,), ("stream",))
 IMAGES = {
@@ -30,7 +30,7 @@ def _take(iterator, n):
 def _text(step=0, seed=0, process_index=0, process_count=1):
   """Step ``step`` of an 8 x 9 window pipeline over STREAM."""
   return next(
-      data.text_batches(
+      batching.text_batches(
           STREAM,
           seq_len=8,
           global_batch=8,
@@ -43,10 +43,10 @@ def _text(step=0, seed=0, process_index=0, process_count=1):
 
 
 def test_holdout_split_is_a_disjoint_tail():
-  train, held_out = data.holdout_split(ARRAY, 0.1)
+  train, held_out = sources.holdout_split(ARRAY, 0.1)
   assert len(held_out) == 1000
   np.testing.assert_array_equal(np.concatenate([train, held_out]), ARRAY)
-  train, held_out = data.holdout_split(IMAGES, 0.2)
+  train, held_out = sources.holdout_split(IMAGES, 0.2)
   assert set(train["label"]).isdisjoint(held_out["label"])
   assert len(train["image"]) + len(held_out["image"]) == 50
 
@@ -59,7 +59,7 @@ def test_text_batches_are_windows_of_the_stream():
 
 
 def test_batches_are_deterministic_per_step():
-  it = data.text_batches(
+  it = batching.text_batches(
       STREAM, seq_len=8, global_batch=8, seed=0, process_index=0, process_count=1
   )
   steps = _take(it, 3)
@@ -81,7 +81,7 @@ def test_process_slices_concatenate_to_the_global_batch(process_count):
 def test_image_process_slices_concatenate_to_the_global_batch():
   def batch(p, n):
     return next(
-        data.image_batches(IMAGES, global_batch=8, seed=3, process_index=p, process_count=n)
+        batching.image_batches(IMAGES, global_batch=8, seed=3, process_index=p, process_count=n)
     )
 
   full = batch(0, 1)
@@ -94,15 +94,17 @@ def test_image_process_slices_concatenate_to_the_global_batch():
 
 def test_global_batch_must_divide_by_process_count():
   with pytest.raises(ConfigError, match="batch_size=6 must be a positive multiple of 4"):
-    data.text_batches(STREAM, seq_len=8, global_batch=6, seed=0, process_index=0, process_count=4)
+    batching.text_batches(
+        STREAM, seq_len=8, global_batch=6, seed=0, process_index=0, process_count=4
+    )
 
 
 def test_to_global_shards_rows_over_devices():
   n = jax.device_count()  # 8 under tests/conftest.py.
   mesh = jax.make_mesh((n,), ("data",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  local = next(data.image_batches(IMAGES, global_batch=2 * n, seed=0))
-  batch = data.to_global(local, sharding)
+  local = next(batching.image_batches(IMAGES, global_batch=2 * n, seed=0))
+  batch = batching.to_global(local, sharding)
   assert batch["image"].shape == (2 * n, 2, 2, 1)
   assert len(batch["label"].addressable_shards) == n
   for shard in batch["label"].addressable_shards:
@@ -113,7 +115,7 @@ _WORKER = textwrap.dedent("""
     import sys
     import jax
     import numpy as np
-    from trainers import data, sources
+    from trainers.input import batching, sources
 
     process_id, port, out, path = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     jax.config.update("jax_num_cpu_devices", 4)
@@ -123,9 +125,9 @@ _WORKER = textwrap.dedent("""
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     spec = sources.input_spec(sources.input_config(kind="tokens", train=path, dtype="uint8"))
     train = sources.token_stream(spec, "train")  # memmapped; this process reads its rows
-    local = next(data.text_batches(train, seq_len=8, global_batch=8, seed=0,
+    local = next(batching.text_batches(train, seq_len=8, global_batch=8, seed=0,
                                    start_step=2))
-    batch = data.to_global(local, sharding)
+    batch = batching.to_global(local, sharding)
     np.savez(out, **{str(s.index[0].start): s.data
                      for s in batch.addressable_shards})
 """)
@@ -165,7 +167,7 @@ def test_two_processes_of_four_devices_build_the_one_process_batch(tmp_path):
 
 def test_load_digits():
   pytest.importorskip("sklearn")
-  train, held_out = data.load_digits(eval_fraction=0.2)
+  train, held_out = sources.load_digits(eval_fraction=0.2)
   assert train["image"].shape == (1438, 8, 8, 1)
   assert held_out["label"].shape == (359,)
   assert train["image"].dtype == np.float32 and train["label"].dtype == np.int32
