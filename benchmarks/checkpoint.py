@@ -20,7 +20,6 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
-import argparse
 import tempfile
 import time
 
@@ -31,6 +30,7 @@ import numpy as np
 from benchmarks.throughput import setup
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
+from trainers import cli
 from trainers.rundir import checkpoint
 
 
@@ -67,13 +67,12 @@ def measure(config, saves: int, use_async: bool) -> dict:
   }
 
 
-def main():
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.checkpoint", __doc__)
   parser.add_argument("--sizes", default="tiny,small")
   parser.add_argument("--saves", type=int, default=5, help="timed saves per measurement")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", 8)
   checkpoint.quiet_orbax()
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices, AdamW, batch 16\n")

@@ -9,13 +9,12 @@ Llama (V=8192, C=512, F=2048, 2 unscanned layers); ``zoo.optimizers(block_size=1
 distributed_shampoo blocks of 128, the project's shampoo 64, tearfree_layout 32 and
 kron_blocks 256 (the registry's default).
 
-  python -m benchmarks.communication [--optimizers kron,psgd_kron] [--factor-rows]
+  python -m benchmarks.communication [--optimizers kron,psgd_kron] [--factor_rows]
 
-``--factor-rows`` adds Kron's factors on rows next to the default's columns
+``--factor_rows`` adds Kron's factors on rows next to the default's columns
 (``bv_sharding.following.FACTOR_DIM``).
 """
 
-import argparse
 import os
 
 from trainers import ONE_BLAS_THREAD
@@ -31,6 +30,7 @@ import optax  # noqa: E402
 import bv_sharding as bvs  # noqa: E402
 from benchmarks import placements, shapes, zoo  # noqa: E402
 from bv_sharding import traffic  # noqa: E402
+from trainers import cli  # noqa: E402
 
 MB = 1e6
 
@@ -50,15 +50,16 @@ def update_traffic(tx, params_shape, opt_shape, placement) -> float:
   return traffic.wire_bytes(step.lower(params_shape, opt_shape, params_shape).compile().as_text())
 
 
-def main():
-  parser = argparse.ArgumentParser()
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.communication", __doc__)
   parser.add_argument(
       "--optimizers", default="", help="comma-separated subset of benchmarks/zoo.py"
   )
   parser.add_argument(
-      "--factor-rows", action="store_true", help="add a placement with Kron factors on rows"
+      "--factor_rows", action="store_true", help="add a placement with Kron factors on rows"
   )
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   params = shapes.llama_params(d=512, vocab=8192, ff=2048)
   params = {
       "embed": params["embed"],

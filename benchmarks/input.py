@@ -20,7 +20,6 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
-import argparse
 import itertools
 import statistics
 import tempfile
@@ -33,7 +32,7 @@ import numpy as np
 import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import build, optimizers, steps
+from trainers import build, cli, optimizers, steps
 from trainers.input import batching, prefetch, sources, tasks
 
 
@@ -57,16 +56,15 @@ def loader_tokens_per_sec(task, batch_size: int, seq_len: int, num_steps: int) -
   return num_steps * batch_size // jax.process_count() * seq_len / best
 
 
-def main():
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.input", __doc__)
   parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
   parser.add_argument("--rounds", type=int, default=8)
   parser.add_argument("--batch_size", type=int, default=32)
   parser.add_argument("--seq_len", type=int, default=128)
   parser.add_argument("--file_mib", type=int, default=256)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", 8)
 
   config = lm.get_config()

@@ -9,11 +9,10 @@ configs/lm_7b_pod.py (data x model) on 256 abstract devices, scanned and unscann
 with the registry's optimizers given the params' layout as trainers/train.py does
 (shard-local Kron/Shampoo blocks). Goal: ratio <= 1.05.
 
-  python -m benchmarks.memory [--only-2d]
+  python -m benchmarks.memory [--only_2d]
 """
 
 import itertools
-import sys
 
 import flax.linen as nn
 import jax
@@ -23,7 +22,7 @@ import bv_sharding as bvs
 from benchmarks import placements, zoo
 from bv_sharding.specs import MiB
 from configs import lm_7b_pod, lm_tp_fsdp
-from trainers import optimizers, steps
+from trainers import cli, optimizers, steps
 from trainers.models import get_model
 
 GiB = 1024 * MiB
@@ -99,8 +98,11 @@ def one_d_table():
         )
 
 
-def main():
-  if "--only-2d" not in sys.argv:
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.memory", __doc__)
+  parser.add_argument("--only_2d", action="store_true", help="only the trainer's 2-D plans")
+  if not parser.parse_args(argv).only_2d:
     one_d_table()
     print()
   trainer_table()

@@ -11,7 +11,6 @@ supplied here).
   python -m benchmarks.plan_speed --seed /work/shared/seeds/sharding.py
 """
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -24,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import bv_sharding as bvs
-from trainers import models, optimizers
+from trainers import cli, models, optimizers
 
 POD = [("data", 64), ("model", 4)]
 STRATEGY = [(".*", 'tensor_parallel(axis="model")|llm_fsdp(axis="data")')]
@@ -65,8 +64,9 @@ def load_seed(path: str):
   return module
 
 
+@cli.command
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__)
+  parser = cli.Parser("python -m benchmarks.plan_speed", __doc__)
   parser.add_argument("--seed", help="path of the seed's sharding.py, to time it too")
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args(argv)

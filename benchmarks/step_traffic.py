@@ -24,7 +24,6 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
 
-import argparse
 import contextlib
 import importlib
 import itertools
@@ -39,7 +38,7 @@ import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
 from bv_sharding import traffic  # noqa: E402
-from trainers import models, optimizers, steps  # noqa: E402
+from trainers import cli, models, optimizers, steps  # noqa: E402
 from trainers.input import tasks  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
@@ -154,14 +153,13 @@ def measure(config, optimizer: str) -> dict:
   }
 
 
-def main():
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.step_traffic", __doc__)
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
   parser.add_argument("--scan_layers", default="false", help="false, true or false,true")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   print(
       "| config | scan | optimizer | step MB/device | x adamw | x FSDP min | gathers x P | "
       "reductions x P | collectives | compile s | update GFLOP/device | "

@@ -14,7 +14,6 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
-import argparse
 import itertools
 
 import flax.linen as nn
@@ -23,7 +22,7 @@ import jax
 import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import build, optimizers, steps
+from trainers import build, cli, optimizers, steps
 from trainers.input import batching, tasks
 
 
@@ -60,14 +59,13 @@ def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> floa
   return 1 / seconds
 
 
-def main():
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.throughput", __doc__)
   parser.add_argument("--sizes", default="tiny,small")
   parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS))
   parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", 8)
   print(
       f"{jax.device_count()} {jax.devices()[0].platform} devices, {args.steps} timed steps "

@@ -36,7 +36,7 @@ from bv_sharding.specs import Spec, axes_of
 
 # Which dim of a square Kron factor (d_i, d_i) takes param dim i's axis: dim 1
 # (columns). Measured with `python -m benchmarks.communication --optimizers psgd_kron
-# --factor-rows`: one psgd-jax Kron update of the benchmark model moves 1.8x fewer wire
+# --factor_rows`: one psgd-jax Kron update of the benchmark model moves 1.8x fewer wire
 # bytes per device with columns (1268 MB) than with rows (2253 MB); the README's
 # communication table has both rows. `preconditioner(dim=0)` overrides it.
 FACTOR_DIM = 1

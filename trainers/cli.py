@@ -1,11 +1,19 @@
-"""The trainer's command line: config loading and errors of ours as one line, exit status 1.
+"""The commands' one dialect: snake_case flags, and errors of ours as one line, exit status 1.
+
+Every command (``trainers.train``, ``trainers.plan``, ``trainers.launch``,
+``trainers.convert``) and every benchmark takes snake_case flags. The dashed spellings of
+older scripts (``--num-devices``) still parse, each with a one-line deprecation note on
+stderr (:func:`snake_case`); ``--help`` shows the snake_case ones only. A bad input ends
+as exactly one line on stderr, ``ConfigError: <what> <fix>``, with exit status 1; ``--debug``
+(or ``BV_DEBUG=1``) shows the full traceback instead (:func:`fail`).
 
 ``run(main)`` is ``absl.app.run(main)`` with a flags parser that loads ``--config`` first and
 turns each config-loading mistake into one ``ConfigError`` line naming the file or key: a
 missing ``--config``, a missing file, a syntax error, no ``get_config``, a ``get_config`` that
 raises, an override of a key the config file does not define (with the closest key), or
 an override value of the wrong type. Any ``bvs.Error`` raised in ``main`` is printed the same
-way. ``--debug`` (or ``BV_DEBUG=1``) shows the full traceback instead.
+way. Commands on ``argparse`` build their parser with :class:`Parser` (a usage mistake, such
+as an unknown flag, raises ``ConfigError``) and wrap their ``main`` in :func:`command`.
 
 Keys under ``config.optax`` are the optimizer's keyword arguments: any may be added from
 the command line (``--config.optax.b1=0.9``); the optimizer's signature checks them.
@@ -31,9 +39,19 @@ Example:
   Traceback (most recent call last):
   ...
   trainers.errors.ConfigError: --config.lrr: ... has no key config.lrr; did you mean 'lr'? ...
+  >>> parser = Parser("python -m tool", "A tool.")
+  >>> _ = parser.add_argument("--num_devices", type=int)
+  >>> parser.parse_args(["--num_devices=8"]).num_devices
+  8
+  >>> parser.parse_args(["--num_device=8"])
+  Traceback (most recent call last):
+  ...
+  trainers.errors.ConfigError: unrecognized arguments: --num_device=8; see python -m tool --help
 """
 
+import argparse
 import ast
+import functools
 import importlib.util
 import os
 import sys
@@ -49,8 +67,9 @@ CONFIG_FLAG = "config"
 OPEN_DICTS = ("optax",)  # Keyword-argument dicts: the command line may add any key.
 DEBUG_ENV = "BV_DEBUG"
 HELP = ("-h", "--help", "--helpshort", "--helpfull", "-?")
+DEBUG_HELP = f"full tracebacks for errors of ours (or {DEBUG_ENV}=1)"
 
-flags.DEFINE_bool("debug", False, f"Full tracebacks for errors of ours (or {DEBUG_ENV}=1).")
+flags.DEFINE_bool("debug", False, DEBUG_HELP)
 
 
 def run(main) -> None:
@@ -58,25 +77,102 @@ def run(main) -> None:
 
   Example: ``run(main)`` at the bottom of trainers/train.py.
   """
+  app.run(command(main), flags_parser=parse_flags)
 
-  def reporting(argv):
+
+def command(main):
+  """``main(argv=None)`` whose errors of ours end as one line on stderr and exit status 1.
+
+  Example: ``@cli.command`` above ``def main(argv=None)`` in trainers/plan.py.
+  """
+
+  @functools.wraps(main)
+  def reporting(argv=None):
     try:
-      main(argv)
+      return main(argv)
     except Error as e:
-      fail(e)
+      fail(e, argv)
 
-  app.run(reporting, flags_parser=parse_flags)
+  return reporting
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """Loads the ``--config`` file, then parses all flags; any mistake is one ``ConfigError`` line.
+class Parser(argparse.ArgumentParser):
+  """An ``argparse`` parser in the commands' dialect.
+
+  Flags are defined snake_case; their dashed spellings parse too, with a deprecation note
+  (:func:`snake_case`); a flag's name is never abbreviated. ``--debug`` is defined. A usage
+  mistake (an unknown flag, a missing or malformed argument) raises ``ConfigError`` instead
+  of exiting 2.
+
+  Example: ``Parser("python -m trainers.convert", __doc__)``, then ``add_argument``.
+  """
+
+  def __init__(self, prog: str, doc: str | None):
+    self.flags = set()  # Names of the long flags, for their dashed spellings.
+    super().__init__(
+        prog=prog,
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # Whole names only, as the trainer's absl flags.
+    )
+    self.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+
+  def add_argument(self, *names, **kwargs):
+    self.flags.update(name[2:] for name in names if name.startswith("--"))
+    return super().add_argument(*names, **kwargs)
+
+  def parse_known_args(self, args=None, namespace=None):
+    args = sys.argv[1:] if args is None else args
+    return super().parse_known_args(snake_case(args, self.flags), namespace)
+
+  def error(self, message: str):
+    raise ConfigError(f"{message}; see {self.prog} --help")
+
+
+def snake_case(args: list[str], names) -> list[str]:
+  """``args`` with the dashed spelling of each flag in ``names`` (``--num-devices``) turned into
+  its snake_case one, noting on stderr that it is deprecated; ``--`` ends the flags.
+
+  Example: ``snake_case(["--num-devices=8"], {"num_devices"})`` == ["--num_devices=8"] and
+  "--num-devices is deprecated: use --num_devices" on stderr.
+  """
+  out = list(args)
+  for i, arg in enumerate(out):
+    if arg == "--":
+      break
+    flag, eq, value = arg.partition("=")
+    name = flag[2:].replace("-", "_")
+    if flag.startswith("--") and "-" in flag[2:] and name in names:
+      print(f"{flag} is deprecated: use --{name}", file=sys.stderr)
+      out[i] = f"--{name}{eq}{value}"
+  return out
+
+
+def fraction(text: str) -> float:
+  """A number in [0, 1]: an argparse ``type`` (e.g. of ``trainers.plan --max_unsharded_fraction``).
+
+  Example: ``fraction("0.02")`` == 0.02; ``fraction("2")`` raises ArgumentTypeError.
+  """
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 <= value <= 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1], e.g. 0.02")
+  return value
+
+
+def parse_flags(argv: list[str], flag_values=flags.FLAGS) -> list[str]:
+  """Loads the ``--config`` file, then parses all flags (dashed spellings noted, as by
+  :func:`snake_case`); any mistake is one ``ConfigError`` line.
 
   Example: ``parse_flags(["train", "--config=configs/lm.py", "--workdir=/tmp/x"])``.
   """
+  argv = [argv[0], *snake_case(argv[1:], set(flag_values))]
   try:
     if any(arg.split("=")[0] in HELP for arg in argv):
-      return flags.FLAGS(argv)
-    return parse_with_config(argv, flags.FLAGS)
+      return flag_values(argv)
+    return parse_with_config(argv, flag_values)
   except Error as e:
     fail(e, argv)
 
@@ -129,11 +225,12 @@ def config_from_args(args: list[str]):
 
 
 def fail(error: Exception, argv=None) -> None:
-  """Prints ``error`` as one line to stderr and exits 1 (re-raises it under --debug).
+  """Prints ``error`` as one line to stderr and exits 1 (re-raises it under --debug, in
+  ``sys.argv`` or ``argv``, or BV_DEBUG=1).
 
   Example: ``fail(ConfigError("config.lr=-1.0: must be ..."))`` prints "ConfigError: config.lr=...".
   """
-  if os.environ.get(DEBUG_ENV) == "1" or "--debug" in (sys.argv if argv is None else argv):
+  if os.environ.get(DEBUG_ENV) == "1" or "--debug" in (*sys.argv, *(argv or ())):
     raise error
   message = " ".join(str(error).split("\n"))
   sys.stderr.write(f"{type(error).__name__}: {message}\n")

@@ -6,7 +6,9 @@
 The files (sorted) are streamed in 16 MiB chunks, never held whole; the first
 1 - val_fraction of the bytes go to train.bin, the rest to val.bin. Each output
 gets ``<name>.json`` with its dtype, token count and largest token id, so the
-trainer checks the vocabulary without scanning. Progress goes to stderr.
+trainer checks the vocabulary without scanning. Progress goes to stderr. A bad input (a
+path that names no file, an ``out_dir`` that cannot be made, a fraction outside [0, 1]) ends
+as one line, ``ConfigError: ...``, with exit status 1 (``--debug``: the traceback).
 
 Example:
   >>> import os, tempfile
@@ -19,7 +21,6 @@ Example:
   True
 """
 
-import argparse
 import json
 import os
 import sys
@@ -28,6 +29,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from trainers import cli
+from trainers.errors import ConfigError
 from trainers.input import sources
 
 CHUNK = 16 * 2**20
@@ -117,7 +120,7 @@ def convert(files: list[str], out_dir: str, val_fraction: float = 0.01, dtype: s
   Example: ``convert(["a.txt"], "/data/a", val_fraction=0.1)`` -> {"train": 90, "val": 10}.
   """
   total = sum(os.path.getsize(f) for f in files)
-  os.makedirs(out_dir, exist_ok=True)
+  make_dir(out_dir, "out_dir")
   progress = Progress(total)
   train, val = split_bytes(files, total - round(total * val_fraction), progress)
   return {
@@ -126,14 +129,31 @@ def convert(files: list[str], out_dir: str, val_fraction: float = 0.01, dtype: s
   }
 
 
+def make_dir(path: str, what: str) -> None:
+  """Creates directory ``path`` (and its parents); a ``ConfigError`` naming ``what`` if it can't.
+
+  Example:
+    >>> make_dir(__file__, "out_dir")
+    Traceback (most recent call last):
+    ...
+    trainers.errors.ConfigError: out_dir='.../convert.py' cannot be made a directory: ...
+  """
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(
+        f"{what}={path!r} cannot be made a directory: {e.strerror}; name a new or existing "
+        "directory you may write to"
+    ) from None
+
+
+@cli.command
 def main(argv=None) -> None:
   """``python -m trainers.convert TEXT OUT_DIR``: writes the token files, prints how to train."""
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = cli.Parser("python -m trainers.convert", __doc__)
   parser.add_argument("text", help="a UTF-8 text file, a glob or a directory (recursive)")
   parser.add_argument("out_dir", help="where train.bin, val.bin and their .json go")
-  parser.add_argument("--val_fraction", type=float, default=0.01)
+  parser.add_argument("--val_fraction", type=cli.fraction, default=0.01)
   parser.add_argument("--dtype", default="uint8", choices=sources.TOKEN_DTYPES)
   args = parser.parse_args(argv)
   counts = convert(

@@ -1,12 +1,13 @@
 """Starts N ``trainers.train`` processes on this host as one jax.distributed job.
 
-  python -m trainers.launch --processes 2 --devices-per-process 4 -- \
+  python -m trainers.launch --processes 2 --devices_per_process 4 -- \
       --config configs/lm.py --workdir /tmp/lm2
 
 Process 0 coordinates on 127.0.0.1 at a free port. Every line a process prints is
 prefixed with ``[pN] ``. If one process fails the others are killed, and the exit
-status is the first failure's (124 if ``--timeout`` seconds pass first). Counts below 1 or a
-non-positive timeout end it before anything is spawned, as one ``ConfigError`` line.
+status is the first failure's (124 if ``--timeout`` seconds pass first). A bad input (counts
+below 1, a non-positive timeout, an unknown flag) ends it before anything is spawned, as one
+line, ``ConfigError: ...``, with exit status 1 (``--debug``: the traceback).
 SIGTERM is passed on to every process (they save a checkpoint at the same step and exit 0).
 """
 
@@ -18,8 +19,7 @@ import sys
 import threading
 import time
 
-from bv_sharding.errors import Error
-from trainers import validation
+from trainers import cli, validation
 
 TIMED_OUT = 124
 
@@ -111,28 +111,23 @@ def check_args(processes: int, devices: int, timeout: float) -> None:
   Example: ``check_args(0, 4, 60)`` raises naming --processes.
   """
   validation.check_count("--processes", processes, example=2)
-  validation.check_count("--devices-per-process", devices, example=4)
+  validation.check_count("--devices_per_process", devices, example=4)
   validation.check_number("--timeout", timeout, positive=True, example=1800)
 
 
+@cli.command
 def main(argv=None) -> int:
   """``python -m trainers.launch ... -- TRAIN_ARGS``: the exit status (the first failure's)."""
-  parser = argparse.ArgumentParser(
-      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-  )
+  parser = cli.Parser("python -m trainers.launch", __doc__)
   parser.add_argument("--processes", type=int, default=2)
-  parser.add_argument("--devices-per-process", type=int, default=4)
+  parser.add_argument("--devices_per_process", type=int, default=4)
   parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole job")
   parser.add_argument(
       "train_args", nargs=argparse.REMAINDER, help="after --: arguments for trainers.train"
   )
   args = parser.parse_args(argv)
   train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-  try:
-    check_args(args.processes, args.devices_per_process, args.timeout)
-  except Error as e:
-    print(f"{type(e).__name__}: {e}", file=sys.stderr)
-    return 1
+  check_args(args.processes, args.devices_per_process, args.timeout)
   cmds = commands(args.processes, args.devices_per_process, train_args)
   return run(cmds, args.timeout)
 

@@ -2,11 +2,11 @@ r"""Plans a config's params and optimizer state on any mesh, before anything is 
 
   python -m trainers.plan --config configs/lm_7b_pod.py --mesh '[("data", 64), ("model", 4)]'
   python -m trainers.plan --config configs/lm_7b_pod.py --config.optax_name=kron \
-      --format json --png plan.png --max-unsharded-fraction 0.02
+      --format json --png plan.png --max_unsharded_fraction 0.02
   python -m trainers.plan --config configs/lm_7b_pod.py --diff config.optax_name=kron \
       --diff 'mesh=[("data", 32), ("model", 8)]'
 
-The devices need not exist: the plan is made on an ``AbstractMesh`` of ``--num-devices``
+The devices need not exist: the plan is made on an ``AbstractMesh`` of ``--num_devices``
 (default ``config.num_devices``, else the mesh's own size, else this host's devices)
 from the model and optimizer the trainer would build (``trainers/build.py``),
 traced with ``jax.eval_shape``. It prints:
@@ -18,13 +18,14 @@ traced with ``jax.eval_shape``. It prints:
 * the coverage (bytes-weighted share of the full split over every mesh axis),
   strategy entries that claimed no leaf and leaves no entry claimed.
 
-``--dcn-mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn`` long).
+``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn`` long).
 ``--format json`` prints the same as JSON; ``--png FILE`` draws per-device memory by
 component and the largest leaves (``pip install -e ".[plot]"``); ``--diff OVERRIDE``
 (repeatable) plans a second time with the overrides added (e.g. ``config.optax_name=kron``
 or ``'mesh=[("data", 32), ("model", 8)]'``; leading dashes optional) and prints only
-what changes; ``--max-unsharded-fraction F`` exits 1 naming the five least sharded
-leaves when more than F of the bytes is unsharded. Bad configs exit 2.
+what changes; ``--max_unsharded_fraction F`` exits 1 naming the five least sharded
+leaves when more than F of the bytes is unsharded. A bad input (a flag, a config, a mesh)
+ends as one line, ``ConfigError: ...``, with exit status 1 (``--debug``: the traceback).
 """
 
 import argparse
@@ -46,7 +47,7 @@ from trainers.input import tasks
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
-GATE_FAILED, BAD_CONFIG = 1, 2
+GATE_FAILED = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +62,12 @@ class Setup:
   args: tuple[str, ...]
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> cli.Parser:
   """The command's own options; ``--config`` and ``--config.key=value`` go to ml_collections."""
-  p = argparse.ArgumentParser(
-      prog="python -m trainers.plan",
-      description=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  p = cli.Parser("python -m trainers.plan", __doc__)
   p.add_argument("--mesh", help='overrides config.mesh, e.g. \'[("data", 64), ("model", 4)]\'')
-  p.add_argument("--dcn-mesh", help="overrides config.dcn_mesh (across TPU slices)")
-  p.add_argument("--num-devices", type=int, help="devices to plan for (sizes -1 axes)")
+  p.add_argument("--dcn_mesh", help="overrides config.dcn_mesh (across TPU slices)")
+  p.add_argument("--num_devices", type=int, help="devices to plan for (sizes -1 axes)")
   p.add_argument("--format", choices=("text", "json"), default="text")
   p.add_argument("--png", help="draw per-device memory and the largest leaves to this file")
   p.add_argument(
@@ -78,20 +75,9 @@ def parser() -> argparse.ArgumentParser:
       action="append",
       help="an override for a second plan (repeat for more); print only what changes",
   )
-  p.add_argument("--max-unsharded-fraction", type=fraction, help="exit 1 above this fraction")
+  p.add_argument("--max_unsharded_fraction", type=cli.fraction, help="exit 1 above this fraction")
   p.add_argument("--rows", type=int, help="print only this many leaf rows (default: all)")
   return p
-
-
-def fraction(text: str) -> float:
-  """A number in [0, 1] (argparse type of ``--max-unsharded-fraction``)."""
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 <= value <= 1:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1], e.g. 0.02")
-  return value
 
 
 def setup(options, config_args) -> Setup:
@@ -99,20 +85,20 @@ def setup(options, config_args) -> Setup:
   config = cli.config_from_args(config_args)
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
   dcn = config.get("dcn_mesh") or ()
-  dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn-mesh")
+  dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn_mesh")
   num_devices = (
       options.num_devices
       or _fixed_size([*mesh, *dcn])
       or config.get("num_devices")
       or jax.device_count()
   )
-  given = [(flag, v) for flag, v in (("--mesh", options.mesh), ("--dcn-mesh", options.dcn_mesh))]
+  given = [(flag, v) for flag, v in (("--mesh", options.mesh), ("--dcn_mesh", options.dcn_mesh))]
   args = (*config_args, *(f"{flag}={v}" for flag, v in given if v))
   return Setup(config, tuple(mesh), tuple(dcn), num_devices, args)
 
 
 def parse_mesh(text: str, flag: str) -> tuple:
-  """``--mesh`` (or ``--dcn-mesh``) as a literal list of ``(name, size)`` pairs, never evaluated."""
+  """``--mesh`` (or ``--dcn_mesh``) as a literal list of ``(name, size)`` pairs, never evaluated."""
   try:
     return tuple(ast.literal_eval(text))
   except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -287,26 +273,23 @@ def draw(rep: dict, path: str, largest: int = 12) -> None:
   plt.close(fig)
 
 
+@cli.command
 def main(argv: list[str] | None = None) -> int:
-  """Runs the command; returns the exit status (0, 1: gate failed, 2: bad config)."""
+  """Runs the command; returns the exit status (0, or 1: gate failed; a bad input exits 1)."""
   p = parser()
-  options, config_args = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-  try:
-    first = setup(options, config_args)
-    rep = report(first, plan := make_plan(first))
-    if options.diff:
-      extra = [a if a.startswith("-") else f"--{a}" for a in options.diff]
-      more, more_config = p.parse_known_args(extra, argparse.Namespace(**vars(options)))
-      second = setup(more, [*config_args, *more_config])
-      d = diff(rep, report(second, make_plan(second)))
-      print(json.dumps(d, indent=1) if options.format == "json" else diff_text(d))
-      return 0
-    print(json.dumps(rep, indent=1) if options.format == "json" else text(rep, options.rows))
-    if options.png:
-      draw(rep, options.png)
-  except bvs.Error as e:
-    print(f"trainers.plan: {e}", file=sys.stderr)
-    return BAD_CONFIG
+  options, config_args = p.parse_known_args(argv)
+  first = setup(options, config_args)
+  rep = report(first, plan := make_plan(first))
+  if options.diff:
+    extra = [a if a.startswith("-") else f"--{a}" for a in options.diff]
+    more, more_config = p.parse_known_args(extra, argparse.Namespace(**vars(options)))
+    second = setup(more, [*config_args, *more_config])
+    d = diff(rep, report(second, make_plan(second)))
+    print(json.dumps(d, indent=1) if options.format == "json" else diff_text(d))
+    return 0
+  print(json.dumps(rep, indent=1) if options.format == "json" else text(rep, options.rows))
+  if options.png:
+    draw(rep, options.png)
   return gate(plan, options.max_unsharded_fraction)
 
 

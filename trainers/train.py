@@ -3,7 +3,7 @@ r"""Trains a model with params and optimizer state sharded by one ``config.shard
   python -m trainers.train --config configs/lm.py --workdir /tmp/lm
   python -m trainers.train --config configs/lm.py:size=small --workdir /tmp/lm \
       --config.optax_name=kron --config.total_steps=500
-  python -m trainers.launch --processes 2 --devices-per-process 4 -- \
+  python -m trainers.launch --processes 2 --devices_per_process 4 -- \
       --config configs/lm.py --workdir /tmp/lm2      # 2 jax.distributed processes
 
 Top to bottom: logging -> (jax.distributed) -> mesh -> data -> model -> optimizer
@@ -45,6 +45,7 @@ from trainers.input import batching, prefetch, tasks
 from trainers.rundir import checkpoint, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
+flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where config.json and metrics.jsonl go.", required=True
 )

@@ -1,11 +1,15 @@
-"""trainers/launch.py: 2 jax.distributed processes x 4 devices train exactly as 1 x 8."""
+"""trainers/launch.py: 2 jax.distributed processes x 4 devices train exactly as 1 x 8; a bad input
+ends it before anything is spawned."""
 
 import json
 import pathlib
+import re
 
 import pytest
 
 from tests.helpers import quick_lm, run_module
+from trainers import launch
+from trainers.errors import ConfigError
 
 TRAIN = (
     "--config=configs/lm.py",
@@ -31,7 +35,7 @@ def test_two_processes_match_one(tmp_path):
   out = run(
       "trainers.launch",
       "--processes=2",
-      "--devices-per-process=4",
+      "--devices_per_process=4",
       "--timeout=200",
       "--",
       f"--workdir={two}",
@@ -60,3 +64,37 @@ def test_launch_fails_when_a_process_fails(tmp_path):
   )
   assert done.returncode != 0
   assert "[p0] " in done.stdout and "config.optax_name='nope' is neither" in done.stdout
+  # The dashed spelling of before still works, with a note.
+  assert done.stderr == "--devices-per-process is deprecated: use --devices_per_process\n"
+
+
+def test_rejects_counts_before_spawning(tmp_path, capsys):
+  """--devices_per_process 0 segfaulted both processes; --processes 0 exited 0 doing nothing."""
+  cases = {
+      "--processes=0": (0, 4, 60),
+      "--processes=-2": (-2, 4, 60),
+      "--devices_per_process=0": (2, 0, 60),
+      "--devices_per_process=-1": (2, -1, 60),
+      "--timeout=0": (2, 4, 0),
+  }
+  for flag, args in cases.items():
+    with pytest.raises(ConfigError, match=flag):
+      launch.check_args(*args)
+  for args, line in [
+      (["--processes=0"], "--processes=0: must be an integer >= 1, e.g. --processes=2"),
+      (["--processes=two"], "argument --processes: invalid int value: 'two'; see"),
+  ]:
+    with pytest.raises(SystemExit) as exited:
+      launch.main([*args, "--", "--config=configs/lm.py", f"--workdir={tmp_path}/w"])
+    out = capsys.readouterr()
+    assert exited.value.code == 1 and out.out == "" and out.err.startswith(f"ConfigError: {line}")
+    assert len(out.err.splitlines()) == 1, out.err
+  assert not (tmp_path / "w").exists()
+
+
+def test_help_shows_snake_case_flags_only(capsys):
+  with pytest.raises(SystemExit) as exited:
+    launch.main(["--help"])
+  out = capsys.readouterr().out
+  assert exited.value.code == 0 and "--devices_per_process" in out and "--timeout" in out
+  assert not re.search(r"--[a-z0-9]+-[a-z0-9]", out), out

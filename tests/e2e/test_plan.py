@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import math
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -22,11 +23,14 @@ POD = ("--config", "configs/lm_7b_pod.py", "--mesh", MESH)
 V, D, L, F = 32_000, 4096, 32, 11_008  # Llama 7B: vocab, width, layers, MLP width.
 
 
-def run(*args):
+def run(*args, pod=POD):
   """(exit status, stdout, stderr) of the command's main."""
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    status = command.main([*POD, *args])
+    try:
+      status = command.main([*pod, *args])
+    except SystemExit as e:
+      status = e.code
   return status, out.getvalue(), err.getvalue()
 
 
@@ -96,7 +100,7 @@ def test_text_is_the_json_as_a_table(reports):
 @pytest.mark.parametrize("limit, status", [("0.0001", 0), ("0.00001", 1)])
 def test_coverage_gate_exit_status(limit, status):
   # AdamW leaves 0.00394% unsharded: the norm scales and their moments, whole on every device.
-  got, _, err = run("--format=json", f"--max-unsharded-fraction={limit}")
+  got, _, err = run("--format=json", f"--max_unsharded_fraction={limit}")
   assert got == status
   if status:
     assert "coverage gate failed" in err and "0.00394% of the planned bytes" in err
@@ -140,33 +144,62 @@ def test_diff_meshes():
 
 
 def test_num_devices_sizes_the_minus_one_axis():
-  status, out, _ = run(
-      "--format=json", "--mesh", '[("data", -1), ("model", 4)]', "--num-devices=512"
+  status, out, err = run(
+      "--format=json", "--mesh", '[("data", -1), ("model", 4)]', "--num_devices=512"
   )
-  assert status == 0 and json.loads(out)["mesh"] == {"data": 128, "model": 4}
+  assert status == 0 and json.loads(out)["mesh"] == {"data": 128, "model": 4} and err == ""
   status, out, _ = run("--format=json", "--mesh", '[("data", -1), ("model", 4)]')
   assert status == 0 and json.loads(out)["num_devices"] == 256  # config.num_devices
 
 
 def test_multi_slice_mesh_plans_on_ici_times_dcn():
-  status, out, _ = run("--format=json", "--dcn-mesh", '[("data", 2)]', "--mesh", MESH, "--rows=0")
+  status, out, _ = run("--format=json", "--dcn_mesh", '[("data", 2)]', "--mesh", MESH, "--rows=0")
   assert status == 0
   assert json.loads(out)["mesh"] == {"data": 128, "model": 4}
+
+
+def test_dashed_spellings_of_before_still_work_with_a_note():
+  status, out, err = run(
+      "--format=json", "--dcn-mesh", '[("data", 2)]', "--num-devices=512", "--rows=0"
+  )
+  assert status == 0 and json.loads(out)["mesh"] == {"data": 128, "model": 4}
+  assert err.splitlines() == [
+      "--dcn-mesh is deprecated: use --dcn_mesh",
+      "--num-devices is deprecated: use --num_devices",
+  ]
+
+
+def test_help_shows_snake_case_flags_only():
+  status, out, _ = run("--help")
+  assert status == 0 and "--num_devices" in out and "--max_unsharded_fraction" in out
+  assert "--dcn_mesh" in out and not re.search(r"--[a-z0-9]+-[a-z0-9]", out), out
 
 
 @pytest.mark.parametrize(
     "args, fragment",
     [
         (("--mesh", "[('data', 64), ('model', 4)"), "is not a literal list"),
-        (("--mesh", '[("data", 3), ("model", 4)]', "--num-devices=256"), "covers 12 devices"),
+        (("--mesh", '[("data", 3), ("model", 4)]', "--num_devices=256"), "covers 12 devices"),
         (("--mesh", '["data", 64]'), "list of (axis_name, size) pairs"),
         (("--config.optax_name=adamww",), "config.optax_name='adamww' is neither"),
         (("--config.nope=1",), "has no key config.nope"),
+        (("--num_devices=many",), "argument --num_devices: invalid int value: 'many'"),
+        (("--max_unsharded_fraction=2",), "'2' is not a fraction in [0, 1]"),
+        (("--format=xml",), "argument --format: invalid choice: 'xml'"),
     ],
 )
-def test_bad_input_exits_2_naming_it(args, fragment):
-  status, _, err = run(*args)
-  assert status == 2 and fragment in err, err
+def test_bad_input_is_one_line_and_exit_1_naming_it(args, fragment):
+  status, out, err = run(*args)
+  assert status == 1 and out == "" and fragment in err, err
+  assert len(err.splitlines()) == 1 and re.match(r"(Config|Optimizer|Sharding)Error: ", err), err
+
+
+def test_bad_config_path_is_one_config_error_line():
+  status, _, err = run(pod=("--config", "configs/lm_7b_pods.py"))
+  assert status == 1 and err == (
+      "ConfigError: --config=configs/lm_7b_pods.py: file 'configs/lm_7b_pods.py' not found; "
+      "did you mean 'lm_7b_pod.py'?\n"
+  )
 
 
 @pytest.mark.timeout(120)

@@ -1,18 +1,22 @@
 """trainers/train.py through the command line users run, on 8 simulated CPU devices.
 
 Each run is a subprocess ``python -m trainers.train --config configs/... --config.k=v``;
-overriding ``--config.optax_name`` is the only change between the optimizer runs.
+overriding ``--config.optax_name`` is the only change between the optimizer runs. Its flags
+(help, dashed spellings, a bad value) are parsed in process, on absl's flags.
 """
 
 import json
 import math
 import os
 import pathlib
+import re
 import time
 
 import pytest
+from absl import flags
 
 from tests.helpers import quick_lm, run_module
+from trainers import cli
 
 SHORT = quick_lm(total_steps=30, log_every=10, eval_every=30, eval_batches=2)
 
@@ -118,3 +122,36 @@ def test_bad_config_fails_before_init(tmp_path, override, message):
   assert any(kind in out for kind in ("ShardingError", "ConfigError", "OptimizerError"))
   assert not os.path.exists(tmp_path / "config.json")
   assert time.monotonic() - start < 60
+
+
+@pytest.fixture
+def train_flags():
+  """The trainer's flags, defined on absl's FLAGS by importing it; unparsed afterwards."""
+  from trainers import train
+
+  yield train
+  flags.FLAGS.unparse_flags()
+
+
+def test_help_shows_snake_case_flags_only(train_flags):
+  text = flags.FLAGS.module_help(train_flags) + train_flags.__doc__
+  for flag in ("--config", "--workdir", "--devices_per_process", "--debug"):
+    assert flag in text
+  assert not re.search(r"--[a-z0-9]+-[a-z0-9]", text), text
+
+
+def test_dashed_flags_still_work_with_a_note(train_flags, tmp_path, capsys):
+  argv = ["train", "--config=configs/lm.py", f"--workdir={tmp_path}", "--devices-per-process=2"]
+  cli.parse_flags(argv)
+  assert flags.FLAGS.devices_per_process == 2
+  assert (
+      capsys.readouterr().err == "--devices-per-process is deprecated: use --devices_per_process\n"
+  )
+
+
+def test_bad_flag_is_one_config_error_line_and_exit_1(train_flags, capsys):
+  with pytest.raises(SystemExit) as exited:
+    cli.parse_flags(["train", "--config=configs/lm.py", "--devices_per_process=2"])
+  err = capsys.readouterr().err
+  assert exited.value.code == 1 and len(err.splitlines()) == 1, err
+  assert err.startswith("ConfigError: command line: flag --workdir=None: Flag --workdir must have")

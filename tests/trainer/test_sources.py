@@ -1,4 +1,4 @@
-"""trainers/input/sources.py and trainers/convert.py: token files, text corpora and .npy images on disk.
+"""trainers/input/sources.py: token files, text corpora and .npy images on disk.
 
 Every file here is written by the test; windows are compared with the same
 tokens held in memory, and every kind of bad input must raise a ConfigError
@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from trainers import convert, models
+from trainers import models
 from trainers.errors import ConfigError
 from trainers.input import batching, sources, tasks
 
@@ -99,29 +99,6 @@ def test_named_inputs_keep_the_string_form():
   assert sources.input_spec("digits").kind == "digits"
   with pytest.raises(ConfigError, match=r"config.input='txt' is not a named input"):
     sources.input_spec("txt")
-
-
-def test_convert_streams_text_into_token_files(tmp_path, capsys, monkeypatch):
-  monkeypatch.setattr(convert, "CHUNK", 100)  # Many chunks, and a cut inside one.
-  corpus = tmp_path / "corpus"
-  corpus.mkdir()
-  texts = ["ünïcode text, first file. " * 30, "second file. " * 40]
-  for i, text in enumerate(texts):
-    (corpus / f"{i}.txt").write_text(text)
-  raw = b"".join(t.encode() for t in texts)
-  convert.main([str(corpus), str(tmp_path / "out"), "--val_fraction=0.1", "--dtype=uint16"])
-  out = capsys.readouterr()
-  assert out.err.splitlines()[-1].startswith("converted 0.0 / 0.0 MiB (100%), ")
-  assert "configs/lm_data.py:train=" in out.out
-  cut = len(raw) - round(len(raw) * 0.1)
-  train = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
-  val = np.fromfile(tmp_path / "out" / "val.bin", np.uint16)
-  np.testing.assert_array_equal(np.concatenate([train, val]), np.frombuffer(raw, np.uint8))
-  assert len(train) == cut
-  record = json.loads((tmp_path / "out" / "train.bin.json").read_text())
-  assert record == {"dtype": "uint16", "tokens": cut, "max_token": int(max(raw[:cut]))}
-  whole = sources.token_stream(spec(kind="tokens", train=str(tmp_path / "out")), "train")
-  assert [n.rsplit("/", 1)[1] for n in whole.names] == ["train.bin", "val.bin"]  # No .json.
 
 
 def test_the_conversion_record_spares_the_scan(tmp_path):

@@ -1,8 +1,9 @@
 """Bad input never costs a run: every mistake is one error of ours before anything is written.
 
-Most cases call the trainer's own checks in-process (cheap); one real subprocess per kind
-(`python -m trainers.train` / `trainers.launch`) shows the same through the entry points:
-one line naming the key, exit status 1, nothing allocated, the workdir byte-identical.
+Most cases call the trainer's own checks in-process (cheap); real subprocesses of
+`python -m trainers.train` show the same through the entry point: one line naming the key,
+exit status 1, nothing allocated, the workdir byte-identical (`trainers.launch`, `trainers.plan`
+and `trainers.convert`: tests/e2e/test_<command>.py).
 """
 
 import json
@@ -17,7 +18,7 @@ import pytest
 import configs.lm
 import configs.vit_digits
 from tests.helpers import run_module
-from trainers import cli, divergence, launch, validation
+from trainers import cli, divergence, validation
 from trainers.errors import ConfigError, NonFiniteLossError
 
 SHORT = (
@@ -351,24 +352,3 @@ def test_config_loading_errors_through_the_entry_point(tmp_path):
       "trainers.train", f"--config={bad}", f"--workdir={tmp_path}", env={"BV_DEBUG": "1"}
   )
   assert status != 0 and "Traceback" in out and "syntax error" in out
-
-
-def test_launch_rejects_counts_before_spawning(tmp_path):
-  """--devices-per-process 0 segfaulted both processes; --processes 0 exited 0 doing nothing."""
-  cases = {
-      "--processes=0": (0, 4, 60),
-      "--processes=-2": (-2, 4, 60),
-      "--devices-per-process=0": (2, 0, 60),
-      "--devices-per-process=-1": (2, -1, 60),
-      "--timeout=0": (2, 4, 0),
-  }
-  for flag, args in cases.items():
-    with pytest.raises(ConfigError, match=flag):
-      launch.check_args(*args)
-  status, out = run(
-      "trainers.launch", "--processes=0", "--", "--config=configs/lm.py", f"--workdir={tmp_path}/w"
-  )
-  assert status == 1 and out.strip() == (
-      "ConfigError: --processes=0: must be an integer >= 1, e.g. --processes=2"
-  )
-  assert not (tmp_path / "w").exists()
