@@ -40,7 +40,7 @@ import numpy as np
 from absl import flags, logging
 
 import bv_sharding as bvs
-from trainers import build, cli, distributed, divergence, steps, validation
+from trainers import build, cli, distributed, divergence, optimizers, steps, validation
 from trainers.input import batching, prefetch, tasks
 from trainers.rundir import checkpoint, provenance, workdir
 
@@ -107,9 +107,10 @@ def main(argv):
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
   # Every check passed: only now is the workdir touched.
-  # A restore onto another mesh moves Kron's and Shampoo's block stacks to this layout.
-  blocking = checkpoint.Blocking(layout, lambda other: build.optimizer(config, other)[0])
-  ckpt, metrics = open_workdir(_WORKDIR.value, config, blocking, is_main_process)
+  # The optimizer says what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
+  rebuild = lambda other: build.optimizer(config, other)[0]
+  built = optimizers.BuiltOptimizer(config.optax_name, jax.eval_shape(init), layout, rebuild)
+  ckpt, metrics = open_workdir(_WORKDIR.value, config, built, is_main_process)
   write = metrics.write if is_main_process else None
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
@@ -173,10 +174,10 @@ def mean_loss(eval_step, params, batches, batch_sharding) -> float:
   return float(np.mean([eval_step(params, batching.to_global(b, batch_sharding)) for b in batches]))
 
 
-def open_workdir(path: str, config, blocking: checkpoint.Blocking, is_main_process: bool):
+def open_workdir(path: str, config, migration: checkpoint.Migration, is_main_process: bool):
   """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
   earlier run's files aside unless resuming."""
-  ckpt = checkpoint.Checkpoints(path, config, blocking)
+  ckpt = checkpoint.Checkpoints(path, config, migration)
   if is_main_process:
     note = workdir.prepare(path, resuming=ckpt.latest_step() is not None)
     if note:

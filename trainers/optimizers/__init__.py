@@ -9,12 +9,14 @@ from trainers.errors import OptimizerError
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
 from trainers.optimizers.layout import ParamLayout, same_blocking
+from trainers.optimizers.migration import BuiltOptimizer, migrate_state
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
 
 __all__ = [
     "OPTIMIZERS",
+    "BuiltOptimizer",
     "OptimizerError",
     "ParamLayout",
     "ShampooParamState",
@@ -24,6 +26,7 @@ __all__ = [
     "kron",
     "make_optimizer",
     "make_schedule",
+    "migrate_state",
     "precond_update_prob_schedule",
     "same_blocking",
     "scale_by_kron",

@@ -1,22 +1,22 @@
 """Durable runs: orbax checkpoints restored onto the current plan, resume, preemption.
 
 A checkpoint (``workdir/checkpoints/<step>/``) holds three orbax items: ``params``,
-``opt`` (the optimizer state) and ``meta`` (step, optimizer name, the step the
-optimizer state was born at, the params' layout). Data and RNG are pure functions of (seed, step),
-so the step is all the rest of the run needs to continue exactly.
+``opt`` (the optimizer state) and ``meta`` (step, the step the optimizer state was
+born at, and the optimizer's record: what the run's :class:`Migration` wrote). Data and
+RNG are pure functions of (seed, step), so the step is all the rest of the run needs
+to continue exactly.
 
 Restoring never reads the saved shardings: the target is ``plan.abstract()``, the
 current config's plan, so a checkpoint moves between meshes and process counts.
-Optimizer state is restored only when ``config.optax_name`` and its tree (names,
-shapes, dtypes) are unchanged; otherwise the new optimizer's state is born
-sharded from the plan and its count (hence its schedule) starts at 0. Kron's and
-Shampoo's block stacks saved on another layout are reordered to this one's when
-the tiles are the same, else the state is re-initialised (:func:`block_moves`).
+Params and step are always restored; what becomes of the optimizer state is the
+optimizer's to say (:meth:`Migration.migrate`: kept, moved, or None). When None, the
+new optimizer's state is born sharded from the plan and its count (hence its schedule)
+starts at 0.
 
 The training loop's use (``Checkpoints`` installs a SIGTERM handler, so it is shown,
 not run here)::
 
-  ckpt = Checkpoints(workdir, config)
+  ckpt = Checkpoints(workdir, config, migration)
   state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
   for step in range(start.step + 1, total + 1):
     state, loss = train_step(state, batch)
@@ -38,7 +38,7 @@ import logging as logging_lib
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import optax
@@ -50,8 +50,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 
 from bv_sharding import Plan
 from trainers import steps
-from trainers.errors import ConfigError, OptimizerError
-from trainers.optimizers.layout import ParamLayout, reorder, stack_blocks, stack_moves
+from trainers.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
 PARAMS, OPT, META = "params", "opt", "meta"
@@ -61,17 +60,22 @@ class CheckpointMismatchError(ConfigError):
   """A checkpoint whose params do not fit this config's model (names, shapes or dtypes)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Blocking:
-  """What a restore needs to move Kron's and Shampoo's block stacks to another mesh.
+class Migration(Protocol):
+  """The run's optimizer, as its checkpoints need it (the optimizer package's ``BuiltOptimizer``).
 
-  ``layout``: this run's :class:`~trainers.optimizers.ParamLayout` (saved in each
-  checkpoint's ``meta``); ``optimizer_for(layout)``: this run's optimizer built for a
-  layout, so the saving run's blocks are known (:func:`block_moves`).
+  ``record()``: JSON-able entries each checkpoint's ``meta`` carries for it.
+  ``migrate(saved_meta, mismatch, load)``: ``(state, reason)``, the saved optimizer state
+  for this run (None: re-initialise it) and why, in words. ``saved_meta``: the
+  checkpoint's meta; ``mismatch``: None when the saved state's tree is the one this run
+  builds, else the first differing leaf (:func:`first_difference`); ``load()``: the saved
+  state in the plan's shardings (read only if kept).
   """
 
-  layout: ParamLayout
-  optimizer_for: Callable[[ParamLayout], optax.GradientTransformation]
+  def record(self) -> dict:
+    ...
+
+  def migrate(self, saved_meta: dict, mismatch: str | None, load: Callable[[], Any]) -> tuple:
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +100,8 @@ def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   Example: ``leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}``.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {"/".join(_key_text(k) for k in path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+  name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
+  return {name(path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
 
 
 def first_difference(want: dict, have: dict) -> str | None:
@@ -127,12 +132,14 @@ class Checkpoints:
   cost of a save); orbax writes to a temporary directory and renames it when
   complete, so a cut-off write is never listed.
 
-  Example: ``ckpt = Checkpoints(workdir, config); ckpt.latest_step()``.
+  ``migration``: the run's optimizer, as its checkpoints need it (:class:`Migration`).
+
+  Example: ``ckpt = Checkpoints(workdir, config, migration); ckpt.latest_step()``.
   """
 
-  def __init__(self, workdir: str, config, blocking: Blocking | None = None):
+  def __init__(self, workdir: str, config, migration: Migration):
     self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
-    self.config, self.blocking = config, blocking
+    self.config, self.migration = config, migration
     self.manager = open_manager(
         self.directory,
         ckpt_steps=config.get("ckpt_steps"),
@@ -154,7 +161,7 @@ class Checkpoints:
     """
     step = self.latest_step()
     if step is not None:
-      state, start = restore(self.manager, step, plan, tx, self.config.optax_name, self.blocking)
+      state, start = restore(self.manager, step, plan, tx, self.migration)
     elif self.config.get("model_init"):
       params, source = load_params(self.config.model_init, plan)
       state = {"params": params, "opt": steps.init_opt(tx, plan, params)}
@@ -187,10 +194,7 @@ class Checkpoints:
     self.manager.close()
 
   def _meta(self, step: int) -> dict:
-    meta = {"step": step, "optax_name": self.config.optax_name, "opt_start": self.opt_start}
-    if self.blocking:
-      meta["layout"] = self.blocking.layout.record()
-    return meta
+    return {**self.migration.record(), "step": step, "opt_start": self.opt_start}
 
 
 def open_manager(
@@ -228,7 +232,7 @@ def tree_handler() -> ocp.PyTreeCheckpointHandler:
   """orbax's pytree handler, its ``jax.Array``s written without replica-parallel slicing.
 
   orbax's default splits every replicated shard into one slice per replica, each a
-  jax dispatch in the caller's thread (most of the time a save blocked the loop); here
+  jax dispatch in the caller's thread (most of the time a save held up the loop); here
   replica 0 of each shard writes it whole, by the process that holds it.
   """
   arrays = ocp.type_handlers.ArrayHandler(
@@ -247,6 +251,11 @@ def tree_restore(target) -> ocp.args.PyTreeRestore:
   """Restore args for one item onto ``target`` (``ShapeDtypeStruct``s carrying shardings)."""
   restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   return ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
+
+
+def restore_item(manager: ocp.CheckpointManager, step: int, item: str, target):
+  """One item (``PARAMS`` or ``OPT``) of the checkpoint at ``step``, onto ``target``."""
+  return manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(target)}))[item]
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool) -> None:
@@ -273,104 +282,30 @@ def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> None:
     )
 
 
-def restore(
-    manager: ocp.CheckpointManager,
-    step: int,
-    plan: Plan,
-    tx,
-    optax_name: str,
-    blocking: Blocking | None = None,
-) -> tuple:
-  """``(state, Start)`` from ``step`` in ``plan``'s shardings; new optimizer state if it changed.
-
-  With ``blocking``, block stacks saved on another layout are reordered to this one's
-  (same tiles) or the optimizer state is re-initialised (other tiles); see
-  :func:`block_moves`.
+def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration: Migration):
+  """``(state, Start)`` from ``step`` in ``plan``'s shardings; the optimizer state as
+  ``migration`` says (kept, moved, or re-initialised from ``tx``), logged in one line.
   """
   check_params(manager, step, plan)
   target = plan.abstract()
   meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
   saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
-  why, moves = opt_decision(meta, optax_name, blocking, target, saved_opt)
-  items = {PARAMS: tree_restore(target[PARAMS])}
-  if not why:
-    items[OPT] = tree_restore(target[OPT])
-  restored = manager.restore(step, args=ocp.args.Composite(**items))
+  mismatch = first_difference(leaf_table(target[OPT]), saved_opt)
+  load = lambda: restore_item(manager, step, OPT, target[OPT])
+  opt, why = migration.migrate(meta, mismatch and f"{OPT}/{mismatch}", load)
+  params = restore_item(manager, step, PARAMS, target[PARAMS])
   source = str(manager.directory / str(step))
-  logging.info("resumed at step %d from %s (written by %s)", step, source, meta["optax_name"])
-  if not why:
-    opt = restored[OPT] if moves is None else reorder_stacks(restored[OPT], moves, target[OPT])
-    return {"params": restored[PARAMS], "opt": opt}, Start(step, source, meta["opt_start"])
+  if opt is not None:
+    logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
+    return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
   logging.info(
-      "optimizer state re-initialised (%s): params and step %d restored, new %s state born sharded "
-      "from the plan (its count and schedule start at 0)",
-      why,
+      "resumed at step %d from %s with params and step only: optimizer state re-initialised (%s), "
+      "the new state born sharded from the plan (its count and schedule start at 0)",
       step,
-      optax_name,
+      source,
+      why,
   )
-  params = restored[PARAMS]
   return {"params": params, "opt": steps.init_opt(tx, plan, params)}, Start(step, source, step)
-
-
-def opt_decision(meta: dict, optax_name: str, blocking, target, saved_opt: dict) -> tuple:
-  """``(why, moves)``: why the saved optimizer state cannot be used (None: it can), and
-  :func:`block_moves` to apply to it.
-
-  ``meta``: the checkpoint's; ``target``: the plan's abstract state; ``saved_opt``: the
-  ``leaf_table`` of the saved optimizer state.
-  """
-  if meta["optax_name"] != optax_name:
-    return f"config.optax_name changed from {meta['optax_name']!r} to {optax_name!r}", None
-  moves = None
-  if blocking and "layout" in meta:
-    try:
-      moves = block_moves(meta["layout"], blocking, target[PARAMS])
-    except OptimizerError as e:
-      return f"its blocks differ on this mesh: {e}", None
-  difference = first_difference(leaf_table(target[OPT]), saved_opt)
-  return (difference and f"its state differs: opt/{difference}"), moves
-
-
-def block_moves(saved: dict, blocking: Blocking, params) -> list | None:
-  """How each optimizer state leaf moves from the saving run's layout to ``blocking.layout``.
-
-  ``saved``: the ``ParamLayout.record()`` in the checkpoint's meta. None when the
-  layouts are equal; else :func:`~trainers.optimizers.layout.stack_moves` of the
-  optimizer built for each, logged in one line. Raises ``OptimizerError`` when a
-  stack's blocks differ (the caller re-initialises the state).
-  """
-  now = blocking.layout.record()
-  if saved == now:
-    return None
-  before, after = (ParamLayout.from_record(r, params) for r in (saved, now))
-  stacks = []
-  for layout in (before, after):
-    tx = blocking.optimizer_for(layout)
-    state = jax.eval_shape(tx.init, params)
-    stacks.append(stack_blocks(tx, params, state))
-  moves = stack_moves(*stacks, [f"opt/{name}" for name in leaf_table(state)])
-  logging.info(
-      "optimizer state saved on mesh %s, restored on mesh %s: %d of %d block stacks "
-      "reordered (same tiles, so each factor still preconditions its own block)",
-      dict(saved["mesh"]),
-      dict(now["mesh"]),
-      sum(m is not None for m in moves),
-      sum(b is not None for b in stacks[1]),
-  )
-  return moves
-
-
-def reorder_stacks(opt, moves: list, target):
-  """``opt`` with each moved stack in its new order, in ``target``'s shardings."""
-  leaves, treedef = jax.tree.flatten(opt)
-  shardings = [t.sharding for t in jax.tree.leaves(target)]
-  moved = [
-      x
-      if move is None
-      else jax.jit(lambda x, move=move: reorder(x, *move), out_shardings=sharding)(x)
-      for x, move, sharding in zip(leaves, moves, shardings, strict=True)
-  ]
-  return treedef.unflatten(moved)
 
 
 def load_params(path: str, plan: Plan) -> tuple[Any, str]:
@@ -390,8 +325,7 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
         f"its {CHECKPOINTS}/ directory or one of its step directories"
     )
   check_params(manager, step, plan)
-  args = ocp.args.Composite(**{PARAMS: tree_restore(plan.abstract()[PARAMS])})
-  params = manager.restore(step, args=args)[PARAMS]
+  params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS])
   manager.close()
   return params, os.path.join(directory, str(step))
 
@@ -443,10 +377,3 @@ def quiet_orbax() -> None:
   logger = logging_lib.getLogger("absl")
   if not any(isinstance(f, _NoOrbaxInfo) for f in logger.filters):
     logger.addFilter(_NoOrbaxInfo())
-
-
-def _key_text(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)

@@ -3,8 +3,8 @@
 Each start writes ``starts/<i>/config.json`` and ``starts/<i>/start.json`` (the
 step it began at, where that came from, argv, processes, devices, versions, git
 revision); ``config.json`` at the top is the config of the start that began at
-step 0, not rewritten by a resume, so a later ``--config.optax_name`` change does
-not hide what trained the first steps.
+step 0, not rewritten by a resume, so a later change (of optimizer, say) does not
+hide what trained the first steps.
 
 Example:
   >>> import json, os, tempfile

@@ -1,0 +1,126 @@
+"""What becomes of saved optimizer state on a restore (trainers/optimizers/migration.py).
+
+Shampoo's state trained under one params' layout, migrated to another, must equal the
+state trained under the other from the start when the blocks are the same tiles (the
+stacks reordered, each factor with its block); other tiles, another optimizer or
+another tree re-initialise it, without reading the saved state.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from trainers.optimizers import BuiltOptimizer, ParamLayout, migrate_state, shampoo
+
+PARAMS = {
+    "w": jax.random.normal(jax.random.key(0), (8, 16)),
+    "b": jnp.ones(16),
+}
+SPECS = {"w": P(None, "data"), "b": P()}
+
+
+def layout_on(devices: int) -> ParamLayout:
+  return ParamLayout(SPECS, AbstractMesh((devices,), ("data",)))
+
+
+def optimizer_for(layout):
+  return shampoo(1e-2, block_size=4, graft_type="adam", layout=layout)
+
+
+def built_on(devices: int, name: str = "shampoo") -> BuiltOptimizer:
+  abstract = jax.eval_shape(lambda: PARAMS)
+  return BuiltOptimizer(name, abstract, layout_on(devices), optimizer_for)
+
+
+def trained(devices: int, steps: int = 3):
+  """Shampoo's state after ``steps`` updates under the layout on ``devices``."""
+  tx = optimizer_for(layout_on(devices))
+  state, update = tx.init(PARAMS), jax.jit(tx.update)
+  for i in range(steps):
+    grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1.0)), PARAMS)
+    _, state = update(grads, state, PARAMS)
+  return state
+
+
+def checkpoint_meta(built: BuiltOptimizer) -> dict:
+  """The meta a checkpoint of ``built``'s run holds, through JSON as on disk."""
+  return json.loads(json.dumps({"step": 3, "opt_start": 0, **built.record()}))
+
+
+def never():
+  raise AssertionError("the saved state was read, but it is re-initialised")
+
+
+@pytest.fixture(scope="module")
+def on_4():
+  return trained(4)
+
+
+def test_same_optimizer_and_layout_keeps_the_state_as_saved(on_4):
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(4), None, lambda: on_4)
+  assert state is on_4 and reason == "shampoo's, as saved"
+
+
+def test_same_tiles_in_another_order_reorders_each_stack_to_its_blocks(on_4):
+  # w's 16 columns in 4 shards of 4 or 2 shards of 8: the same 4x4 tiles, stacked otherwise.
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(2), None, lambda: on_4)
+  assert "block stacks reordered" in reason and " 0 of " not in reason, reason
+  assert "saved on mesh {'data': 4}, restored on mesh {'data': 2}" in reason
+  on_2 = trained(2)
+  moved = 0
+  for got, want, saved in zip(*map(jax.tree.leaves, (state, on_2, on_4)), strict=True):
+    # Each factor preconditions the block it was fitted on: the run on 2 devices from the start.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    moved += not np.array_equal(got, saved)
+  assert moved > 0
+
+
+def test_other_tiles_reinitialise_without_reading_the_state():
+  # On 8 devices w's shards are 2 columns wide: 4x2 tiles, which 4x4 factors do not fit.
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(8), None, never)
+  assert state is None
+  assert reason.startswith("its blocks differ on this mesh: opt/"), reason
+
+
+def test_another_optimizer_reinitialises_without_reading_the_state():
+  kron = built_on(4, name="kron")
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), kron, None, never)
+  assert (state, reason) == (None, "config.optax_name changed from 'shampoo' to 'kron'")
+
+
+def test_another_tree_reinitialises_without_reading_the_state():
+  mismatch = "opt/0/w is missing (expected shape (8, 16), float32)"
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(4), mismatch, never)
+  assert (state, reason) == (None, f"its state differs: {mismatch}")
+
+
+def test_the_record_is_json_and_names_optimizer_and_layout():
+  record = built_on(4).record()
+  assert json.loads(json.dumps(record)) == record
+  assert record == {"optimizer": {"name": "shampoo", "layout": layout_on(4).record()}}
+  assert BuiltOptimizer("adamw", {}).record() == {"optimizer": {"name": "adamw", "layout": None}}
+
+
+def test_a_meta_written_before_the_record_is_read_as_data(on_4):
+  """Older checkpoints: ``optax_name`` and ``layout`` keys at the top of the meta."""
+  old = {"step": 3, "optax_name": "shampoo", "opt_start": 0, "layout": layout_on(4).record()}
+  old = json.loads(json.dumps(old))
+  state, reason = migrate_state(old, built_on(2), None, lambda: on_4)
+  new, _ = migrate_state(checkpoint_meta(built_on(4)), built_on(2), None, lambda: on_4)
+  assert "block stacks reordered" in reason, reason
+  assert all(jax.tree.leaves(jax.tree.map(np.array_equal, state, new)))
+  no_layout = {k: v for k, v in old.items() if k != "layout"}
+  state, reason = migrate_state(no_layout, built_on(2), None, lambda: on_4)
+  assert state is on_4 and reason == "shampoo's, as saved"
+  assert migrate_state(old, built_on(2, name="adamw"), None, never)[0] is None
+
+
+def test_no_layout_here_never_moves_stacks(on_4):
+  unlaid = BuiltOptimizer("shampoo", jax.eval_shape(lambda: PARAMS))
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), unlaid, None, lambda: on_4)
+  assert state is on_4 and reason == "shampoo's, as saved"
