@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from bv_sharding.errors import Error
+from bv_sharding import Error
 from trainers import validation
 
 TIMED_OUT = 124
