@@ -1,7 +1,8 @@
 """Names that moved: still importable under the old spelling, with a ``DeprecationWarning``.
 
-A module lists its moved names (old name -> new dotted path) and serves them through
-its ``__getattr__``, which Python calls only for names the module does not define.
+A module lists its moved names (old name -> new dotted path, a module's attribute or a
+class's method) and serves them through its ``__getattr__``, which Python calls only
+for names the module does not define.
 
 Example:
   >>> import warnings
@@ -14,6 +15,7 @@ Example:
   'example.old_sqrt is deprecated; use math.sqrt'
 """
 
+import functools
 import importlib
 import warnings
 
@@ -24,10 +26,10 @@ def deprecated(moved: dict[str, str], module: str):
   def __getattr__(name: str):
     if name not in moved:
       raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    owner, _, attribute = moved[name].rpartition(".")
+    top, *path = moved[name].split(".")
     warnings.warn(
         f"{module}.{name} is deprecated; use {moved[name]}", DeprecationWarning, stacklevel=2
     )
-    return getattr(importlib.import_module(owner), attribute)
+    return functools.reduce(getattr, path, importlib.import_module(top))
 
   return __getattr__

@@ -27,6 +27,7 @@ Example:
   bv_sharding.errors.ShardingError: 0.0854% of the planned bytes are not split over the whole mesh ...
 """
 
+from bv_sharding.aliases import deprecated as _deprecated
 from bv_sharding.errors import ShardingError
 from bv_sharding.planning import Entry, Plan
 from bv_sharding.specs import MiB
@@ -72,3 +73,10 @@ def _describe(plan: Plan, entry: Entry) -> str:
       f"({entry.bytes_per_device / MiB:.3f} MiB/device, {plan.pieces(entry)} of "
       f"{plan.num_devices} pieces)"
   )
+
+
+# ``pieces(plan, entry)`` is now ``plan.pieces(entry)``; so with the other two.
+__getattr__ = _deprecated(
+    {name: f"bv_sharding.Plan.{name}" for name in ("pieces", "unsharded_bytes", "claims")},
+    __name__,
+)
