@@ -2,7 +2,7 @@
 
 Params and grads are sharded by each placement (``benchmarks/placements.py``), the
 update is compiled for 8 simulated CPU devices and the collectives are read off the
-compiled HLO as wire bytes per device (``bv_sharding.traffic``: all-gather
+compiled HLO as wire bytes per device (``benchmarks.traffic``: all-gather
 result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduce 2*result*(g-1)/g); the
 state bytes per device are printed next to them. Model: a small
 Llama (V=8192, C=512, F=2048, 2 unscanned layers); ``zoo.optimizers(block_size=128)``:
@@ -12,7 +12,7 @@ kron_blocks 256 (the registry's default).
   python -m benchmarks.communication [--optimizers kron,psgd_kron] [--factor_rows]
 
 ``--factor_rows`` adds Kron's factors on rows next to the default's columns
-(``bv_sharding.following.FACTOR_DIM``).
+(the ``preconditioner(dim=0)`` op).
 """
 
 import os
@@ -28,8 +28,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import optax  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
-from benchmarks import placements, shapes, zoo  # noqa: E402
-from bv_sharding import traffic  # noqa: E402
+from benchmarks import placements, shapes, traffic, zoo  # noqa: E402
 from trainers import cli  # noqa: E402
 
 MB = 1e6

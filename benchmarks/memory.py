@@ -20,9 +20,8 @@ import jax.numpy as jnp
 
 import bv_sharding as bvs
 from benchmarks import placements, zoo
-from bv_sharding.specs import MiB
 from configs import lm_7b_pod, lm_tp_fsdp
-from trainers import cli, optimizers, steps
+from trainers import MiB, cli, optimizers, steps
 from trainers.models import get_model
 
 GiB = 1024 * MiB

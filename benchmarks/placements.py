@@ -16,8 +16,8 @@ import dataclasses
 from typing import Any
 
 import bv_sharding as bvs
-from bv_sharding import ops, strategies
-from bv_sharding.specs import MiB
+from bv_sharding import ops
+from trainers import MiB
 
 DEFAULT = [
     (
@@ -27,6 +27,10 @@ DEFAULT = [
 ]
 FACTORS = r".*/(Qs_preconditioners|statistics|preconditioners|stats|roots)/.*"
 KRON_FACTORS = r".*/Qs_preconditioners/.*"
+# The leaf names the seed's heuristics knew (``llm_fsdp``'s), kept as they were for the baseline.
+SEED_NEVER_SHARDED = ("scale", "bias")
+SEED_LAST_DIM = ("embedding", "out_kernel", "down_kernel")
+SEED_SECOND_LAST_DIM = ("q_kernel", "k_kernel", "v_kernel", "gate_kernel", "up_kernel")
 
 
 def seed_rules(axis, min_size_to_shard_mb=1):
@@ -44,11 +48,11 @@ def seed_rules(axis, min_size_to_shard_mb=1):
       return spec, "small"
     if leaf.components[-1].isdigit():
       return ops.place(leaf, spec, -2, axis, requested=False)
-    if has(leaf.name, strategies.NEVER_SHARDED):
+    if has(leaf.name, SEED_NEVER_SHARDED):
       return spec, "scale/bias"
-    if has(leaf.name, strategies.LAST_DIM):
+    if has(leaf.name, SEED_LAST_DIM):
       return ops.place(leaf, spec, -1, axis, requested=False)
-    if has(leaf.name, strategies.SECOND_LAST_DIM):
+    if has(leaf.name, SEED_SECOND_LAST_DIM):
       return ops.place(leaf, spec, -2, axis, requested=False)
     return ops.place_largest(leaf, spec, axis)
 

@@ -53,7 +53,7 @@ def load_seed(path: str):
   """The seed module from ``path``, with a ``utils`` stand-in for its two big_vision helpers."""
   utils = types.ModuleType("utils")
   utils.tree_flatten_with_names = lambda t: (
-      bvs.flatten_with_names(t)[0],
+      bvs.ops.flatten_with_names(t)[0],
       jax.tree.structure(t),
   )
   utils.write_note = lambda note: None

@@ -37,7 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
-from bv_sharding import traffic  # noqa: E402
+from benchmarks import traffic  # noqa: E402
 from trainers import cli, models, optimizers, steps  # noqa: E402
 from trainers.input import tasks  # noqa: E402
 

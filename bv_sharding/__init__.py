@@ -16,37 +16,49 @@ Example:
   >>> params["params"]["kernel"].sharding.spec
   P('data', 'model')
 
-Writing an op of your own needs :mod:`bv_sharding.ops` (``Leaf``, ``place``,
-``place_largest``, ``register``, ``temporary_ops``).
+The names below are the whole API; the modules behind them are internal. Extending the
+library (an op of your own, an optimizer whose state the plan places) needs
+:mod:`bv_sharding.ops`.
 """
 
 from bv_sharding import ops
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
+from bv_sharding.aliases import deprecated as _deprecated
 from bv_sharding.coverage import check_coverage
 from bv_sharding.errors import Error, ShardingError, ShardingWarning
 from bv_sharding.fingerprint import check_same_plan
 from bv_sharding.mesh import make_abstract_mesh, make_mesh
-from bv_sharding.names import flatten as flatten_with_names
 from bv_sharding.planning import Entry, Plan, infer_sharding, plan
-from bv_sharding.registry import lookup, parse_chain, register, registered, temporary_ops
+from bv_sharding.registry import (
+    Op,
+    OpInfo,
+    lookup,
+    parse_chain,
+    register,
+    registered,
+    temporary_ops,
+)
 
 __all__ = [
     "Entry",
     "Error",
+    "Op",
+    "OpInfo",
     "Plan",
     "ShardingError",
     "ShardingWarning",
     "check_coverage",
     "check_same_plan",
-    "flatten_with_names",
     "infer_sharding",
     "lookup",
     "make_abstract_mesh",
     "make_mesh",
+    "ops",
     "parse_chain",
     "plan",
     "register",
-    "ops",
     "registered",
     "temporary_ops",
 ]
+
+__getattr__ = _deprecated({"flatten_with_names": "bv_sharding.ops.flatten_with_names"}, __name__)

@@ -1,26 +1,25 @@
-"""How much of a plan is covered: by the mesh (bytes split over every device) and by the strategy.
+"""How much of a plan the mesh covers, and the gate on it.
 
 Mesh coverage is :attr:`bv_sharding.Plan.coverage`: each leaf's bytes weighted by
 ``pieces / devices``, so a leaf counts as fully sharded only when its spec splits
 it over every mesh axis. The *unsharded fraction* is ``1 - coverage``, and a
-leaf's *unsharded bytes* are ``nbytes * (1 - pieces / devices)``: what the mesh
-could still take off each device. :func:`check_coverage` is the gate (MaxText's
-"five largest unsharded tensors" check) a trainer calls before allocating.
-
-Strategy coverage: :func:`claims` lists the strategy entries whose regex claimed
-no leaf (almost always a typo) and the leaves no entry claimed.
+leaf's *unsharded bytes* (:meth:`bv_sharding.Plan.unsharded_bytes`) are
+``nbytes * (1 - pieces / devices)``: what the mesh could still take off each
+device. :func:`check_coverage` is the gate (MaxText's "five largest unsharded
+tensors" check) to call before allocating. Which strategy entries claimed no leaf
+is :meth:`bv_sharding.Plan.claims`.
 
 Example:
   >>> import jax
   >>> import bv_sharding as bvs
   >>> tree = {"w": jax.ShapeDtypeStruct((1024, 1024), "float32"),
   ...         "b": jax.ShapeDtypeStruct((1024,), "float32")}
-  >>> strategy = [("w", 'fsdp(axis="data", min_size_to_shard_mb=0)'), ("bais", "replicate()")]
+  >>> strategy = [("w", 'fsdp(axis="data", min_size_to_shard_mb=0)'), ("b", "replicate()")]
   >>> plan = bvs.plan(tree, strategy, bvs.make_abstract_mesh([("data", 8)], 8))
   >>> round(unsharded_fraction(plan), 4)
   0.0009
-  >>> claims(plan, strategy)
-  ([('bais', 'replicate()')], ['b'])
+  >>> [e.name for e in least_sharded(plan)]
+  ['b']
   >>> check_coverage(plan, 0.01)
   >>> check_coverage(plan, 0.0001)
   Traceback (most recent call last):
@@ -28,22 +27,12 @@ Example:
   bv_sharding.errors.ShardingError: 0.0854% of the planned bytes are not split over the whole mesh ...
 """
 
-from bv_sharding import patterns, specs
+from bv_sharding.aliases import deprecated as _deprecated
 from bv_sharding.errors import ShardingError
 from bv_sharding.planning import Entry, Plan
 from bv_sharding.specs import MiB
 
 NAMED_IN_ERRORS = 5
-
-
-def pieces(plan: Plan, entry: Entry) -> int:
-  """How many pieces ``entry``'s spec cuts its leaf into on ``plan``'s mesh."""
-  return specs.shards(tuple(entry.spec), dict(plan.mesh.shape))
-
-
-def unsharded_bytes(plan: Plan, entry: Entry) -> float:
-  """``entry``'s bytes times the share of the mesh its spec does not split it over."""
-  return entry.nbytes * (1 - pieces(plan, entry) / plan.num_devices)
 
 
 def unsharded_fraction(plan: Plan) -> float:
@@ -53,15 +42,14 @@ def unsharded_fraction(plan: Plan) -> float:
 
 def least_sharded(plan: Plan, count: int | None = None) -> list[Entry]:
   """Entries not split over the whole mesh, most unsharded bytes first (``count`` of them)."""
-  short = [e for e in plan.entries if unsharded_bytes(plan, e) > 0]
-  short.sort(key=lambda e: (-unsharded_bytes(plan, e), e.name))
+  short = [e for e in plan.entries if plan.unsharded_bytes(e) > 0]
+  short.sort(key=lambda e: (-plan.unsharded_bytes(e), e.name))
   return short[:count]
 
 
 def check_coverage(plan: Plan, max_unsharded_fraction: float) -> None:
   """Raises ``ShardingError`` naming the five least sharded leaves when more than
-  ``max_unsharded_fraction`` of the plan's bytes is unsharded (``config.max_unsharded_fraction``).
-  """
+  ``max_unsharded_fraction`` (a number in [0, 1], e.g. 0.02) of the plan's bytes is unsharded."""
   if not isinstance(max_unsharded_fraction, (int, float)) or not 0 <= max_unsharded_fraction <= 1:
     raise ShardingError(
         f"max_unsharded_fraction must be a number in [0, 1], e.g. 0.02; got "
@@ -79,27 +67,16 @@ def check_coverage(plan: Plan, max_unsharded_fraction: float) -> None:
   )
 
 
-def claims(plan: Plan, strategy) -> tuple[list[tuple[str, str]], list[str]]:
-  """``(entries that claimed no leaf, leaves no entry claimed)`` of ``strategy`` on ``plan``.
-
-  An entry claims the leaves whose names its regex fullmatches first; a state
-  leaf no entry claims still follows its param (see :mod:`bv_sharding.following`).
-  """
-  pats = patterns.parse_strategy(strategy, dict(plan.mesh.shape))
-  claimed, unclaimed = set(), []
-  for entry in plan.entries:
-    pattern = patterns.match(pats, entry.name)
-    if pattern is None:
-      unclaimed.append(entry.name)
-    else:
-      claimed.add(id(pattern))
-  unused = [(p.regex, p.chain_text) for p in pats if id(p) not in claimed]
-  return unused, unclaimed
-
-
 def _describe(plan: Plan, entry: Entry) -> str:
   return (
       f"{entry.name} {entry.shape} {entry.spec} "
-      f"({entry.bytes_per_device / MiB:.3f} MiB/device, {pieces(plan, entry)} of "
+      f"({entry.bytes_per_device / MiB:.3f} MiB/device, {plan.pieces(entry)} of "
       f"{plan.num_devices} pieces)"
   )
+
+
+# ``pieces(plan, entry)`` is now ``plan.pieces(entry)``; so with the other two.
+__getattr__ = _deprecated(
+    {name: f"bv_sharding.Plan.{name}" for name in ("pieces", "unsharded_bytes", "claims")},
+    __name__,
+)

@@ -1,9 +1,9 @@
-"""The project's errors: one root, one subclass per kind.
+"""The library's errors: one root, one subclass per kind.
 
-Every mistake in a config, strategy, mesh or input raises a subclass of
-:class:`Error` (a ``ValueError``) whose message names the offending value and
-the fix. The library raises :class:`ShardingError`; the trainer raises
-``trainers.errors.ConfigError``; ``except bvs.Error`` catches both.
+Every mistake in a strategy, rule, mesh or input raises :class:`ShardingError`
+(an :class:`Error`, itself a ``ValueError``) whose message names the offending
+value and the fix. A program built on the library can root its own errors at
+:class:`Error`, so that ``except bvs.Error`` catches every user mistake.
 
 Example:
   >>> import bv_sharding as bvs
@@ -18,7 +18,7 @@ import difflib
 
 
 class Error(ValueError):
-  """Root of the project's errors: a user mistake, named with its fix, caught before any work."""
+  """Root of the library's errors: a user mistake, named with its fix, caught before any work."""
 
 
 class ShardingError(Error):
@@ -30,22 +30,12 @@ class ShardingWarning(UserWarning):
 
 
 def closest(name: str, choices) -> str:
-  """A ``"; did you mean 'x'?"`` hint for ``name`` among ``choices``, or ``""``.
+  """A ``"; did you mean 'x'?"`` hint for ``name`` among ``choices`` (as ``difflib`` judges,
+  cutoff 0.5), or ``""``.
 
   Example:
     >>> closest("fsdpp", ["fsdp", "replicate"])
     "; did you mean 'fsdp'?"
   """
-  match = nearest(name, choices)
-  return f"; did you mean {match!r}?" if match else ""
-
-
-def nearest(name: str, choices) -> str | None:
-  """The choice closest to ``name`` (as ``difflib`` judges, cutoff 0.5), or ``None``.
-
-  Example:
-    >>> nearest("warmup_step", ["warmup_steps", "decay_type"])
-    'warmup_steps'
-  """
   match = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.5)
-  return match[0] if match else None
+  return f"; did you mean {match[0]!r}?" if match else ""

@@ -82,5 +82,5 @@ def _difference(lines: list[str], rows: np.ndarray, me: int) -> str:
   return (
       f"process {me} and process {other} computed different sharding plans, first at "
       f"{what}: here {here!r}. Every host must run the same config, strategy, mesh and "
-      "package versions; compare `python -m trainers.plan` output on both hosts."
+      "package versions; compare plan.report() on both hosts."
   )

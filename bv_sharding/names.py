@@ -19,8 +19,7 @@ Example:
 import flax.linen as nn
 import jax
 
-# Last path components of norm scales and biases: small vectors that sharding ops
-# never shard and the trainer's optimizers give no weight decay.
+# Last path components of norm scales and biases: small vectors that sharding ops never shard.
 NORM_AND_BIAS = frozenset({"scale", "bias"})
 
 

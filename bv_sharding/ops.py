@@ -1,12 +1,18 @@
-"""What writing a sharding op needs, in one place.
+"""What extending the library needs, in one place: writing an op, and planning an optimizer.
 
-An op is a factory registered by name (:func:`register`, or :func:`temporary_ops`
-for one ``with`` block). Its arguments come from the config string; it returns a
-rule ``rule(leaf, spec) -> (spec, note)`` that sees a :class:`Leaf` (name, shape,
-dtype, mesh axis sizes) and the spec so far (one entry per dim: ``None``, an axis
-name or a tuple of names), and adds axes only through :func:`place` (one dim) or
+An op is a factory registered by name (:func:`bv_sharding.register`, or
+:func:`bv_sharding.temporary_ops` for one ``with`` block). Its arguments come from
+the config string; it returns a rule ``rule(leaf, spec) -> (spec, note)`` that sees
+a :class:`Leaf` (name, shape, dtype, mesh axis sizes) and the spec so far (one
+entry per dim: ``None``, an axis name or a tuple of names, see :func:`axes_of` and
+:func:`axis_size`), and adds axes only through :func:`place` (one dim) or
 :func:`place_largest` (the largest free dim an axis divides). Both refuse what
 ``jax.jit`` would reject and say why in the note, so ops compose in chains.
+
+An optimizer whose state the plan places agrees with it on two things: leaf names
+(:func:`flatten_with_names`, the names strategy regexes match) and, for a stack of
+blocks cut shard by shard, the order of the axes that split the stack
+(:func:`stack_axes`).
 
 Example:
   >>> import jax
@@ -18,23 +24,42 @@ Example:
   ...   return rule
   >>> mesh = bvs.make_abstract_mesh([("data", -1)], 8)
   >>> tree = {"w": jax.ShapeDtypeStruct((64, 32), "float32")}
-  >>> with ops.temporary_ops(shard_rows=shard_rows):
+  >>> with bvs.temporary_ops(shard_rows=shard_rows):
   ...   print(bvs.plan(tree, 'shard_rows(axis="data")', mesh).by_name()["w"].why)
   '.*' -> shard_rows: dim 0 over data
 """
 
-from bv_sharding.registry import register, registered, temporary_ops
-from bv_sharding.specs import Leaf, Spec, check_axis, check_number, place, place_largest, too_small
+from bv_sharding.aliases import deprecated as _deprecated
+from bv_sharding.following import stack_axes
+from bv_sharding.names import flatten as flatten_with_names
+from bv_sharding.specs import (
+    Leaf,
+    Spec,
+    axes_of,
+    axis_size,
+    check_axis,
+    check_number,
+    place,
+    place_largest,
+    too_small,
+)
 
 __all__ = [
     "Leaf",
     "Spec",
+    "axes_of",
+    "axis_size",
     "check_axis",
     "check_number",
+    "flatten_with_names",
     "place",
     "place_largest",
-    "register",
-    "registered",
-    "temporary_ops",
+    "stack_axes",
     "too_small",
 ]
+
+# Registration is exported once, at the top: ``bvs.register``, ``bvs.temporary_ops``.
+__getattr__ = _deprecated(
+    {name: f"bv_sharding.{name}" for name in ("register", "registered", "temporary_ops")},
+    __name__,
+)

@@ -122,12 +122,47 @@ class Plan:
     ``data / (data * model)`` of its bytes, a replicated leaf nothing. ``1 - coverage``
     is the unsharded fraction ``bvs.check_coverage`` gates on.
     """
-    sizes = dict(self.mesh.shape)
-    split = sum(e.nbytes * specs.shards(tuple(e.spec), sizes) for e in self.entries)
+    split = sum(e.nbytes * self.pieces(e) for e in self.entries)
     return split / self.num_devices / max(self.total_bytes, 1)
 
   def by_name(self) -> dict[str, Entry]:
     return {e.name: e for e in self.entries}
+
+  def pieces(self, entry: Entry) -> int:
+    """How many pieces ``entry``'s spec cuts its leaf into on this plan's mesh."""
+    return specs.shards(tuple(entry.spec), dict(self.mesh.shape))
+
+  def unsharded_bytes(self, entry: Entry) -> float:
+    """``entry``'s bytes times the share of the mesh its spec does not split it over: what the
+    mesh could still take off each device."""
+    return entry.nbytes * (1 - self.pieces(entry) / self.num_devices)
+
+  def claims(self, strategy) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(strategy entries that claimed no leaf, leaves no entry claimed)``.
+
+    An entry claims the leaves whose names its regex fullmatches first. An entry that
+    claims nothing is almost always a typo; a state leaf no entry claims still follows
+    its param (see :mod:`bv_sharding.following`).
+
+    Example:
+      >>> import bv_sharding as bvs, jax
+      >>> tree = {"w": jax.ShapeDtypeStruct((64, 32), "float32"),
+      ...         "b": jax.ShapeDtypeStruct((32,), "float32")}
+      >>> strategy = [("w", 'fsdp(axis="data")'), ("bais", "replicate()")]
+      >>> p = bvs.plan(tree, strategy, bvs.make_abstract_mesh([("data", 8)], 8))
+      >>> p.claims(strategy)
+      ([('bais', 'replicate()')], ['b'])
+    """
+    pats = patterns.parse_strategy(strategy, dict(self.mesh.shape))
+    claimed, unclaimed = set(), []
+    for entry in self.entries:
+      pattern = patterns.match(pats, entry.name)
+      if pattern is None:
+        unclaimed.append(entry.name)
+      else:
+        claimed.add(id(pattern))
+    unused = [(p.regex, p.chain_text) for p in pats if id(p) not in claimed]
+    return unused, unclaimed
 
   def mismatches(self, tree) -> list[str]:
     """Names of arrays in ``tree`` whose sharding is not the planned one.

@@ -170,7 +170,7 @@ def checked(op: str, result: Any, leaf: Leaf) -> tuple[Spec, str]:
     >>> checked("my_op", ("data",), leaf)
     Traceback (most recent call last):
     ...
-    bv_sharding.errors.ShardingError: op 'my_op' on leaf 'w' (8, 6) returned ('data',); a rule must return (spec, note): a tuple of 2 entries (None, a mesh axis of ['data'] or a tuple of them) and a string, built with bv_sharding.specs.place
+    bv_sharding.errors.ShardingError: op 'my_op' on leaf 'w' (8, 6) returned ('data',); a rule must return (spec, note): a tuple of 2 entries (None, a mesh axis of ['data'] or a tuple of them) and a string, built with bv_sharding.ops.place
   """
   ok = isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], str)
   spec = result[0] if ok else None
@@ -189,7 +189,7 @@ def checked(op: str, result: Any, leaf: Leaf) -> tuple[Spec, str]:
     raise ShardingError(
         f"op {op!r} on leaf {leaf.name!r} {leaf.shape} returned {result!r}; a rule must return "
         f"(spec, note): a tuple of {leaf.ndim} entries (None, a mesh axis of {list(leaf.mesh)} "
-        "or a tuple of them) and a string, built with bv_sharding.specs.place"
+        "or a tuple of them) and a string, built with bv_sharding.ops.place"
     )
   return result
 

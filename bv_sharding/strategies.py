@@ -2,7 +2,7 @@
 
 Each op is a factory registered by name; the config string's arguments go to the
 factory, which returns ``rule(leaf, spec) -> (spec, note)``. Rules only add mesh
-axes through :func:`bv_sharding.specs.place`, so chains compose: a later op only
+axes through :func:`bv_sharding.ops.place`, so chains compose: a later op only
 fills dims and axes an earlier one left free. ``replicate`` is the one exception:
 it clears what an earlier op placed (big_vision rejects such a chain).
 
@@ -104,7 +104,7 @@ def llm_fsdp(axis, min_size_to_shard_mb=1):
   its last two dims. Dims count from the end, so a leading scanned-layer axis is
   never sharded. Only leaves with 2+ dims and at least the threshold are sharded:
   unlike ``fsdp`` (big_vision's ``>``), a leaf of exactly ``min_size_to_shard_mb``
-  is sharded here (the seed's ``>=``).
+  is sharded here (``>=``).
   """
   axis = specs.check_axis("llm_fsdp", axis)
   threshold = specs.check_number("llm_fsdp", "min_size_to_shard_mb", min_size_to_shard_mb)

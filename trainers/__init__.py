@@ -19,9 +19,14 @@ Processes they start inherit the setting through the environment::
   from trainers import ONE_BLAS_THREAD
   os.environ.setdefault(*ONE_BLAS_THREAD)
 
+Sizes the commands and benchmarks print are in ``MiB``.
+
 Example:
   >>> ONE_BLAS_THREAD
   ('OPENBLAS_NUM_THREADS', '1')
+  >>> 3 * MiB
+  3145728
 """
 
 ONE_BLAS_THREAD = ("OPENBLAS_NUM_THREADS", "1")
+MiB = 2**20

@@ -60,8 +60,8 @@ from collections.abc import Mapping
 from absl import app, flags
 from ml_collections import config_flags
 
-from bv_sharding.errors import Error, closest
-from trainers.errors import ConfigError
+from bv_sharding import Error
+from trainers.errors import ConfigError, closest
 
 CONFIG_FLAG = "config"
 OPEN_DICTS = ("optax",)  # Keyword-argument dicts: the command line may add any key.

@@ -12,7 +12,7 @@ from the model and optimizer the trainer would build (``trainers/build.py``),
 traced with ``jax.eval_shape``. It prints:
 
 * one row per leaf (name, shape, dtype, spec, MiB per device, why), the leaves
-  with the most unsharded bytes first (see ``bv_sharding.coverage``);
+  with the most unsharded bytes first (see ``bvs.Plan.unsharded_bytes``);
 * per-device totals for params, gradients (the params' specs) and optimizer state,
   and the largest per-device tensor;
 * the coverage (bytes-weighted share of the full split over every mesh axis),
@@ -39,9 +39,7 @@ import jax
 import numpy as np
 
 import bv_sharding as bvs
-from bv_sharding import coverage
-from bv_sharding.specs import MiB
-from trainers import build, cli
+from trainers import MiB, build, cli
 from trainers.errors import ConfigError
 from trainers.input import tasks
 
@@ -131,7 +129,7 @@ def report(s: Setup, plan: bvs.Plan) -> dict:
   per_device["gradients"] = per_device["params"]
   total = sum(per_device.values())
   everything = sum(r["bytes"] for r in rows) + sum(r["bytes"] for r in rows if _is_param(r))
-  unused, unclaimed = coverage.claims(plan, s.config.sharding_strategy)
+  unused, unclaimed = plan.claims(s.config.sharding_strategy)
   return {
       "args": list(s.args),
       "optimizer": s.config.optax_name,
@@ -140,7 +138,7 @@ def report(s: Setup, plan: bvs.Plan) -> dict:
       "per_device": {**per_device, "total": total, "ideal": everything / plan.num_devices},
       "largest": max(rows, key=lambda r: r["bytes_per_device"]),
       "coverage": plan.coverage,
-      "unsharded_fraction": coverage.unsharded_fraction(plan),
+      "unsharded_fraction": 1 - plan.coverage,
       "unused_strategy_entries": [list(pair) for pair in unused],
       "unclaimed_leaves": unclaimed,
       "leaves": rows,
@@ -314,8 +312,8 @@ def _row(plan: bvs.Plan, e: bvs.Entry) -> dict:
       "spec": [list(a) if isinstance(a, tuple) else a for a in e.spec],
       "bytes": e.nbytes,
       "bytes_per_device": e.bytes_per_device,
-      "pieces": coverage.pieces(plan, e),
-      "unsharded_bytes": coverage.unsharded_bytes(plan, e),
+      "pieces": plan.pieces(e),
+      "unsharded_bytes": plan.unsharded_bytes(e),
       "why": e.why,
   }
 

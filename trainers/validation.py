@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
-from bv_sharding.errors import closest
-from trainers.errors import ConfigError
+from trainers.errors import ConfigError, closest
 from trainers.optimizers import schedules
 
 COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")

@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from bv_sharding.specs import MiB
 from tests.helpers import run_module
+from trainers import MiB
 from trainers import plan as command
 
 MESH = '[("data", 64), ("model", 4)]'

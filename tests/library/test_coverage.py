@@ -21,7 +21,8 @@ def test_coverage_counts_the_share_of_every_mesh_axis():
   assert plan.coverage == pytest.approx((1 + 4 / 8 + 1 / 8) / 3)
   assert coverage.unsharded_fraction(plan) == pytest.approx(1 - plan.coverage)
   assert [e.name for e in coverage.least_sharded(plan)] == ["whole", "data_only"]
-  assert coverage.unsharded_bytes(plan, plan.by_name()["data_only"]) == 64 * 64 * 4 / 2
+  assert [plan.pieces(e) for e in plan.entries] == [8, 4, 1]
+  assert plan.unsharded_bytes(plan.by_name()["data_only"]) == 64 * 64 * 4 / 2
 
 
 def test_gate_passes_at_the_limit_and_names_leaves_above_it():
@@ -38,5 +39,5 @@ def test_gate_passes_at_the_limit_and_names_leaves_above_it():
 
 def test_claims_name_unused_entries_and_unclaimed_leaves():
   plan = bvs.plan(TREE, STRATEGY, MESH)
-  assert coverage.claims(plan, STRATEGY) == ([("bias", "replicate()")], ["whole"])
-  assert coverage.claims(plan, [(".*", "replicate()")]) == ([], [])
+  assert plan.claims(STRATEGY) == ([("bias", "replicate()")], ["whole"])
+  assert plan.claims([(".*", "replicate()")]) == ([], [])

@@ -40,7 +40,7 @@ def relative_errors(tree, reference):
   whenever the reduction order changes, and they feed nothing back into the update."""
   errors = {}
   for (name, a), (_, b) in zip(
-      bvs.flatten_with_names(tree)[0], bvs.flatten_with_names(reference)[0]
+      bvs.ops.flatten_with_names(tree)[0], bvs.ops.flatten_with_names(reference)[0]
   ):
     if "training_metrics" in name.split("/"):
       continue

@@ -68,17 +68,17 @@ def test_names_do_not_depend_on_the_root_container():
   tx = optax.adam(1e-3)
   opt = jax.eval_shape(tx.init, params)
   state = train_state.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=opt)
-  as_dict = [n for n, _ in bvs.flatten_with_names({"params": params, "opt_state": opt})[0]]
-  as_named_tuple = [n for n, _ in bvs.flatten_with_names(Root(params, opt))[0]]
-  as_train_state = [n for n, _ in bvs.flatten_with_names(state)[0] if n != "step"]
+  as_dict = [n for n, _ in bvs.ops.flatten_with_names({"params": params, "opt_state": opt})[0]]
+  as_named_tuple = [n for n, _ in bvs.ops.flatten_with_names(Root(params, opt))[0]]
+  as_train_state = [n for n, _ in bvs.ops.flatten_with_names(state)[0] if n != "step"]
   assert sorted(as_dict) == sorted(as_named_tuple) == sorted(as_train_state)
   assert "params/up/kernel" in as_dict and "opt_state/0/mu/up/kernel" in as_dict
 
 
 def test_non_string_keys_and_list_indices_in_names():
-  names = [n for n, _ in bvs.flatten_with_names({1: [sds(2), {"x": sds(3)}], 2: sds(4)})[0]]
+  names = [n for n, _ in bvs.ops.flatten_with_names({1: [sds(2), {"x": sds(3)}], 2: sds(4)})[0]]
   assert names == ["1/0", "1/1/x", "2"]
-  assert [n for n, _ in bvs.flatten_with_names({(2, 3): sds(4)})[0]] == ["(2, 3)"]
+  assert [n for n, _ in bvs.ops.flatten_with_names({(2, 3): sds(4)})[0]] == ["(2, 3)"]
 
 
 def test_none_empty_and_masked_nodes_are_preserved():
@@ -135,7 +135,7 @@ def test_jit_init_with_inferred_shardings_places_every_array_as_planned():
   shardings, specs = bvs.infer_sharding(abstract, strategy, mesh)
   variables = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
   for (name, array), (_, sharding) in zip(
-      bvs.flatten_with_names(variables)[0], bvs.flatten_with_names(shardings)[0]
+      bvs.ops.flatten_with_names(variables)[0], bvs.ops.flatten_with_names(shardings)[0]
   ):
     assert array.sharding.is_equivalent_to(sharding, array.ndim), name
   up = variables["params"]["up"]["kernel"]

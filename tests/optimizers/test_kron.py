@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bv_sharding import traffic
+from benchmarks import traffic
 from tests.optimizers.test_second_order import _final_loss, _ill_conditioned_regression
 from trainers.optimizers import kron, scale_by_kron
 

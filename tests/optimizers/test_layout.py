@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bv_sharding import traffic
+from benchmarks import traffic
 from trainers.optimizers import ParamLayout, kron, same_blocking, shampoo
 from trainers.optimizers.layout import reorder, shard_blocks
 from trainers.optimizers.shampoo import ShampooState, factor_blocks

@@ -44,7 +44,7 @@ def test_lm_rules_places_every_param_by_its_logical_names_as_flax_would():
   state = steps.abstract_state(init, tx)
   plan = bvs.plan(state, config.sharding_strategy, mesh, rules=config.sharding_rules)
   entries = plan.by_name()
-  boxes, _ = bvs.flatten_with_names(state["params"])
+  boxes, _ = bvs.ops.flatten_with_names(state["params"])
   for name, box in boxes:
     expected = nn.logical_to_mesh_axes(box.names, config.sharding_rules)
     spec = entries[f"params/{name}"].spec

@@ -11,8 +11,7 @@ from collections.abc import Callable
 
 import flax.linen as nn
 
-from bv_sharding.errors import closest
-from trainers.errors import ConfigError
+from trainers.errors import ConfigError, closest
 from trainers.models import llama, vit
 
 MODELS: dict[str, Callable[..., nn.Module]] = {

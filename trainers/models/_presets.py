@@ -4,8 +4,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TypeVar
 
-from bv_sharding.errors import closest
-from trainers.errors import ConfigError
+from trainers.errors import ConfigError, closest
 
 Config = TypeVar("Config")
 

@@ -35,9 +35,8 @@ from typing import Any
 import jax
 import optax
 
-from bv_sharding import flatten_with_names
-from bv_sharding.errors import nearest
-from trainers.errors import OptimizerError
+from bv_sharding.ops import flatten_with_names
+from trainers.errors import OptimizerError, nearest
 from trainers.optimizers import registry
 from trainers.optimizers.schedules import make_schedule
 

@@ -11,7 +11,7 @@ scatters. Given the param layout (the plan's specs and the mesh) through
 * blocks are stacked shard-major (shards in row-major order over the param's dims,
   then each shard's blocks as :func:`~trainers.optimizers.tensor_ops.blockify`
   orders them), so splitting the stack's dim 0 over
-  :func:`bv_sharding.following.stack_axes` gives each device the blocks of its own
+  :func:`bv_sharding.ops.stack_axes` gives each device the blocks of its own
   shard, which is where the plan puts them;
 * on a concrete ``Mesh`` the per-block work runs in ``jax.shard_map`` over the param's
   spec: no collective but the scalars computed outside it (norms, counters). On an
@@ -49,8 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from bv_sharding.following import stack_axes
-from bv_sharding.specs import axis_size
+from bv_sharding.ops import axis_size, stack_axes
 from trainers.errors import OptimizerError
 from trainers.optimizers.tensor_ops import blockify, unblockify
 

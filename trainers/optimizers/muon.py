@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
-from bv_sharding.specs import axes_of
+from bv_sharding.ops import axes_of
 from trainers.optimizers.layout import ParamLayout
 
 _NOT_MATRICES = ("scale", "bias")

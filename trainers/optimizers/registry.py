@@ -18,15 +18,14 @@ from typing import Any
 import jax
 import optax
 
-from bv_sharding.errors import closest
-from bv_sharding.names import NORM_AND_BIAS
-from trainers.errors import OptimizerError
+from trainers.errors import OptimizerError, closest
 from trainers.optimizers.kron import kron
 from trainers.optimizers.muon import muon
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import shampoo
 
-_NO_DECAY_NAMES = NORM_AND_BIAS
+# Last path components of norm scales and biases: small vectors that get no weight decay.
+_NO_DECAY_NAMES = frozenset({"scale", "bias"})
 
 
 def decay_mask(params: optax.Params) -> Any:

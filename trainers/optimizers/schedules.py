@@ -20,8 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from bv_sharding.errors import nearest
-from trainers.errors import OptimizerError
+from trainers.errors import OptimizerError, nearest
 
 DECAY_TYPES = ("stair", "cosine", "linear", "polynomial", "rsqrt")
 _DURATIONS = ("warmup", "cooldown", "timescale", "shift")

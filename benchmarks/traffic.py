@@ -17,8 +17,8 @@ per iteration: it counts ``times`` XLA's known trip count (nested loops multiply
 Example:
   >>> import jax
   >>> from jax.sharding import NamedSharding, PartitionSpec as P
-  >>> from bv_sharding.mesh import make_mesh
-  >>> mesh = make_mesh([("data", -1)])  # 8 devices
+  >>> import bv_sharding as bvs
+  >>> mesh = bvs.make_mesh([("data", -1)])  # 8 devices
   >>> gather = jax.jit(lambda x: x * 2, in_shardings=NamedSharding(mesh, P("data")),
   ...                  out_shardings=NamedSharding(mesh, P()))
   >>> hlo = gather.lower(jax.ShapeDtypeStruct((64, 32), "float32")).compile().as_text()

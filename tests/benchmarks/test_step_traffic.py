@@ -9,8 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import step_traffic
-from bv_sharding import traffic
+from benchmarks import step_traffic, traffic
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,262 @@
+"""The project's structure, computed from its imports: packages by layer, drawn as a graph.
+
+Every module of ``bv_sharding``, ``trainers``, ``benchmarks`` and ``configs`` belongs to one
+node (the node naming its longest dotted prefix); a node's arrows go to the nodes its
+modules import (any ``import`` statement, at the top of a file or inside a function). Nodes
+sit in layers, top to bottom: a module imports only from its own layer or the ones below,
+so the graph has no upward arrow, and it has no cycle. ``tests/test_structure.py`` checks
+both and that ``docs/architecture.md`` is what this writes now::
+
+  python tools/structure.py            # writes docs/architecture.md
+  python tools/structure.py --check    # exits 1 when docs/architecture.md is out of date
+
+Example:
+  >>> held = {"a": "A", "a.b": "AB"}
+  >>> node_of("a.x", held), node_of("a.b.y", held), node_of("ab", held)
+  ('A', 'AB', None)
+  >>> upward({"A": {"AB"}, "AB": {"A"}}, {"A": 0, "AB": 1})
+  [('AB', 'A')]
+  >>> cycle({"a": {"b"}, "b": {"a"}}), cycle({"a": {"b"}, "b": set()})
+  (['a', 'b', 'a'], None)
+"""
+
+import argparse
+import ast
+import dataclasses
+import functools
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGE = pathlib.Path("docs") / "architecture.md"
+PACKAGES = ("bv_sharding", "trainers", "benchmarks", "configs")
+COMMANDS = ("trainers.train", "trainers.plan", "trainers.launch", "trainers.convert")
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+  """One box of the drawing: ``prefixes`` are the dotted module names (and their submodules)
+  it holds; a ``listed`` box names its modules too."""
+
+  name: str
+  prefixes: tuple[str, ...]
+  listed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """Nodes at one height, and a paragraph saying what lives there."""
+
+  title: str
+  nodes: tuple[Node, ...]
+  text: str
+
+
+LAYERS = (
+    Layer(
+        "Entry points",
+        (
+            Node("commands", COMMANDS, listed=True),
+            Node("benchmarks", ("benchmarks",)),
+        ),
+        "What people run. The commands (`python -m trainers.<command>`) read flags, build a run "
+        "and call it; the benchmarks (`python -m benchmarks.<name>`) measure plans, memory, "
+        "traffic and speed on the trainer's builds. Nothing imports them.",
+    ),
+    Layer(
+        "Configs",
+        (Node("configs", ("configs",)),),
+        "`configs/*.py`: big_vision-style `get_config(arg)` files, a run's whole description "
+        "(model, data, optimizer, mesh, sharding strategy) as code. The commands load them "
+        "by path; they import only the data sources they name and the errors they raise.",
+    ),
+    Layer(
+        "Run directory",
+        (Node("trainers.rundir", ("trainers.rundir",)),),
+        "`trainers/rundir/`: what a run leaves on disk and reads back: the work directory's "
+        "files, provenance, orbax checkpoints of the train state the steps define.",
+    ),
+    Layer(
+        "Run assembly",
+        (Node("trainers core", ("trainers",), listed=True),),
+        "The other modules at the top of `trainers/`: the run record built once from a "
+        "config, the jitted train and eval steps, the checks before a run, flags and one-line "
+        "errors, the non-finite loss policy, `jax.distributed` start-up.",
+    ),
+    Layer(
+        "Parts",
+        (
+            Node("trainers.input", ("trainers.input",)),
+            Node("trainers.models", ("trainers.models",)),
+            Node("trainers.optimizers", ("trainers.optimizers",)),
+        ),
+        "What a run is built from, each knowing nothing of the others: `input/` (sources, "
+        "deterministic batches, prefetch, tasks), `models/` (Llama and ViT), `optimizers/` "
+        "(the registry, schedules, Kron, Shampoo and Muon with their shard-local layouts).",
+    ),
+    Layer(
+        "Trainer errors",
+        (Node("trainers.errors", ("trainers.errors",)),),
+        "`trainers.errors`: the trainer's error kinds (`ConfigError`, `OptimizerError`, "
+        "`NonFiniteLossError`) under the library's `bv_sharding.Error`, and the did-you-mean "
+        "hints their messages end with.",
+    ),
+    Layer(
+        "Library",
+        (Node("bv_sharding", ("bv_sharding",)),),
+        "`bv_sharding/`: sharding plans for params and optimizer state, from a config's "
+        "strategy, before any array exists. It imports nothing of the project; everything "
+        "above uses it through its public names (`bv_sharding.__all__` and `bv_sharding.ops`).",
+    ),
+)
+
+
+def node_layers(layers=LAYERS) -> dict[str, int]:
+  """Node name -> its layer's index (0 at the top)."""
+  return {node.name: i for i, layer in enumerate(layers) for node in layer.nodes}
+
+
+def holders(layers=LAYERS) -> dict[str, str]:
+  """Dotted prefix -> the node holding the modules it names."""
+  return {p: node.name for layer in layers for node in layer.nodes for p in node.prefixes}
+
+
+def node_of(module: str, held: dict[str, str]) -> str | None:
+  """The node of ``held`` (prefix -> node) with the longest prefix of ``module``, or ``None``."""
+  matches = [p for p in held if module == p or module.startswith(p + ".")]
+  return held[max(matches, key=len)] if matches else None
+
+
+def modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+  """Dotted module name -> file, for every module of the packages."""
+  found = {}
+  for package in PACKAGES:
+    for path in sorted((root / package).rglob("*.py")):
+      parts = path.relative_to(root).with_suffix("").parts
+      found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return found
+
+
+def imports(path: pathlib.Path, name: str, known) -> set[str]:
+  """The project modules the file ``path`` (module ``name``) imports, anywhere in it."""
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+      module = ".".join([*base, *([node.module] if node.module else [])])
+      found.update(
+          f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names
+      )
+  return {m for m in found if m in known and m != name}
+
+
+@functools.cache
+def module_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+  """Module -> the project modules it imports."""
+  known = modules(root)
+  return {name: imports(path, name, known) for name, path in known.items()}
+
+
+def graph(root: pathlib.Path = ROOT, layers=LAYERS) -> dict[str, set[str]]:
+  """Node -> the nodes its modules import (itself left out), every node of ``layers`` a key."""
+  held = holders(layers)
+  arrows = {name: set() for name in node_layers(layers)}
+  for module, imported in module_graph(root).items():
+    source = node_of(module, held)
+    arrows[source] |= {node_of(m, held) for m in imported} - {source}
+  return arrows
+
+
+def upward(arrows: dict[str, set[str]], nodes: dict[str, int]) -> list[tuple[str, str]]:
+  """Arrows from a node to one in a layer above it."""
+  return sorted((a, b) for a, targets in arrows.items() for b in targets if nodes[b] < nodes[a])
+
+
+def cycle(arrows: dict[str, set[str]]) -> list[str] | None:
+  """One cycle of ``arrows`` as a path that ends where it starts, or ``None`` (depth first)."""
+  done, path = set(), []
+
+  def visit(node):
+    if node in path:
+      return path[path.index(node) :] + [node]
+    if node in done:
+      return None
+    path.append(node)
+    for target in sorted(arrows.get(node, ())):
+      found = visit(target)
+      if found:
+        return found
+    done.add(path.pop())
+    return None
+
+  for node in sorted(arrows):
+    found = visit(node)
+    if found:
+      return found
+  return None
+
+
+def _id(name: str) -> str:
+  return name.replace(".", "_").replace(" ", "_")
+
+
+def label(node: Node, root: pathlib.Path = ROOT, layers=LAYERS) -> str:
+  """What ``node``'s box says: its name, and for a listed node its modules' last names."""
+  if not node.listed:
+    return node.name
+  held = holders(layers)
+  names = [m.rpartition(".")[2] for m in module_graph(root) if node_of(m, held) == node.name]
+  return f"{node.name}: {', '.join(n for n in names if n not in node.prefixes)}"
+
+
+def mermaid(arrows: dict[str, set[str]], root: pathlib.Path = ROOT, layers=LAYERS) -> str:
+  """The graph as a mermaid ``graph TD``: one subgraph per layer, arrows importer -> imported."""
+  lines = ["graph TD"]
+  for i, layer in enumerate(layers):
+    lines.append(f'  subgraph L{i}["{layer.title}"]')
+    for node in layer.nodes:
+      lines.append(f'    {_id(node.name)}["{label(node, root, layers)}"]')
+    lines.append("  end")
+  for source in sorted(arrows):
+    lines += [f"  {_id(source)} --> {_id(target)}" for target in sorted(arrows[source])]
+  return "\n".join(lines)
+
+
+def page(root: pathlib.Path = ROOT, layers=LAYERS) -> str:
+  """``docs/architecture.md``: the drawing, then one paragraph per layer, top to bottom."""
+  parts = [
+      "# Architecture",
+      "",
+      "The project's packages by layer, computed from their imports by `python "
+      "tools/structure.py` (which writes this page; `tests/test_structure.py` checks that "
+      "it is current). An arrow goes from the importer to the imported. A module imports "
+      "only from its own layer or the layers below, and the imports have no cycle.",
+      "",
+      "```mermaid",
+      mermaid(graph(root, layers), root, layers),
+      "```",
+  ]
+  for layer in layers:
+    parts += ["", f"## {layer.title}", "", layer.text]
+  return "\n".join(parts) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
+  args = parser.parse_args(argv)
+  text, path = page(), ROOT / PAGE
+  if args.check:
+    current = path.read_text() if path.exists() else ""
+    print(f"{PAGE} is {'current' if current == text else 'out of date'}")
+    return int(current != text)
+  path.write_text(text)
+  print(f"wrote {PAGE}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
