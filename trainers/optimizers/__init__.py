@@ -1,4 +1,4 @@
-"""Optimizers for the trainers: a name-based registry plus PSGD Kron and Shampoo.
+"""Optimizers for the trainers: a name-based registry plus PSGD Kron, Shampoo and Muon.
 
 Example:
   >>> from trainers.optimizers import make_optimizer
@@ -10,6 +10,7 @@ from trainers.optimizers.from_config import from_config
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
 from trainers.optimizers.layout import ParamLayout, same_blocking
 from trainers.optimizers.migration import BuiltOptimizer, migrate_state
+from trainers.optimizers.muon import muon, scale_by_muon
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
@@ -27,9 +28,11 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "migrate_state",
+    "muon",
     "precond_update_prob_schedule",
     "same_blocking",
     "scale_by_kron",
+    "scale_by_muon",
     "scale_by_shampoo",
     "shampoo",
 ]

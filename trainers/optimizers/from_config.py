@@ -56,7 +56,8 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   ``(regex, schedule)`` entries) to ``step -> learning rate``: the very
   schedules the optimizer applies, for logging (a registry optimizer's ``lr_scale``
   included). ``layout``: the params' :class:`~trainers.optimizers.layout.ParamLayout`, for
-  the project's optimizers that cut shard-local blocks (Kron, Shampoo, Muon).
+  the project's optimizers that follow the params' layout: Kron and Shampoo cut
+  shard-local blocks, Muon orthogonalises each matrix on an owner device.
   """
   name = config.optax_name
   kwargs = _plain(config.get("optax") or {})

@@ -1,5 +1,9 @@
 """Optimizer registry: build any supported optimizer from a name and config.
 
+Names: optax's adamw, adafactor, lion, sgd, lamb and schedule_free, and the project's
+kron (PSGD Kron), shampoo and muon (``kron.py``, ``shampoo.py``, ``muon.py``); each
+with decoupled weight decay, clipping and a schedule (:func:`make_optimizer`).
+
 Example:
     >>> import jax.numpy as jnp
     >>> tx = make_optimizer("adamw", 1e-3, weight_decay=0.05, clip_norm=1.0,
@@ -169,8 +173,8 @@ def make_optimizer(
       ``scale``/``bias`` leaves and leaves with ndim < 2.
     clip_norm: clip gradients to this global norm first (None: no clipping).
     layout: the params' :class:`~trainers.optimizers.layout.ParamLayout`, given to
-      optimizers that take a ``layout`` (Kron, Shampoo: shard-local blocks); the
-      others ignore it.
+      optimizers that take a ``layout`` (Kron, Shampoo: shard-local blocks; Muon: each
+      matrix orthogonalised by its owner device); the others ignore it.
     **optimizer_kwargs: passed to the optimizer's own constructor.
 
   Raises:
