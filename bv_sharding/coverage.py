@@ -19,7 +19,7 @@ Example:
   >>> plan = bvs.plan(tree, strategy, bvs.make_abstract_mesh([("data", 8)], 8))
   >>> round(unsharded_fraction(plan), 4)
   0.0009
-  >>> claims(plan, strategy)
+  >>> claims(plan)
   ([('bais', 'replicate()')], ['b'])
   >>> check_coverage(plan, 0.01)
   >>> check_coverage(plan, 0.0001)
@@ -28,7 +28,7 @@ Example:
   bv_sharding.errors.ShardingError: 0.0854% of the planned bytes are not split over the whole mesh ...
 """
 
-from bv_sharding import patterns, specs
+from bv_sharding import specs
 from bv_sharding.errors import ShardingError
 from bv_sharding.planning import Entry, Plan
 from bv_sharding.specs import MiB
@@ -79,22 +79,16 @@ def check_coverage(plan: Plan, max_unsharded_fraction: float) -> None:
   )
 
 
-def claims(plan: Plan, strategy) -> tuple[list[tuple[str, str]], list[str]]:
-  """``(entries that claimed no leaf, leaves no entry claimed)`` of ``strategy`` on ``plan``.
+def claims(plan: Plan) -> tuple[list[tuple[str, str]], list[str]]:
+  """``(entries of plan.strategy that claimed no leaf, leaves no entry claimed)``.
 
-  An entry claims the leaves whose names its regex fullmatches first; a state
-  leaf no entry claims still follows its param (see :mod:`bv_sharding.following`).
+  An entry claims the leaves whose names its regex fullmatches first (``Entry.claimed_by``,
+  recorded while planning); a state leaf no entry claims still follows its param (see
+  :mod:`bv_sharding.following`).
   """
-  pats = patterns.parse_strategy(strategy, dict(plan.mesh.shape))
-  claimed, unclaimed = set(), []
-  for entry in plan.entries:
-    pattern = patterns.match(pats, entry.name)
-    if pattern is None:
-      unclaimed.append(entry.name)
-    else:
-      claimed.add(id(pattern))
-  unused = [(p.regex, p.chain_text) for p in pats if id(p) not in claimed]
-  return unused, unclaimed
+  claimed = {e.claimed_by for e in plan.entries}
+  unused = [pair for i, pair in enumerate(plan.strategy) if i not in claimed]
+  return unused, [e.name for e in plan.entries if e.claimed_by is None]
 
 
 def _describe(plan: Plan, entry: Entry) -> str:

@@ -38,5 +38,5 @@ def test_gate_passes_at_the_limit_and_names_leaves_above_it():
 
 def test_claims_name_unused_entries_and_unclaimed_leaves():
   plan = bvs.plan(TREE, STRATEGY, MESH)
-  assert coverage.claims(plan, STRATEGY) == ([("bias", "replicate()")], ["whole"])
-  assert coverage.claims(plan, [(".*", "replicate()")]) == ([], [])
+  assert coverage.claims(plan) == ([("bias", "replicate()")], ["whole"])
+  assert coverage.claims(bvs.plan(TREE, [(".*", "replicate()")], MESH)) == ([], [])
