@@ -27,9 +27,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from benchmarks.throughput import setup
+from benchmarks.throughput import lm_config, setup
 from benchmarks.timing import WARMUP, seconds_per_step
-from configs import lm
 from trainers import cli
 from trainers.rundir import checkpoint
 
@@ -40,9 +39,7 @@ def state_mib(state) -> float:
 
 def measure(config, saves: int, use_async: bool) -> dict:
   """State MiB, seconds per step without saving, and seconds the loop is blocked per save."""
-  mesh, init, train_step, batches = setup(
-      config, config.sharding_strategy, "adamw", WARMUP + 2 * saves
-  )
+  mesh, init, train_step, batches = setup(config, WARMUP + 2 * saves)
   rules = nn.logical_axis_rules(config.sharding_rules)
   with jax.set_mesh(mesh), rules, tempfile.TemporaryDirectory() as d:
     state, step_s = seconds_per_step(train_step, init(), batches, saves)
@@ -82,8 +79,7 @@ def main(argv=None):
   )
   print("|---|---|---|---|---|---|---|---|---|")
   for size in args.sizes.split(","):
-    config = lm.get_config(f"size={size}")
-    config.batch_size = 16
+    config = lm_config(size, "adamw")
     fast = measure(config, args.saves, use_async=True)
     sync = measure(config, args.saves, use_async=False)
     print(

@@ -32,7 +32,7 @@ import numpy as np
 import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import build, cli, optimizers, steps
+from trainers import build, cli, steps
 from trainers.input import batching, prefetch, sources, tasks
 
 
@@ -73,15 +73,12 @@ def main(argv=None):
   path = os.path.join(tmp.name, "train.bin")
   write_token_file(path, args.file_mib, vocab=256)
   config.input = sources.input_config(kind="tokens", train=path, eval_fraction=0.01)
-  task = tasks.get_task(config)
   mesh = bvs.make_mesh(config.mesh)
+  run = build.build(config, mesh)
+  task, tx, plan = run.task, run.tx, run.plan
+  task.check(run.model)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   local = lambda: task.batches(task.train, global_batch=config.batch_size, seed=0)
-  model, init = build.model_and_init(config, build.example_input(task, next(local())))
-  task.check(model)
-  loss_fn = build.loss_fn(task, model)
-  tx = optimizers.make_optimizer(config.optax_name, config.lr)
-  plan = build.plan_state(config, init, tx, mesh)
   count = WARMUP + args.steps
   inputs = {
       "in-memory": lambda: iter(
@@ -92,8 +89,8 @@ def main(argv=None):
   }
   times = {name: [] for name in inputs}
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    state = steps.init_state(init, tx, plan)
-    train_step = steps.make_train_step(loss_fn, tx, plan, sharding)
+    state = steps.init_state(run.init, tx, plan)
+    train_step = steps.make_train_step(run.loss, tx, plan, sharding)
     for _, name in itertools.product(range(args.rounds), inputs):
       state, seconds = seconds_per_step(train_step, state, inputs[name](), args.steps)
       times[name].append(seconds)

@@ -6,8 +6,9 @@ the baselines of ``benchmarks/placements.py``. Goal: ratio <= 1.02.
 
 Then the trainer's own plans on 2-D meshes: configs/lm_tp_fsdp.py and
 configs/lm_7b_pod.py (data x model) on 256 abstract devices, scanned and unscanned,
-with the registry's optimizers given the params' layout as trainers/train.py does
-(shard-local Kron/Shampoo blocks). Goal: ratio <= 1.05.
+per optimizer: the run trainers/train.py builds (trainers/build.py: the config's
+optimizer section, the params' layout, shard-local Kron/Shampoo blocks).
+Goal: ratio <= 1.05.
 
   python -m benchmarks.memory [--only_2d]
 """
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import bv_sharding as bvs
 from benchmarks import placements, zoo
 from configs import lm_7b_pod, lm_tp_fsdp
-from trainers import MiB, cli, optimizers, steps
+from trainers import MiB, build, cli
 from trainers.models import get_model
 
 GiB = 1024 * MiB
@@ -57,15 +58,11 @@ def rows(size: str, devices: int):
 
 
 def trainer_plan(config, optimizer: str, scan: bool, devices: int = 256) -> bvs.Plan:
-  """The plan trainers/train.py makes for ``config`` on ``devices`` abstract devices."""
-  mesh = bvs.make_abstract_mesh(config.mesh, devices)
-  model = get_model(config.model_name, **{**config.model.to_dict(), "scan_layers": scan})
-  init = lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-  strategy, rules = config.sharding_strategy, config.sharding_rules
-  params_plan = bvs.plan({"params": jax.eval_shape(init)}, strategy, mesh, rules=rules)
-  layout = optimizers.ParamLayout.from_plan(params_plan)
-  tx = optimizers.make_optimizer(optimizer, config.lr, weight_decay=config.wd, layout=layout)
-  return bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules)
+  """The plan trainers/train.py makes for ``config`` with ``optimizer`` and ``scan_layers``
+  on ``devices`` abstract devices (``trainers/build.py``)."""
+  config = config.copy_and_resolve_references()
+  config.optax_name, config.model.scan_layers = optimizer, scan
+  return build.build(config, bvs.make_abstract_mesh(config.mesh, devices)).plan
 
 
 def trainer_table():

@@ -38,8 +38,7 @@ import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
 from benchmarks import traffic  # noqa: E402
-from trainers import cli, models, optimizers, steps  # noqa: E402
-from trainers.input import tasks  # noqa: E402
+from trainers import build, cli, steps  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
 OPTIMIZERS = ("adamw", "kron", "shampoo", "muon")
@@ -67,34 +66,9 @@ def load_config(spec: str):
   return importlib.import_module(f"configs.{name}").get_config(arg or None)
 
 
-def setup(config, optimizer: str, mesh, layout_mesh=None):
-  """(loss_fn, tx, plan, batch) as trainers/train.py builds them; ``layout_mesh``
-  overrides the mesh the optimizer's layout names (an AbstractMesh: same blocks,
-  computed on global arrays)."""
-  task = tasks.get_task(config)
-  batch = next(task.batches(task.train, global_batch=config.batch_size, seed=0))
-  model = models.get_model(config.model_name, **config.model.to_dict())
-  init = lambda: model.init(jax.random.key(0), task.inputs(batch[:1]))["params"]
-  loss_fn = lambda p, b: task.loss(model.apply({"params": p}, task.inputs(b)), b)
-  strategy, rules = config.sharding_strategy, config.sharding_rules
-  params_plan = bvs.plan({"params": jax.eval_shape(init)}, strategy, mesh, rules=rules)
-  layout = optimizers.ParamLayout(params_plan.specs["params"], layout_mesh or mesh)
-  tx = optimizers.make_optimizer(
-      optimizer, config.lr, weight_decay=config.wd, clip_norm=config.grad_clip_norm, layout=layout
-  )
-  plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules)
-  return loss_fn, tx, plan, jax.ShapeDtypeStruct(batch.shape, batch.dtype)
-
-
-def abstract(plan, shardings=None):
-  """The plan's tree as ShapeDtypeStructs (with ``shardings`` when given)."""
-  leaves = [jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan.entries]
-  tree = plan.treedef.unflatten(leaves)
-  if shardings is None:
-    return tree
-  return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-  )
+def abstract(plan):
+  """The plan's tree as ShapeDtypeStructs without shardings (``plan.abstract()`` has them)."""
+  return plan.treedef.unflatten([jax.ShapeDtypeStruct(e.shape, e.dtype) for e in plan.entries])
 
 
 def update_flops(tx, state) -> float:
@@ -104,22 +78,23 @@ def update_flops(tx, state) -> float:
   return float(compiled.cost_analysis().get("flops", 0.0))
 
 
-def compile_step(config, optimizer: str):
+def compile_step(config):
   """Compiles the trainer's step: (HLO text, XLA's stderr while compiling, seconds, extras)."""
   mesh = bvs.make_mesh(config.mesh)
-  loss_fn, tx, plan, batch = setup(config, optimizer, mesh)
+  run = build.build(config, mesh)
+  batch = next(run.task.batches(run.task.train, global_batch=config.batch_size, seed=0))
   batch_sharding = steps.batch_sharding(
       mesh, steps.data_axes(mesh, config.sharding_rules, config.data_axes)
   )
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
-    state = abstract(plan, plan.shardings)
+    step = steps.make_train_step(run.loss, run.tx, run.plan, batch_sharding)
+    state = run.plan.abstract()
     start = time.perf_counter()
     with captured_stderr() as log:
-      hlo = step.lower(state, batch).compile().as_text()
+      hlo = step.lower(state, jax.ShapeDtypeStruct(batch.shape, batch.dtype)).compile().as_text()
     seconds = time.perf_counter() - start
-    flops = update_flops(tx, state)
-  return hlo, log[0], seconds, (mesh, plan, flops)
+    flops = update_flops(run.tx, state)
+  return hlo, log[0], seconds, (mesh, run.plan, flops)
 
 
 def in_param_units(hlo: str, plan) -> tuple[float, float]:
@@ -131,10 +106,11 @@ def in_param_units(hlo: str, plan) -> tuple[float, float]:
   return sent(("all-gather",)), sent(("all-reduce", "reduce-scatter"))
 
 
-def measure(config, optimizer: str) -> dict:
-  hlo, log, seconds, (mesh, plan, flops) = compile_step(config, optimizer)
+def measure(config) -> dict:
+  hlo, log, seconds, (mesh, plan, flops) = compile_step(config)
   n = mesh.size
-  _, reference_tx, _, _ = setup(config, optimizer, mesh, layout_mesh=mesh.abstract_mesh)
+  # The same blocks, computed on global arrays: the run built on the abstract mesh.
+  reference_tx = build.build(config, mesh.abstract_mesh).tx
   total_flops = update_flops(reference_tx, abstract(plan))
   wire, count = traffic.wire_bytes(hlo), sum(c.times for c in traffic.collectives(hlo))
   params = sum(e.nbytes for e in plan.entries if e.name.startswith("params/"))
@@ -171,8 +147,8 @@ def main(argv=None):
     adamw = None
     for optimizer in args.optimizers.split(","):
       config = load_config(spec)
-      config.model.scan_layers = scan
-      r = measure(config, optimizer)
+      config.model.scan_layers, config.optax_name = scan, optimizer
+      r = measure(config)
       adamw = r["wire"] if optimizer == "adamw" else adamw
       vs_adamw = f"{r['wire'] / adamw:.2f}" if adamw else "-"
       print(

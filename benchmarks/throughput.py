@@ -2,9 +2,12 @@
 
   python -m benchmarks.throughput [--sizes tiny,small] [--optimizers adamw,kron] [--steps 10]
 
-For each model size and optimizer, the same jitted train step (``trainers/steps.py``)
-runs with the state planned by ``configs/lm.py``'s strategy and with the state fully
-replicated (plain data parallelism); the batch is split over "data" in both.
+For each model size and optimizer, the trainer's run of ``configs/lm.py``
+(``trainers/build.py``: the config's whole optimizer section, its plan, the train step
+of ``trainers/steps.py``) runs twice: as configured, and with
+``config.sharding_strategy = [(".*", "replicate()")]``, every param and state leaf
+replicated and so the params' layout too (plain data parallelism: Kron, Shampoo and
+Muon do every block's work on every device). The batch is split over "data" in both.
 Compilation and two warm-up steps are excluded. Prints a markdown table.
 """
 
@@ -23,40 +26,42 @@ import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
 from trainers import build, cli, optimizers, steps
-from trainers.input import batching, tasks
+from trainers.input import batching
+
+REPLICATED = ((".*", "replicate()"),)
 
 
-def setup(config, strategy, optimizer: str, num_batches: int) -> tuple:
-  """``(mesh, init, train_step, batches)`` of ``config``'s LM with the state planned by ``strategy``.
+def setup(config, num_batches: int) -> tuple:
+  """``(mesh, init, train_step, batches)`` of ``config``'s run on this host's devices.
 
   ``init()`` (called under ``jax.set_mesh(mesh)``) returns the born-sharded state;
   ``batches`` are ``num_batches`` global batches.
   """
   mesh = bvs.make_mesh(config.mesh)
+  run = build.build(config, mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
-  task = tasks.get_task(config)
-  local = list(
-      itertools.islice(
-          task.batches(task.train, global_batch=config.batch_size, seed=0), num_batches
-      )
-  )
-  model, init = build.model_and_init(config, build.example_input(task, local[0]))
-  loss_fn = build.loss_fn(task, model)
-  # Kron/Shampoo/Muon: shard-local blocks from the params' plan, as the trainer builds them.
-  layout = build.param_layout(config.copy_and_resolve_references(), init, mesh)
-  tx = optimizers.make_optimizer(optimizer, config.lr, layout=layout)
-  plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=config.sharding_rules)
-  batches = [batching.to_global(b, sharding) for b in local]
-  train_step = steps.make_train_step(loss_fn, tx, plan, sharding)
-  return mesh, lambda: steps.init_state(init, tx, plan), train_step, batches
+  local = run.task.batches(run.task.train, global_batch=config.batch_size, seed=0)
+  batches = [batching.to_global(b, sharding) for b in itertools.islice(local, num_batches)]
+  train_step = steps.make_train_step(run.loss, run.tx, run.plan, sharding)
+  return mesh, lambda: steps.init_state(run.init, run.tx, run.plan), train_step, batches
 
 
-def steps_per_sec(config, strategy: str, optimizer: str, num_steps: int) -> float:
-  """Steps per second of ``config``'s train step with the state planned by ``strategy``."""
-  mesh, init, train_step, batches = setup(config, strategy, optimizer, WARMUP + num_steps)
+def steps_per_sec(config, num_steps: int) -> float:
+  """Steps per second of ``config``'s train step."""
+  mesh, init, train_step, batches = setup(config, WARMUP + num_steps)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     _, seconds = seconds_per_step(train_step, init(), batches, num_steps)
   return 1 / seconds
+
+
+def lm_config(size: str, optimizer: str, replicated: bool = False):
+  """configs/lm.py of ``size`` with ``optimizer``, batch 16; ``replicated``: every param and
+  state leaf replicated, so the optimizer's layout is too (plain data parallelism)."""
+  config = lm.get_config(f"size={size}")
+  config.batch_size, config.optax_name = 16, optimizer
+  if replicated:
+    config.sharding_strategy = REPLICATED
+  return config
 
 
 @cli.command
@@ -74,10 +79,8 @@ def main(argv=None):
   print("| size | optimizer | plan steps/s | replicated steps/s | plan / replicated |")
   print("|---|---|---|---|---|")
   for size, optimizer in itertools.product(args.sizes.split(","), args.optimizers.split(",")):
-    config = lm.get_config(f"size={size}")
-    config.batch_size = 16
-    planned_rate = steps_per_sec(config, list(config.sharding_strategy), optimizer, args.steps)
-    replicated_rate = steps_per_sec(config, "replicate()", optimizer, args.steps)
+    planned_rate = steps_per_sec(lm_config(size, optimizer), args.steps)
+    replicated_rate = steps_per_sec(lm_config(size, optimizer, replicated=True), args.steps)
     print(
         f"| {size} | {optimizer} | {planned_rate:.2f} | {replicated_rate:.2f} | "
         f"{planned_rate / replicated_rate:.2f} |",

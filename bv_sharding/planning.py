@@ -44,7 +44,11 @@ CONTEXT_RULES = "the rules of the enclosing nn.logical_axis_rules context"
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  """One leaf's decision: ``spec`` and ``why`` (which entry and op decided, or why not sharded)."""
+  """One leaf's decision: ``spec`` and ``why`` (which entry and op decided, or why not sharded).
+
+  ``claimed_by``: the index in ``Plan.strategy`` of the entry whose regex claimed the
+  leaf (``None``: no entry did).
+  """
 
   name: str
   shape: tuple[int, ...]
@@ -54,6 +58,7 @@ class Entry:
   nbytes: int
   bytes_per_device: int
   follows: str | None = None
+  claimed_by: int | None = None
 
   @property
   def sharded(self) -> bool:
@@ -62,11 +67,15 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Per-leaf specs for a tree on a mesh (a ``Mesh`` or an ``AbstractMesh``)."""
+  """Per-leaf specs for a tree on a mesh (a ``Mesh`` or an ``AbstractMesh``).
+
+  ``strategy``: the ``(regex, op_chain)`` pairs it was planned with, as parsed.
+  """
 
   entries: tuple[Entry, ...]
   treedef: Any
   mesh: Any
+  strategy: tuple[tuple[str, str], ...] = ()
 
   @property
   def specs(self):
@@ -137,12 +146,13 @@ class Plan:
     mesh could still take off each device."""
     return entry.nbytes * (1 - self.pieces(entry) / self.num_devices)
 
-  def claims(self, strategy) -> tuple[list[tuple[str, str]], list[str]]:
-    """``(strategy entries that claimed no leaf, leaves no entry claimed)``.
+  def claims(self) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(entries of the strategy that claimed no leaf, leaves no entry claimed)``.
 
-    An entry claims the leaves whose names its regex fullmatches first. An entry that
-    claims nothing is almost always a typo; a state leaf no entry claims still follows
-    its param (see :mod:`bv_sharding.following`).
+    An entry claims the leaves whose names its regex fullmatches first
+    (``Entry.claimed_by``, recorded while planning; nothing is parsed again). An entry
+    that claims nothing is almost always a typo; a state leaf no entry claims still
+    follows its param (see :mod:`bv_sharding.following`).
 
     Example:
       >>> import bv_sharding as bvs, jax
@@ -150,19 +160,12 @@ class Plan:
       ...         "b": jax.ShapeDtypeStruct((32,), "float32")}
       >>> strategy = [("w", 'fsdp(axis="data")'), ("bais", "replicate()")]
       >>> p = bvs.plan(tree, strategy, bvs.make_abstract_mesh([("data", 8)], 8))
-      >>> p.claims(strategy)
+      >>> p.claims()
       ([('bais', 'replicate()')], ['b'])
     """
-    pats = patterns.parse_strategy(strategy, dict(self.mesh.shape))
-    claimed, unclaimed = set(), []
-    for entry in self.entries:
-      pattern = patterns.match(pats, entry.name)
-      if pattern is None:
-        unclaimed.append(entry.name)
-      else:
-        claimed.add(id(pattern))
-    unused = [(p.regex, p.chain_text) for p in pats if id(p) not in claimed]
-    return unused, unclaimed
+    claimed = {e.claimed_by for e in self.entries}
+    unused = [pair for i, pair in enumerate(self.strategy) if i not in claimed]
+    return unused, [e.name for e in self.entries if e.claimed_by is None]
 
   def mismatches(self, tree) -> list[str]:
     """Names of arrays in ``tree`` whose sharding is not the planned one.
@@ -216,7 +219,14 @@ class Plan:
     return "\n".join(lines)
 
 
-def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = False) -> Plan:
+def plan(
+    tree,
+    strategy,
+    mesh,
+    rules: Sequence | None = None,
+    strict: bool = False,
+    params: Plan | None = None,
+) -> Plan:
   """Plans every leaf of ``tree`` (arrays, ``ShapeDtypeStruct``s or flax boxes).
 
   Args:
@@ -230,12 +240,16 @@ def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = Fal
       explicit ``rules`` win over both.
     strict: an indivisible requested dim raises instead of staying unsharded, and so does
       a strategy entry whose regex matches no leaf (else a ``ShardingWarning``).
+    params: the plan of ``{"params": ...}`` alone, made earlier with the same strategy,
+      mesh and rules (e.g. to build an optimizer for the params' layout): its entries are
+      the params' here, not decided again, and the state follows them.
 
   Returns:
     A :class:`Plan` with one :class:`Entry` per leaf, in ``tree``'s order.
 
   Raises:
-    ShardingError: a strategy, rule or mesh mistake, named with its fix. Trees deeper
+    ShardingError: a strategy, rule or mesh mistake, named with its fix; ``params`` made
+      with another strategy or mesh, or not of this tree's params. Trees deeper
       than Python's recursion limit (thousands of levels) fail in jax's own tree
       flattening with a ``RecursionError``; that limit is jax's.
 
@@ -259,21 +273,20 @@ def plan(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = Fal
   _check_matched(pats, [name for name, _ in named], strict)
   leaves = [_leaf(name, x, sizes, explicit, context, strict) for name, x in named]
   has_params = any(_is_param(leaf) for leaf in leaves)
-  params = {
-      leaf.name: (leaf, _decide_param(leaf, pats))
-      for leaf in leaves
-      if _is_param(leaf) or not has_params
+  planned = {leaf.name: leaf for leaf in leaves if _is_param(leaf) or not has_params}
+  pairs = tuple((p.regex, p.chain_text) for p in pats)
+  decided = _earlier(params, planned, pairs, mesh) or {
+      name: _entry(leaf, *_decide_param(leaf, pats), sizes) for name, leaf in planned.items()
   }
-  by_path = {_relative(name): name for name in params} if has_params else {}
+  by_path = {_relative(name): name for name in planned} if has_params else {}
   entries = []
   for leaf in leaves:
-    if leaf.name in params and params[leaf.name][0] is leaf:
-      spec, why = params[leaf.name][1]
+    if planned.get(leaf.name) is leaf:
+      entries.append(decided[leaf.name])
     else:
-      leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, params)
-      spec, why = _decide_state(leaf, pats)
-    entries.append(_entry(leaf, spec, why, sizes))
-  return Plan(tuple(entries), treedef, mesh)
+      leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, planned, decided)
+      entries.append(_entry(leaf, *_decide_state(leaf, pats), sizes))
+  return Plan(tuple(entries), treedef, mesh, pairs)
 
 
 def infer_sharding(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = False):
@@ -335,37 +348,65 @@ def _relative(name: str) -> tuple[str, ...]:
   return tuple(name.split("/"))[1:]
 
 
-def _with_follow(leaf: Leaf, by_path: dict, params: dict) -> Leaf:
+def _earlier(params: Plan | None, planned: dict, pairs, mesh) -> dict[str, Entry] | None:
+  """``params``' entries by name, checked to be those of the ``planned`` leaves on ``mesh``
+  under the strategy ``pairs``; ``None`` without ``params``."""
+  if params is None:
+    return None
+  earlier = params.by_name()
+  if params.strategy != pairs or params.mesh != mesh:
+    raise ShardingError(
+        f"params= was planned with strategy {list(params.strategy)} on mesh "
+        f"{dict(params.mesh.shape)}, this plan uses {list(pairs)} on {dict(mesh.shape)}; plan "
+        "both with the same strategy, mesh and rules"
+    )
+  mine = {name: leaf.shape for name, leaf in planned.items()}
+  if {e.name: tuple(e.shape) for e in params.entries} != mine:
+    raise ShardingError(
+        f"params= plans {len(earlier)} leaves, not this tree's {len(mine)} params with their "
+        "names and shapes; pass the plan of {'params': ...} of these very params"
+    )
+  return earlier
+
+
+def _with_follow(leaf: Leaf, by_path: dict, planned: dict, decided: dict) -> Leaf:
   name, rest = following.find_param(leaf.components, by_path)
   if name is None or leaf.ndim == 0:
     return leaf
-  param, (param_spec, _) = params[name]
+  param, param_spec = planned[name], tuple(decided[name].spec)
   follow = following.relate(leaf.shape, rest, name, param.shape, param_spec, mesh_sizes=leaf.mesh)
   return dataclasses.replace(leaf, follow=follow)
 
 
-def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str]:
-  pattern = patterns.match(pats, leaf.name)
-  if pattern is None:
-    return _replicated(leaf), "no strategy entry matches: replicated"
+def _claim(pats, name: str) -> int | None:
+  """The index of the first pattern whose regex fullmatches ``name``; ``None``: none does."""
+  return next((i for i, p in enumerate(pats) if patterns.fullmatch(p, name)), None)
+
+
+def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
+  claimed = _claim(pats, leaf.name)
+  if claimed is None:
+    return _replicated(leaf), "no strategy entry matches: replicated", None
+  pattern = pats[claimed]
   spec, notes = _apply_chain(pattern.ops, leaf)
-  return spec, f"{pattern.regex!r} -> {notes}"
+  return spec, f"{pattern.regex!r} -> {notes}", claimed
 
 
-def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str]:
-  pattern = patterns.match(pats, leaf.name)
+def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
+  claimed = _claim(pats, leaf.name)
+  pattern = None if claimed is None else pats[claimed]
   follow = leaf.follow
   if follow is None:
     if leaf.ndim == 0:
-      return _replicated(leaf), "scalar state: replicated"
+      return _replicated(leaf), "scalar state: replicated", claimed
     if pattern is None:
-      return _replicated(leaf), "no param to follow, no strategy entry: replicated"
+      return _replicated(leaf), "no param to follow, no strategy entry: replicated", claimed
     spec, notes = _apply_chain(pattern.ops, leaf)
-    return spec, f"no param to follow; {pattern.regex!r} -> {notes}"
+    return spec, f"no param to follow; {pattern.regex!r} -> {notes}", claimed
   ops = pattern.ops if pattern else ()
   spec, notes = _apply_chain(ops, leaf, follow_param=not ops or any(op.follows for op in ops))
   where = f"{pattern.regex!r} -> " if pattern else "default: "
-  return spec, f"follows {follow.param} ({follow.how}); {where}{notes}"
+  return spec, f"follows {follow.param} ({follow.how}); {where}{notes}", claimed
 
 
 def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str]:
@@ -446,11 +487,19 @@ def _replicated(leaf: Leaf) -> Spec:
   return (None,) * leaf.ndim
 
 
-def _entry(leaf: Leaf, spec: Spec, why: str, sizes) -> Entry:
+def _entry(leaf: Leaf, spec: Spec, why: str, claimed: int | None, sizes) -> Entry:
   per_device = leaf.nbytes // specs.shards(spec, sizes)
   follows = leaf.follow.param if leaf.follow is not None else None
   return Entry(
-      leaf.name, leaf.shape, leaf.dtype, PartitionSpec(*spec), why, leaf.nbytes, per_device, follows
+      leaf.name,
+      leaf.shape,
+      leaf.dtype,
+      PartitionSpec(*spec),
+      why,
+      leaf.nbytes,
+      per_device,
+      follows,
+      claimed,
   )
 
 

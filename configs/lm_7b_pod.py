@@ -6,19 +6,11 @@ which allocates nothing (``python -m trainers.plan --config configs/lm_7b_pod.py
 ``trainers/train.py`` ignores ``num_devices`` and uses the devices it has.
 
 Example:
-  >>> import flax.linen as nn
-  >>> import jax
   >>> import bv_sharding as bvs
-  >>> from trainers import models, optimizers, steps
+  >>> from trainers import build
   >>> config = get_config()
-  >>> mesh = bvs.make_abstract_mesh(config.mesh, config.num_devices)
-  >>> model = models.get_model(config.model_name, **config.model)
-  >>> init = lambda: model.init(jax.random.key(0), jax.numpy.zeros((1, 8), "int32"))["params"]
-  >>> tx = optimizers.make_optimizer(config.optax_name, config.lr)
-  >>> with nn.logical_axis_rules(config.sharding_rules):
-  ...   plan = bvs.plan(steps.abstract_state(init, tx), config.sharding_strategy, mesh,
-  ...                   rules=config.sharding_rules)
-  >>> dict(mesh.shape), round(plan.bytes_per_device / (plan.total_bytes / 256), 3)
+  >>> run = build.build(config, bvs.make_abstract_mesh(config.mesh, config.num_devices))
+  >>> dict(run.mesh.shape), round(run.plan.bytes_per_device / (run.plan.total_bytes / 256), 3)
   ({'data': 64, 'model': 4}, 1.01)
 """
 

@@ -1,32 +1,95 @@
-"""The model, init function, optimizer and sharding plan a config describes.
+"""The run a config describes, built in one place: task, model, init, loss, optimizer and plan.
 
-Built the same way for training (``trainers/train.py``) and for planning without
-devices (``trainers/plan.py``), so the command plans exactly what the trainer runs.
+:func:`build` turns a config and a mesh (a ``Mesh`` to train on, or an ``AbstractMesh``
+to plan for devices that need not exist) into a frozen :class:`Run`. The trainer
+(``trainers/train.py``), the planning command (``trainers/plan.py``) and every benchmark
+build through it, so the command plans exactly what the trainer runs and a benchmark
+measures it; one that measures another placement or optimizer overrides the config
+(``config.sharding_strategy``, ``config.optax_name``) before building.
+
+The sequence: task -> one held-out row -> model and init -> the params' plan -> their
+layout -> the optimizer (``trainers/optimizers/``, under ``config.on_nonfinite``) -> the
+plan of ``{"params", "opt"}``, which reuses the params' entries instead of planning
+them again.
 
 Example:
   >>> import bv_sharding as bvs
   >>> from configs import lm
-  >>> from trainers.input import tasks
   >>> config = lm.get_config()
-  >>> task = tasks.get_task(config)
-  >>> batch = next(task.batches(task.train, global_batch=config.batch_size, seed=0))
-  >>> example = example_input(task, batch)  # one row of a batch
-  >>> example.shape
+  >>> run = build(config, bvs.make_abstract_mesh(config.mesh, 8))  # no arrays, no devices
+  >>> run.example.shape  # one row of a batch: what init traces the model with
   (1, 128)
-  >>> model, init = model_and_init(config, example)
-  >>> tx, learning_rates = optimizer(config)
-  >>> plan = plan_state(config, init, tx, bvs.make_abstract_mesh(config.mesh, 8))  # no arrays
-  >>> print(plan.by_name()["params/layers_0/attention/q_kernel"].why)
+  >>> print(run.plan.by_name()["params/layers_0/attention/q_kernel"].why)
   '.*' -> llm_fsdp: dim 0 over data
+  >>> float(run.learning_rates["lr"](0))  # the warmup's first step
+  0.0
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import optax
 
 import bv_sharding as bvs
 from trainers import divergence, models, optimizers, steps
+from trainers.input import tasks
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """Everything a run of a config needs, built by :func:`build`.
+
+  ``init()`` returns the params (flax boxes kept), seeded by ``config.seed``;
+  ``loss(params, batch)`` is the task's mean loss of the model; ``tx`` is the config's
+  optimizer under its non-finite policy, for the params' ``layout``; ``learning_rates``
+  are the schedules ``tx`` applies, for logging; ``plan`` is that of ``{"params", "opt"}``;
+  ``migration`` says what becomes of optimizer state saved by another run
+  (:class:`~trainers.optimizers.BuiltOptimizer`, asked by the checkpoints on restore).
+  """
+
+  task: tasks.Task
+  model: Any
+  init: Callable[[], Any]
+  loss: Callable[[Any, Any], Any]
+  example: Any
+  layout: optimizers.ParamLayout
+  tx: optax.GradientTransformation
+  learning_rates: dict[str, Callable]
+  plan: bvs.Plan
+  migration: optimizers.BuiltOptimizer
+
+  @property
+  def mesh(self):
+    """The mesh the run is planned on (``Mesh`` or ``AbstractMesh``)."""
+    return self.plan.mesh
+
+
+def build(config, mesh) -> Run:
+  """The :class:`Run` of ``config`` on ``mesh`` (``Mesh`` or ``AbstractMesh``); no arrays.
+
+  The params are planned once: their plan gives the layout the optimizer follows (Kron
+  and Shampoo cut blocks inside each device's shard, Muon orthogonalises each matrix on
+  an owner device; ``trainers/optimizers/layout.py``), and the state's plan reuses its
+  entries.
+
+  Example: ``build(config, bvs.make_mesh(config.mesh)).plan.report()``.
+  """
+  task = tasks.get_task(config)
+  batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
+  example = example_input(task, batch)
+  model, init = model_and_init(config, example)
+  strategy, rules = config.sharding_strategy, config.sharding_rules
+  params = bvs.plan({"params": jax.eval_shape(init)}, strategy, mesh, rules=rules)
+  layout = optimizers.ParamLayout.from_plan(params)
+  tx, learning_rates = optimizer(config, layout)
+  plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)
+  rebuild = lambda other: optimizer(config, other)[0]
+  params = plan.abstract()["params"]
+  migration = optimizers.BuiltOptimizer(config.optax_name, params, layout, rebuild)
+  loss = loss_fn(task, model)
+  return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
 
 
 def example_input(task, batch) -> Any:
@@ -54,37 +117,16 @@ def loss_fn(task, model) -> Callable[[Any, Any], Any]:
   return lambda params, batch: task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
 
 
-def param_layout(config, init: Callable[[], Any], mesh) -> optimizers.ParamLayout:
-  """The params' layout on ``mesh``, planned alone first: Kron, Shampoo and Muon cut their
-  blocks inside each device's shard (``trainers/optimizers/layout.py``).
-
-  Example: ``optimizer(config, param_layout(config, init, mesh))``.
-  """
-  params = bvs.plan(
-      {"params": jax.eval_shape(init)}, config.sharding_strategy, mesh, rules=config.sharding_rules
-  )
-  return optimizers.ParamLayout.from_plan(params)
-
-
 def optimizer(config, layout=None) -> tuple[Any, dict[str, Callable]]:
   """``(tx, learning_rates)`` of the config's optimizer section, under its non-finite policy.
 
   big_vision's ``optax_name``/``optax``/``lr``/``wd``/``schedule``/``grad_clip_norm`` or a
   project optimizer (``trainers/optimizers/from_config.py``), wrapped by
   ``config.on_nonfinite`` (``trainers/divergence.py``); ``learning_rates`` are the very
-  schedules it applies, for logging.
+  schedules it applies, for logging. :func:`build` calls it with the params' layout; a
+  restore onto another layout calls it again with that one.
 
   Example: ``tx, lrs = optimizer(config); float(lrs["lr"](0))``.
   """
   tx, learning_rates = optimizers.from_config(config, layout)
   return divergence.guard(tx, config.get("on_nonfinite", "stop")), learning_rates
-
-
-def plan_state(config, init: Callable[[], Any], tx, mesh) -> bvs.Plan:
-  """The plan of ``{"params", "opt"}`` on ``mesh`` (``Mesh`` or ``AbstractMesh``); no arrays.
-
-  Example: ``plan_state(config, init, tx, mesh).report()``.
-  """
-  return bvs.plan(
-      steps.abstract_state(init, tx), config.sharding_strategy, mesh, rules=config.sharding_rules
-  )

@@ -41,7 +41,6 @@ import numpy as np
 import bv_sharding as bvs
 from trainers import MiB, build, cli
 from trainers.errors import ConfigError
-from trainers.input import tasks
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -108,13 +107,8 @@ def parse_mesh(text: str, flag: str) -> tuple:
 
 def make_plan(s: Setup) -> bvs.Plan:
   """The trainer's plan of ``s.config`` on an abstract mesh of ``s.num_devices``; no arrays."""
-  config = s.config
-  task = tasks.get_task(config)
-  batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
-  _, init = build.model_and_init(config, build.example_input(task, batch))
   mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh)
-  tx, _ = build.optimizer(config, build.param_layout(config, init, mesh))
-  return build.plan_state(config, init, tx, mesh)
+  return build.build(s.config, mesh).plan
 
 
 def report(s: Setup, plan: bvs.Plan) -> dict:
@@ -129,7 +123,7 @@ def report(s: Setup, plan: bvs.Plan) -> dict:
   per_device["gradients"] = per_device["params"]
   total = sum(per_device.values())
   everything = sum(r["bytes"] for r in rows) + sum(r["bytes"] for r in rows if _is_param(r))
-  unused, unclaimed = plan.claims(s.config.sharding_strategy)
+  unused, unclaimed = plan.claims()
   return {
       "args": list(s.args),
       "optimizer": s.config.optax_name,

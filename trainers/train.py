@@ -6,8 +6,8 @@ r"""Trains a model with params and optimizer state sharded by one ``config.shard
   python -m trainers.launch --processes 2 --devices_per_process 4 -- \
       --config configs/lm.py --workdir /tmp/lm2      # 2 jax.distributed processes
 
-Top to bottom: logging -> (jax.distributed) -> mesh -> data -> model -> optimizer
--> one sharding plan for {"params", "opt"} -> born-sharded init -> loop -> eval.
+Top to bottom: logging -> (jax.distributed) -> mesh -> the run (data, model, optimizer,
+one sharding plan for {"params", "opt"}: trainers/build.py) -> born-sharded init -> loop -> eval.
 Every config value is checked first (trainers/validation.py), the memory the plan needs
 before init; a bad one ends the run as one line, ``ConfigError: config.<key>=...``, before
 the workdir is touched or anything allocated (``--debug`` for the traceback). Process 0 then
@@ -40,8 +40,8 @@ import numpy as np
 from absl import flags, logging
 
 import bv_sharding as bvs
-from trainers import build, cli, distributed, divergence, optimizers, steps, validation
-from trainers.input import batching, prefetch, tasks
+from trainers import build, cli, distributed, divergence, steps, validation
+from trainers.input import batching, prefetch
 from trainers.rundir import checkpoint, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
@@ -92,36 +92,30 @@ def main(argv):
   is_main_process = jax.process_index() == 0
   mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.get("dcn_mesh"))
   batch_sharding = checked_batch_sharding(config, mesh)
-  task = tasks.get_task(config)
-  eval_batches = held_out_batches(task, config)
-  model, init = build.model_and_init(config, build.example_input(task, eval_batches[0]))
-  task.check(model)  # Token ids / labels fit the model, before init.
-  loss_fn = build.loss_fn(task, model)
-  # big_vision's optimizer section or a project optimizer; the logged lr is the one it applies.
-  # The params' plan first: Kron, Shampoo and Muon cut their blocks inside each device's shard.
-  layout = build.param_layout(config, init, mesh)
-  tx, learning_rates = build.optimizer(config, layout)
-  plan = checked_plan(config, init, tx, mesh, is_main_process)
-  train_step = steps.make_train_step(loss_fn, tx, plan, batch_sharding)
-  eval_step = steps.make_eval_step(loss_fn, plan, batch_sharding)
+  # Task, model, the config's optimizer for the params' layout and one plan of
+  # {"params", "opt"}: trainers/build.py.
+  run = build.build(config, mesh)
+  run.task.check(run.model)  # Token ids / labels fit the model, before init.
+  plan, tx = check_plan(config, run.plan, is_main_process), run.tx
+  eval_batches = held_out_batches(run.task, config)
+  train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding)
+  eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
   # Every check passed: only now is the workdir touched.
-  # The optimizer says what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
-  rebuild = lambda other: build.optimizer(config, other)[0]
-  built = optimizers.BuiltOptimizer(config.optax_name, jax.eval_shape(init), layout, rebuild)
-  ckpt, metrics = open_workdir(_WORKDIR.value, config, built, is_main_process)
+  # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
+  ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, is_main_process)
   write = metrics.write if is_main_process else None
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    state, start = restore_or_init(ckpt, plan, tx, init)
+    state, start = restore_or_init(ckpt, plan, tx, run.init)
     if is_main_process:
       note_start(_WORKDIR.value, config, start, metrics.path)
-    local_batches = task.batches(
-        task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
+    local_batches = run.task.batches(
+        run.task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
     )
-    train_batches = prefetch.to_device(local_batches, batch_sharding, task.prefetch)
-    log = StepLog(config, task, learning_rates, start, evaluate, write)
+    train_batches = prefetch.to_device(local_batches, batch_sharding, run.task.prefetch)
+    log = StepLog(config, run.task, run.learning_rates, start, evaluate, write)
     todo = range(start.step + 1, config.total_steps + 1)
     train(state, zip(todo, train_batches), train_step, (plan, watch, log, ckpt))
 
@@ -157,9 +151,8 @@ def held_out_batches(task, config) -> list:
   return list(itertools.islice(batches, config.eval_batches))
 
 
-def checked_plan(config, init, tx, mesh, is_main_process: bool) -> bvs.Plan:
-  """The plan of ``{"params", "opt"}``, checked (coverage, same on every process, memory)."""
-  plan = build.plan_state(config, init, tx, mesh)
+def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
+  """``plan`` of ``{"params", "opt"}``, once checked (coverage, same on every process, memory)."""
   if is_main_process:
     logging.info("sharding plan:\n%s", plan.report())
   if config.get("max_unsharded_fraction") is not None:

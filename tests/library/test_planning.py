@@ -170,6 +170,22 @@ def test_bytes_per_device_and_report():
   assert "4.00 MiB in all" in report and "unsharded: tiny" in report
 
 
+def test_a_state_plan_reuses_the_params_plan_it_is_given():
+  mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
+  strategy = [("params/up/.*", 'shard_dim(axis="model", dim=-1)'), (".*", 'fsdp(axis="data")')]
+  params = mlp_shapes()
+  tree = {"params": params, "opt": jax.eval_shape(optax.adam(1e-3).init, params)}
+  alone = bvs.plan({"params": params}, strategy, mesh)
+  both = bvs.plan(tree, strategy, mesh, params=alone)
+  reused = [e for e in both.entries if e.name.startswith("params/")]
+  assert all(a is b for a, b in zip(alone.entries, reused, strict=True))  # not decided again
+  assert both.entries == bvs.plan(tree, strategy, mesh).entries
+  with pytest.raises(bvs.ShardingError, match="planned with strategy"):
+    bvs.plan(tree, 'fsdp(axis="data")', mesh, params=alone)
+  with pytest.raises(bvs.ShardingError, match="not this tree's 2 params"):
+    bvs.plan({"params": {"up": params["up"]}}, strategy, mesh, params=alone)
+
+
 @pytest.mark.parametrize(
     "strategy, rules, fragments",
     [

@@ -379,14 +379,8 @@ def blocked_lm(optax_name: str, block_size: int, devices: int):
   config = lm.get_config()
   config.optax_name, config.optax, config.total_steps = optax_name, {"block_size": block_size}, 8
   config.schedule.warmup_steps = 2
-  _, init = build.model_and_init(config, np.zeros((1, 32), np.int32))
-  mesh = bvs.make_mesh([("data", devices)], devices=jax.devices()[:devices])
-  layout = build.param_layout(config, init, mesh)
-  tx = build.optimizer(config, layout)[0]
-  optimizer_for = lambda other: build.optimizer(config, other)[0]
-  plan = build.plan_state(config, init, tx, mesh)
-  params = plan.abstract()["params"]
-  return plan, optimizers.BuiltOptimizer(optax_name, params, layout, optimizer_for)
+  run = build.build(config, bvs.make_mesh([("data", devices)], devices=jax.devices()[:devices]))
+  return run.plan, run.migration
 
 
 def stacks_of(optax_name: str, block_size: int, devices: int) -> list:

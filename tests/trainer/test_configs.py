@@ -2,13 +2,12 @@
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import pytest
 
 import bv_sharding as bvs
 from configs import lm_rules
 from configs.common import parse_arg
-from trainers import models, optimizers, steps
+from trainers import build
 from trainers.errors import ConfigError
 
 
@@ -37,14 +36,9 @@ def test_parse_arg_rejects_values_of_the_wrong_type():
 def test_lm_rules_places_every_param_by_its_logical_names_as_flax_would():
   config = lm_rules.get_config()
   assert [chain for _, chain in config.sharding_strategy] == ["logical_partitioning()"]
-  mesh = bvs.make_abstract_mesh(config.mesh, 8)
-  model = models.get_model(config.model_name, **config.model.to_dict())
-  init = lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-  tx, _ = optimizers.from_config(config)
-  state = steps.abstract_state(init, tx)
-  plan = bvs.plan(state, config.sharding_strategy, mesh, rules=config.sharding_rules)
-  entries = plan.by_name()
-  boxes, _ = bvs.ops.flatten_with_names(state["params"])
+  run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
+  plan, entries = run.plan, run.plan.by_name()
+  boxes, _ = bvs.ops.flatten_with_names(jax.eval_shape(run.init))
   for name, box in boxes:
     expected = nn.logical_to_mesh_axes(box.names, config.sharding_rules)
     spec = entries[f"params/{name}"].spec

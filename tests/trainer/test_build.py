@@ -1,0 +1,68 @@
+"""The run builder: one frozen record per (config, mesh), the params planned once, any mesh."""
+
+import dataclasses
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import bv_sharding as bvs
+from bv_sharding import planning
+from configs import lm
+from trainers import build
+
+REPLICATED = ((".*", "replicate()"),)
+
+
+def tiny_lm(optax_name: str = "adamw"):
+  """configs/lm.py's tiny Llama, short rows."""
+  config = lm.get_config()
+  config.seq_len, config.batch_size, config.optax_name = 16, 8, optax_name
+  return config
+
+
+def layout_specs(run: build.Run) -> list[P]:
+  return jax.tree.leaves(run.layout.specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def test_run_is_a_frozen_record_of_what_the_trainer_needs():
+  config = tiny_lm()
+  run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    run.tx = None
+  assert run.example.shape == (1, 16)
+  assert set(run.plan.specs) == {"params", "opt"}
+  assert run.layout.specs == run.plan.specs["params"] and run.layout.mesh is run.mesh
+  assert float(run.learning_rates["lr"](config.schedule.warmup_steps)) == pytest.approx(config.lr)
+
+
+def test_params_are_decided_once_and_the_state_plan_reuses_their_entries(monkeypatch):
+  decided, plans = [], []
+  decide, plan = planning._decide_param, bvs.plan
+  monkeypatch.setattr(planning, "_decide_param", lambda leaf, pats: decided.append(leaf.name) or decide(leaf, pats))
+  monkeypatch.setattr(bvs, "plan", lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1])
+  config = tiny_lm("kron")
+  run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
+  params = [e for e in run.plan.entries if e.name.startswith("params/")]
+  assert sorted(decided) == sorted(e.name for e in params)  # each param once, in all
+  assert len(plans) == 2 and plans[1] is run.plan
+  assert all(a is b for a, b in zip(plans[0].entries, params, strict=True))
+
+
+def test_builds_on_an_abstract_mesh_larger_than_this_host():
+  config = tiny_lm("shampoo")
+  mesh = bvs.make_abstract_mesh(config.mesh, 64)  # 8 devices here
+  run = build.build(config, mesh)
+  assert run.mesh is mesh and run.plan.num_devices == 64
+  assert run.layout.mesh is mesh
+  assert max(e.nbytes // e.bytes_per_device for e in run.plan.entries) == 64
+
+
+def test_a_replicated_strategy_replicates_the_layout_the_optimizer_blocks_by():
+  config = tiny_lm("kron")
+  mesh = bvs.make_abstract_mesh(config.mesh, 8)
+  assert any(any(spec) for spec in layout_specs(build.build(config, mesh)))
+  config.sharding_strategy = REPLICATED
+  run = build.build(config, mesh)
+  assert not any(any(spec) for spec in layout_specs(run))
+  assert not any(e.sharded for e in run.plan.entries)
