@@ -8,8 +8,8 @@ it clears what an earlier op placed (big_vision rejects such a chain).
 
 ``fsdp``, ``shard_dim``, ``replicate`` and ``logical_partitioning`` are
 big_vision's ops and place params as big_vision's do (arguments, defaults,
-threshold and tie-breaking included); the README's "Differences from big_vision
-and flax" lists where they deliberately do not.
+threshold and tie-breaking included); ``docs/differences.md`` lists where they
+deliberately do not.
 
 Example:
   >>> import jax

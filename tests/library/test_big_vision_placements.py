@@ -8,8 +8,7 @@ positional arguments) on 1-D and 2-D meshes of 8 and 256 devices. It was
 recorded by ``tools/record_big_vision_placements.py`` from big_vision commit
 ``RECORDED_COMMIT`` (big_vision is not on PyPI; none of its code is here).
 
-Every leaf must get big_vision's spec, with one explained exception (README,
-"Differences from big_vision and flax"): where big_vision puts an axis on a dim
+Every leaf must get big_vision's spec, with one explained exception (docs/differences.md): where big_vision puts an axis on a dim
 that axis does not divide (a spec ``jax.jit`` rejects), the dim stays unsharded.
 """
 

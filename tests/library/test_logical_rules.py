@@ -6,7 +6,7 @@ empty lists, ``None``): MaxText's ``MaxText/configs/base.yml``
 ``standard_logical_axis_rules`` for each partitioning-dims setting
 (google-research/t5x, ``t5x/partitioning.py``). Every leaf's spec must be what
 ``nn.logical_to_mesh_axes`` gives, on every dim the axis divides; a dim it does
-not divide stays unsharded (README, "Differences from big_vision and flax").
+not divide stays unsharded (docs/differences.md).
 Test meshes carry every mesh axis the rules name, at size 1 where unused.
 """
 

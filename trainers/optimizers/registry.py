@@ -99,7 +99,7 @@ _REGISTRY: dict[str, _Entry] = {
     "muon": _Entry(muon, ("weight_decay", "weight_decay_mask"), {"consistent_rms": 0.8}),
     "schedule_free": _Entry(schedule_free_adamw),
     # Shard-aligned blocks by default: 14.9x less update traffic than psgd-jax's Kron under
-    # the seed's placement (python -m benchmarks.communication; README).
+    # the seed's placement (python -m benchmarks.communication; docs/benchmarks.md).
     "kron": _Entry(kron, defaults={"block_size": 256}),
     # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
     # one or two gradients, and RMSProp grafting of those overshoots at adamw's lr.

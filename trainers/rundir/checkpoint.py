@@ -128,7 +128,7 @@ class Checkpoints:
   ``config.ckpt_steps`` (None: only at the end and on preemption) and
   ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
   otherwise only the latest is kept) have big_vision's meaning. Saves are async:
-  the loop waits for the device-to-host copy and orbax's setup of the write (README:
+  the loop waits for the device-to-host copy and orbax's setup of the write (docs/benchmarks.md:
   cost of a save); orbax writes to a temporary directory and renames it when
   complete, so a cut-off write is never listed.
 
