@@ -7,6 +7,7 @@ PLOT = ["matplotlib>=3.8,<4"]
 TEST = [
     "pytest>=8,<10",
     "pytest-timeout>=2.3,<3",
+    "pytest-xdist==3.8.0",  # pytest.ini runs two workers.
     "scikit-learn>=1.4,<2",
     "chex>=0.1.87,<0.2",
     # Third-party optimizer states the tests and benchmarks plan (benchmarks/zoo.py, with the

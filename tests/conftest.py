@@ -1,15 +1,41 @@
-"""Every test process sees 8 simulated CPU devices and gives OpenBLAS one thread.
+"""Every test process sees 8 simulated CPU devices, gives OpenBLAS one thread and shares one
+jax compilation cache.
 
-OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why); the
-setting reaches the subprocesses tests start through the environment.
+OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why). The cache is
+a directory made for the session (or ``$JAX_COMPILATION_CACHE_DIR`` when set) in which every
+compiled program is kept, however small or quick, so a program compiled once is loaded by
+every later test, pytest-xdist worker and trainer subprocess that compiles it again. Both
+settings reach the subprocesses tests start through the environment.
 """
 
 import os
+import shutil
+import tempfile
 
 from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
-import jax
+
+def shared_compilation_cache() -> str | None:
+  """Points jax's persistent cache at a new directory, unless one is set; returns it if made."""
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # The user's, or the xdist controller's.
+    return None
+  path = tempfile.mkdtemp(prefix="bv-sharding-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+  return path
+
+
+MADE_CACHE = shared_compilation_cache()
+
+import jax  # noqa: E402  (reads the cache settings from the environment)
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_unconfigure(config):
+  del config
+  if MADE_CACHE:
+    shutil.rmtree(MADE_CACHE, ignore_errors=True)

@@ -1,17 +1,29 @@
-"""The real entry points run in subprocesses, as users run them: ``python -m <module> ...``.
+"""What the tests share: the entry points run as users run them, their metrics, tools.
 
-Runs start from the repo root on the CPU backend and inherit this process's
-environment (``conftest.py`` gives OpenBLAS one thread; see ``trainers/__init__.py``).
+Runs (``python -m <module> ...``) start from the repo root on the CPU backend and
+inherit this process's environment (``conftest.py`` gives OpenBLAS one thread and
+points every run at the session's jax compilation cache).
 """
 
+import functools
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from trainers import optimizers
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
+# What SLURM sets for each task; jax's cluster detection reads these.
+SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 
 def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: int) -> tuple:
@@ -47,9 +59,93 @@ def run_module(
   )
 
 
+def train(workdir, *args: str, config="configs/lm.py", timeout=240, env=None) -> tuple:
+  """``python -m trainers.train``: (exit status, stdout + stderr, metrics records)."""
+  done = run_module(
+      "trainers.train",
+      f"--config={config}",
+      f"--workdir={workdir}",
+      *args,
+      timeout=timeout,
+      env=env,
+  )
+  return done.returncode, done.stdout + done.stderr, metrics(workdir)
+
+
+def metrics(workdir) -> list[dict]:
+  """The records of ``workdir/metrics.jsonl``, [] before the first; a line being written is left out."""
+  path = pathlib.Path(workdir, "metrics.jsonl")
+  lines = path.read_text().split("\n")[:-1] if path.exists() else []
+  return [json.loads(line) for line in lines]
+
+
+# An earlier run's files, which a run that fails its checks must leave byte-identical.
+EARLIER = {"config.json": b'{"lr": 0.1}\n', "metrics.jsonl": b'{"step": 1, "loss": 3.0}\n'}
+
+
+def used_workdir(path: pathlib.Path) -> pathlib.Path:
+  """A workdir holding an earlier run's config.json and metrics.jsonl (``EARLIER``)."""
+  path.mkdir()
+  for name, content in EARLIER.items():
+    (path / name).write_bytes(content)
+  return path
+
+
+def assert_untouched(path: pathlib.Path) -> None:
+  """``path`` holds exactly ``EARLIER``'s files, byte-identical."""
+  assert sorted(p.name for p in path.iterdir()) == sorted(EARLIER)
+  for name, content in EARLIER.items():
+    assert (path / name).read_bytes() == content
+
+
 def load_tool(name: str):
   """``tools/<name>.py`` imported as a module (``tools/`` holds scripts, not a package)."""
   spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+# Optimizer problems.
+
+
+def ill_conditioned_regression(seed=0, n=256, d_in=16, d_out=8):
+  """Least squares whose Hessian has condition number ~1.1e3, not axis-aligned."""
+  rng = np.random.default_rng(seed)
+  rotation, _ = np.linalg.qr(rng.standard_normal((d_in, d_in)))
+  x = (rng.standard_normal((n, d_in)) * np.logspace(0, 1.5, d_in)) @ rotation.T
+  y = x @ rng.standard_normal((d_in, d_out))
+  x, y = jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
+  return lambda p: 0.5 * jnp.mean(jnp.sum((x @ p["w"] - y) ** 2, axis=-1))
+
+
+def final_loss(loss_fn, name, learning_rate, steps, **kwargs):
+  """The loss after ``steps`` of ``optimizers.make_optimizer(name, learning_rate, **kwargs)`` from zeros."""
+  schedule = dict(total_steps=steps, decay_type="cosine")
+  tx = optimizers.make_optimizer(name, learning_rate, schedule=schedule, **kwargs)
+
+  def step(carry, _):
+    params, state = carry
+    grads = jax.grad(loss_fn)(params)
+    updates, state = tx.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state), None
+
+  params = {"w": jnp.zeros((16, 8))}
+  run = jax.jit(lambda p: jax.lax.scan(step, (p, tx.init(p)), None, steps)[0][0])
+  return float(loss_fn(run(params)))
+
+
+@functools.cache
+def recorded_trajectories() -> tuple:
+  """``tests/data/optimizer_reference.npz`` (``tools/make_reference_data.py``): (initial params,
+  data, ``section(run)`` -> that run's recorded trajectory)."""
+  data = np.load(load_tool("make_reference_data").OUTPUT)
+  section = lambda prefix: {
+      k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(prefix + "/")
+  }
+  return section("init"), section("data"), section
+
+
+def max_deviation(ours: dict, theirs: dict) -> float:
+  """Largest absolute difference over all steps of the params and the loss."""
+  return max(float(np.max(np.abs(ours[k] - theirs[k]))) for k in theirs)

@@ -3,8 +3,8 @@
 Runs psgd-jax 0.2.9 ``kron`` and precondition-opt 0.3.0 ``distributed_shampoo``
 on a small fixed problem (``make_problem`` / ``loss_fn``) and stores the loss
 and the parameters after every step in ``tests/data/optimizer_reference.npz``.
-``tests/test_optimizers_reference.py`` replays the same runs (``KRON_RUNS``,
-``SHAMPOO_RUNS``) with ``trainers.optimizers`` and compares.
+``tests/optimizers/test_kron.py`` and ``test_shampoo.py`` replay the same runs
+(``KRON_RUNS``, ``SHAMPOO_RUNS``) with ``trainers.optimizers`` and compare.
 
 The references do not import on the project's JAX/optax (psgd-jax imports
 ``optax._src.clipping``, removed in optax 0.2.7; distributed_shampoo uses

@@ -3,12 +3,12 @@
 big_vision is not on PyPI and none of its code is copied into this project; this
 tool imports it from a checkout and stores
 
-- ``tests/data/big_vision_placements.json`` (``tests/test_big_vision_placements.py``):
+- ``tests/data/big_vision_placements.json`` (``tests/library/test_big_vision_placements.py``):
   for each param tree, strategy and mesh, the ``PartitionSpec`` big_vision's
   ``sharding.infer_sharding`` gives every leaf. The trees are big_vision's own
   models (ViT-B/16, ViT-L/16, So400m/14, PaliGemma with Gemma 2B), shaped with
   ``jax.eval_shape``, and this project's Llama (125m, 7b scanned);
-- ``tests/data/big_vision_optax.json`` (``tests/test_optimizers_from_config.py``):
+- ``tests/data/big_vision_optax.json`` (``tests/optimizers/test_from_config.py``):
   ``utils.create_learning_rate_schedule`` at every step for a set of
   ``config.schedule`` dicts, and the params after each step of
   ``optax.make(config, ...)`` on a small tree for a few optimizer sections.

@@ -1,46 +1,39 @@
 """trainers/launch.py: 2 jax.distributed processes x 4 devices train exactly as 1 x 8; a bad input
 ends it before anything is spawned."""
 
-import json
-import pathlib
 import re
 
 import pytest
 
-from tests.helpers import quick_lm, run_module
+from tests.helpers import metrics, quick_lm, run_module, train
 from trainers import launch
 from trainers.errors import ConfigError
 
-TRAIN = (
-    "--config=configs/lm.py",
-    *quick_lm(total_steps=4, log_every=1, eval_every=4, eval_batches=1),
-)
-
-
-def run(module, *args, timeout=200):
-  done = run_module(module, *args, timeout=timeout)
-  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-  return done.stdout + done.stderr
+TRAIN = quick_lm(total_steps=4, log_every=1, eval_every=4, eval_batches=1)
 
 
 def losses(workdir):
-  lines = pathlib.Path(workdir, "metrics.jsonl").read_text().splitlines()
-  return [(r["loss"], r.get("eval_loss")) for r in map(json.loads, lines)]
+  return [(r["loss"], r.get("eval_loss")) for r in metrics(workdir)]
 
 
 @pytest.mark.timeout(300)
 def test_two_processes_match_one(tmp_path):
   one, two = tmp_path / "1x8", tmp_path / "2x4"
-  run("trainers.train", f"--workdir={one}", "--devices_per_process=8", *TRAIN)
-  out = run(
+  status, out, _ = train(one, "--devices_per_process=8", *TRAIN, timeout=200)
+  assert status == 0, out[-3000:]
+  done = run_module(
       "trainers.launch",
       "--processes=2",
       "--devices_per_process=4",
       "--timeout=200",
       "--",
       f"--workdir={two}",
+      "--config=configs/lm.py",
       *TRAIN,
+      timeout=200,
   )
+  out = done.stdout + done.stderr
+  assert done.returncode == 0, out[-3000:]
   assert "[p1] " in out and "process 1 of 2, 8 devices (4 here)" in out
   expected, got = losses(one), losses(two)
   assert len(got) == len(expected) == 4

@@ -1,7 +1,10 @@
 """trainers/train.py through the command line users run, on 8 simulated CPU devices.
 
 Each run is a subprocess ``python -m trainers.train --config configs/... --config.k=v``;
-overriding ``--config.optax_name`` is the only change between the optimizer runs. Its flags
+overriding ``--config.optax_name`` is the only change between the optimizer runs. Runs on
+data written here (token files, a text directory, .npy images: configs/lm_data.py,
+configs/vit_images.py) must lower the loss too, and two SLURM-style processes start
+jax.distributed from the environment. Its flags
 (help, dashed spellings, a bad value) are parsed in process, on absl's flags.
 """
 
@@ -10,25 +13,18 @@ import math
 import os
 import pathlib
 import re
+import subprocess
+import sys
 import time
 
+import numpy as np
 import pytest
 from absl import flags
 
-from tests.helpers import quick_lm, run_module
-from trainers import cli
+from tests.helpers import ROOT, SLURM, quick_lm, train
+from trainers import cli, launch
 
 SHORT = quick_lm(total_steps=30, log_every=10, eval_every=30, eval_batches=2)
-
-
-def train(workdir, *overrides, config="configs/lm.py", timeout=240):
-  """Runs the trainer; returns (exit status, output, metrics records)."""
-  done = run_module(
-      "trainers.train", f"--config={config}", f"--workdir={workdir}", *overrides, timeout=timeout
-  )
-  path = pathlib.Path(workdir, "metrics.jsonl")
-  records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-  return done.returncode, done.stdout + done.stderr, records
 
 
 def trained(workdir, *overrides, config="configs/lm.py"):
@@ -155,3 +151,131 @@ def test_bad_flag_is_one_config_error_line_and_exit_1(train_flags, capsys):
   err = capsys.readouterr().err
   assert exited.value.code == 1 and len(err.splitlines()) == 1, err
   assert err.startswith("ConfigError: command line: flag --workdir=None: Flag --workdir must have")
+
+
+def learnable_tokens(n, vocab=512, period=97, seed=0):
+  """A cycle of `period` distinct ids < vocab, repeated: each id predicts the next."""
+  cycle = np.random.default_rng(seed).permutation(vocab)[:period].astype(np.uint16)
+  return np.resize(cycle, n)
+
+
+def labelled_images(n, seed=0):
+  """8x8x1 uint8 images whose class (0-3) is the bright quadrant, with noise."""
+  rng = np.random.default_rng(seed)
+  labels = rng.integers(0, 4, n)
+  images = rng.integers(0, 60, (n, 8, 8, 1)).astype(np.uint8)
+  for k in range(4):
+    rows, cols = divmod(k, 2)
+    images[labels == k, 4 * rows : 4 * rows + 4, 4 * cols : 4 * cols + 4] += 180
+  return images, labels
+
+
+def write_data(root):
+  """The three inputs; returns the config argument for each."""
+  tokens = root / "tokens"
+  tokens.mkdir()
+  learnable_tokens(40_000).tofile(tokens / "train.bin")
+  learnable_tokens(4_000, seed=0).tofile(tokens / "val.bin")
+  text = root / "text" / "nested"
+  text.mkdir(parents=True)
+  for i in range(3):
+    (text / f"{i}.txt").write_text("The quick brown fox jumps over the lazy dog. " * 300)
+  for split, n in (("train", 2_000), ("val", 256)):
+    (root / "images" / split).mkdir(parents=True)
+    images, labels = labelled_images(n, seed=len(split))
+    np.save(root / "images" / split / "images.npy", images)
+    np.save(root / "images" / split / "labels.npy", labels)
+  return {
+      "tokens": (
+          f"configs/lm_data.py:train={tokens}/train.bin,val={tokens}/val.bin,vocab=512",
+          "tokens/s=",
+      ),
+      "text": (f"configs/lm_data.py:kind=text,train={root}/text", "tokens/s="),
+      "images": (
+          f"configs/vit_images.py:train={root}/images/train,val={root}/images/val,classes=4",
+          "images/s=",
+      ),
+  }
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+  return write_data(tmp_path_factory.mktemp("own_data"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["tokens", "text", "images"])
+def test_training_on_own_data_lowers_the_loss(tmp_path, inputs, kind):
+  config, unit = inputs[kind]
+  # The ViT config has no seq_len and sets its warmup as a percent of total_steps.
+  overrides = (
+      SHORT if kind != "images" else [s for s in SHORT if "seq_len" not in s and "warmup" not in s]
+  )
+  status, out, records = train(tmp_path, *overrides, config=config)
+  assert status == 0, out[-3000:]
+  assert [r["step"] for r in records] == [1, 10, 20, 30]
+  assert records[-1]["loss"] < 0.8 * records[0]["loss"], records
+  assert "eval_loss" in records[-1] and unit in out
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_fails_before_init(tmp_path, inputs):
+  tokens_config, _ = inputs["tokens"]
+  status, out, records = train(
+      tmp_path, *SHORT, config=tokens_config.replace("vocab=512", "vocab=256")
+  )
+  assert status != 0
+  assert "train.bin holds token id 503" in out and "set config.model.vocab_size=" in out, out[
+      -3000:
+  ]
+  assert "ConfigError" in out and "initialising params" not in out and records == []
+
+
+def slurm_env(process: int, port: int) -> dict:
+  """What `srun -n 2` sets for task `process` on this host (jax's SLURM detection reads these)."""
+  values = ("7", "127.0.0.1", "2", str(process), str(process))
+  return {
+      **os.environ,
+      **dict(zip(SLURM, values)),
+      "JAX_COORDINATOR_PORT": str(port),
+      "JAX_PLATFORMS": "cpu",
+  }
+
+
+@pytest.mark.timeout(240)
+def test_processes_with_different_configs_stop_naming_the_first_differing_leaf(tmp_path):
+  """Two SLURM-style tasks, no coordinator flags: jax.distributed starts from the environment,
+  and process 1 (another optimizer) makes both stop before allocating, naming the leaf."""
+  port = launch.free_port()
+  common = [
+      "--config=configs/lm.py",
+      "--devices_per_process=4",
+      "--config.batch_size=16",
+      "--config.seq_len=64",
+  ]
+  procs = [
+      subprocess.Popen(
+          [
+              sys.executable,
+              "-m",
+              "trainers.train",
+              f"--workdir={tmp_path / str(i)}",
+              *common,
+              *extra,
+          ],
+          cwd=ROOT,
+          env=slurm_env(i, port),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i, extra in enumerate([[], ["--config.optax_name=lion"]])
+  ]
+  outs = [p.communicate(timeout=200)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode != 0, out[-2000:]
+    assert "jax.distributed: auto-detected slurm" in out, out[-2000:]
+    assert f"process {i} of 2, 8 devices (4 here)" in out
+    assert f"process {i} and process {1 - i} computed different sharding plans" in out
+    assert "first at leaf #" in out and "opt/" in out.split("first at leaf #")[1][:200]
+    assert "initialising params" not in out  # Stopped before allocating.

@@ -102,3 +102,14 @@ def test_abstract_hybrid_mesh_needs_the_slice_count_for_minus_one():
     bvs.make_abstract_mesh([("data", -1)], 64, dcn_mesh=[("data", -1)])
   mesh = bvs.make_abstract_mesh([("data", -1)], 64, dcn_mesh=[("data", -1)], num_slices=4)
   assert dict(mesh.shape) == {"data": 64}
+
+
+@pytest.mark.parametrize("count", [0, -1, -256, True, 2.5, "8", None])
+def test_device_counts(count):
+  with pytest.raises(bvs.ShardingError, match=r"num_devices=.*devices >= 1"):
+    bvs.make_abstract_mesh([("data", -1)], count)
+
+
+def test_make_mesh_on_no_devices():
+  with pytest.raises(bvs.ShardingError, match=r"num_devices=0"):
+    bvs.make_mesh([("data", -1)], devices=[])

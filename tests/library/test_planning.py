@@ -5,6 +5,7 @@ import collections
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax.training import train_state
@@ -13,6 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
 from benchmarks.shapes import sds
+from trainers import steps
+
+MESH = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
 
 
 class MLP(nn.Module):
@@ -212,3 +216,43 @@ def test_boxed_mesh_axis_missing_from_mesh_is_an_error():
   tree = {"w": nn.Partitioned(sds(8, 8), ("tensor", None))}
   with pytest.raises(bvs.ShardingError, match="leaf 'w': the mesh has no axis 'tensor'"):
     bvs.plan(tree, "logical_partitioning()", bvs.make_abstract_mesh([("data", -1)], 8))
+
+
+@pytest.mark.parametrize("mesh", [[("data", 8)], (("data", -1),), {"data": 8}, None])
+def test_plan_needs_a_mesh_not_a_config_mesh(mesh):
+  with pytest.raises(bvs.ShardingError, match=r"mesh must be a jax Mesh .* bvs\.make_mesh"):
+    bvs.plan({"w": sds(8, 8)}, 'fsdp(axis="data")', mesh)
+
+
+@pytest.mark.parametrize(
+    "strategy, fragment",
+    [
+        ({".*": 'fsdp(axis="data")'}, "sharding_strategy is a dict; write it as a list"),
+        (['.*fsdp(axis="data")'], "must be a list of (regex, op_chain) pairs"),
+        ([(".*", 'fsdp(axis="data")', "extra")], "must be a list of (regex, op_chain) pairs"),
+        ({(".*", 'fsdp(axis="data")')}, "must be a list of (regex, op_chain) pairs"),
+        (3, "must be a list of (regex, op_chain) pairs"),
+    ],
+)
+def test_strategy_container_types(strategy, fragment):
+  with pytest.raises(bvs.ShardingError) as e:
+    bvs.plan({"w": sds(8, 8)}, strategy, MESH)
+  assert fragment in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def placed():
+  mesh = bvs.make_mesh([("data", -1)])
+  plan = bvs.plan({"a": sds(8, 8), "b": sds(8)}, 'fsdp(axis="data", min_size_to_shard_mb=0)', mesh)
+  state = jax.tree.map(lambda s: jax.device_put(jnp.zeros((8,) * len(s.spec)), s), plan.shardings)
+  return plan, state
+
+
+def test_mismatches_report_a_missing_leaf(placed):
+  plan, state = placed
+  assert plan.mismatches(state) == []
+  assert plan.mismatches({"a": state["a"]}) == ["b: missing from the tree"]
+  assert plan.mismatches({**state, "c": state["b"]}) == ["c: not in the plan"]
+  assert plan.mismatches({**state, "b": np.zeros(8)}) == ["b: a ndarray, not a jax.Array"]
+  with pytest.raises(bvs.ShardingError, match=r"after init: 1 arrays .*b: missing from the tree"):
+    steps.check_state(plan, {"a": state["a"]}, "after init")

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
+from benchmarks.shapes import sds
 
 
 def test_parses_chain_with_positional_keyword_and_tuple_args():
@@ -317,3 +318,54 @@ def test_every_fix_an_error_message_proposes_parses_and_binds():
       bvs.parse_chain(call)  # raises if the proposed fix is not a valid call
   assert 'fsdp(axis="data")' in proposed
   assert "shard_dim(axis='model', dim=-2, ignore_ndim_error=True)" in proposed
+
+
+@pytest.mark.parametrize("name", ["", 3, None, "two words", ("fsdp",)])
+def test_register_needs_an_identifier_name(name):
+  with pytest.raises(bvs.ShardingError, match=r"register: the op name"):
+    bvs.register(name)
+  with pytest.raises(bvs.ShardingError, match=r"unknown op 'nope'"):
+    bvs.lookup("nope")  # The registry is intact: unknown ops stay our error.
+
+
+@pytest.mark.parametrize("factory", [3, "fsdp", None])
+def test_register_needs_a_callable(factory):
+  with pytest.raises(bvs.ShardingError, match=r"register\('test_only_never'\) decorates"):
+    bvs.register("test_only_never")(factory)
+  assert "test_only_never" not in bvs.registered()
+
+
+@pytest.fixture
+def returns_op():
+  """``test_only_returns(result)``, a rule returning ``result`` as given in the strategy string,
+  registered for one test."""
+
+  def returns(result):
+    return lambda leaf, spec: result
+
+  with bvs.temporary_ops(test_only_returns=returns):
+    yield
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        '("data",)',  # A spec, not (spec, note).
+        '((None,), "n")',  # One entry for a 2-d leaf.
+        '((None, "nope"), "n")',  # No such mesh axis.
+        '(("data", "data"), "n")',  # An axis twice.
+        '(("model", ("data", "model")), "n")',  # An axis twice, in a tuple.
+        '((None, "data"), "n")',  # 6 is not divisible by 4.
+        "((None, None), 3)",  # The note is not a string.
+        '(((1,), None), "n")',  # An axis that is not a name.
+        "None",
+    ],
+)
+def test_malformed_rule_output_names_the_op(returns_op, result):
+  with pytest.raises(bvs.ShardingError, match=r"op 'test_only_returns' on leaf 'w' \(8, 6\)"):
+    bvs.plan({"w": sds(8, 6)}, f"test_only_returns({result})", _MESH)
+
+
+def test_well_formed_rule_output_is_used(returns_op):
+  plan = bvs.plan({"w": sds(8, 6)}, 'test_only_returns((("data", "model"), "mine"))', _MESH)
+  assert plan.entries[0].spec == jax.sharding.PartitionSpec("data", "model")

@@ -2,7 +2,6 @@
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from trainers import launch
 from trainers.errors import ConfigError
 from trainers.input import batching, sources
 
@@ -40,15 +40,6 @@ def _text(step=0, seed=0, process_index=0, process_count=1):
           process_count=process_count,
       )
   )
-
-
-def test_holdout_split_is_a_disjoint_tail():
-  train, held_out = sources.holdout_split(ARRAY, 0.1)
-  assert len(held_out) == 1000
-  np.testing.assert_array_equal(np.concatenate([train, held_out]), ARRAY)
-  train, held_out = sources.holdout_split(IMAGES, 0.2)
-  assert set(train["label"]).isdisjoint(held_out["label"])
-  assert len(train["image"]) + len(held_out["image"]) == 50
 
 
 def test_text_batches_are_windows_of_the_stream():
@@ -133,19 +124,13 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_of_four_devices_build_the_one_process_batch(tmp_path):
   """Each of 2 jax.distributed processes reads its rows of a token file; together: 1 process's."""
   path = tmp_path / "train.bin"
   ARRAY.tofile(path)
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
-  port = _free_port()
+  port = launch.free_port()
   workers = [
       subprocess.Popen(
           [sys.executable, "-c", _WORKER, str(p), str(port), tmp_path / f"{p}.npz", path],
@@ -163,13 +148,3 @@ def test_two_processes_of_four_devices_build_the_one_process_batch(tmp_path):
       rows.update({int(k): shards[k] for k in shards})
   assembled = np.concatenate([rows[i] for i in range(8)])
   np.testing.assert_array_equal(assembled, _text(step=2))
-
-
-def test_load_digits():
-  pytest.importorskip("sklearn")
-  train, held_out = sources.load_digits(eval_fraction=0.2)
-  assert train["image"].shape == (1438, 8, 8, 1)
-  assert held_out["label"].shape == (359,)
-  assert train["image"].dtype == np.float32 and train["label"].dtype == np.int32
-  assert 0.0 <= train["image"].min() and train["image"].max() <= 1.0
-  assert set(held_out["label"]) == set(range(10))

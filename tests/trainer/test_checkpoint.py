@@ -26,7 +26,7 @@ from jax.sharding import SingleDeviceSharding
 
 import bv_sharding as bvs
 from configs import lm
-from tests.helpers import ROOT, environment, run_module
+from tests.helpers import ROOT, environment, metrics, run_module
 from trainers import build, models, optimizers, steps
 from trainers.optimizers import layout
 from trainers.rundir import checkpoint
@@ -85,14 +85,6 @@ def launch(workdir, *overrides, total=STEPS, timeout=300):
   return done.stdout
 
 
-def metrics(workdir) -> list[dict]:
-  return [
-      json.loads(line)
-      for line in pathlib.Path(workdir, "metrics.jsonl").read_text().split("\n")
-      if line
-  ]
-
-
 def saved(workdir, step: int, item: str = "params"):
   """One item of a checkpoint as numpy arrays (restored onto one device)."""
   manager = checkpoint.open_manager(os.path.join(workdir, "checkpoints"), read_only=True)
@@ -115,9 +107,8 @@ def wait_for(predicate, proc, timeout=240, every=0.001):
 
 
 def logged_step(workdir) -> int:
-  path = pathlib.Path(workdir, "metrics.jsonl")
-  lines = path.read_text().split("\n")[:-1] if path.exists() else []
-  return json.loads(lines[-1])["step"] if lines else 0
+  records = metrics(workdir)
+  return records[-1]["step"] if records else 0
 
 
 def assert_same_run(workdir, reference):

@@ -16,6 +16,11 @@ from trainers.errors import ConfigError
 from trainers.input import batching, sources, tasks
 
 TOKENS = (np.arange(30_000) * 7 % 1000).astype(np.uint16)  # ids < 1000, no two windows alike
+HELD = (np.arange(10_000) % 251).astype(np.uint8)
+IMAGES = {
+    "image": np.arange(50 * 4, dtype=np.float32).reshape(50, 2, 2, 1),
+    "label": np.arange(50, dtype=np.int32),
+}
 
 
 def spec(**overrides):
@@ -198,3 +203,22 @@ def test_bad_input_raises_naming_the_file_and_fix(tmp_path, case, message):
       )
     elif case == "kind":
       task(kind="token", train=ok)
+
+
+def test_holdout_split_is_a_disjoint_tail():
+  train, held_out = sources.holdout_split(HELD, 0.1)
+  assert len(held_out) == 1000
+  np.testing.assert_array_equal(np.concatenate([train, held_out]), HELD)
+  train, held_out = sources.holdout_split(IMAGES, 0.2)
+  assert set(train["label"]).isdisjoint(held_out["label"])
+  assert len(train["image"]) + len(held_out["image"]) == 50
+
+
+def test_load_digits():
+  pytest.importorskip("sklearn")
+  train, held_out = sources.load_digits(eval_fraction=0.2)
+  assert train["image"].shape == (1438, 8, 8, 1)
+  assert held_out["label"].shape == (359,)
+  assert train["image"].dtype == np.float32 and train["label"].dtype == np.int32
+  assert 0.0 <= train["image"].min() and train["image"].max() <= 1.0
+  assert set(held_out["label"]) == set(range(10))
