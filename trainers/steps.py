@@ -141,7 +141,7 @@ def make_train_step(
 
 
 def accumulate(
-    loss_fn: Callable, accum_steps: int, param_shardings: Any, batch: NamedSharding
+    loss_fn: Callable, accum_steps: int, param_shardings: Any, batch_sharding: NamedSharding
 ) -> Callable:
   """``(params, batch) -> (loss, grads)`` of ``loss_fn``, over ``accum_steps`` microbatches.
 
@@ -170,7 +170,7 @@ def accumulate(
   )
 
   def microbatches(x):
-    rows = batch.shard_shape(x.shape)[0]
+    rows = batch_sharding.shard_shape(x.shape)[0]
     if rows % accum_steps:
       raise ConfigError(
           f"config.grad_accum_steps={accum_steps}: each device holds {rows} rows of the "
@@ -178,7 +178,8 @@ def accumulate(
           f"that is a multiple of {accum_steps * x.shape[0] // rows}"
       )
     x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(batch.mesh, P(None, *batch.spec)))
+    split = NamedSharding(batch_sharding.mesh, P(None, *batch_sharding.spec))
+    return jax.lax.with_sharding_constraint(x, split)
 
   def loss_and_mean_grads(params, batch):
     def add(sums, microbatch):
