@@ -11,6 +11,7 @@ import pytest
 import bv_sharding as bvs
 from configs import lm
 from trainers import build, steps
+from trainers.errors import ConfigError
 from trainers.input import batching, tasks
 
 
@@ -81,3 +82,11 @@ def test_bfloat16_compute_with_float32_params_trains_as_float32():
   assert np.mean(f32[-5:]) < f32[0] - 1.5  # Both learn ...
   # ... to the same loss: bfloat16's rounding moves the last 5 steps' mean by under 0.03.
   assert abs(np.mean(bf16[-5:]) - np.mean(f32[-5:])) < 0.03, (f32[-5:], bf16[-5:])
+
+
+def test_microbatches_that_do_not_split_each_devices_rows_are_refused_by_name():
+  mesh = jax.sharding.AbstractMesh((8,), ("data",))
+  fn = steps.accumulate(lambda w, x: jnp.mean(x @ w), 2, None, steps.batch_sharding(mesh, ["data"]))
+  shapes = jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((8, 3), jnp.float32)
+  with pytest.raises(ConfigError, match=r"grad_accum_steps=2: each device holds 1 rows .* of 16"):
+    jax.eval_shape(fn, *shapes)
