@@ -25,6 +25,13 @@ def base_config() -> ml_collections.ConfigDict:
   config.dcn_mesh = ()  # Across TPU slices, e.g. (("data", 2),); () = one slice.
   config.sharding_rules = (("act_batch", "data"),)
   config.data_axes = ()  # () = the mesh axes the "act_batch" rule maps to.
+  # Dtypes (trainers/precision.py): activations and matmuls, stored params, optimizer state
+  # (None: the params' dtype). "bfloat16" for any; losses, softmax and updates stay float32.
+  config.compute_dtype = "float32"
+  config.param_dtype = "float32"
+  config.state_dtype = ml_collections.config_dict.placeholder(str)
+  # Microbatches each global batch is split into inside the train step (trainers/steps.py).
+  config.grad_accum_steps = 1
   config.optax_name = "adamw"
   config.optax = dict()
   config.wd = 1e-4

@@ -95,11 +95,15 @@ LAYERS = (
         "(the registry, schedules, Kron, Shampoo and Muon with their shard-local layouts).",
     ),
     Layer(
-        "Trainer errors",
-        (Node("trainers.errors", ("trainers.errors",)),),
+        "Trainer basics",
+        (
+            Node("trainers.errors", ("trainers.errors",)),
+            Node("trainers.precision", ("trainers.precision",)),
+        ),
         "`trainers.errors`: the trainer's error kinds (`ConfigError`, `OptimizerError`, "
         "`NonFiniteLossError`) under the library's `bv_sharding.Error`, and the did-you-mean "
-        "hints their messages end with.",
+        "hints their messages end with; `trainers.precision`: the dtypes a config asks for "
+        "(compute, stored params, optimizer state), read by the models and the optimizers.",
     ),
     Layer(
         "Library",

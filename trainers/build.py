@@ -105,7 +105,7 @@ def model_and_init(config, example) -> tuple[Any, Callable[[], Any]]:
 
   Example: ``jax.eval_shape(model_and_init(config, example)[1])`` allocates nothing.
   """
-  model = models.get_model(config.model_name, **config.model.to_dict())
+  model = models.from_config(config)
   return model, lambda: model.init(jax.random.key(config.seed), example)["params"]
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from bv_sharding import Plan, ShardingError
 from trainers.errors import ConfigError
 from trainers.models.axes import ACT_BATCH
+from trainers.optimizers.state_dtype import compute_dtype
 
 
 def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...]:
@@ -108,17 +110,24 @@ def check_state(plan: Plan, state, when: str) -> None:
 
 
 def make_train_step(
-    loss_fn: Callable, tx: optax.GradientTransformation, plan: Plan, batch: NamedSharding
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    plan: Plan,
+    batch: NamedSharding,
+    accum_steps: int = 1,
 ) -> Callable:
   """``step(state, batch) -> (state, loss)``, jitted on the plan's shardings, state donated.
 
   ``loss_fn(params, batch)`` returns the mean loss; grads are constrained to the
-  params' shardings before the optimizer sees them. See the module example.
+  params' shardings before the optimizer sees them. ``accum_steps``
+  (``config.grad_accum_steps``) splits the batch into that many microbatches
+  (:func:`accumulate`). See the module example.
   """
   shardings = plan.shardings
+  loss_and_grads = accumulate(loss_fn, accum_steps, shardings["params"], batch)
 
   def step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+    loss, grads = loss_and_grads(state["params"], batch)
     grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
     updates, opt = tx.update(grads, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
@@ -129,6 +138,62 @@ def make_train_step(
       out_shardings=(shardings, NamedSharding(plan.mesh, P())),
       donate_argnums=0,
   )
+
+
+def accumulate(
+    loss_fn: Callable, accum_steps: int, param_shardings: Any, batch_sharding: NamedSharding
+) -> Callable:
+  """``(params, batch) -> (loss, grads)`` of ``loss_fn``, over ``accum_steps`` microbatches.
+
+  Microbatch ``i`` holds rows ``i, i + accum_steps, ...``: each device splits its own rows
+  of the batch (no data moves). A ``lax.scan`` sums each microbatch's loss and gradients
+  (in float32, held in ``param_shardings``), so only one microbatch's activations are live
+  at a time; the means over the microbatches are the loss and the gradients (in the
+  params' dtype), those of the whole batch when ``loss_fn`` is a mean over equal rows.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import AbstractMesh
+    >>> mesh = AbstractMesh((8,), ("data",))
+    >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> fn = accumulate(loss_fn, 4, None, NamedSharding(mesh, P("data")))
+    >>> w, x = jnp.ones(3), jnp.arange(96.0).reshape(32, 3)
+    >>> whole, split = jax.value_and_grad(loss_fn)(w, x), jax.jit(fn)(w, x)
+    >>> bool(jnp.allclose(whole[0], split[0]) and jnp.allclose(whole[1], split[1]))
+    True
+  """
+  loss_and_grads = jax.value_and_grad(loss_fn)
+  if accum_steps == 1:
+    return loss_and_grads
+  constrain = lambda tree: (
+      tree if param_shardings is None else jax.lax.with_sharding_constraint(tree, param_shardings)
+  )
+
+  def microbatches(x):
+    rows = batch_sharding.shard_shape(x.shape)[0]
+    if rows % accum_steps:
+      raise ConfigError(
+          f"config.grad_accum_steps={accum_steps}: each device holds {rows} rows of the "
+          f"batch, which do not split into {accum_steps} microbatches; use a config.batch_size "
+          f"that is a multiple of {accum_steps * x.shape[0] // rows}"
+      )
+    x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
+    split = NamedSharding(batch_sharding.mesh, P(None, *batch_sharding.spec))
+    return jax.lax.with_sharding_constraint(x, split)
+
+  def loss_and_mean_grads(params, batch):
+    def add(sums, microbatch):
+      loss, grads = loss_and_grads(params, microbatch)
+      summed = jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums[1], constrain(grads))
+      return (sums[0] + loss.astype(jnp.float32), constrain(summed)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)
+    start = (jnp.zeros((), jnp.float32), constrain(zeros))
+    (total, summed), _ = jax.lax.scan(add, start, jax.tree.map(microbatches, batch))
+    grads = jax.tree.map(lambda s, p: (s / accum_steps).astype(p.dtype), summed, params)
+    return total / accum_steps, grads
+
+  return loss_and_mean_grads
 
 
 def make_eval_step(loss_fn: Callable, plan: Plan, batch: NamedSharding) -> Callable:

@@ -98,7 +98,7 @@ def main(argv):
   run.task.check(run.model)  # Token ids / labels fit the model, before init.
   plan, tx = check_plan(config, run.plan, is_main_process), run.tx
   eval_batches = held_out_batches(run.task, config)
-  train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding)
+  train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps)
   eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 

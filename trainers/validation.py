@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
+from trainers import precision
 from trainers.errors import ConfigError, closest
 from trainers.optimizers import schedules
 
@@ -60,6 +61,8 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
     if config.get(key) is not None:
       check_count(f"config.{key}", config.get(key), example=100)
   _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
+  _check_dtypes(config)
+  _check_accumulation(config)
   _check_names("config.data_axes", config.get("data_axes", ()))
   _check_pairs(
       "config.sharding_rules", config.get("sharding_rules") or (), '[("act_batch", "data")]'
@@ -162,6 +165,35 @@ def _host_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _check_dtypes(config) -> None:
+  """``config.compute_dtype``/``param_dtype``/``state_dtype`` (None: the params') and the
+  ``*_dtype`` keys of ``config.optax`` name dtypes of ``precision.DTYPES``."""
+  keys = {f"config.{key}": config.get(key) for key in precision.KEYS}
+  optax_kwargs = config.get("optax") or {}
+  if _is_dict(optax_kwargs):
+    keys.update({f"config.optax.{k}": v for k, v in optax_kwargs.items() if k.endswith("dtype")})
+  for key, value in keys.items():
+    if value is not None:
+      _check_choice(key, value, precision.DTYPES)
+
+
+def _check_accumulation(config) -> None:
+  """``config.grad_accum_steps`` is a count that divides ``config.batch_size``."""
+  steps = config.get("grad_accum_steps", 1)
+  check_count("config.grad_accum_steps", steps, example=2)
+  batch = config.get("batch_size")
+  if _is_int(batch) and batch % steps:
+    raise ConfigError(
+        f"config.grad_accum_steps={steps}: must divide config.batch_size={batch} into equal "
+        f"microbatches, e.g. --config.grad_accum_steps={_divisor(batch, steps)}"
+    )
+
+
+def _divisor(n: int, limit: int) -> int:
+  """The largest divisor of ``n`` not above ``limit``."""
+  return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
 def _check_schedule(schedule) -> None:
   """big_vision's ``config.schedule``: None, one dict, or ``(regex, dict | None)`` pairs."""
   if schedule is None:
@@ -192,7 +224,7 @@ def _check_schedule(schedule) -> None:
 def _check_choice(key: str, value, choices: Sequence[str]) -> None:
   if value not in choices:
     raise ConfigError(
-        f"{key}={value!r}: must be one of {list(choices)}{closest(value, choices)} "
+        f"{key}={value!r}: must be one of {list(choices)}{closest(str(value), choices)} "
         f"e.g. {_flag(key)}={choices[0]}"
     )
 

@@ -1,13 +1,14 @@
-"""Shipped configs: `:arg` parsing, and configs/lm_rules.py placing params by rules alone."""
+"""Shipped configs: `:arg` parsing, the keys every config has, and configs/lm_rules.py placing
+params by rules alone."""
 
 import flax.linen as nn
 import jax
 import pytest
 
 import bv_sharding as bvs
-from configs import lm_rules
-from configs.common import parse_arg
-from trainers import build
+from configs import lm, lm_rules
+from configs.common import base_config, parse_arg
+from trainers import build, validation
 from trainers.errors import ConfigError
 
 
@@ -46,3 +47,28 @@ def test_lm_rules_places_every_param_by_its_logical_names_as_flax_would():
   kernels = [e for e in plan.entries if e.name.startswith("params/") and len(e.shape) == 2]
   assert kernels and all(set(e.spec) == {"data", "model"} for e in kernels)
   assert plan.coverage > 0.99
+
+
+def test_every_config_has_the_dtype_and_accumulation_keys_and_bad_values_fail_in_one_line():
+  config = base_config()
+  assert (config.compute_dtype, config.param_dtype, config.state_dtype) == (
+      "float32",
+      "float32",
+      None,
+  )
+  assert config.grad_accum_steps == 1
+  cases = [
+      ("compute_dtype", "bf16", r"config.compute_dtype='bf16': must be one of \['float32', "),
+      ("state_dtype", "half", "config.state_dtype='half': must be one of"),
+      ("grad_accum_steps", 0, "config.grad_accum_steps=0: must be an integer >= 1"),
+      ("grad_accum_steps", 5, "config.grad_accum_steps=5: must divide config.batch_size=32 .*=4"),
+  ]
+  for key, value, message in cases:
+    config = lm.get_config()
+    config[key] = value
+    with pytest.raises(ConfigError, match=message):
+      validation.check_config(config)
+  config = lm.get_config()
+  config.optax = dict(mu_dtype="float64")
+  with pytest.raises(ConfigError, match=r"config.optax.mu_dtype='float64': must be one of"):
+    validation.check_config(config)

@@ -1,7 +1,10 @@
 """Tests for trainers.models: parameter names/shapes, partitioning, forward."""
 
+import importlib
+
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -187,3 +190,31 @@ def test_get_model_registry():
   with pytest.raises(ConfigError, match="llama.*vit"):
     models.get_model("resnet")
   assert issubclass(ConfigError, ValueError)
+
+
+def _dot_dtypes(model, variables, x) -> set[str]:
+  """The operand dtypes of every matmul the model's forward pass traces."""
+  jaxpr = jax.make_jaxpr(model.apply)(variables, x)
+  eqns = list(jaxpr.eqns)
+  for eqn in eqns:  # Nested jaxprs (pjit, custom_jvp) hold the model's dots too.
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      eqns.extend(sub.eqns)
+  return {str(v.aval.dtype) for e in eqns if e.primitive.name == "dot_general" for v in e.invars}
+
+
+@pytest.mark.parametrize("config_name", ["lm", "vit_digits"])
+@pytest.mark.parametrize("compute, param", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_config_dtypes_set_the_params_and_the_matmuls_and_logits_stay_float32(
+    config_name, compute, param
+):
+  config = importlib.import_module(f"configs.{config_name}").get_config()
+  config.compute_dtype, config.param_dtype = compute, param
+  model = models.from_config(config)
+  x = jnp.zeros((2, SEQ), jnp.int32) if config_name == "lm" else jnp.zeros((2, 8, 8, 1))
+  variables = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), x))
+  assert {str(p.dtype) for p in jax.tree.leaves(variables)} == {param}
+  assert jax.eval_shape(model.apply, variables, x).dtype == jnp.float32
+  dots = _dot_dtypes(model, variables, x)
+  # ViT multiplies the float32 attention probabilities with the values in float32 (flax's
+  # force_fp32_for_softmax); every other matmul, and all of Llama's, in the compute dtype.
+  assert dots == {compute} if config_name == "lm" else dots == {compute, "float32"}

@@ -5,12 +5,19 @@ Example:
   2
   >>> get_model("vit", size="tiny", num_classes=10).num_classes
   10
+  >>> from configs import lm
+  >>> config = lm.get_config()
+  >>> config.compute_dtype = "bfloat16"
+  >>> model = from_config(config)
+  >>> model.dtype, model.param_dtype
+  ('bfloat16', 'float32')
 """
 
 from collections.abc import Callable
 
 import flax.linen as nn
 
+from trainers import precision
 from trainers.errors import ConfigError, closest
 from trainers.models import llama, vit
 
@@ -31,3 +38,12 @@ def get_model(name: str, **kwargs) -> nn.Module:
         f"config.model_name={name!r} is not a model{closest(name, MODELS)} Choose from {sorted(MODELS)}."
     )
   return MODELS[name](**kwargs)
+
+
+def from_config(config) -> nn.Module:
+  """``config.model_name`` built with ``config.model``, computing in ``config.compute_dtype``
+  and storing params in ``config.param_dtype``; a ``dtype`` or ``param_dtype`` in
+  ``config.model`` wins (see the module example)."""
+  dtypes = precision.of_config(config)
+  kwargs = {"dtype": dtypes.compute, "param_dtype": dtypes.param, **config.model.to_dict()}
+  return get_model(config.model_name, **kwargs)

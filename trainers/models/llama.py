@@ -27,6 +27,11 @@ Activations are constrained with ``nn.with_logical_constraint`` using the names
 of :mod:`trainers.models.axes` ("act_batch", "act_len", "act_embed", "act_heads",
 "act_mlp", "act_vocab"); outside an ``nn.logical_axis_rules`` context these are no-ops.
 
+Params are stored in ``param_dtype`` and cast to the compute ``dtype`` for the matmuls
+(``config.param_dtype``, ``config.compute_dtype``); whatever the dtypes, RoPE's angles,
+the attention softmax and the RMSNorm statistics are computed in float32, and the logits
+come out in float32 so the loss reduces in float32.
+
 Example:
   >>> model = build("tiny", scan_layers=True)
   >>> tokens = jnp.zeros((2, 16), jnp.int32)
@@ -90,19 +95,19 @@ def llama_config(size: str, **overrides) -> LlamaConfig:
   return _presets.pick(PRESETS, size, **overrides)
 
 
-def _kernel(
-    module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str], dtype: Any
-) -> jax.Array:
-  """Declares a 2-D lecun-normal kernel ``name`` and returns it cast to ``dtype``."""
+def _kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str]):
+  """Declares a 2-D lecun-normal kernel ``name`` in ``module.param_dtype``; returns it cast
+  to ``module.dtype``."""
   init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes)
-  return module.param(name, init, shape, jnp.float32).astype(dtype)
+  return module.param(name, init, shape, module.param_dtype).astype(module.dtype)
 
 
-def _rms_norm(name: str, cfg: LlamaConfig, dtype: Any) -> nn.RMSNorm:
-  """RMSNorm whose ``scale`` param is boxed with logical axes ("norm",)."""
+def _rms_norm(name: str, module: nn.Module) -> nn.RMSNorm:
+  """RMSNorm (statistics in float32) whose ``scale`` param is boxed with logical axes ("norm",)."""
   return nn.RMSNorm(
-      epsilon=cfg.norm_eps,
-      dtype=dtype,
+      epsilon=module.config.norm_eps,
+      dtype=module.dtype,
+      param_dtype=module.param_dtype,
       name=name,
       scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
   )
@@ -129,10 +134,11 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
 
 
 class _Layer(nn.Module):
-  """What every layer of the model holds: the sizes and the compute dtype."""
+  """What every layer of the model holds: the sizes, the compute and the params' dtypes."""
 
   config: LlamaConfig
   dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
 
 
 class Attention(_Layer):
@@ -144,16 +150,16 @@ class Attention(_Layer):
     inner = cfg.n_heads * cfg.head_dim
 
     def project(name):
-      kernel = _kernel(self, name, (cfg.d_model, inner), ("embed", "heads"), self.dtype)
+      kernel = _kernel(self, name, (cfg.d_model, inner), ("embed", "heads"))
       y = (x @ kernel).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
       return nn.with_logical_constraint(y, ACT_HEADS)
 
     q = apply_rope(project("q_kernel"), cfg.rope_theta)
     k = apply_rope(project("k_kernel"), cfg.rope_theta)
     v = project("v_kernel")
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # Softmax in float32.
     y = y.reshape(*x.shape[:2], inner)
-    out = _kernel(self, "out_kernel", (inner, cfg.d_model), ("heads", "embed"), self.dtype)
+    out = _kernel(self, "out_kernel", (inner, cfg.d_model), ("heads", "embed"))
     return nn.with_logical_constraint(y @ out, ACT_EMBED)
 
 
@@ -163,9 +169,9 @@ class Mlp(_Layer):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    gate = _kernel(self, "gate_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), self.dtype)
-    up = _kernel(self, "up_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"), self.dtype)
-    down = _kernel(self, "down_kernel", (cfg.d_ff, cfg.d_model), ("mlp", "embed"), self.dtype)
+    gate = _kernel(self, "gate_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+    up = _kernel(self, "up_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+    down = _kernel(self, "down_kernel", (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
     h = nn.with_logical_constraint(nn.silu(x @ gate) * (x @ up), ACT_MLP)
     return nn.with_logical_constraint(h @ down, ACT_EMBED)
 
@@ -175,11 +181,9 @@ class DecoderBlock(_Layer):
 
   @nn.compact
   def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
-    cfg = self.config
-    x = x + Attention(cfg, self.dtype, name="attention")(
-        _rms_norm("attention_norm", cfg, self.dtype)(x)
-    )
-    x = x + Mlp(cfg, self.dtype, name="mlp")(_rms_norm("mlp_norm", cfg, self.dtype)(x))
+    dtypes = (self.dtype, self.param_dtype)
+    x = x + Attention(self.config, *dtypes, name="attention")(_rms_norm("attention_norm", self)(x))
+    x = x + Mlp(self.config, *dtypes, name="mlp")(_rms_norm("mlp_norm", self)(x))
     return nn.with_logical_constraint(x, ACT_EMBED), None
 
 
@@ -191,13 +195,15 @@ class Llama(nn.Module):
     scan_layers: stack the blocks with nn.scan (per-layer params get a leading
       "layers" axis; compile time no longer grows with depth).
     remat: rematerialise each block's activations in the backward pass.
-    dtype: activation / compute dtype; params are always float32.
+    dtype: activation / compute dtype (params are cast to it for the matmuls).
+    param_dtype: the params' stored dtype.
   """
 
   config: LlamaConfig
   scan_layers: bool = False
   remat: bool = False
   dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -206,6 +212,7 @@ class Llama(nn.Module):
         cfg.vocab_size,
         cfg.d_model,
         dtype=self.dtype,
+        param_dtype=self.param_dtype,
         name="embed",
         embedding_init=nn.with_logical_partitioning(
             nn.initializers.normal(stddev=0.02), ("vocab", "embed")
@@ -224,16 +231,17 @@ class Llama(nn.Module):
           split_rngs={"params": True},
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x, _ = layers(cfg, self.dtype, name="layers")(x, None)
+      x, _ = layers(cfg, self.dtype, self.param_dtype, name="layers")(x, None)
     else:
       for i in range(cfg.n_layers):
-        x, _ = block(cfg, self.dtype, name=f"layers_{i}")(x, None)
+        x, _ = block(cfg, self.dtype, self.param_dtype, name=f"layers_{i}")(x, None)
 
-    x = _rms_norm("final_norm", cfg, self.dtype)(x)
+    x = _rms_norm("final_norm", self)(x)
     logits = nn.Dense(
         cfg.vocab_size,
         use_bias=False,
         dtype=self.dtype,
+        param_dtype=self.param_dtype,
         name="lm_head",
         kernel_init=nn.with_logical_partitioning(
             nn.initializers.lecun_normal(), ("embed", "vocab")
@@ -248,14 +256,21 @@ def build(
     scan_layers: bool = False,
     remat: bool = False,
     dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
     **config_overrides,
 ) -> Llama:
   """Returns a ``Llama`` of preset ``size``; extra kwargs override config fields.
+
+  ``dtype``: the compute dtype; ``param_dtype``: the params' (names like "bfloat16" too).
 
   Example:
     >>> build("tiny", scan_layers=True, n_layers=4, dtype=jnp.bfloat16).config.n_layers
     4
   """
   return Llama(
-      llama_config(size, **config_overrides), scan_layers=scan_layers, remat=remat, dtype=dtype
+      llama_config(size, **config_overrides),
+      scan_layers=scan_layers,
+      remat=remat,
+      dtype=dtype,
+      param_dtype=param_dtype,
   )

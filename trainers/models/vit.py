@@ -13,7 +13,10 @@ Parameter tree (as in big_vision/models/vit.py, classifier-token pooling):
 
 Params are plain arrays (not logically boxed), like big_vision's; the token
 stream is constrained to ``trainers.models.axes.ACT_EMBED`` ("act_batch", "act_len",
-"act_embed").
+"act_embed"). Params are stored in ``param_dtype`` and computed with in ``dtype``
+(``config.param_dtype``, ``config.compute_dtype``); the attention softmax (and so its
+product with the values: flax's ``force_fp32_for_softmax``) and the LayerNorm statistics
+run in float32, and the logits come out in float32.
 
 Example:
   >>> model = build("tiny", num_classes=10)
@@ -24,6 +27,7 @@ Example:
 """
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -61,7 +65,19 @@ def vit_config(size: str, **overrides) -> ViTConfig:
   return _presets.pick(PRESETS, size, **overrides)
 
 
-class MlpBlock(nn.Module):
+class _Layer(nn.Module):
+  """What every layer holds: the compute and the params' dtypes (keyword arguments)."""
+
+  dtype: Any = dataclasses.field(default=jnp.float32, kw_only=True)
+  param_dtype: Any = dataclasses.field(default=jnp.float32, kw_only=True)
+
+  @property
+  def dtypes(self) -> dict[str, Any]:
+    """The ``dtype``/``param_dtype`` keyword arguments of flax's layers."""
+    return dict(dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+class MlpBlock(_Layer):
   """Dense -> GELU -> Dense, back to the input width."""
 
   mlp_dim: int
@@ -70,6 +86,7 @@ class MlpBlock(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dense = lambda n: nn.Dense(
         n,
+        **self.dtypes,
         kernel_init=nn.initializers.xavier_uniform(),
         bias_init=nn.initializers.normal(stddev=1e-6),
     )
@@ -77,7 +94,7 @@ class MlpBlock(nn.Module):
     return dense(x.shape[-1])(h)  # Dense_1
 
 
-class Encoder1DBlock(nn.Module):
+class Encoder1DBlock(_Layer):
   """Pre-LayerNorm self-attention + MLP residual block."""
 
   mlp_dim: int
@@ -85,15 +102,18 @@ class Encoder1DBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = nn.LayerNorm()(x)
+    y = nn.LayerNorm(**self.dtypes)(x)
     x = x + nn.MultiHeadDotProductAttention(
-        num_heads=self.num_heads, kernel_init=nn.initializers.xavier_uniform()
+        num_heads=self.num_heads,
+        **self.dtypes,
+        kernel_init=nn.initializers.xavier_uniform(),
+        force_fp32_for_softmax=True,
     )(y, y)
-    x = x + MlpBlock(self.mlp_dim)(nn.LayerNorm()(x))
+    x = x + MlpBlock(self.mlp_dim, **self.dtypes)(nn.LayerNorm(**self.dtypes)(x))
     return nn.with_logical_constraint(x, ACT_EMBED)
 
 
-class Encoder(nn.Module):
+class Encoder(_Layer):
   """``depth`` blocks named ``encoderblock_{i}``, then ``encoder_norm``."""
 
   config: ViTConfig
@@ -102,12 +122,13 @@ class Encoder(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
     for i in range(cfg.depth):
-      x = Encoder1DBlock(cfg.mlp_dim, cfg.num_heads, name=f"encoderblock_{i}")(x)
-    return nn.LayerNorm(name="encoder_norm")(x)
+      block = Encoder1DBlock(cfg.mlp_dim, cfg.num_heads, **self.dtypes, name=f"encoderblock_{i}")
+      x = block(x)
+    return nn.LayerNorm(**self.dtypes, name="encoder_norm")(x)
 
 
-class ViT(nn.Module):
-  """Images (B, H, W, C) -> logits (B, num_classes), pooled on the cls token."""
+class ViT(_Layer):
+  """Images (B, H, W, C) -> float32 logits (B, num_classes), pooled on the cls token."""
 
   config: ViTConfig
   num_classes: int
@@ -116,22 +137,38 @@ class ViT(nn.Module):
   def __call__(self, images: jax.Array) -> jax.Array:
     cfg = self.config
     p = cfg.patch_size
-    x = nn.Conv(cfg.width, (p, p), strides=(p, p), padding="VALID", name="embedding")(images)
+    x = nn.Conv(
+        cfg.width, (p, p), strides=(p, p), padding="VALID", **self.dtypes, name="embedding"
+    )(images)
     b, h, w, c = x.shape
     x = x.reshape(b, h * w, c)
-    x = x + self.param("pos_embedding", nn.initializers.normal(stddev=c**-0.5), (1, h * w, c))
-    cls = self.param("cls", nn.initializers.zeros, (1, 1, c))
-    x = jnp.concatenate([jnp.tile(cls, (b, 1, 1)), x], axis=1)
+    pos = self.param(
+        "pos_embedding", nn.initializers.normal(stddev=c**-0.5), (1, h * w, c), self.param_dtype
+    )
+    cls = self.param("cls", nn.initializers.zeros, (1, 1, c), self.param_dtype)
+    x = x + pos.astype(self.dtype)
+    x = jnp.concatenate([jnp.tile(cls.astype(self.dtype), (b, 1, 1)), x], axis=1)
     x = nn.with_logical_constraint(x, ACT_EMBED)
-    x = Encoder(cfg, name="Transformer")(x)
-    return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, name="head")(x[:, 0])
+    x = Encoder(cfg, **self.dtypes, name="Transformer")(x)
+    head = nn.Dense(self.num_classes, **self.dtypes, kernel_init=nn.initializers.zeros, name="head")
+    return head(x[:, 0]).astype(jnp.float32)
 
 
-def build(size: str = "tiny", *, num_classes: int = 10, **config_overrides) -> ViT:
+def build(
+    size: str = "tiny",
+    *,
+    num_classes: int = 10,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    **config_overrides,
+) -> ViT:
   """Returns a ``ViT`` of preset ``size``; extra kwargs override config fields.
+
+  ``dtype``: the compute dtype; ``param_dtype``: the params' (names like "bfloat16" too).
 
   Example:
     >>> build("small", num_classes=100, patch_size=4).config.patch_size
     4
   """
-  return ViT(vit_config(size, **config_overrides), num_classes=num_classes)
+  config = vit_config(size, **config_overrides)
+  return ViT(config, num_classes, dtype=dtype, param_dtype=param_dtype)

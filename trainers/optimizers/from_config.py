@@ -14,6 +14,11 @@ so ``config.wd`` is decoupled, applied after the learning rate (not multiplied
 by it) and scaled by the schedule; a ``None`` schedule freezes the leaves it
 matches. Regexes fullmatch ``/``-joined param names; the first match wins.
 
+Either way the optimizer's floating-point state is stored in ``config.state_dtype``
+(default: ``config.param_dtype``) and updated in float32
+(:func:`~trainers.optimizers.state_dtype.with_state_dtype`); a dtype argument in
+``config.optax`` (``mu_dtype``, Kron's ``precond_dtype``) wins for what it names.
+
 Example:
   >>> from configs.common import base_config
   >>> config = base_config()
@@ -36,9 +41,11 @@ import jax
 import optax
 
 from bv_sharding.ops import flatten_with_names
+from trainers import precision
 from trainers.errors import OptimizerError, nearest
 from trainers.optimizers import registry
 from trainers.optimizers.schedules import make_schedule
+from trainers.optimizers.state_dtype import with_state_dtype
 
 DEFAULT_WD_MULTS = ((".*/kernel$", 1.0),)
 _BIG_VISION_OWN = {  # big_vision's own optax.big_vision.* names: no optax attribute to build.
@@ -58,6 +65,7 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   included). ``layout``: the params' :class:`~trainers.optimizers.layout.ParamLayout`, for
   the project's optimizers that follow the params' layout: Kron and Shampoo cut
   shard-local blocks, Muon orthogonalises each matrix on an owner device.
+  The state is stored in ``config.state_dtype`` (see the module docstring).
   """
   name = config.optax_name
   kwargs = _plain(config.get("optax") or {})
@@ -70,8 +78,9 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   }
   if name in registry.OPTIMIZERS:
     tx = _registry_optimizer(config, name, kwargs, entries, schedules, layout)
-    return tx, learning_rates
-  return _optax_chain(config, _optax_factory(name, kwargs), entries, schedules), learning_rates
+  else:
+    tx = _optax_chain(config, _optax_factory(name, kwargs), entries, schedules)
+  return with_state_dtype(tx, precision.of_config(config).state), learning_rates
 
 
 def _registry_optimizer(config, name, kwargs, entries, schedules, layout):

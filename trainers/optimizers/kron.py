@@ -41,6 +41,11 @@ of one Q update per step even when the update probability is low. Randomness
 count)`` with the same splits as psgd-jax, so runs are deterministic and match
 the reference.
 
+Storage and compute dtypes: ``mu_dtype`` and ``precond_dtype`` (default: the params')
+store the momentum and the Qs; the fit casts its result to the Qs' dtype. Under the
+trainer both follow ``config.state_dtype`` unless set in ``config.optax``, and the whole
+update, factor fits included, runs in float32 (:mod:`trainers.optimizers.state_dtype`).
+
 Example:
     >>> import jax.numpy as jnp
     >>> opt = kron(1e-3, preconditioner_update_probability=1.0)

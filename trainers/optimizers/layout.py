@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import axis_size, stack_axes
 from trainers.errors import OptimizerError
+from trainers.optimizers.state_dtype import compute_dtype
 from trainers.optimizers.tensor_ops import blockify, unblockify
 
 # While :func:`stack_blocks` traces an update: the (blocks, stacks) each ShardBlocks.run got.
@@ -350,6 +351,9 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
       [None, 2, 2, 2, 2]
   """
   leaves, treedef = jax.tree.flatten(state)
+  # Traced in float32, a state stored narrower (state_dtype.py) reaches ShardBlocks.run
+  # uncast, as the very leaves passed in.
+  leaves = [jax.ShapeDtypeStruct(x.shape, compute_dtype(x.dtype)) for x in leaves]
   found = {}
 
   def update(grads, leaves):

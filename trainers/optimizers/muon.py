@@ -16,6 +16,10 @@ all-gathered and cut back into the params' shards (an all-gather of the update; 
 scatter straight to the shards trips XLA's SPMD partitioner). Per-device
 Newton-Schulz FLOPs are ``ceil(K / N) / K`` of the total for K matrices of a shape.
 
+The momentum (and the AdamW branch's moments) are stored in the params' dtype; under the
+trainer in ``config.state_dtype``, with Newton-Schulz and the moment updates run in
+float32 (:mod:`trainers.optimizers.state_dtype`).
+
 Example:
     >>> import jax.numpy as jnp
     >>> tx = muon(0.02)

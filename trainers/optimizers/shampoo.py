@@ -17,6 +17,7 @@ State layout (tearfree-like)::
             stats=[(n_blocks, b_i, b_i) per factor],  # list, one per dim > 1;
                                                       # start at matrix_epsilon * I
             roots=[(n_blocks, b_i, b_i) per factor],  # inverse p-th roots
+                                                      # (both in the params' dtype)
             graft_nu=<like param> or None,            # None for graft "sgd"
             momentum=<like param> or None))           # None when beta1 == 0
 
@@ -32,7 +33,10 @@ preconditions one piece of it and the pieces' directions are all-gathered.
 Roots come from ``eigh`` and are computed on every step, then kept with
 ``jnp.where`` only every ``update_preconditioners_freq`` steps: there is no
 LAPACK call inside ``lax.cond``, which can deadlock XLA:CPU with several
-devices. This costs one ``eigh`` per block and step.
+devices. This costs one ``eigh`` per block and step. Roots are computed in float32 (at least)
+whatever the statistics' dtype, and stored in it; under the trainer the state's dtype is
+``config.state_dtype`` and the whole update runs in float32
+(:mod:`trainers.optimizers.state_dtype`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -91,6 +95,7 @@ def inverse_pth_root(stats: jax.Array, p: int, matrix_epsilon: float) -> jax.Arr
       >>> inverse_pth_root(s, 2, 0.0)[0].round(3).tolist()
       [[0.25, 0.0], [0.0, 1.0]]
   """
+  stats = stats.astype(jnp.promote_types(stats.dtype, jnp.float32))
   eigvals, eigvecs = jax.lax.map(jnp.linalg.eigh, stats)
   eigvals = jnp.maximum(eigvals, 0.0)
   max_ev = jnp.max(eigvals, axis=-1, keepdims=True)
@@ -178,8 +183,11 @@ def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
 
 
 def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamState:
-  """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments."""
-  eye = [jnp.broadcast_to(jnp.eye(b), (blocks.count, b, b)) for b in blocks.sizes]
+  """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments, all
+  in the param's dtype."""
+  eye = [
+      jnp.broadcast_to(jnp.eye(b, dtype=param.dtype), (blocks.count, b, b)) for b in blocks.sizes
+  ]
   return ShampooParamState(
       stats=[settings.matrix_epsilon * e for e in eye],
       roots=eye,
@@ -259,7 +267,10 @@ def _update_leaf(
       direction, state.momentum, settings.beta1, settings.nesterov
   )
   new_state = ShampooParamState(
-      stats, roots, _cast_like(nu, state.graft_nu), _cast_like(new_momentum, state.momentum)
+      [_cast_like(n, o) for n, o in zip(stats, state.stats)],
+      [_cast_like(n, o) for n, o in zip(roots, state.roots)],
+      _cast_like(nu, state.graft_nu),
+      _cast_like(new_momentum, state.momentum),
   )
   return direction.astype(g.dtype), new_state
 

@@ -1,0 +1,98 @@
+"""``config.state_dtype``: what the plan counts, what a per-optimizer key keeps, what an update
+returns, and that a float32 run is untouched by it."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import bv_sharding as bvs
+from configs import lm
+from trainers import build
+from trainers.optimizers import from_config
+from trainers.optimizers.layout import stack_blocks
+from trainers.optimizers.shampoo import scale_by_shampoo
+from trainers.optimizers.state_dtype import with_state_dtype
+
+FOUR = ("adamw", "kron", "shampoo", "muon")
+
+
+def _lm(optax_name: str, **keys):
+  config = lm.get_config()
+  config.optax_name = optax_name
+  for key, value in keys.items():
+    config[key] = value
+  return config
+
+
+@functools.cache
+def _planned_state_bytes(optax_name: str, state_dtype: str) -> int:
+  """Optimizer-state bytes per device of configs/lm.py's plan on 8 abstract devices."""
+  config = _lm(optax_name, state_dtype=state_dtype)
+  plan = build.build(config, bvs.make_abstract_mesh(config.mesh, 8)).plan
+  return sum(e.bytes_per_device for e in plan.entries if e.name.startswith("opt/"))
+
+
+@pytest.mark.parametrize("optax_name", FOUR)
+def test_bfloat16_state_halves_the_planned_state_bytes(optax_name):
+  ratio = _planned_state_bytes(optax_name, "bfloat16") / _planned_state_bytes(optax_name, "float32")
+  assert ratio == pytest.approx(0.5, rel=0.05)
+
+
+def _state_dtypes(config) -> dict[str, str]:
+  params = {"w": jnp.ones((8, 4)), "scale": jnp.ones(4)}
+  tx, _ = from_config(config)
+  named, _ = bvs.flatten_with_names(jax.eval_shape(tx.init, params))
+  return {name: str(x.dtype) for name, x in named}
+
+
+def test_a_per_optimizer_dtype_key_wins_for_what_it_names():
+  dtypes = _state_dtypes(_lm("adamw", state_dtype="bfloat16", optax=dict(mu_dtype="float32")))
+  assert {n.split("/")[-2]: d for n, d in dtypes.items() if n.endswith("/w")} == {
+      "mu": "float32",
+      "nu": "bfloat16",
+  }
+  dtypes = _state_dtypes(_lm("kron", param_dtype="bfloat16", optax=dict(precond_dtype="float32")))
+  assert {d for n, d in dtypes.items() if "Qs_preconditioners" in n} == {"float32"}
+  assert {d for n, d in dtypes.items() if "/mu/" in n} == {"bfloat16"}  # The params' dtype.
+  assert {d for n, d in dtypes.items() if "count" in n} == {"int32"}
+
+
+@pytest.mark.parametrize("optax_name", FOUR)
+def test_bfloat16_state_keeps_its_dtypes_through_updates_and_counters_stay_integers(optax_name):
+  config = _lm(optax_name, state_dtype="bfloat16")
+  params = {"w": jnp.ones((8, 4)), "b": jnp.zeros(4)}
+  tx, _ = from_config(config)
+  state = tx.init(params)
+  stored = jax.tree.map(lambda x: x.dtype, state)
+  updates, state = jax.jit(lambda s, p: tx.update(p, s, p))(state, params)
+  assert jax.tree.map(lambda x: x.dtype, state) == stored
+  floating = [x for x in jax.tree.leaves(state) if x.ndim and x.dtype != jnp.int32]
+  assert floating and {x.dtype for x in floating} == {jnp.dtype(jnp.bfloat16)}
+  assert all(jnp.issubdtype(x.dtype, jnp.integer) for x in jax.tree.leaves(state) if not x.ndim)
+  assert {x.dtype for x in jax.tree.leaves(updates)} == {jnp.dtype(jnp.float32)}
+
+
+def test_a_float32_state_is_bit_identical_with_the_wrapper():
+  params = {"w": jnp.arange(12.0).reshape(3, 4) / 7}
+  plain, wrapped = optax.adamw(1e-2), with_state_dtype(optax.adamw(1e-2), "float32")
+  a, b = plain.init(params), wrapped.init(params)
+  for _ in range(3):
+    ua, a = plain.update(params, a, params)
+    ub, b = wrapped.update(params, b, params)
+    for x, y in zip(jax.tree.leaves((ua, a)), jax.tree.leaves((ub, b)), strict=True):
+      np.testing.assert_array_equal(x, y)
+
+
+def test_the_layout_finds_the_block_stacks_of_a_bfloat16_state():
+  params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+  tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
+  narrow = with_state_dtype(tx, "bfloat16")
+  state = jax.eval_shape(narrow.init, params)
+  assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {jnp.dtype(jnp.bfloat16)}
+  found = [b and b.count for b in stack_blocks(narrow, params, state)]
+  assert found == [b and b.count for b in stack_blocks(tx, params, jax.eval_shape(tx.init, params))]
+  assert found == [None, 2, 2, 2, 2]
