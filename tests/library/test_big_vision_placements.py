@@ -5,7 +5,7 @@
 So400m/14, PaliGemma (So400m/14 + Gemma 2B) and this project's Llama 125m / 7b
 for its own strategies (``fsdp``, ``replicate``, ``shard_dim``, bare names,
 positional arguments) on 1-D and 2-D meshes of 8 and 256 devices. It was
-recorded by ``tools/record_big_vision_placements.py`` from big_vision commit
+recorded by ``tools/record_big_vision.py`` from big_vision commit
 ``RECORDED_COMMIT`` (big_vision is not on PyPI; none of its code is here).
 
 Every leaf must get big_vision's spec, with one explained exception (docs/differences.md): where big_vision puts an axis on a dim
