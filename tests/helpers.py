@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -17,12 +18,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from trainers import optimizers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 # What SLURM sets for each task; jax's cluster detection reads these.
+DASHED_FLAG = re.compile(r"--[a-z0-9]+-[a-z0-9]")  # A multi-word flag spelled with dashes.
+# Params of every rank a second-order optimizer meets: matrix, vector, scalar, a wide matrix
+# and a scanned (L, m, n) stack.
+MIXED_PARAMS = {
+    "w": jnp.ones((8, 4)),
+    "b": jnp.ones(4),
+    "s": jnp.ones(()),
+    "big": jnp.ones((16, 3000)),
+    "stack": jnp.ones((3, 6, 5)),
+}
 SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 
@@ -149,3 +161,16 @@ def recorded_trajectories() -> tuple:
 def max_deviation(ours: dict, theirs: dict) -> float:
   """Largest absolute difference over all steps of the params and the loss."""
   return max(float(np.max(np.abs(ours[k] - theirs[k]))) for k in theirs)
+
+
+def help_text(main, capsys) -> str:
+  """What an argparse command's ``main(["--help"])`` prints, once it exited with status 0."""
+  with pytest.raises(SystemExit) as exited:
+    main(["--help"])
+  assert exited.value.code == 0
+  return capsys.readouterr().out
+
+
+def assert_snake_case_help(text: str, *flags: str) -> None:
+  """``text`` (a command's help) names each of ``flags`` and no flag spelled with dashes."""
+  assert all(flag in text for flag in flags) and not DASHED_FLAG.search(text), text

@@ -3,11 +3,11 @@ and each bad input one line, exit status 1, before anything is written.
 """
 
 import json
-import re
 
 import numpy as np
 import pytest
 
+from tests.helpers import assert_snake_case_help, help_text
 from trainers import convert
 from trainers.input import sources
 
@@ -64,8 +64,4 @@ def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys, args, line):
 
 
 def test_help_shows_snake_case_flags_only(capsys):
-  with pytest.raises(SystemExit) as exited:
-    convert.main(["--help"])
-  out = capsys.readouterr().out
-  assert exited.value.code == 0 and "--val_fraction" in out and "--dtype" in out
-  assert not re.search(r"--[a-z0-9]+-[a-z0-9]", out), out
+  assert_snake_case_help(help_text(convert.main, capsys), "--val_fraction", "--dtype")

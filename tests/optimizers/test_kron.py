@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import traffic
 from tests.helpers import (
+    MIXED_PARAMS,
     final_loss,
     ill_conditioned_regression,
     load_tool,
@@ -166,23 +167,14 @@ def test_sharded_blocks_are_local_and_keep_their_sharding():
   assert traffic.wire_bytes(hlo) < q_stack_bytes // 1000, collectives
 
 
-MIXED = {
-    "w": jnp.ones((8, 4)),
-    "b": jnp.ones(4),
-    "s": jnp.ones(()),
-    "big": jnp.ones((16, 3000)),
-    "stack": jnp.ones((3, 6, 5)),
-}
-
-
 def test_kron_state_layout_matches_psgd_jax():
   tx = scale_by_kron(
       max_size_triangular=2048,
-      scanned_layers={k: k == "stack" for k in MIXED},
+      scanned_layers={k: k == "stack" for k in MIXED_PARAMS},
   )
-  state = tx.init(MIXED)
+  state = tx.init(MIXED_PARAMS)
   assert sorted(state) == ["Qs_preconditioners", "count", "mu", "update_counter"]
-  assert SHAPES(state["mu"]) == SHAPES(MIXED)
+  assert SHAPES(state["mu"]) == SHAPES(MIXED_PARAMS)
   assert SHAPES(state["Qs_preconditioners"]) == {
       "w": [(8, 8), (4, 4)],
       "b": [(4,)],  # 1-D params are below min_ndim_triangular=2: diagonal
@@ -198,7 +190,7 @@ def test_kron_state_layout_matches_psgd_jax():
     [("one_diag", [(8,), (4, 4)]), ("all_diag", [(8,), (4,)])],
 )
 def test_kron_memory_save_modes(mode, expected):
-  state = scale_by_kron(memory_save_mode=mode, b1=0.0).init({"w": MIXED["w"]})
+  state = scale_by_kron(memory_save_mode=mode, b1=0.0).init({"w": MIXED_PARAMS["w"]})
   assert SHAPES(state["Qs_preconditioners"]["w"]) == expected
   assert state["mu"] is None
 

@@ -6,23 +6,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.helpers import load_tool, max_deviation, recorded_trajectories
+from tests.helpers import MIXED_PARAMS, load_tool, max_deviation, recorded_trajectories
 from trainers.optimizers import scale_by_shampoo, shampoo
-
-PARAMS = {
-    "w": jnp.ones((8, 4)),
-    "b": jnp.ones(4),
-    "s": jnp.ones(()),
-    "big": jnp.ones((16, 3000)),
-    "stack": jnp.ones((3, 6, 5)),
-}
-
 
 SHAPES = lambda tree: jax.tree.map(jnp.shape, tree)
 
 
 def test_shampoo_state_layout_is_blocked_stats_and_roots():
-  state = scale_by_shampoo(block_size=8, graft_type="adam").init(PARAMS)
+  state = scale_by_shampoo(block_size=8, graft_type="adam").init(MIXED_PARAMS)
   layout = jax.tree.map(
       lambda s: (SHAPES(s.stats), SHAPES(s.roots)),
       state.per_param,

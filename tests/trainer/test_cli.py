@@ -13,11 +13,9 @@ import pytest
 from absl import flags
 
 import configs.lm
-from tests.helpers import ROOT, run_module
+from tests.helpers import DASHED_FLAG, ROOT, run_module
 from trainers import cli
 from trainers.errors import ConfigError
-
-DASHED = re.compile(r"--[a-z0-9]+-[a-z0-9]")  # A multi-word flag spelled with dashes.
 
 
 def parser() -> cli.Parser:
@@ -42,7 +40,7 @@ def test_snake_case_flags_parse_and_help_shows_only_them(capsys):
   assert capsys.readouterr().err == ""
   text = parser().format_help()
   assert "--num_devices" in text and "--max_unsharded_fraction" in text and "--debug" in text
-  assert not DASHED.search(text), text
+  assert not DASHED_FLAG.search(text), text
 
 
 def test_dashed_spellings_still_parse_each_with_one_note(capsys):
