@@ -43,6 +43,11 @@ class Node:
   listed: bool = False
 
 
+def packages(*names: str) -> tuple[Node, ...]:
+  """One node per package, named after it."""
+  return tuple(Node(name, (name,)) for name in names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layer:
   """Nodes at one height, and a paragraph saying what lives there."""
@@ -57,7 +62,7 @@ LAYERS = (
         "Entry points",
         (
             Node("commands", COMMANDS, listed=True),
-            Node("benchmarks", ("benchmarks",)),
+            *packages("benchmarks"),
         ),
         "What people run. The commands (`python -m trainers.<command>`) read flags, build a run "
         "and call it; the benchmarks (`python -m benchmarks.<name>`) measure plans, memory, "
@@ -65,14 +70,14 @@ LAYERS = (
     ),
     Layer(
         "Configs",
-        (Node("configs", ("configs",)),),
+        packages("configs"),
         "`configs/*.py`: big_vision-style `get_config(arg)` files, a run's whole description "
         "(model, data, optimizer, mesh, sharding strategy) as code. The commands load them "
         "by path; they import only the data sources they name and the errors they raise.",
     ),
     Layer(
         "Run directory",
-        (Node("trainers.rundir", ("trainers.rundir",)),),
+        packages("trainers.rundir"),
         "`trainers/rundir/`: what a run leaves on disk and reads back: the work directory's "
         "files, provenance, orbax checkpoints of the train state the steps define.",
     ),
@@ -85,21 +90,14 @@ LAYERS = (
     ),
     Layer(
         "Parts",
-        (
-            Node("trainers.input", ("trainers.input",)),
-            Node("trainers.models", ("trainers.models",)),
-            Node("trainers.optimizers", ("trainers.optimizers",)),
-        ),
+        packages("trainers.input", "trainers.models", "trainers.optimizers"),
         "What a run is built from, each knowing nothing of the others: `input/` (sources, "
         "deterministic batches, prefetch, tasks), `models/` (Llama and ViT), `optimizers/` "
         "(the registry, schedules, Kron, Shampoo and Muon with their shard-local layouts).",
     ),
     Layer(
         "Trainer basics",
-        (
-            Node("trainers.errors", ("trainers.errors",)),
-            Node("trainers.precision", ("trainers.precision",)),
-        ),
+        packages("trainers.errors", "trainers.precision"),
         "`trainers.errors`: the trainer's error kinds (`ConfigError`, `OptimizerError`, "
         "`NonFiniteLossError`) under the library's `bv_sharding.Error`, and the did-you-mean "
         "hints their messages end with; `trainers.precision`: the dtypes a config asks for "
@@ -107,7 +105,7 @@ LAYERS = (
     ),
     Layer(
         "Library",
-        (Node("bv_sharding", ("bv_sharding",)),),
+        packages("bv_sharding"),
         "`bv_sharding/`: sharding plans for params and optimizer state, from a config's "
         "strategy, before any array exists. It imports nothing of the project; everything "
         "above uses it through its public names (`bv_sharding.__all__` and `bv_sharding.ops`).",
