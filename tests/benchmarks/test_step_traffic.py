@@ -12,9 +12,16 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import step_traffic, traffic
 
 
+def config_with(spec: str, optimizer: str):
+  """``configs/<spec>`` with ``config.optax_name = optimizer``: what the benchmark measures."""
+  config = step_traffic.load_config(spec)
+  config.optax_name = optimizer
+  return config
+
+
 @pytest.fixture(scope="module")
 def adamw_bytes():
-  hlo, _, _, _ = step_traffic.compile_step(step_traffic.load_config("lm_tp_fsdp"), "adamw")
+  hlo, _, _, _ = step_traffic.compile_step(config_with("lm_tp_fsdp", "adamw"))
   return traffic.wire_bytes(hlo)
 
 
@@ -24,7 +31,7 @@ BOUND = {"kron": 1.10, "shampoo": 1.10, "muon": 2.0}
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("optimizer", list(BOUND))
 def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimizer, adamw_bytes):
-  hlo, log, _, _ = step_traffic.compile_step(step_traffic.load_config("lm_tp_fsdp"), optimizer)
+  hlo, log, _, _ = step_traffic.compile_step(config_with("lm_tp_fsdp", optimizer))
   assert step_traffic.REMAT not in log
   assert traffic.wire_bytes(hlo) <= BOUND[optimizer] * adamw_bytes
 
@@ -45,9 +52,9 @@ def test_adamw_step_gathers_params_once_unscanned_scanned_layers_twice(scan):
   """Unscanned, XLA keeps the gathered params from forward to backward; scanned, the
   backward loop gathers the layers' params again (keeping them would hold every layer
   whole). Grads are all-reduced either way (2 units on XLA:CPU, see above)."""
-  config = step_traffic.load_config("lm")
+  config = config_with("lm", "adamw")
   config.model.scan_layers = scan
-  hlo, log, _, (_, plan, _) = step_traffic.compile_step(config, "adamw")
+  hlo, log, _, (_, plan, _) = step_traffic.compile_step(config)
   assert step_traffic.REMAT not in log
   params = [e for e in plan.entries if e.name.startswith("params/")]
   layers = sum(e.nbytes for e in params if e.name.startswith("params/layers/"))
