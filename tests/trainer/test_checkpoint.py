@@ -281,6 +281,49 @@ def test_restored_values_are_exact_in_the_new_plans_shardings(reference, mesh):
   assert all(np.array_equal(np.asarray(flat_got[k]), flat_want[k]) for k in flat_want)
 
 
+def lm_in(dtype: str):
+  """configs/lm.py as RUN trains it, its params and optimizer state stored in ``dtype``."""
+  config = lm.get_config()
+  config.batch_size, config.seq_len, config.total_steps = 16, 32, STEPS
+  config.schedule = {"warmup_steps": 2, "decay_type": "stair"}
+  config.param_dtype = config.state_dtype = dtype
+  return build.build(config, bvs.make_mesh(config.mesh))
+
+
+def assert_restores_cast(workdir, step: int, dtype: str) -> None:
+  """The checkpoint at ``step`` restored onto the plan of ``lm_in(dtype)``: every saved array
+  cast to the plan's dtype (floats) or as saved, in the plan's shardings."""
+  run = lm_in(dtype)
+  manager = checkpoint.open_manager(str(workdir / "checkpoints"), read_only=True)
+  state, start = checkpoint.restore(manager, step, run.plan, run.tx, run.migration)
+  assert start.step == step and run.plan.mismatches(state) == []
+  want = {"params": saved(workdir, step), "opt": saved(workdir, step, "opt")}
+  for got, before, target in zip(*map(jax.tree.leaves, (state, want, run.plan.abstract()))):
+    assert got.dtype == target.dtype
+    assert np.array_equal(np.asarray(got), np.asarray(before).astype(target.dtype))
+
+
+@pytest.mark.timeout(600)
+def test_resume_in_other_dtypes_casts_the_saved_state(tmp_path, reference):
+  """A float32 checkpoint resumed with bfloat16 params and state (and back): the saved values
+  cast, the run continuing from the saved step with its optimizer state, the casts logged."""
+  workdir = copy_at(reference, tmp_path / "run", STEPS)
+  out = train(workdir, "--config.param_dtype=bfloat16", "--config.state_dtype=bfloat16", total=9)
+  abstract = lm_in("bfloat16").plan.abstract()
+  leaves = lambda tree: sum(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(tree))
+  note = (
+      f"restored params cast float32 -> bfloat16 ({leaves(abstract['params'])} leaves); "
+      f"opt state cast float32 -> bfloat16 ({leaves(abstract['opt'])} leaves)"
+  )
+  assert note in out, out[-3000:]
+  assert f"resumed at step {STEPS} from {workdir}/checkpoints/{STEPS} with its optimizer" in out
+  assert [r["step"] for r in metrics(workdir)] == list(range(1, STEPS + 2))
+  assert metrics(workdir)[-1]["loss"] < metrics(reference)[0]["loss"] - 1.0
+  assert_restores_cast(reference, STEPS, "bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(saved(workdir, STEPS + 1))} == {jnp.dtype("bfloat16")}
+  assert_restores_cast(workdir, STEPS + 1, "float32")
+
+
 @pytest.mark.timeout(1500)
 def test_resume_with_other_optimizers_adamw_kron_shampoo(tmp_path, reference):
   workdir = copy_at(reference, tmp_path / "run", STEPS)

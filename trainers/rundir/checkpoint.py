@@ -11,7 +11,10 @@ current config's plan, so a checkpoint moves between meshes and process counts.
 Params and step are always restored; what becomes of the optimizer state is the
 optimizer's to say (:meth:`Migration.migrate`: kept, moved, or None). When None, the
 new optimizer's state is born sharded from the plan and its count (hence its schedule)
-starts at 0.
+starts at 0. A floating-point array saved in another dtype (another ``config.param_dtype``
+or ``config.state_dtype``) is cast to the plan's as orbax reads its shards, and the log
+says so (e.g. "restored params cast float32 -> bfloat16 (12 leaves); opt state cast
+float32 -> bfloat16 (30 leaves)"); a leaf of another name or shape is a difference.
 
 The training loop's use (``Checkpoints`` installs a SIGTERM handler, so it is shown,
 not run here)::
@@ -33,6 +36,7 @@ Example:
   'params/w has shape (4, 3) float32, this config needs (4, 2) float32'
 """
 
+import collections
 import dataclasses
 import logging as logging_lib
 import os
@@ -41,6 +45,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from absl import logging
@@ -57,7 +62,7 @@ PARAMS, OPT, META = "params", "opt", "meta"
 
 
 class CheckpointMismatchError(ConfigError):
-  """A checkpoint whose params do not fit this config's model (names, shapes or dtypes)."""
+  """A checkpoint whose params do not fit this config's model (names, shapes, non-float dtypes)."""
 
 
 class Migration(Protocol):
@@ -107,6 +112,10 @@ def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
 def first_difference(want: dict, have: dict) -> str | None:
   """The first leaf (by name) where two ``leaf_table``s differ, described; None if equal.
 
+  A floating-point leaf of the same shape in another floating-point dtype is no
+  difference: restoring casts it (:func:`casts`), so a checkpoint moves between
+  ``config.param_dtype``s and ``config.state_dtype``s.
+
   Example: ``first_difference({"a": ((2,), "f32")}, {})`` == "'a' is missing ...".
   """
   for name in sorted(want.keys() | have.keys()):
@@ -114,12 +123,52 @@ def first_difference(want: dict, have: dict) -> str | None:
       return f"{name} is missing (expected shape {want[name][0]}, {want[name][1]})"
     if name not in want:
       return f"{name} {have[name][0]} {have[name][1]} is not in this config's model"
-    if want[name] != have[name]:
+    if want[name] != have[name] and not _castable(want[name], have[name]):
       return (
           f"{name} has shape {have[name][0]} {have[name][1]}, this config needs "
           f"{want[name][0]} {want[name][1]}"
       )
   return None
+
+
+def casts(want: dict, have: dict) -> dict[str, int]:
+  """``{"<saved dtype> -> <dtype>": leaves}``: the casts restoring ``have`` onto ``want`` makes.
+
+  Two ``leaf_table``s; orbax casts each such leaf as it reads its shards into the target's
+  shardings, so nothing is gathered whole on one device.
+
+  Example:
+    >>> f32, bf16 = ((4, 2), "float32"), ((4, 2), "bfloat16")
+    >>> casts({"w": bf16, "b": bf16, "n": ((), "int32")}, {"w": f32, "b": f32, "n": ((), "int32")})
+    {'float32 -> bfloat16': 2}
+  """
+  found = [
+      f"{have[n][1]} -> {want[n][1]}"
+      for n in sorted(want.keys() & have.keys())
+      if want[n] != have[n] and _castable(want[n], have[n])
+  ]
+  return dict(collections.Counter(found))
+
+
+def cast_note(casts_by_tree: dict[str, dict[str, int]]) -> str | None:
+  """One log line naming each tree's :func:`casts`; None when nothing is cast.
+
+  Example:
+    >>> cast_note({"params": {"float32 -> bfloat16": 12}, "opt state": {}})
+    'restored params cast float32 -> bfloat16 (12 leaves)'
+  """
+  parts = [
+      f"{tree} cast {how} ({n} leaves)"
+      for tree, found in casts_by_tree.items()
+      for how, n in found.items()
+  ]
+  return "restored " + "; ".join(parts) if parts else None
+
+
+def _castable(want: tuple, have: tuple) -> bool:
+  """Whether two ``(shape, dtype)`` rows are one floating-point array in two dtypes."""
+  floating = lambda name: jnp.issubdtype(jnp.dtype(name), jnp.floating)
+  return want[0] == have[0] and floating(want[1]) and floating(have[1])
 
 
 class Checkpoints:
@@ -270,23 +319,29 @@ def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bo
   manager.save(step, args=args, force=force)
 
 
-def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> None:
-  """Raises ``CheckpointMismatchError`` unless the saved params fit ``plan``'s params."""
-  saved = manager.item_metadata(step)[PARAMS]
-  difference = first_difference(leaf_table(plan.abstract()[PARAMS]), leaf_table(saved.tree))
+def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> dict[str, int]:
+  """The :func:`casts` restoring the saved params onto ``plan``'s makes (another
+  ``config.param_dtype``); raises ``CheckpointMismatchError`` unless they fit otherwise."""
+  want = leaf_table(plan.abstract()[PARAMS])
+  saved = leaf_table(manager.item_metadata(step)[PARAMS].tree)
+  difference = first_difference(want, saved)
   if difference:
     raise CheckpointMismatchError(
         f"checkpoint {manager.directory / str(step)} is of another model: params/{difference}. "
         "Point --workdir (or config.model_init) at a checkpoint of this config.model, "
         "or use a new workdir"
     )
+  return casts(want, saved)
 
 
 def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration: Migration):
   """``(state, Start)`` from ``step`` in ``plan``'s shardings; the optimizer state as
   ``migration`` says (kept, moved, or re-initialised from ``tx``), logged in one line.
+
+  Saved floating-point arrays in another dtype (``config.param_dtype``,
+  ``config.state_dtype``) are cast to the plan's as they are read, logged in one line too.
   """
-  check_params(manager, step, plan)
+  param_casts = check_params(manager, step, plan)
   target = plan.abstract()
   meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
   saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
@@ -295,6 +350,9 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   opt, why = migration.migrate(meta, mismatch and f"{OPT}/{mismatch}", load)
   params = restore_item(manager, step, PARAMS, target[PARAMS])
   source = str(manager.directory / str(step))
+  opt_casts = casts(leaf_table(target[OPT]), saved_opt) if opt is not None else {}
+  if note := cast_note({"params": param_casts, "opt state": opt_casts}):
+    logging.info("%s", note)
   if opt is not None:
     logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
     return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
@@ -309,7 +367,8 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
 
 
 def load_params(path: str, plan: Plan) -> tuple[Any, str]:
-  """Params of the checkpoint at ``path`` in ``plan``'s param shardings, and the step directory.
+  """Params of the checkpoint at ``path`` in ``plan``'s param shardings (and dtypes: a cast is
+  logged), and the step directory.
 
   ``path`` is a workdir, its ``checkpoints`` directory (latest step) or one step's directory.
 
@@ -324,7 +383,8 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
         f"config.model_init={path}: no complete checkpoint at {directory}; name a workdir, "
         f"its {CHECKPOINTS}/ directory or one of its step directories"
     )
-  check_params(manager, step, plan)
+  if note := cast_note({"params": check_params(manager, step, plan)}):
+    logging.info("%s", note)
   params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS])
   manager.close()
   return params, os.path.join(directory, str(step))
