@@ -38,6 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 1.0  # None: no clipping.
   # Refuse to start when more of the state's bytes is unsharded (None: no gate).
   config.max_unsharded_fraction = ml_collections.config_dict.placeholder(float)
+  # Memory each device may use, in GiB, for the checks before a run (trainers/memory.py);
+  # None: ask the devices (on CPU: the host's available memory shared by them).
+  config.device_memory_gib = ml_collections.config_dict.placeholder(float)
   config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   # big_vision's keys: save every ckpt_steps (and at the end, and on SIGTERM); keep the
   # checkpoints at multiples of keep_ckpt_steps for good (else only the latest is kept).

@@ -35,6 +35,9 @@ MIXED_PARAMS = {
     "big": jnp.ones((16, 3000)),
     "stack": jnp.ones((3, 6, 5)),
 }
+# configs/lm.py's tiny Llama on 32 x 64 tokens: the compiled step whose memory the trainer's
+# pre-check and `trainers.plan --compile` measure (one program, compiled once per session).
+COMPILED_LM = ("--config.seq_len=64",)
 SLURM = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 

@@ -10,8 +10,19 @@ Example:
   'single process'
 """
 
+import os
+
 import jax
 from jax._src import clusters  # jax has no public API for its cluster detection (0.10).
+
+
+def simulated_devices() -> int:
+  """Devices each process simulates on the CPU backend unless told: ``$BV_DEVICES_PER_PROCESS``,
+  else 8 (``trainers.train --devices_per_process``; ``trainers.plan --compile``).
+
+  Example: ``jax.config.update("jax_num_cpu_devices", simulated_devices())``.
+  """
+  return int(os.environ.get("BV_DEVICES_PER_PROCESS", 8))
 
 
 def detected_cluster() -> str | None:

@@ -18,7 +18,11 @@ traced with ``jax.eval_shape``. It prints:
 * the coverage (bytes-weighted share of the full split over every mesh axis),
   strategy entries that claimed no leaf and leaves no entry claimed.
 
-``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn`` long).
+``--compile`` also compiles the train step on this host's devices (on CPU the trainer's
+simulated ones: ``$BV_DEVICES_PER_PROCESS``, default 8) from abstract inputs and prints XLA's
+figures per device (arguments, temporaries, outputs, aliased) against each device's memory
+(``config.device_memory_gib`` or the devices'; ``trainers/memory.py``), the check the trainer
+makes before init; JSON: the ``compiled`` key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn`` long).
 ``--format json`` prints the same as JSON; ``--png FILE`` draws per-device memory by
 component and the largest leaves (``pip install -e ".[plot]"``); ``--diff OVERRIDE``
 (repeatable) plans a second time with the overrides added (e.g. ``config.optax_name=kron``
@@ -39,8 +43,9 @@ import jax
 import numpy as np
 
 import bv_sharding as bvs
-from trainers import MiB, build, cli
+from trainers import MiB, build, cli, distributed, memory, steps
 from trainers.errors import ConfigError
+from trainers.input import batching
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -74,6 +79,12 @@ def parser() -> cli.Parser:
   )
   p.add_argument("--max_unsharded_fraction", type=cli.fraction, help="exit 1 above this fraction")
   p.add_argument("--rows", type=int, help="print only this many leaf rows (default: all)")
+  p.add_argument(
+      "--compile",
+      action="store_true",
+      help="also compile the train step on this host's devices (CPU: as many simulated as "
+      "trainers.train's, $BV_DEVICES_PER_PROCESS or 8) and print its memory per device",
+  )
   return p
 
 
@@ -109,6 +120,39 @@ def make_plan(s: Setup) -> bvs.Plan:
   """The trainer's plan of ``s.config`` on an abstract mesh of ``s.num_devices``; no arrays."""
   mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh)
   return build.build(s.config, mesh).plan
+
+
+def compiled(s: Setup) -> dict:
+  """The compiled train step's memory per device on this host's devices, against each
+  device's memory (``trainers/memory.py``): what the trainer checks before init.
+
+  The devices must exist: ``s.num_devices`` of them (on CPU, the simulated ones).
+  """
+  devices = jax.devices()
+  if len(devices) < s.num_devices:
+    raise ConfigError(
+        f"--compile: the mesh {list(s.mesh)} needs {s.num_devices} devices but this host has "
+        f"{len(devices)} ({devices[0].platform}; CPU devices simulated: $BV_DEVICES_PER_PROCESS); "
+        f"compile where they exist, or plan for these with --num_devices={len(devices)} or --mesh"
+    )
+  devices = devices[: s.num_devices]
+  mesh = bvs.make_mesh(s.mesh, dcn_mesh=s.dcn_mesh, devices=devices)
+  run, config = build.build(s.config, mesh), s.config
+  batch_sharding = steps.checked_batch_sharding(config, mesh)
+  train_step = steps.make_train_step(
+      run.loss, run.tx, run.plan, batch_sharding, config.grad_accum_steps
+  )
+  held_out = run.task.batches(
+      run.task.held_out, global_batch=config.batch_size, seed=config.seed + 1
+  )
+  shapes = batching.global_shapes(next(held_out), config.batch_size)
+  _, step = memory.compile_step(config, run.plan, train_step, batch_sharding, shapes)
+  have = memory.budget(devices, config.get("device_memory_gib"))
+  return {
+      "devices": f"{len(devices)} {devices[0].device_kind}",
+      "grad_accum_steps": config.grad_accum_steps,
+      **memory.report(step, have),
+  }
 
 
 def report(s: Setup, plan: bvs.Plan) -> dict:
@@ -174,7 +218,25 @@ def text(rep: dict, rows: int | None = None) -> str:
       + (", ".join(f"({r!r}, {c!r})" for r, c in rep["unused_strategy_entries"]) or "none"),
       "leaves claimed by no entry: " + (", ".join(rep["unclaimed_leaves"]) or "none"),
   ]
+  if "compiled" in rep:
+    lines.append(compiled_text(rep["compiled"]))
   return "\n".join(lines)
+
+
+def compiled_text(c: dict) -> str:
+  """The compiled step's line: its figures per device, and whether it fits."""
+  head = f"compiled train step on {c['devices']} (grad_accum_steps={c['grad_accum_steps']}): "
+  if c["per_device"] is None:
+    return head + "the backend gives no memory figures"
+  figures = ", ".join(
+      f"{k} {c['per_device'][k] / MiB:.1f} MiB"
+      for k in ("arguments", "temporaries", "outputs", "aliased")
+  )
+  total = f"total {c['per_device']['total'] / MiB:.1f} MiB per device"
+  if c["fits"] is None:
+    return f"{head}{figures}; {total}; {c['where']}"
+  fits = "fits" if c["fits"] else "does NOT fit"
+  return f"{head}{figures}; {total} of {c['device_memory'] / MiB:.1f} MiB ({c['where']}): {fits}"
 
 
 def diff(a: dict, b: dict) -> dict:
@@ -270,8 +332,12 @@ def main(argv: list[str] | None = None) -> int:
   """Runs the command; returns the exit status (0, or 1: gate failed; a bad input exits 1)."""
   p = parser()
   options, config_args = p.parse_known_args(argv)
+  if options.compile:
+    simulate_devices()
   first = setup(options, config_args)
   rep = report(first, plan := make_plan(first))
+  if options.compile:
+    rep["compiled"] = compiled(first)
   if options.diff:
     extra = [a if a.startswith("-") else f"--{a}" for a in options.diff]
     more, more_config = p.parse_known_args(extra, argparse.Namespace(**vars(options)))
@@ -283,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
   if options.png:
     draw(rep, options.png)
   return gate(plan, options.max_unsharded_fraction)
+
+
+def simulate_devices() -> None:
+  """On the CPU backend, as many simulated devices as ``trainers.train`` has; before the
+  backend starts (a started one keeps its devices)."""
+  wanted = distributed.simulated_devices()
+  if jax.config.jax_num_cpu_devices != wanted:
+    jax.config.update("jax_num_cpu_devices", wanted)
 
 
 def gate(plan: bvs.Plan, limit: float | None) -> int:

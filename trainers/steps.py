@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from bv_sharding import Plan, ShardingError
 from trainers.errors import ConfigError
+from trainers.input import batching
 from trainers.models.axes import ACT_BATCH
 from trainers.optimizers.state_dtype import compute_dtype
 
@@ -72,6 +73,17 @@ def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...
 def batch_sharding(mesh, axes: Sequence[str]) -> NamedSharding:
   """Dim 0 over ``axes``, the rest replicated (used in the module example)."""
   return NamedSharding(mesh, P(tuple(axes)))
+
+
+def checked_batch_sharding(config, mesh) -> NamedSharding:
+  """The batch's sharding over the config's data axes (:func:`data_axes`), once
+  ``config.batch_size`` divides over them and the processes.
+
+  Example: ``checked_batch_sharding(config, bvs.make_mesh(config.mesh)).spec == P(("data",))``.
+  """
+  axes = data_axes(mesh, config.sharding_rules, config.get("data_axes", ()))
+  batching.check_batch_size(config.batch_size, mesh, axes, jax.process_count())
+  return batch_sharding(mesh, axes)
 
 
 def abstract_state(init: Callable[[], Any], tx: optax.GradientTransformation) -> dict:
@@ -138,6 +150,39 @@ def make_train_step(
       out_shardings=(shardings, NamedSharding(plan.mesh, P())),
       donate_argnums=0,
   )
+
+
+def compile_train_step(
+    train_step: Callable, plan: Plan, batch_sharding: NamedSharding, batch_shapes: Any
+) -> Any:
+  """``train_step`` (:func:`make_train_step`'s) compiled for the plan's state and the batch.
+
+  Nothing is allocated: the inputs are ``jax.ShapeDtypeStruct``s in the planned shardings
+  (``plan.abstract()``) and, for the batch, ``batch_shapes`` (a tree of anything with the
+  global batch's ``shape`` and ``dtype``) in ``batch_sharding``. The executable runs as
+  ``train_step`` does (``compiled(state, batch)``, state donated) without compiling again,
+  and its ``memory_analysis()`` gives the step's bytes per device before any array exists
+  (``trainers/memory.py``). Call it under the mesh and logical rules the loop runs under.
+
+  Example:
+    >>> import optax
+    >>> from bv_sharding import make_mesh, plan as make_plan
+    >>> mesh = make_mesh([("data", -1)])
+    >>> tx = optax.sgd(0.1)
+    >>> params = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    >>> plan = make_plan({"params": params, "opt": jax.eval_shape(tx.init, params)},
+    ...                  'fsdp(axis="data", min_size_to_shard_mb=0)', mesh)
+    >>> loss_fn = lambda w, x: jnp.mean((x @ w) ** 2)
+    >>> batch = batch_sharding(mesh, ("data",))
+    >>> step = make_train_step(loss_fn, tx, plan, batch)
+    >>> compiled = compile_train_step(step, plan, batch, jax.ShapeDtypeStruct((16, 8), jnp.float32))
+    >>> compiled.memory_analysis().argument_size_in_bytes  # a device's row of w, 2 rows of x
+    80
+  """
+  batch = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), batch_shapes
+  )
+  return train_step.lower(plan.abstract(), batch).compile()
 
 
 def accumulate(

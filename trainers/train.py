@@ -40,7 +40,7 @@ import numpy as np
 from absl import flags, logging
 
 import bv_sharding as bvs
-from trainers import build, cli, distributed, divergence, steps, validation
+from trainers import build, cli, distributed, divergence, memory, steps, validation
 from trainers.input import batching, prefetch
 from trainers.rundir import checkpoint, provenance, workdir
 
@@ -72,7 +72,7 @@ _AUTO = flags.DEFINE_bool(
 )
 _DEVICES = flags.DEFINE_integer(
     "devices_per_process",
-    int(os.environ.get("BV_DEVICES_PER_PROCESS", 8)),
+    distributed.simulated_devices(),
     "Simulated devices per process on the CPU backend "
     "(jax_num_cpu_devices); GPU/TPU backends ignore it.",
 )
@@ -99,6 +99,8 @@ def main(argv):
   plan, tx = check_plan(config, run.plan, is_main_process), run.tx
   eval_batches = held_out_batches(run.task, config)
   train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps)
+  # Compiled once, from abstract inputs: its memory (activations too) checked before init.
+  train_step = check_compiled(config, plan, train_step, batch_sharding, eval_batches[0])
   eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
@@ -139,10 +141,9 @@ def start_backend() -> None:
 
 def checked_batch_sharding(config, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   """The batch's sharding over the data axes, once the batch size divides over them."""
-  data_axes = steps.data_axes(mesh, config.sharding_rules, config.data_axes)
-  batching.check_batch_size(config.batch_size, mesh, data_axes, jax.process_count())
-  logging.info("mesh %s, batch split over %s", dict(mesh.shape), data_axes)
-  return steps.batch_sharding(mesh, data_axes)
+  sharding = steps.checked_batch_sharding(config, mesh)
+  logging.info("mesh %s, batch split over %s", dict(mesh.shape), sharding.spec[0])
+  return sharding
 
 
 def held_out_batches(task, config) -> list:
@@ -158,8 +159,19 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   if config.get("max_unsharded_fraction") is not None:
     bvs.check_coverage(plan, config.max_unsharded_fraction)
   bvs.check_same_plan(plan)  # Before allocating: every process planned the same.
-  logging.info("%s", validation.check_memory(plan, jax.local_devices()))
+  memory_gib = config.get("device_memory_gib")
+  logging.info("%s", validation.check_memory(plan, jax.local_devices(), memory_gib=memory_gib))
   return plan
+
+
+def check_compiled(config, plan: bvs.Plan, train_step, batch_sharding, local_batch):
+  """``train_step`` compiled for the planned state and a batch like ``local_batch`` (this
+  process's rows), once XLA's figure for it fits each device (trainers/memory.py)."""
+  shapes = batching.global_shapes(local_batch, config.batch_size)
+  compiled, step = memory.compile_step(config, plan, train_step, batch_sharding, shapes)
+  have = memory.budget(jax.local_devices(), config.get("device_memory_gib"))
+  logging.info("%s", memory.check_step(step, have, plan, config, batch_sharding))
+  return compiled
 
 
 def mean_loss(eval_step, params, batches, batch_sharding) -> float:

@@ -20,12 +20,11 @@ Example:
 """
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 
 import ml_collections
 
-from trainers import precision
+from trainers import memory, precision
 from trainers.errors import ConfigError, closest
 from trainers.optimizers import schedules
 
@@ -61,6 +60,10 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
     if config.get(key) is not None:
       check_count(f"config.{key}", config.get(key), example=100)
   _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
+  if config.get("device_memory_gib") is not None:  # None: ask the devices.
+    check_number(
+        "config.device_memory_gib", config.get("device_memory_gib"), True, example=80, none_ok=True
+    )
   _check_dtypes(config)
   _check_accumulation(config)
   _check_names("config.data_axes", config.get("data_axes", ()))
@@ -116,53 +119,42 @@ def check_number(key: str, value, positive: bool, example: float, none_ok: bool 
     )
 
 
-def check_memory(plan, devices: Sequence, host_available: int | None = None) -> str:
+def check_memory(
+    plan, devices: Sequence, host_available: int | None = None, memory_gib: float | None = None
+) -> str:
   """Raises if the plan's state and gradients do not fit the devices' memory; else says what fit.
 
   Per device the step holds the planned params and optimizer state plus gradients (the
-  params' bytes again). Accelerators are compared one by one with jax's ``bytes_limit``; CPU
-  devices share the host, so their bytes together are compared with the host's available
-  memory (``host_available``, default from /proc/meminfo).
+  params' bytes again). Each device's memory is ``memory_gib`` (``config.device_memory_gib``)
+  when given, else jax's ``bytes_limit`` of each accelerator; CPU devices share the host, so
+  their bytes together are compared with the host's available memory (``host_available``,
+  default from /proc/meminfo): :func:`trainers.memory.budget`. The compiled step's own
+  figure (activations too) is checked next, by :func:`trainers.memory.check_step`.
 
   Example: ``check_memory(plan, jax.local_devices())`` raises for configs/lm_7b_pod.py on 8
   CPU devices.
   """
   grads = sum(e.bytes_per_device for e in plan.entries if e.name.split("/")[0] == "params")
   grads = grads or plan.bytes_per_device  # A tree without "params" is all params.
-  need = plan.bytes_per_device + grads
-  cpus = [d for d in devices if d.platform == "cpu"]
-  if cpus:
-    have = _host_available() if host_available is None else host_available
-    need, where = need * len(cpus), f"the host's available memory ({len(cpus)} CPU devices)"
-  else:
-    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-    if not limits or None in limits:
-      return "device memory unknown: memory check skipped"
-    have, where = min(limits), f"the smallest device limit ({devices[0].device_kind})"
-  if need > have:
-    raise ConfigError(_too_big(plan, need, have, where))
-  return f"memory: {need / 2**30:.2f} GiB planned of {have / 2**30:.2f} GiB ({where})"
+  have = memory.budget(devices, memory_gib, host_available)
+  if have.total is None:
+    return f"{have.where}: memory check skipped"
+  need = (plan.bytes_per_device + grads) * have.shared_by
+  if need > have.total:
+    raise ConfigError(_too_big(plan, need, have.total, have.where))
+  return f"memory: {memory.size(need)} planned of {memory.size(have.total)} ({have.where})"
 
 
 def _too_big(plan, need: int, have: int, where: str) -> str:
   largest = sorted(plan.entries, key=lambda e: -e.bytes_per_device)[:LARGEST_LEAVES]
-  leaves = ", ".join(f"{e.name} {e.bytes_per_device / 2**30:.2f} GiB" for e in largest)
+  leaves = ", ".join(f"{e.name} {memory.size(e.bytes_per_device)}" for e in largest)
   return (
       f"config.model / config.mesh / config.sharding_strategy: the plan needs "
-      f"{need / 2**30:.2f} GiB (params + optimizer state {plan.bytes_per_device / 2**30:.2f} "
-      f"GiB per device, plus gradients) but {where} is {have / 2**30:.2f} GiB; "
+      f"{memory.size(need)} (params + optimizer state {memory.size(plan.bytes_per_device)} "
+      f"per device, plus gradients) but {where} is {memory.size(have)}; "
       f"largest leaves per device: {leaves}. Use a smaller config.model, more devices, "
       "or shard more (e.g. fsdp over more axes)"
   )
-
-
-def _host_available() -> int:
-  try:
-    with open("/proc/meminfo") as f:
-      fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _check_dtypes(config) -> None:

@@ -8,14 +8,19 @@ allocated, the workdir byte-identical (``trainers.launch``, ``trainers.plan`` an
 
 import math
 import random
+import re
 
 import pytest
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import configs.lm
 import configs.vit_digits
-from tests.helpers import assert_untouched, train, used_workdir
-from trainers import validation
+from tests.helpers import COMPILED_LM, assert_untouched, train, used_workdir
+from trainers import memory, validation
 from trainers.errors import ConfigError
+
+GiB = 2**30
 
 
 def lm_config(**overrides) -> dict:
@@ -47,7 +52,14 @@ INT_KEYS = {
     "seed": 0,
     "schedule.warmup_steps": 0,
 }
-FLOAT_KEYS = {"lr": True, "grad_clip_norm": True, "wd": False, "schedule.linear_end": False}
+FLOAT_KEYS = {
+    "lr": True,
+    "grad_clip_norm": True,
+    "wd": False,
+    "schedule.linear_end": False,
+    "device_memory_gib": True,
+}
+NONE_OK = ("grad_clip_norm", "device_memory_gib")  # None: no clipping / ask the devices.
 
 
 def bad_values(rng: random.Random, minimum=None, positive=None):
@@ -73,8 +85,8 @@ def test_fuzz_number_keys(key, positive):
   rng = random.Random(f"bad-{key}")
   for _ in range(8):
     for value in bad_values(rng, positive=positive):
-      if key == "grad_clip_norm" and value is None:
-        continue  # None turns clipping off.
+      if key in NONE_OK and value is None:
+        continue
       assert_one_error(lm_config(**{key: value}), f"config.{key}=")
 
 
@@ -170,20 +182,97 @@ def test_plan_that_cannot_fit_fails_before_init(tmp_path):
   assert_untouched(workdir)
 
 
+def test_compiled_step_that_cannot_fit_fails_before_init(tmp_path):
+  """The tiny LM's params, state and gradients (966 KiB per device) fit 8.2 MiB; its compiled
+  step (11.5 MiB: a 32 x 64 token batch's activations) does not, and the run stops before
+  anything is allocated or written, naming the figures and what would fit (2 microbatches:
+  7.5 MiB, tests/e2e/test_plan.py)."""
+  workdir = used_workdir(tmp_path / "run")
+  status, out, _ = train(workdir, *COMPILED_LM, "--config.device_memory_gib=0.008", timeout=180)
+  assert status == 1, out[-3000:]
+  assert "memory: 965.6 KiB planned of 8.2 MiB (config.device_memory_gib=0.008)" in out
+  line = next(x for x in out.splitlines() if x.startswith("ConfigError:"))
+  size = r"([\d.]+ [KMG]iB)"
+  figures = re.search(
+      rf"the compiled train step needs {size} per device but config.device_memory_gib=0.008 "
+      rf"gives 8.2 MiB per device; temporaries {size} .*; arguments {size} \(params, "
+      rf"optimizer state and batch; largest leaves (?:params|opt)/.*; outputs {size} \({size}",
+      line,
+  )
+  assert figures, line
+  need, temporaries, arguments, outputs, aliased = map(mib, figures.groups())
+  assert need > 8.2 and temporaries > 8 * arguments and arguments > 0.5
+  assert need == pytest.approx(temporaries + arguments + outputs - aliased, abs=0.2)
+  assert "Would fit: --config.grad_accum_steps=2 (about" in line
+  assert "--config.model.remat=True" in line and "more devices on a config.mesh axis" in line
+  assert "initialising params" not in out and "Traceback" not in out
+  assert_untouched(workdir)
+
+
+def mib(text: str) -> float:
+  """ "724.1 KiB" (or MiB, GiB) in MiB."""
+  number, unit = text.split()
+  return float(number) * {"KiB": 2**-10, "MiB": 1, "GiB": 2**10}[unit]
+
+
+class Entry:
+
+  def __init__(self, name, per_device):
+    self.name, self.bytes_per_device = name, per_device
+
+
+class TwoLeaves:
+  """A plan's per-device figures: 3 GiB of params, 3 GiB of optimizer state."""
+
+  entries = (Entry("params/w", 3 * 2**30), Entry("opt/mu/w", 3 * 2**30))
+  bytes_per_device = 6 * 2**30
+
+
+class Cpu:
+  platform = "cpu"
+
+
 def test_memory_check_numbers():
-  class Entry:
-
-    def __init__(self, name, per_device):
-      self.name, self.bytes_per_device = name, per_device
-
-  class Plan:
-    entries = (Entry("params/w", 3 * 2**30), Entry("opt/mu/w", 3 * 2**30))
-    bytes_per_device = 6 * 2**30
-
-  class Cpu:
-    platform = "cpu"
-
-  fits = validation.check_memory(Plan(), [Cpu()] * 2, host_available=18 * 2**30)
+  fits = validation.check_memory(TwoLeaves(), [Cpu()] * 2, host_available=18 * 2**30)
   assert fits.startswith("memory: 18.00 GiB planned of 18.00 GiB")
   with pytest.raises(ConfigError, match=r"needs 18\.00 GiB .* is 17\.00 GiB; .* params/w 3\.00"):
-    validation.check_memory(Plan(), [Cpu()] * 2, host_available=17 * 2**30)
+    validation.check_memory(TwoLeaves(), [Cpu()] * 2, host_available=17 * 2**30)
+
+
+def test_memory_gib_overrides_the_devices_memory():
+  """config.device_memory_gib plans another machine: each device's memory, CPU or not."""
+  have = memory.budget([Cpu()] * 8, memory_gib=0.5)
+  assert (have.total, have.shared_by, have.where) == (2**29, 1, "config.device_memory_gib=0.5")
+  assert memory.budget([Cpu()] * 8, host_available=16 * 2**30).per_device == 2 * 2**30
+  fits = validation.check_memory(TwoLeaves(), [Cpu()] * 8, memory_gib=9.0)
+  assert fits == "memory: 9.00 GiB planned of 9.00 GiB (config.device_memory_gib=9.0)"
+  with pytest.raises(ConfigError, match=r"needs 9\.00 GiB .* config.device_memory_gib=8.5 is"):
+    validation.check_memory(TwoLeaves(), [Cpu()] * 8, memory_gib=8.5)
+
+
+def test_compiled_step_check_numbers_and_what_would_fit():
+  """4 GiB of params and state, 12 of temporaries on 16 GiB: 2 microbatches would fit (about
+  (12 - 3) / 2 GiB of activations beside the 4 + 3 of the rest); remat and devices too."""
+  step = memory.StepMemory(
+      arguments=4 * GiB, temporaries=12 * GiB, outputs=4 * GiB, aliased=4 * GiB
+  )
+  config = configs.lm.get_config()  # batch 32: 4 rows a device over 8.
+  batch = NamedSharding(AbstractMesh((8,), ("data",)), P("data"))
+  ok = memory.check_step(step, memory.Budget(16 * GiB, 1, "A"), TwoLeaves(), config, batch)
+  assert ok.startswith("compiled train step: 16.00 GiB per device of 16.00 GiB (A): arguments 4.00")
+  with pytest.raises(ConfigError) as e:
+    memory.check_step(step, memory.Budget(15 * GiB, 1, "B"), TwoLeaves(), config, batch)
+  assert str(e.value) == (
+      "config.batch_size / config.grad_accum_steps / config.model / config.mesh: the compiled "
+      "train step needs 16.00 GiB per device but B gives 15.00 GiB per device; temporaries "
+      "12.00 GiB (activations, gradients, XLA's buffers); arguments 4.00 GiB (params, optimizer "
+      "state and batch; largest leaves params/w 3.00 GiB, opt/mu/w 3.00 GiB); outputs 4.00 GiB "
+      "(4.00 GiB of them written over the donated arguments). Would fit: "
+      "--config.grad_accum_steps=2 (about 4.50 GiB of activations a microbatch), or "
+      "--config.model.remat=True (recompute activations in the backward pass), or more devices "
+      "on a config.mesh axis (params, state and batch split further), or a smaller "
+      "config.batch_size"
+  )
+  # Beyond the rows each device holds (4), no microbatch count is suggested.
+  tight = memory.suggestions(step, 9 * GiB, TwoLeaves(), config, rows=4)
+  assert not any("grad_accum_steps" in s for s in tight) and len(tight) == 2

@@ -111,6 +111,19 @@ def to_global(local_batch: Any, sharding: jax.sharding.Sharding) -> Any:
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local_batch)
 
 
+def global_shapes(local_batch: Any, global_batch: int) -> Any:
+  """The global batch's ``jax.ShapeDtypeStruct``s, of which ``local_batch`` holds this process's
+  rows: each leaf's shape with dim 0 ``global_batch``.
+
+  Example:
+    >>> global_shapes({"tokens": np.zeros((4, 129), np.int32)}, 32)
+    {'tokens': ShapeDtypeStruct(shape=(32, 129), dtype=int32)}
+  """
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((global_batch, *x.shape[1:]), x.dtype), local_batch
+  )
+
+
 def check_batch_size(
     batch_size: int, mesh=None, axes: Sequence[str] = (), process_count: int = 1
 ) -> None:
