@@ -14,12 +14,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from tests.helpers import assert_snake_case_help, run_module
+from tests.helpers import COMPILED_LM, assert_snake_case_help, run_module
 from trainers import MiB
 from trainers import plan as command
 
 MESH = '[("data", 64), ("model", 4)]'
 POD = ("--config", "configs/lm_7b_pod.py", "--mesh", MESH)
+TINY = ("--config", "configs/lm.py", *COMPILED_LM)  # 32 x 64 tokens, 8 simulated devices.
 V, D, L, F = 32_000, 4096, 32, 11_008  # Llama 7B: vocab, width, layers, MLP width.
 
 
@@ -199,6 +200,47 @@ def test_bad_config_path_is_one_config_error_line():
   assert status == 1 and err == (
       "ConfigError: --config=configs/lm_7b_pods.py: file 'configs/lm_7b_pods.py' not found; "
       "did you mean 'lm_7b_pod.py'?\n"
+  )
+
+
+@pytest.mark.timeout(300)
+def test_compile_prints_the_steps_memory_falling_with_microbatches():
+  """configs/lm.py's tiny Llama compiled on the 8 simulated devices: XLA's figures per device,
+  the arguments the plan's state and a device's rows of the batch, the temporaries (the
+  activations) falling with 4 microbatches, each checked against config.device_memory_gib
+  as the trainer checks it (tests/trainer/test_validation.py)."""
+  reports = {}
+  for count in (1, 4):
+    args = ("--compile", "--format=json", f"--config.grad_accum_steps={count}")
+    status, out, _ = run(*args, "--config.device_memory_gib=0.008", pod=TINY)
+    assert status == 0
+    reports[count] = json.loads(out)
+  one, four = reports[1]["compiled"], reports[4]["compiled"]
+  planned = reports[1]["per_device"]
+  rows = 32 * 65 * 4 // 8  # int32 tokens: 32 sequences of 64 + 1 over 8 devices.
+  want = planned["params"] + planned["optimizer_state"] + rows
+  assert one["per_device"]["arguments"] == four["per_device"]["arguments"] == want
+  assert four["per_device"]["temporaries"] < 0.6 * one["per_device"]["temporaries"]
+  assert four["per_device"]["total"] < one["per_device"]["total"]
+  for c in (one, four):
+    d = c["per_device"]
+    assert d["total"] == d["arguments"] + d["temporaries"] + d["outputs"] - d["aliased"]
+    assert c["devices"] == "8 cpu" and c["device_memory"] == round(0.008 * 2**30)
+    assert c["where"] == "config.device_memory_gib=0.008"
+  assert (one["fits"], four["fits"]) == (False, True)
+  line = command.text(reports[1]).splitlines()[-1]
+  assert line.startswith("compiled train step on 8 cpu (grad_accum_steps=1): arguments 0.7 MiB, ")
+  assert line.endswith(
+      f"total {one['per_device']['total'] / MiB:.1f} MiB per device of 8.2 MiB "
+      "(config.device_memory_gib=0.008): does NOT fit"
+  )
+
+
+def test_compile_needs_the_meshs_devices():
+  status, out, err = run("--compile", "--num_devices=16", pod=TINY)
+  assert status == 1 and out == "", err
+  assert err.startswith(
+      "ConfigError: --compile: the mesh [('data', -1)] needs 16 devices but this host has 8 (cpu;"
   )
 
 
