@@ -27,10 +27,10 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 
-from trainers import steps
+from trainers import MiB, steps
 from trainers.errors import ConfigError
 
-GiB, MiB = 2**30, 2**20
+GiB = 2**30
 LARGEST_LEAVES = 3  # Leaves named among the arguments of a step that does not fit.
 
 

@@ -18,11 +18,13 @@ traced with ``jax.eval_shape``. It prints:
 * the coverage (bytes-weighted share of the full split over every mesh axis),
   strategy entries that claimed no leaf and leaves no entry claimed.
 
-``--compile`` also compiles the train step on this host's devices (on CPU the trainer's
-simulated ones: ``$BV_DEVICES_PER_PROCESS``, default 8) from abstract inputs and prints XLA's
-figures per device (arguments, temporaries, outputs, aliased) against each device's memory
-(``config.device_memory_gib`` or the devices'; ``trainers/memory.py``), the check the trainer
-makes before init; JSON: the ``compiled`` key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn`` long).
+``--compile`` (not with ``--diff``) also compiles the train step on this host's devices (on
+CPU the trainer's simulated ones: ``$BV_DEVICES_PER_PROCESS``, default 8) from abstract
+inputs and prints XLA's figures per device (arguments, temporaries, outputs, aliased)
+against each device's memory (``config.device_memory_gib`` or the devices';
+``trainers/memory.py``), the check the trainer makes before init; JSON: the ``compiled``
+key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn``
+long).
 ``--format json`` prints the same as JSON; ``--png FILE`` draws per-device memory by
 component and the largest leaves (``pip install -e ".[plot]"``); ``--diff OVERRIDE``
 (repeatable) plans a second time with the overrides added (e.g. ``config.optax_name=kron``
@@ -336,8 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     simulate_devices()
   first = setup(options, config_args)
   rep = report(first, plan := make_plan(first))
-  if options.compile:
-    rep["compiled"] = compiled(first)
   if options.diff:
     extra = [a if a.startswith("-") else f"--{a}" for a in options.diff]
     more, more_config = p.parse_known_args(extra, argparse.Namespace(**vars(options)))
@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     d = diff(rep, report(second, make_plan(second)))
     print(json.dumps(d, indent=1) if options.format == "json" else diff_text(d))
     return 0
+  if options.compile:
+    rep["compiled"] = compiled(first)
   print(json.dumps(rep, indent=1) if options.format == "json" else text(rep, options.rows))
   if options.png:
     draw(rep, options.png)

@@ -9,7 +9,9 @@ r"""Trains a model with params and optimizer state sharded by one ``config.shard
 Top to bottom: logging -> (jax.distributed) -> mesh -> the run (data, model, optimizer,
 one sharding plan for {"params", "opt"}: trainers/build.py) -> born-sharded init -> loop -> eval.
 Every config value is checked first (trainers/validation.py), the memory the plan needs
-before init; a bad one ends the run as one line, ``ConfigError: config.<key>=...``, before
+and that of the train step, compiled once from abstract inputs (activations too:
+trainers/memory.py; ``config.device_memory_gib`` plans another machine), before init;
+a bad one ends the run as one line, ``ConfigError: config.<key>=...``, before
 the workdir is touched or anything allocated (``--debug`` for the traceback). Process 0 then
 writes ``workdir/config.json`` and ``workdir/metrics.jsonl``; an earlier run's files there are
 moved into ``workdir/attempt-N/`` (trainers/rundir/workdir.py). Every process saves orbax
