@@ -107,7 +107,7 @@ def test_vit_digits_runs(tmp_path):
   steps = ("--config.total_steps=5", "--config.log_every=5", "--config.eval_every=5")
   out, records = trained(tmp_path, *steps, config="configs/vit_digits.py")
   assert [r["step"] for r in records] == [1, 5] and "eval_loss" in records[-1]
-  assert "images/s=" in out
+  assert "images/s/device=" in out and records[-1]["images_per_sec"] > 0
 
 
 @pytest.mark.timeout(120)
