@@ -1,0 +1,115 @@
+"""How much of its hardware a run uses: model FLOPs per step, TFLOP/s per device and MFU.
+
+MFU (model FLOPs utilization, PaLM appendix B) is the model FLOP/s a device achieves over its
+dense bf16 peak. The FLOPs of a step come from the compiled train step's
+``cost_analysis()`` (XLA's count: forward, backward and the optimizer's update, as compiled),
+else from the formula of :func:`formula_flops`; ``flops_source`` says which.
+
+Example:
+  >>> peak_flops("NVIDIA H100 80GB HBM3"), peak_flops("TPU v5 lite"), peak_flops("cpu")
+  (989000000000000.0, 197000000000000.0, None)
+  >>> rates(2e12, steps_per_sec=10.0, tokens_per_step=4096, num_devices=2, peak=1e13)
+  {'tokens_per_sec': 20480.0, 'tflops_per_device': 10.0, 'mfu': 1.0}
+"""
+
+# Dense (no sparsity) bf16 peak FLOP/s per chip, keyed by ``jax.Device.device_kind``; a kind
+# matches the longest key it starts with (case-insensitive). Figures from the vendors' spec
+# sheets: Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
+# v6e), NVIDIA's A100, H100, H200, B200, L4 and L40S datasheets (Tensor Core BF16, without
+# sparsity; the SXM part unless the name says PCIe or NVL).
+PEAK_BF16_FLOPS = {
+    "TPU v2": 45e12,
+    "TPU v3": 123e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v5": 459e12,  # v5p
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,  # v6e, Trillium
+    "TPU v6e": 918e12,
+    "NVIDIA A100": 312e12,  # SXM4 and PCIe alike
+    "NVIDIA H100": 989e12,  # SXM5, e.g. "NVIDIA H100 80GB HBM3"
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA GH200": 989e12,
+    "NVIDIA H200": 989e12,  # SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA L40S": 362e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The dense bf16 peak FLOP/s of a ``device_kind``; None on CPU or for an unknown kind.
+
+  The longest key of ``PEAK_BF16_FLOPS`` the kind starts with wins, so "TPU v5 lite" is a
+  v5e, "TPU v5" a v5p, "NVIDIA H100 PCIe" not the SXM part.
+
+  Example:
+    >>> peak_flops("NVIDIA H100 PCIe"), peak_flops("TPU v5"), peak_flops("NVIDIA A100-SXM4-40GB")
+    (756000000000000.0, 459000000000000.0, 312000000000000.0)
+  """
+  kind = device_kind.lower()
+  known = [key for key in PEAK_BF16_FLOPS if kind.startswith(key.lower())]
+  return PEAK_BF16_FLOPS[max(known, key=len)] if known else None
+
+
+def formula_flops(
+    num_params: int, tokens: int, layers: int = 0, seq_len: int = 0, d_model: int = 0
+) -> float:
+  """Training FLOPs of ``tokens`` tokens: ``6·N`` per token plus attention ``12·L·T·d``.
+
+  The standard count of PaLM (Chowdhery et al. 2022, appendix B): forward and backward take
+  ``6·N`` FLOPs per token for ``N`` params, and attention's score and value matmuls
+  ``12·layers·seq_len·d_model`` more per token (leave them 0 for a model without attention
+  over a sequence).
+
+  Example:
+    >>> formula_flops(1000, tokens=10), formula_flops(1000, tokens=10, layers=2, seq_len=4,
+    ...     d_model=8)
+    (60000.0, 67680.0)
+  """
+  return float(tokens * (6 * num_params + 12 * layers * seq_len * d_model))
+
+
+def step_flops(compiled, num_devices: int, formula: float) -> tuple[float, str]:
+  """(model FLOPs of one step over all devices, ``flops_source``): "compiled" or "formula".
+
+  ``compiled`` is the AOT-compiled train step (``jit(...).lower(...).compile()``); under
+  SPMD its ``cost_analysis()["flops"]`` counts one device's program, so it is multiplied by
+  ``num_devices``. Where XLA gives no count (missing, or 0), ``formula``
+  (:func:`formula_flops`) is returned with source "formula". XLA counts what was compiled,
+  the optimizer's update included, and a loop body (``config.grad_accum_steps`` > 1) once.
+
+  Example: ``step_flops(train_step.lower(state, batch).compile(), 8, formula_flops(n, t))``.
+  """
+  try:
+    analysis = compiled.cost_analysis()
+  except Exception:  # Some backends do not implement it.
+    analysis = None
+  if isinstance(analysis, list | tuple):  # Older jax: one dict per program.
+    analysis = analysis[0] if analysis else None
+  flops = float((analysis or {}).get("flops", 0.0))
+  return (flops * num_devices, "compiled") if flops > 0 else (float(formula), "formula")
+
+
+def rates(
+    flops_per_step: float,
+    steps_per_sec: float,
+    tokens_per_step: float,
+    num_devices: int,
+    peak: float | None,
+    unit: str = "tokens",
+) -> dict:
+  """Per device: ``<unit>_per_sec``, ``tflops_per_device`` and ``mfu`` (None without ``peak``).
+
+  ``tokens_per_step`` counts the global batch's ``unit`` (a task's tokens, or images);
+  see the module example.
+  """
+  flops_per_sec = flops_per_step * steps_per_sec / num_devices
+  return {
+      f"{unit}_per_sec": tokens_per_step * steps_per_sec / num_devices,
+      "tflops_per_device": flops_per_sec / 1e12,
+      "mfu": flops_per_sec / peak if peak else None,
+  }
