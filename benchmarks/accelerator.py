@@ -1,0 +1,176 @@
+"""The trainer's step on this host's devices: speed, MFU, compiled memory and host-sync overhead.
+
+  python -m benchmarks.accelerator        # CPU: 8 simulated devices, the tiny model
+  python -m benchmarks.accelerator --sizes 1b --steps 10     # one GPU or TPU host
+  benchmarks/accelerator.sh               # the same on an accelerator, installed and time-bound
+
+For each size, optimizer and dtype, the trainer's run of ``configs/lm.py:size=S``
+(``trainers/build.py``: the config's optimizer, its plan, the train step of
+``trainers/steps.py``) is compiled once, from its inputs, and that one compiled step runs
+twice, after one untimed warm-up step (on the ``benchmarks.throughput`` batches):
+
+* in the **bare loop**: ``--steps`` steps dispatched back to back, one wait at the end;
+* in the **training loop**, ``trainers.train.train`` as it runs (its loss checks, its
+  metrics reads and log lines at the config's log steps), saving no checkpoint and
+  evaluating nothing; it ends when the last step's state is ready.
+
+Dtype "float32" is the configs' default; "bfloat16" sets ``config.compute_dtype`` and
+``config.state_dtype`` to bfloat16 (params stay float32: mixed precision). Columns, per device:
+steps/s and tokens/s of the training loop; TFLOP/s and MFU from the compiled step's FLOPs
+(``trainers/utilization.py``: XLA's count, rematerialised forward passes and the optimizer's
+update included; MFU "n/a" where the device's bf16 peak is unknown, e.g. on CPU); the compiled
+step's memory (``memory_analysis()``: arguments + temporaries + outputs - aliased, in GiB);
+and the sync overhead, the training loop's seconds per step over the bare loop's. Prints a
+markdown table, a row as soon as it is measured.
+"""
+
+import os
+
+from trainers import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)
+
+import itertools
+import math
+import time
+
+import flax.linen as nn
+import jax
+
+from benchmarks import throughput
+from benchmarks.timing import seconds_per_step
+from trainers import cli, divergence, optimizers, train, utilization
+from trainers.rundir import checkpoint
+
+DTYPES = {
+    "float32": {},
+    "bfloat16": {"compute_dtype": "bfloat16", "state_dtype": "bfloat16"},
+}
+WARMUP = 1  # The step is compiled already: one untimed step settles the caches.
+COLUMNS = (
+    "steps_per_sec",
+    "tokens_per_sec",
+    "tflops_per_device",
+    "mfu",
+    "compiled_gib",
+    "sync_overhead",
+)
+HEADER = (
+    "| size | optimizer | dtype | steps/s | tokens/s/device | TFLOP/s/device | MFU "
+    "| compiled GiB/device | sync overhead |"
+)
+
+
+def bench_config(size: str, optimizer: str, dtype: str, steps: int):
+  """``configs/lm.py:size=...`` with ``optimizer`` and ``dtype`` (a key of ``DTYPES``), whose
+  training loop neither evaluates nor stops within ``steps`` steps."""
+  config = throughput.lm_config(size, optimizer)
+  config.update(DTYPES[dtype])
+  config.total_steps = max(config.total_steps, steps + 1)
+  config.eval_every = config.total_steps + 1
+  return config
+
+
+class NoCheckpoints:
+  """The loop's checkpoints, saving nothing; ``close`` waits for the final state."""
+
+  def step_done(self, step: int, state) -> bool:
+    del step, state
+    return False
+
+  def close(self, state) -> None:
+    jax.block_until_ready(state)
+
+
+def loop_seconds(config, run, train_step, state, batches) -> float:
+  """Seconds per step of ``trainers.train.train`` over ``batches``, numbered from step 1."""
+  watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=None)
+  start = checkpoint.Start(step=0, source="scratch")
+  log = train.StepLog(config, run.task, run.learning_rates, start, evaluate=None, write=None)
+  began = time.perf_counter()
+  numbered = zip(itertools.count(1), batches)
+  train.train(state, numbered, train_step, (run.plan, watch, log, NoCheckpoints()))
+  return (time.perf_counter() - began) / len(batches)
+
+
+def formula_flops(run, config, tokens: int) -> float:
+  """The 6N-plus-attention FLOPs of a step of the Llama ``run``: where XLA counts none."""
+  params = [e for e in run.plan.entries if e.name.startswith("params/")]
+  model = run.model.config
+  return utilization.formula_flops(
+      sum(math.prod(e.shape) for e in params), tokens, model.n_layers, config.seq_len, model.d_model
+  )
+
+
+def compiled_bytes(compiled) -> int:
+  """Bytes per device of a compiled step: arguments + temporaries + outputs - aliased."""
+  m = compiled.memory_analysis()
+  return (
+      m.argument_size_in_bytes
+      + m.temp_size_in_bytes
+      + m.output_size_in_bytes
+      - m.alias_size_in_bytes
+  )
+
+
+def measure(config, num_steps: int) -> dict:
+  """One row: the ``COLUMNS`` of ``config``'s train step over ``num_steps`` timed steps."""
+  mesh, run, train_step, batches = throughput.setup(config, WARMUP + 2 * num_steps)
+  num_devices = mesh.size
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
+    state = throughput.init_state(run)
+    compiled = train_step.lower(state, batches[0]).compile()
+    state, bare = seconds_per_step(compiled, state, batches, num_steps, warmup=WARMUP)
+    loop = loop_seconds(config, run, compiled, state, batches[WARMUP + num_steps :])
+  tokens = config.batch_size * run.task.per_example
+  flops, _ = utilization.step_flops(compiled, num_devices, formula_flops(run, config, tokens))
+  peak = utilization.peak_flops(jax.devices()[0].device_kind)
+  row = utilization.rates(flops, 1 / loop, tokens, num_devices, peak)
+  return {
+      "steps_per_sec": 1 / loop,
+      **row,
+      "compiled_gib": compiled_bytes(compiled) / 2**30,
+      "sync_overhead": loop / bare,
+  }
+
+
+def format_row(size: str, optimizer: str, dtype: str, row: dict) -> str:
+  """A markdown table row of ``measure``'s ``row``; MFU "n/a" when the peak is unknown."""
+  mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+  return (
+      f"| {size} | {optimizer} | {dtype} | {row['steps_per_sec']:.2f} | "
+      f"{row['tokens_per_sec']:.0f} | {row['tflops_per_device']:.3f} | {mfu} | "
+      f"{row['compiled_gib']:.3g} | {row['sync_overhead']:.2f}x |"
+  )
+
+
+def finite(row: dict) -> bool:
+  """Whether every column of ``row`` is a finite number (MFU may be None: unknown peak)."""
+  return all(row[c] is None if c == "mfu" else math.isfinite(row[c]) for c in COLUMNS)
+
+
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.accelerator", __doc__)
+  parser.add_argument("--sizes", default="tiny", help="configs/lm.py sizes, e.g. 1b")
+  parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS))
+  parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32, bfloat16 or both")
+  parser.add_argument("--steps", type=int, default=20, help="timed steps in each loop")
+  args = parser.parse_args(argv)
+  jax.config.update("jax_num_cpu_devices", 8)  # The CPU backend only; GPUs and TPUs are as found.
+  device = jax.devices()[0]
+  print(
+      f"jax {jax.__version__}, {jax.device_count()} x {device.device_kind} ({device.platform}); "
+      f"{args.steps} timed steps per loop after {WARMUP} warm-up\n"
+  )
+  print(HEADER)
+  print("|---" * (HEADER.count("|") - 1) + "|")
+  for size, optimizer, dtype in itertools.product(
+      args.sizes.split(","), args.optimizers.split(","), args.dtypes.split(",")
+  ):
+    row = measure(bench_config(size, optimizer, dtype, args.steps), args.steps)
+    print(format_row(size, optimizer, dtype, row), flush=True)
+
+
+if __name__ == "__main__":
+  main()
