@@ -33,6 +33,8 @@ setuptools.setup(
         "absl-py>=2.0,<3",
         "regex>=2024.4",  # Strategy regexes matched with a time bound (bv_sharding/patterns.py).
         "orbax-checkpoint==0.12.8",  # Checkpoints (trainers/rundir/checkpoint.py); its API moves fast.
+        # TensorBoard event files (trainers/rundir/events.py) without TensorFlow; pinned like orbax.
+        "tensorboardX==2.6.5",
     ],
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],

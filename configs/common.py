@@ -44,6 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.ckpt_steps = 100
   config.keep_ckpt_steps = ml_collections.config_dict.placeholder(int)
   config.model_init = ml_collections.config_dict.placeholder(str)  # a workdir or checkpoint
+  # (start, stop): a jax.profiler trace of steps start..stop-1 into workdir/profile/ (TensorBoard's
+  # profiler), e.g. --config.profile_steps="(10, 13)"; None: no trace.
+  config.profile_steps = ml_collections.config_dict.placeholder(tuple)
   return config
 
 

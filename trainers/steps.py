@@ -20,9 +20,11 @@ Example:
   >>> train_step = make_train_step(loss_fn, tx, plan, batch_sharding(mesh, axes))
   >>> batch = jax.device_put(jax.numpy.ones((16, 8)), batch_sharding(mesh, axes))
   >>> state, first = train_step(state, batch)
-  >>> state, second = train_step(state, batch)
-  >>> bool(second < first), float(make_eval_step(loss_fn, plan, batch_sharding(mesh, axes))(
-  ...     state["params"], batch)) < float(first)
+  >>> state, second = train_step(state, batch)  # dispatched before anything of step 1 is read
+  >>> sorted(second)
+  ['l2_grads', 'l2_params', 'l2_updates', 'loss']
+  >>> bool(second["loss"] < first["loss"]), float(make_eval_step(loss_fn, plan, batch_sharding(
+  ...     mesh, axes))(state["params"], batch)) < float(first["loss"])
   (True, True)
 """
 
@@ -116,12 +118,13 @@ def make_train_step(
     batch: NamedSharding,
     accum_steps: int = 1,
 ) -> Callable:
-  """``step(state, batch) -> (state, loss)``, jitted on the plan's shardings, state donated.
+  """``step(state, batch) -> (state, metrics)``, jitted on the plan's shardings, state donated.
 
   ``loss_fn(params, batch)`` returns the mean loss; grads are constrained to the
   params' shardings before the optimizer sees them. ``accum_steps``
   (``config.grad_accum_steps``) splits the batch into that many microbatches
-  (:func:`accumulate`). See the module example.
+  (:func:`accumulate`). ``metrics`` are replicated float32 scalars left on the device
+  (:func:`step_metrics`). See the module example.
   """
   shardings = plan.shardings
   loss_and_grads = accumulate(loss_fn, accum_steps, shardings["params"], batch)
@@ -130,7 +133,8 @@ def make_train_step(
     loss, grads = loss_and_grads(state["params"], batch)
     grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
     updates, opt = tx.update(grads, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+    params = optax.apply_updates(state["params"], updates)
+    return {"params": params, "opt": opt}, step_metrics(loss, grads, params, updates)
 
   return jax.jit(
       step,
@@ -138,6 +142,38 @@ def make_train_step(
       out_shardings=(shardings, NamedSharding(plan.mesh, P())),
       donate_argnums=0,
   )
+
+
+def step_metrics(loss, grads, params, updates) -> dict:
+  """big_vision's step metrics: the loss and the L2 norms of grads, new params and updates.
+
+  All float32 scalars (norms summed in float32 whatever the trees' dtypes).
+
+  Example:
+    >>> m = step_metrics(jnp.float32(2), {"w": jnp.ones(4)}, {"w": jnp.zeros(9)}, [jnp.ones(1)])
+    >>> {k: float(v) for k, v in m.items()}
+    {'loss': 2.0, 'l2_grads': 2.0, 'l2_params': 0.0, 'l2_updates': 1.0}
+  """
+  norm = lambda tree: optax.tree_utils.tree_norm(
+      jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+  )
+  return {
+      "loss": jnp.asarray(loss, jnp.float32),
+      "l2_grads": norm(grads),
+      "l2_params": norm(params),
+      "l2_updates": norm(updates),
+  }
+
+
+def compile_train_step(train_step: Callable, plan: Plan, batch: jax.ShapeDtypeStruct):
+  """``train_step`` compiled ahead of time for the plan's abstract state and ``batch``'s shape.
+
+  Nothing is allocated: the compiled executable gives XLA's FLOPs (``cost_analysis()``) and
+  memory (``memory_analysis()``) before init, and the loop calls it (one compile per run).
+
+  Example: ``compile_train_step(step, plan, jax.ShapeDtypeStruct((32, 128), jnp.int32))``.
+  """
+  return train_step.lower(plan.abstract(), batch).compile()
 
 
 def accumulate(

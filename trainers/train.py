@@ -17,6 +17,14 @@ checkpoints (every ``config.ckpt_steps``, at the end, on SIGTERM); a workdir hol
 resumes from it exactly (trainers/rundir/checkpoint.py). A NaN or infinite loss stops the run
 (``config.on_nonfinite="stop"``) or skips the update ("skip"; trainers/divergence.py).
 
+The train step is compiled once, ahead of time, from the plan's abstract state; XLA's count
+of its FLOPs gives TFLOP/s and MFU per device (trainers/utilization.py). The loop never waits
+for the device between log steps: step k+1 is dispatched before anything of step k is read,
+and the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
+at log, eval and checkpoint steps, on SIGTERM and at the end, then checked in step order.
+Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``;
+``config.profile_steps`` traces steps into ``workdir/profile/`` (trainers/profiling.py).
+
 On CPU every process simulates ``--devices_per_process`` devices (default 8);
 ``--coordinator_address/--num_processes/--process_id`` (or BV_COORDINATOR,
 BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed; without them a job jax
@@ -32,7 +40,9 @@ from trainers import ONE_BLAS_THREAD
 os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
 
 import itertools
+import math
 import time
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -40,9 +50,9 @@ import numpy as np
 from absl import flags, logging
 
 import bv_sharding as bvs
-from trainers import build, cli, distributed, divergence, steps, validation
+from trainers import build, cli, distributed, divergence, profiling, steps, utilization, validation
 from trainers.input import batching, prefetch
-from trainers.rundir import checkpoint, provenance, workdir
+from trainers.rundir import checkpoint, events, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
@@ -98,26 +108,37 @@ def main(argv):
   run.task.check(run.model)  # Token ids / labels fit the model, before init.
   plan, tx = check_plan(config, run.plan, is_main_process), run.tx
   eval_batches = held_out_batches(run.task, config)
-  train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps)
+  train_step = steps.compile_train_step(
+      steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps),
+      plan,
+      batch_shape(eval_batches[0], config, batch_sharding),
+  )
+  cost = step_cost(train_step, run, config)
   eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
   # Every check passed: only now is the workdir touched.
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
   ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, is_main_process)
-  write = metrics.write if is_main_process else None
+  curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
+  write = fan_out(metrics, curves) if is_main_process else None
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     state, start = restore_or_init(ckpt, plan, tx, run.init)
     if is_main_process:
-      note_start(_WORKDIR.value, config, start, metrics.path)
+      note_start(_WORKDIR.value, config, start, metrics.path, curves)
     local_batches = run.task.batches(
         run.task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
     )
     train_batches = prefetch.to_device(local_batches, batch_sharding, run.task.prefetch)
-    log = StepLog(config, run.task, run.learning_rates, start, evaluate, write)
+    log = StepLog(config, run.task, run.learning_rates, start, evaluate, write, cost)
     todo = range(start.step + 1, config.total_steps + 1)
-    train(state, zip(todo, train_batches), train_step, (plan, watch, log, ckpt))
+    trace = profiling.StepTrace(config.get("profile_steps"), _WORKDIR.value)
+    try:
+      train(state, zip(todo, train_batches), train_step, (plan, Pending(watch, log), ckpt, trace))
+    finally:
+      trace.close()
+      curves.close()
 
 
 def start_backend() -> None:
@@ -162,6 +183,36 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   return plan
 
 
+def batch_shape(local_batch, config, sharding) -> jax.ShapeDtypeStruct:
+  """The global train batch's shape and dtype (``config.batch_size`` rows of ``local_batch``'s)."""
+  return jax.ShapeDtypeStruct(
+      (config.batch_size, *local_batch.shape[1:]), local_batch.dtype, sharding=sharding
+  )
+
+
+def step_cost(compiled, run: build.Run, config) -> utilization.StepCost:
+  """The compiled step's FLOPs (else the 6·N·tokens + attention formula) and this device's peak."""
+  dims = getattr(run.model, "config", None)  # Llama's sizes; the formula's attention term.
+  formula = utilization.formula_flops(
+      sum(math.prod(e.shape) for e in run.plan.entries if e.name.startswith("params/")),
+      config.batch_size * run.task.per_example,
+      getattr(dims, "n_layers", 0),
+      config.get("seq_len", 0),
+      getattr(dims, "d_model", 0),
+  )
+  flops, source = utilization.step_flops(compiled, jax.device_count(), formula)
+  device = jax.devices()[0].device_kind
+  cost = utilization.StepCost(flops, source, jax.device_count(), utilization.peak_flops(device))
+  logging.info(
+      "train step: %.4g FLOPs (%s), %s peak bf16 FLOP/s %s",
+      flops,
+      source,
+      device,
+      "unknown (MFU null)" if cost.peak is None else f"{cost.peak:.4g}",
+  )
+  return cost
+
+
 def mean_loss(eval_step, params, batches, batch_sharding) -> float:
   """The mean of ``eval_step`` over the held-out ``batches``."""
   return float(np.mean([eval_step(params, batching.to_global(b, batch_sharding)) for b in batches]))
@@ -178,6 +229,16 @@ def open_workdir(path: str, config, migration: checkpoint.Migration, is_main_pro
   return ckpt, workdir.MetricsWriter(path)
 
 
+def fan_out(*writers) -> Callable[[dict], None]:
+  """One ``write(record)`` that gives the record to each writer's ``write``, in order."""
+
+  def write(record: dict) -> None:
+    for writer in writers:
+      writer.write(record)
+
+  return write
+
+
 def restore_or_init(ckpt: checkpoint.Checkpoints, plan: bvs.Plan, tx, init):
   """(state, :class:`checkpoint.Start`): the latest checkpoint's, else a fresh init; as planned."""
   logging.info("initialising params and optimizer state in their planned shardings")
@@ -188,32 +249,76 @@ def restore_or_init(ckpt: checkpoint.Checkpoints, plan: bvs.Plan, tx, init):
   return state, start
 
 
-def note_start(path: str, config, start: checkpoint.Start, metrics_path) -> None:
-  """Process 0 records where this run starts; metrics.jsonl lines after that step move aside."""
+def note_start(
+    path: str, config, start: checkpoint.Start, metrics_path, curves: events.EventWriter
+) -> None:
+  """Process 0 records where this run starts; metrics.jsonl lines after that step move aside.
+
+  The TensorBoard files move with them, and the records kept are written into a fresh one.
+  """
   provenance.record_start(path, config, start.step, start.source)
   moved = workdir.keep_metrics_until(metrics_path, start.step)
   if moved:
     logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)
+    for record in workdir.read_records(metrics_path):
+      curves.write(record)
 
 
 def train(state, numbered_batches, train_step, run) -> None:
   """Takes a step per (step, batch) pair, then saves; returns early on SIGTERM.
 
-  ``run``: (plan, :class:`divergence.LossWatch`, :class:`StepLog`, checkpoints).
+  ``run``: (plan, :class:`Pending`, checkpoints, :class:`profiling.StepTrace`). A logged
+  step's metrics are read once the next step is dispatched; an eval step's, and all pending
+  ones before a save, at once (eval and checkpoints need that step's state before the next
+  step takes it). So the device always has the next step queued while the host reads.
   """
-  plan, watch, log, ckpt = run
+  plan, pending, ckpt, trace = run
+  read_next = False
   for i, (step, batch) in enumerate(numbered_batches):
-    state, loss = train_step(state, batch)
-    loss = float(loss)
-    if not watch.observe(step, loss):  # Raises under "stop".
-      logging.warning("step %d: loss %s, update skipped", step, loss)
+    trace.before(step)
+    state, metrics = train_step(state, batch)
+    if read_next:
+      pending.read()  # The steps before this one, now that it is queued.
+    pending.add(step, metrics)
+    trace.after(step, state)
     if i == 0:
       steps.check_state(plan, state, "after the first step")
       logging.info("state shardings match the plan after the first step")
-    log(step, loss, state["params"])
-    if ckpt.step_done(step, state):
+    logged, is_eval = logs_step(step, pending.log.config)
+    if is_eval:
+      pending.read(state["params"])
+    read_next = logged and not is_eval
+    if ckpt.step_done(step, state, before_save=pending.read):
       return  # SIGTERM: every process saved this step.
+  pending.read()
   ckpt.close(state)
+
+
+class Pending:
+  """The train step's metrics, left on the device until the loop reads them, in step order.
+
+  :meth:`read` fetches every pending step's metrics in one ``jax.device_get``, then gives
+  each loss to ``watch`` (which raises at the first non-finite one under "stop", before
+  any later step is logged or saved) and each step to ``log`` (a :class:`StepLog`).
+  """
+
+  def __init__(self, watch: divergence.LossWatch, log: "StepLog"):
+    self.watch, self.log = watch, log
+    self.queue: list[tuple[int, dict]] = []
+
+  def add(self, step: int, metrics: dict) -> None:
+    """Queues ``step``'s metrics (device arrays) without reading them."""
+    self.queue.append((step, metrics))
+
+  def read(self, params=None) -> None:
+    """Reads, checks and logs every queued step; ``params``: the last step's, for an eval."""
+    queue, self.queue = self.queue, []
+    values = jax.device_get([metrics for _, metrics in queue])
+    for (step, _), metrics in zip(queue, values):
+      metrics = {key: float(value) for key, value in metrics.items()}
+      if not self.watch.observe(step, metrics["loss"]):  # Raises under "stop".
+        logging.warning("step %d: loss %s, update skipped", step, metrics["loss"])
+      self.log(step, metrics, params)
 
 
 def logs_step(step: int, config) -> tuple[bool, bool]:
@@ -230,29 +335,46 @@ def logs_step(step: int, config) -> tuple[bool, bool]:
 class StepLog:
   """Logs a line, and gives ``write`` a metrics record, at the steps :func:`logs_step` picks.
 
-  A record holds the step, the loss, each learning rate applied at that step, the steps per
-  second since the last record and, at evals, ``eval_loss`` (``evaluate(params)``).
+  A record holds the step, the step's metrics (loss, ``l2_grads``, ``l2_params``,
+  ``l2_updates``), each learning rate applied at that step, the steps per second since the
+  last record, the ``cost``'s ``flops_per_step`` and ``flops_source``, per device
+  ``<unit>_per_sec`` (``tokens_per_sec``, ``images_per_sec``) and ``tflops_per_device``,
+  ``mfu`` (null where the device's peak is unknown) and, at evals, ``eval_loss``
+  (``evaluate(params)``).
   """
 
-  def __init__(self, config, task, learning_rates, start: checkpoint.Start, evaluate, write):
-    self.config, self.task = config, task
+  def __init__(
+      self,
+      config,
+      task,
+      learning_rates,
+      start: checkpoint.Start,
+      evaluate,
+      write,
+      cost: utilization.StepCost,
+  ):
+    self.config, self.task, self.cost = config, task, cost
     self.learning_rates, self.opt_start = learning_rates, start.opt_start
     self.evaluate, self.write = evaluate, write
     self.tick, self.tick_step = time.perf_counter(), start.step
 
-  def __call__(self, step: int, loss: float, params) -> None:
+  def __call__(self, step: int, metrics: dict, params) -> None:
     logged, is_eval = logs_step(step, self.config)
     if not logged:
       return
-    record = {"step": step, "loss": loss}
+    record = {"step": step, "loss": metrics["loss"], **metrics}
     record.update(
         {k: float(lr(step - 1 - self.opt_start)) for k, lr in self.learning_rates.items()}
     )
     record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)
-    per_sec = record["steps_per_sec"] * self.config.batch_size * self.task.per_example
+    per_step = self.config.batch_size * self.task.per_example
+    record.update(self.cost.record(record["steps_per_sec"], per_step, self.task.unit))
+    mfu = "null" if record["mfu"] is None else f"{record['mfu']:.1%}"
     line = (
         f"step {step}/{self.config.total_steps} loss={record['loss']:.4f} "
-        f"steps/s={record['steps_per_sec']:.2f} {self.task.unit}/s={per_sec:.0f}"
+        f"l2_grads={record['l2_grads']:.3g} steps/s={record['steps_per_sec']:.2f} "
+        f"{self.task.unit}/s/device={record[self.task.unit + '_per_sec']:.0f} "
+        f"TFLOP/s/device={record['tflops_per_device']:.3g} MFU={mfu}"
     )
     if is_eval:
       record["eval_loss"] = self.evaluate(params)

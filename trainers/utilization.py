@@ -12,6 +12,8 @@ Example:
   {'tokens_per_sec': 20480.0, 'tflops_per_device': 10.0, 'mfu': 1.0}
 """
 
+import dataclasses
+
 # Dense (no sparsity) bf16 peak FLOP/s per chip, keyed by ``jax.Device.device_kind``; a kind
 # matches the longest key it starts with (case-insensitive). Figures from the vendors' spec
 # sheets: Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
@@ -113,3 +115,24 @@ def rates(
       "tflops_per_device": flops_per_sec / 1e12,
       "mfu": flops_per_sec / peak if peak else None,
   }
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """A run's FLOPs per step (and where they come from), device count and peak FLOP/s per device.
+
+  Example:
+    >>> cost = StepCost(flops=8e12, source="compiled", num_devices=8, peak=None)
+    >>> cost.record(steps_per_sec=2.0, per_step=1024, unit="tokens")["tflops_per_device"]
+    2.0
+  """
+
+  flops: float
+  source: str
+  num_devices: int
+  peak: float | None
+
+  def record(self, steps_per_sec: float, per_step: float, unit: str) -> dict:
+    """The metrics record's keys: ``flops_per_step``, ``flops_source`` and :func:`rates`."""
+    speed = rates(self.flops, steps_per_sec, per_step, self.num_devices, self.peak, unit)
+    return {"flops_per_step": self.flops, "flops_source": self.source, **speed}

@@ -63,6 +63,7 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
   _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
   _check_dtypes(config)
   _check_accumulation(config)
+  _check_profile_steps(config.get("profile_steps"))
   _check_names("config.data_axes", config.get("data_axes", ()))
   _check_pairs(
       "config.sharding_rules", config.get("sharding_rules") or (), '[("act_batch", "data")]'
@@ -186,6 +187,22 @@ def _check_accumulation(config) -> None:
     raise ConfigError(
         f"config.grad_accum_steps={steps}: must divide config.batch_size={batch} into equal "
         f"microbatches, e.g. --config.grad_accum_steps={_divisor(batch, steps)}"
+    )
+
+
+def _check_profile_steps(steps) -> None:
+  """``config.profile_steps`` is None or two integers ``start < stop``, ``start`` at least 1."""
+  if steps is None:
+    return
+  if not (
+      isinstance(steps, tuple | list)
+      and len(steps) == 2
+      and all(_is_int(s) for s in steps)
+      and 1 <= steps[0] < steps[1]
+  ):
+    raise ConfigError(
+        f"config.profile_steps={steps!r}: must be two integers 1 <= start < stop (steps "
+        'start..stop-1 are traced), e.g. --config.profile_steps="(10, 13)", or None'
     )
 
 

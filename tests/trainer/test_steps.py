@@ -54,8 +54,8 @@ def _runs(configs, count: int) -> list[tuple[list[float], int]]:
       temp = step.lower(state, global_batches[0]).compile().memory_analysis().temp_size_in_bytes
       losses = []
       for batch in global_batches:
-        state, loss = step(state, batch)
-        losses.append(float(loss))
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
       runs.append((losses, temp))
   return runs
 

@@ -176,11 +176,15 @@ class Checkpoints:
     self.opt_start, self.step = start.opt_start, start.step
     return state, start
 
-  def step_done(self, step: int, state) -> bool:
-    """Saves if ``step`` is due or preemption was signalled; True when the run must stop now."""
+  def step_done(self, step: int, state, before_save: Callable[[], None] = lambda: None) -> bool:
+    """Saves if ``step`` is due or preemption was signalled; True when the run must stop now.
+
+    ``before_save()`` runs first (the loop reads its pending losses: a non-finite one raises).
+    """
     self.step = step
     preempted = self.preemption.reached(step)
     if preempted or self.manager.should_save(step):
+      before_save()
       save(self.manager, step, state, self._meta(step), force=preempted)
     if preempted:
       self.manager.close()  # Waits for the write.

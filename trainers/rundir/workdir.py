@@ -28,10 +28,11 @@ import math
 import os
 
 from trainers.errors import ConfigError
+from trainers.rundir.events import TENSORBOARD
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
-RUN_FILES = (CONFIG, METRICS)
+RUN_FILES = (CONFIG, METRICS, TENSORBOARD)
 ATTEMPT = "attempt-{}"
 
 
@@ -95,9 +96,10 @@ def keep_metrics_until(path: str, step: int) -> str | None:
   """Keeps the lines of ``path`` (``metrics.jsonl``) up to ``step``; moves the rest to an attempt.
 
   Lines after ``step`` (from an attempt that died before its next checkpoint) and
-  any cut-off line go to ``<workdir>/attempt-N/metrics.jsonl`` (N the first free);
-  the file is replaced atomically, so it holds each step at most once. Returns the
-  attempt file, or None when nothing moved.
+  any cut-off line go to ``<workdir>/attempt-N/metrics.jsonl`` (N the first free), and
+  the workdir's ``tensorboard/`` with them (its curves then go past ``step``; the caller
+  replays the kept records into a fresh one); the file is replaced atomically, so it
+  holds each step at most once. Returns the attempt file, or None when nothing moved.
 
   Example: ``keep_metrics_until("runs/lm/metrics.jsonl", 200)``.
   """
@@ -115,7 +117,21 @@ def keep_metrics_until(path: str, step: int) -> str | None:
   with open(path + ".tmp", "w") as f:
     f.writelines(line for line, keep in zip(lines, kept) if keep)
   os.replace(path + ".tmp", path)
+  events = os.path.join(os.path.dirname(path), TENSORBOARD)
+  if os.path.isdir(events):
+    os.replace(events, os.path.join(attempt, TENSORBOARD))
   return moved_to
+
+
+def read_records(path: str) -> list[dict]:
+  """The records of ``path`` (a ``metrics.jsonl``), in order; none when it does not exist.
+
+  Example: ``read_records("runs/lm/metrics.jsonl")[0]["step"]`` == 1.
+  """
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f]
 
 
 def _line_step(line: str) -> float:
