@@ -6,8 +6,8 @@
 
 For each size, optimizer and dtype, the trainer's run of ``configs/lm.py:size=S``
 (``trainers/build.py``: the config's optimizer, its plan, the train step of
-``trainers/steps.py``) is compiled once, from its inputs, and that one compiled step runs
-twice, after one untimed warm-up step (on the ``benchmarks.throughput`` batches):
+``trainers/steps.py``) is compiled once (``steps.compile_train_step``), and that one compiled
+step runs twice, after one untimed warm-up step (on the ``benchmarks.throughput`` batches):
 
 * in the **bare loop**: ``--steps`` steps dispatched back to back, one wait at the end;
 * in the **training loop**, ``trainers.train.train`` as it runs (its loss checks, its
@@ -39,7 +39,7 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, optimizers, train, utilization
+from trainers import cli, divergence, optimizers, profiling, steps, train
 from trainers.rundir import checkpoint
 
 DTYPES = {
@@ -74,32 +74,26 @@ def bench_config(size: str, optimizer: str, dtype: str, steps: int):
 class NoCheckpoints:
   """The loop's checkpoints, saving nothing; ``close`` waits for the final state."""
 
-  def step_done(self, step: int, state) -> bool:
-    del step, state
+  def step_done(self, step: int, state, before_save=None) -> bool:
+    del step, state, before_save
     return False
 
   def close(self, state) -> None:
     jax.block_until_ready(state)
 
 
-def loop_seconds(config, run, train_step, state, batches) -> float:
-  """Seconds per step of ``trainers.train.train`` over ``batches``, numbered from step 1."""
+def loop_seconds(config, run, compiled, cost, state, batches) -> float:
+  """Seconds per step of ``trainers.train.train`` over ``batches``, numbered from step 1.
+
+  Its loss checks, metrics reads and log lines as configured; no checkpoint, eval or trace.
+  """
   watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=None)
   start = checkpoint.Start(step=0, source="scratch")
-  log = train.StepLog(config, run.task, run.learning_rates, start, evaluate=None, write=None)
+  log = train.StepLog(config, run.task, run.learning_rates, start, None, None, cost)
+  pieces = (run.plan, train.Pending(watch, log), NoCheckpoints(), profiling.StepTrace(None, ""))
   began = time.perf_counter()
-  numbered = zip(itertools.count(1), batches)
-  train.train(state, numbered, train_step, (run.plan, watch, log, NoCheckpoints()))
+  train.train(state, zip(itertools.count(1), batches), compiled, pieces)
   return (time.perf_counter() - began) / len(batches)
-
-
-def formula_flops(run, config, tokens: int) -> float:
-  """The 6N-plus-attention FLOPs of a step of the Llama ``run``: where XLA counts none."""
-  params = [e for e in run.plan.entries if e.name.startswith("params/")]
-  model = run.model.config
-  return utilization.formula_flops(
-      sum(math.prod(e.shape) for e in params), tokens, model.n_layers, config.seq_len, model.d_model
-  )
 
 
 def compiled_bytes(compiled) -> int:
@@ -116,19 +110,17 @@ def compiled_bytes(compiled) -> int:
 def measure(config, num_steps: int) -> dict:
   """One row: the ``COLUMNS`` of ``config``'s train step over ``num_steps`` timed steps."""
   mesh, run, train_step, batches = throughput.setup(config, WARMUP + 2 * num_steps)
-  num_devices = mesh.size
+  shape = train.batch_shape(batches[0], config, batches[0].sharding)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
+    compiled = steps.compile_train_step(train_step, run.plan, shape)
+    cost = train.step_cost(compiled, run, config)
     state = throughput.init_state(run)
-    compiled = train_step.lower(state, batches[0]).compile()
     state, bare = seconds_per_step(compiled, state, batches, num_steps, warmup=WARMUP)
-    loop = loop_seconds(config, run, compiled, state, batches[WARMUP + num_steps :])
-  tokens = config.batch_size * run.task.per_example
-  flops, _ = utilization.step_flops(compiled, num_devices, formula_flops(run, config, tokens))
-  peak = utilization.peak_flops(jax.devices()[0].device_kind)
-  row = utilization.rates(flops, 1 / loop, tokens, num_devices, peak)
+    loop = loop_seconds(config, run, compiled, cost, state, batches[WARMUP + num_steps :])
+  rates = cost.record(1 / loop, config.batch_size * run.task.per_example, run.task.unit)
   return {
       "steps_per_sec": 1 / loop,
-      **row,
+      **{c: rates[c] for c in ("tokens_per_sec", "tflops_per_device", "mfu")},
       "compiled_gib": compiled_bytes(compiled) / 2**30,
       "sync_overhead": loop / bare,
   }
