@@ -29,6 +29,6 @@ if [ -n "$missing" ]; then
   echo "missing packages: $missing (pip install them, or pip install -e . for the pinned set)" >&2
   exit 1
 fi
-"$PYTHON" -c "import jax; d = jax.devices(); print('jax', jax.__version__, '|', len(d), 'x', d[0].device_kind, '|', d[0].platform)"
+"$PYTHON" -c "import jax; d = jax.devices(); print('jax', jax.__version__, len(d), d[0].device_kind)"
 exec timeout --signal=INT --kill-after=20 "${BENCH_SECONDS:-540}" \
   "$PYTHON" -m benchmarks.accelerator --sizes "${SIZES:-1b}" --steps "${STEPS:-10}" "$@"

@@ -26,10 +26,10 @@ def seconds_per_step(
   """
   batches = iter(batches)
   for _, batch in zip(range(warmup), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
+    state, _ = train_step(state, batch)
+  jax.block_until_ready(state)
   start = time.perf_counter()
   for _, batch in zip(range(num_steps), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
+    state, _ = train_step(state, batch)
+  jax.block_until_ready(state)
   return state, (time.perf_counter() - start) / num_steps
