@@ -140,7 +140,16 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
 
 
 def format_row(size: str, optimizer: str, dtype: str, row: dict) -> str:
-  """A markdown table row of ``measure``'s ``row``; MFU "n/a" when the peak is unknown."""
+  """A markdown table row of ``measure``'s ``row``; MFU "n/a" when the peak is unknown.
+
+  Example:
+    >>> row = dict(steps_per_sec=2.0, tokens_per_sec=512.0, tflops_per_device=0.002, mfu=None,
+    ...     compiled_gib=0.0125, sync_overhead=1.04)
+    >>> format_row("tiny", "adamw", "float32", row)
+    '| tiny | adamw | float32 | 2.00 | 512 | 0.002 | n/a | 0.0125 | 1.04x |'
+    >>> finite(row), finite({**row, "sync_overhead": float("nan")})
+    (True, False)
+  """
   mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
   return (
       f"| {size} | {optimizer} | {dtype} | {row['steps_per_sec']:.2f} | "
