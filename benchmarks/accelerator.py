@@ -39,7 +39,7 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, optimizers, profiling, steps, train
+from trainers import cli, divergence, profiling, steps, train
 from trainers.rundir import checkpoint
 
 DTYPES = {
@@ -167,7 +167,9 @@ def finite(row: dict) -> bool:
 def main(argv=None):
   parser = cli.Parser("python -m benchmarks.accelerator", __doc__)
   parser.add_argument("--sizes", default="tiny", help="configs/lm.py sizes, e.g. 1b")
-  parser.add_argument("--optimizers", default=",".join(optimizers.OPTIMIZERS))
+  parser.add_argument(
+      "--optimizers", default="adamw,kron,shampoo,muon", help="of trainers.optimizers"
+  )
   parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32, bfloat16 or both")
   parser.add_argument("--steps", type=int, default=20, help="timed steps in each loop")
   parser.add_argument("--repeats", type=int, default=2, help="turns of each loop; the fastest")
