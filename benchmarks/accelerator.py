@@ -30,16 +30,19 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
+import argparse
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, profiling, steps, train
+from trainers import cli, divergence, optimizers, profiling, steps, train
+from trainers.models import llama
 from trainers.rundir import checkpoint
 
 DTYPES = {
@@ -163,17 +166,41 @@ def finite(row: dict) -> bool:
   return all(row[c] is None if c == "mfu" else math.isfinite(row[c]) for c in COLUMNS)
 
 
+def names(choices) -> Callable[[str], list[str]]:
+  """An argparse ``type``: a comma-separated list of ``choices``; anything else is a usage error.
+
+  Example:
+    >>> names(DTYPES)("bfloat16,float32")
+    ['bfloat16', 'float32']
+    >>> names(DTYPES)("fp16")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: 'fp16': expected a comma-separated list of ['bfloat16', 'float32']
+  """
+
+  def parse(text: str) -> list[str]:
+    chosen = [name for name in text.split(",") if name]
+    if not chosen or set(chosen) - set(choices):
+      raise argparse.ArgumentTypeError(
+          f"{text!r}: expected a comma-separated list of {sorted(choices)}"
+      )
+    return chosen
+
+  return parse
+
+
 @cli.command
 def main(argv=None):
   parser = cli.Parser("python -m benchmarks.accelerator", __doc__)
-  parser.add_argument("--sizes", default="tiny", help="configs/lm.py sizes, e.g. 1b")
+  parser.add_argument("--sizes", type=names(llama.PRESETS), default="tiny", help="e.g. 1b")
   parser.add_argument(
-      "--optimizers", default="adamw,kron,shampoo,muon", help="of trainers.optimizers"
+      "--optimizers", type=names(optimizers.OPTIMIZERS), default="adamw,kron,shampoo,muon"
   )
-  parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32, bfloat16 or both")
+  parser.add_argument("--dtypes", type=names(DTYPES), default=",".join(DTYPES))
   parser.add_argument("--steps", type=int, default=20, help="timed steps in each loop")
   parser.add_argument("--repeats", type=int, default=2, help="turns of each loop; the fastest")
   args = parser.parse_args(argv)
+  if min(args.steps, args.repeats) < 1:
+    parser.error(f"--steps {args.steps} --repeats {args.repeats}: each must be at least 1")
   jax.config.update("jax_num_cpu_devices", 8)  # The CPU backend only; GPUs and TPUs are as found.
   device = jax.devices()[0]
   print(
@@ -183,9 +210,7 @@ def main(argv=None):
   )
   print(HEADER)
   print("|---" * (HEADER.count("|") - 1) + "|")
-  for size, optimizer, dtype in itertools.product(
-      args.sizes.split(","), args.optimizers.split(","), args.dtypes.split(",")
-  ):
+  for size, optimizer, dtype in itertools.product(args.sizes, args.optimizers, args.dtypes):
     row = measure(bench_config(size, optimizer, dtype, args.steps), args.steps, args.repeats)
     print(format_row(size, optimizer, dtype, row), flush=True)
 
