@@ -10,9 +10,12 @@ For each size, optimizer and dtype, the trainer's run of ``configs/lm.py:size=S`
 step runs twice, after one untimed warm-up step (on the ``benchmarks.throughput`` batches):
 
 * in the **bare loop**: ``--steps`` steps dispatched back to back, one wait at the end;
-* in the **training loop**, ``trainers.train.train`` as it runs (its loss checks, its
-  metrics reads and log lines at the config's log steps), saving no checkpoint and
-  evaluating nothing; it ends when the last step's state is ready.
+* in the **training loop**, ``trainers.train.train`` as it runs from step 1 (its sharding
+  check after the first step, its metrics reads, loss checks and log lines at the config's
+  log steps: 1 and 20 with ``log_every=20``), saving no checkpoint and evaluating nothing;
+  it ends when the last step's state is ready.
+
+The two take turns ``--repeats`` times; each keeps its fastest turn.
 
 Dtype "float32" is the configs' default; "bfloat16" sets ``config.compute_dtype`` and
 ``config.state_dtype`` to bfloat16 (params stay float32: mixed precision). Columns, per device:
@@ -64,12 +67,12 @@ HEADER = (
 )
 
 
-def bench_config(size: str, optimizer: str, dtype: str, steps: int):
+def bench_config(size: str, optimizer: str, dtype: str, num_steps: int):
   """``configs/lm.py:size=...`` with ``optimizer`` and ``dtype`` (a key of ``DTYPES``), whose
-  training loop neither evaluates nor stops within ``steps`` steps."""
+  training loop neither evaluates nor stops within ``num_steps`` steps."""
   config = throughput.lm_config(size, optimizer)
   config.update(DTYPES[dtype])
-  config.total_steps = max(config.total_steps, steps + 1)
+  config.total_steps = max(config.total_steps, num_steps + 1)
   config.eval_every = config.total_steps + 1
   return config
 
