@@ -9,7 +9,8 @@
 # the project is installed beside it with `pip install --no-deps -e .`, leaving that jax as it
 # is; without jax, `pip install -e .` installs the pinned CPU jax (install jax for your
 # accelerator first). Prints the jax version and the devices, then the benchmark's table, a
-# row as soon as it is measured, stopped after BENCH_SECONDS (default 540) in all.
+# row as soon as it is measured (the quickest to compile first), stopped after BENCH_SECONDS
+# (default 540) in all: rows measured by then are printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
@@ -31,4 +32,5 @@ if [ -n "$missing" ]; then
 fi
 "$PYTHON" -c "import jax; d = jax.devices(); print('jax', jax.__version__, len(d), d[0].device_kind)"
 exec timeout --signal=INT --kill-after=20 "${BENCH_SECONDS:-540}" \
-  "$PYTHON" -m benchmarks.accelerator --sizes "${SIZES:-1b}" --steps "${STEPS:-10}" "$@"
+  "$PYTHON" -m benchmarks.accelerator --sizes "${SIZES:-1b}" --steps "${STEPS:-10}" \
+  --optimizers "${OPTIMIZERS:-adamw,muon,kron,shampoo}" "$@"
