@@ -43,6 +43,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -183,10 +184,11 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   return plan
 
 
-def batch_shape(local_batch, config, sharding) -> jax.ShapeDtypeStruct:
-  """The global train batch's shape and dtype (``config.batch_size`` rows of ``local_batch``'s)."""
-  return jax.ShapeDtypeStruct(
-      (config.batch_size, *local_batch.shape[1:]), local_batch.dtype, sharding=sharding
+def batch_shape(local_batch, config, sharding) -> Any:
+  """The global train batch's shapes: ``config.batch_size`` rows of each leaf of ``local_batch``."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((config.batch_size, *x.shape[1:]), x.dtype, sharding=sharding),
+      local_batch,
   )
 
 
@@ -200,7 +202,9 @@ def step_cost(compiled, run: build.Run, config) -> utilization.StepCost:
       config.get("seq_len", 0),
       getattr(dims, "d_model", 0),
   )
-  flops, source = utilization.step_flops(compiled, jax.device_count(), formula)
+  flops, source = utilization.step_flops(
+      compiled, jax.device_count(), formula, config.grad_accum_steps
+  )
   device = jax.devices()[0].device_kind
   cost = utilization.StepCost(flops, source, jax.device_count(), utilization.peak_flops(device))
   logging.info(

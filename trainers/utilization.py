@@ -75,14 +75,18 @@ def formula_flops(
   return float(tokens * (6 * num_params + 12 * layers * seq_len * d_model))
 
 
-def step_flops(compiled, num_devices: int, formula: float) -> tuple[float, str]:
+def step_flops(
+    compiled, num_devices: int, formula: float, microbatches: int = 1
+) -> tuple[float, str]:
   """(model FLOPs of one step over all devices, ``flops_source``): "compiled" or "formula".
 
   ``compiled`` is the AOT-compiled train step (``jit(...).lower(...).compile()``); under
   SPMD its ``cost_analysis()["flops"]`` counts one device's program, so it is multiplied by
-  ``num_devices``. Where XLA gives no count (missing, or 0), ``formula``
-  (:func:`formula_flops`) is returned with source "formula". XLA counts what was compiled,
-  the optimizer's update included, and a loop body (``config.grad_accum_steps`` > 1) once.
+  ``num_devices``. XLA counts a loop's body once, so the step of ``microbatches``
+  (``config.grad_accum_steps``, a ``lax.scan``) is counted that many times over (the
+  optimizer's update, outside the loop and small beside the model's, with it). Where XLA
+  gives no count (missing, or 0), ``formula`` (:func:`formula_flops`) is returned with
+  source "formula".
 
   Example: ``step_flops(train_step.lower(state, batch).compile(), 8, formula_flops(n, t))``.
   """
@@ -93,7 +97,9 @@ def step_flops(compiled, num_devices: int, formula: float) -> tuple[float, str]:
   if isinstance(analysis, list | tuple):  # Older jax: one dict per program.
     analysis = analysis[0] if analysis else None
   flops = float((analysis or {}).get("flops", 0.0))
-  return (flops * num_devices, "compiled") if flops > 0 else (float(formula), "formula")
+  if flops > 0:
+    return flops * num_devices * microbatches, "compiled"
+  return float(formula), "formula"
 
 
 def rates(

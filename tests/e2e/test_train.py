@@ -22,6 +22,7 @@ from absl import flags
 
 from tests.helpers import ROOT, SLURM, assert_snake_case_help, quick_lm, train
 from trainers import cli, launch
+from trainers.rundir import events
 
 SHORT = quick_lm(total_steps=30, log_every=10, eval_every=30, eval_batches=2)
 
@@ -44,13 +45,32 @@ def trained(workdir, *overrides, config="configs/lm.py"):
     ],
 )
 def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
-  out, records = trained(tmp_path, *SHORT, f"--config.optax_name={optimizer}", config=config)
+  """Also: the step metrics and throughput in every record, TensorBoard scalars equal to
+  them, and a profile of step 2 (``config.profile_steps``)."""
+  out, records = trained(
+      tmp_path,
+      *SHORT,
+      f"--config.optax_name={optimizer}",
+      "--config.profile_steps=(2, 3)",
+      config=config,
+  )
   assert [r["step"] for r in records] == [1, 10, 20, 30]
   assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
   assert "eval_loss" in records[-1] and all(k in records[0] for k in ("lr", "steps_per_sec"))
+  for record in records:
+    assert all(record[k] > 0 for k in ("l2_grads", "l2_params", "tokens_per_sec"))
+    assert record["tflops_per_device"] > 0 and record["mfu"] is None  # CPU: no known peak.
+    assert record["flops_source"] == "compiled" and record["flops_per_step"] > 0
+  assert records[0]["l2_updates"] == 0.0 < records[-1]["l2_updates"]  # lr 0 at step 1.
+  curves = events.read_scalars(tmp_path / "tensorboard")
+  for key in ("loss", "l2_grads", "tflops_per_device", "eval_loss"):
+    want = [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records if key in r]
+    assert curves[key] == want, key
+  assert "mfu" not in curves and "flops_source" not in curves
+  assert list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
   assert "state shardings match the plan after init" in out
   assert "state shardings match the plan after the first step" in out
-  assert "step 30/30 loss=" in out and "tokens/s=" in out
+  assert "step 30/30 loss=" in out and "tokens/s/device=" in out and "MFU=null" in out
   config = json.loads(pathlib.Path(tmp_path, "config.json").read_text())
   assert config["optax_name"] == optimizer
 
@@ -87,7 +107,7 @@ def test_vit_digits_runs(tmp_path):
   steps = ("--config.total_steps=5", "--config.log_every=5", "--config.eval_every=5")
   out, records = trained(tmp_path, *steps, config="configs/vit_digits.py")
   assert [r["step"] for r in records] == [1, 5] and "eval_loss" in records[-1]
-  assert "images/s=" in out
+  assert "images/s/device=" in out and records[-1]["images_per_sec"] > 0
 
 
 @pytest.mark.timeout(120)

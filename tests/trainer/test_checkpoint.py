@@ -29,7 +29,7 @@ from configs import lm
 from tests.helpers import ROOT, environment, metrics, run_module
 from trainers import build, models, optimizers, steps
 from trainers.optimizers import layout
-from trainers.rundir import checkpoint
+from trainers.rundir import checkpoint, events
 
 STEPS = 8
 RUN = (
@@ -112,9 +112,12 @@ def logged_step(workdir) -> int:
 
 
 def assert_same_run(workdir, reference):
-  """Every logged loss and the final params equal the uninterrupted run's, bit for bit."""
+  """Every logged loss and the final params equal the uninterrupted run's, bit for bit; the
+  TensorBoard curves hold each step once, as metrics.jsonl does."""
   got, want = metrics(workdir), metrics(reference)
   assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+  curves = events.read_scalars(workdir / "tensorboard")["loss"]
+  assert curves == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in got]
   assert [r["loss"] for r in got] == [r["loss"] for r in want]
   assert got[-1]["eval_loss"] == want[-1]["eval_loss"]
   same = jax.tree.map(np.array_equal, saved(workdir, STEPS), saved(reference, STEPS))

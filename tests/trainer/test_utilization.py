@@ -24,6 +24,19 @@ def test_compiled_flops_count_the_whole_matmul_over_a_sharded_mesh():
   assert (flops, source) == (2 * 64 * 32 * 16, "compiled")
 
 
+def test_a_scanned_step_counts_its_body_once_per_microbatch():
+  """XLA's count of a ``lax.scan`` is its body's, once: scaled by the microbatches."""
+  body = lambda total, x: (total + (x @ jnp.ones((32, 16))).sum(), None)
+  scanned = jax.jit(lambda xs: jax.lax.scan(body, 0.0, xs)[0])
+  counts = [
+      utilization.step_flops(
+          scanned.lower(jax.ShapeDtypeStruct((n, 64, 32), jnp.float32)).compile(), 1, 1.0, n
+      )[0]
+      for n in (1, 4)
+  ]
+  assert counts[1] == pytest.approx(4 * counts[0], rel=1e-3) and counts[0] >= 2 * 64 * 32 * 16
+
+
 class _NoCount:
   """A compiled step whose backend counts nothing."""
 

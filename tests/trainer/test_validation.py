@@ -110,6 +110,7 @@ def test_valid_configs_and_boundaries_pass():
   edge = dict(seed=0, total_steps=1, log_every=1, eval_every=1, eval_batches=1, seq_len=1)
   validation.check_config(lm_config(**edge, grad_clip_norm=None, wd=0, schedule=None))
   validation.check_config(lm_config(**{"schedule.warmup_steps": 0, "schedule.linear_end": 0}))
+  validation.check_config(lm_config(profile_steps=(1, 2)))
 
 
 @pytest.mark.parametrize(
@@ -127,6 +128,10 @@ def test_valid_configs_and_boundaries_pass():
         ({"schedule": {"warmup": 10}}, "config.schedule.warmup"),
         ({"schedule": 3}, "config.schedule"),
         ({"optax": 0.9}, "config.optax"),
+        ({"profile_steps": (3, 3)}, "config.profile_steps"),
+        ({"profile_steps": (0, 2)}, "config.profile_steps"),
+        ({"profile_steps": (2,)}, "config.profile_steps"),
+        ({"profile_steps": (2.0, 4)}, "config.profile_steps"),
     ],
 )
 def test_structured_keys(overrides, key):

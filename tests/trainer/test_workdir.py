@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from trainers.errors import ConfigError
-from trainers.rundir import workdir
+from trainers.rundir import events, workdir
 
 
 def fill(path, content):
@@ -28,7 +28,8 @@ def test_used_workdir_moves_each_earlier_run_to_its_own_attempt(tmp_path):
     fill(tmp_path, f"run {attempt}: ".encode())
     note = workdir.prepare(str(tmp_path), resuming=False)
     assert note == (
-        f"workdir {tmp_path} held an earlier run: moved config.json, metrics.jsonl into "
+        f"workdir {tmp_path} held an earlier run: moved config.json, metrics.jsonl, tensorboard "
+        "into "
         f"{tmp_path}/attempt-{attempt} (nothing deleted); starting fresh"
     )
     for name in workdir.RUN_FILES:
@@ -99,3 +100,27 @@ def test_check_refuses_a_file_and_accepts_a_new_nested_directory(tmp_path):
     workdir.check(str(tmp_path / "file" / "run"))
   workdir.check(str(tmp_path / "a" / "b"))
   assert sorted(os.listdir(tmp_path)) == ["file"] and (tmp_path / "file").read_text() == "mine"
+
+
+def test_resume_moves_the_event_files_with_the_metrics_and_replays_the_kept(tmp_path):
+  """TensorBoard shows each step once: the dead attempt's curves go to attempt-1/."""
+  metrics, curves = workdir.MetricsWriter(tmp_path), events.EventWriter(tmp_path)
+  records = [
+      {"step": s, "loss": 1.0 / s, "mfu": None, "flops_source": "compiled"} for s in (1, 2, 3)
+  ]
+  for record in records:
+    metrics.write(record)
+    curves.write(record)
+  curves.close()
+  moved = workdir.keep_metrics_until(metrics.path, 2)
+  assert moved == str(tmp_path / "attempt-1" / "metrics.jsonl")
+  assert events.read_scalars(tmp_path / "attempt-1" / "tensorboard") == {
+      "loss": [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
+  }
+  assert not (tmp_path / "tensorboard").exists()
+  fresh = events.EventWriter(tmp_path)
+  for record in workdir.read_records(metrics.path):
+    fresh.write(record)
+  fresh.write({"step": 3, "loss": 0.25})
+  fresh.close()
+  assert events.read_scalars(tmp_path / "tensorboard") == {"loss": [(1, 1.0), (2, 0.5), (3, 0.25)]}
