@@ -105,15 +105,14 @@ def loop_seconds(config, run, compiled, cost, state, batches) -> tuple[dict, flo
   return ckpt.state, (time.perf_counter() - began) / len(batches)
 
 
-def compiled_bytes(compiled) -> int:
-  """Bytes per device of a compiled step: arguments + temporaries + outputs - aliased."""
+def compiled_gib(compiled) -> float | None:
+  """GiB per device of a compiled step: arguments + temporaries + outputs - aliased; None when
+  the backend gives no ``memory_analysis()``."""
   m = compiled.memory_analysis()
-  return (
-      m.argument_size_in_bytes
-      + m.temp_size_in_bytes
-      + m.output_size_in_bytes
-      - m.alias_size_in_bytes
-  )
+  if m is None:
+    return None
+  total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+  return (total - m.alias_size_in_bytes) / 2**30
 
 
 def measure(config, num_steps: int, repeats: int = 1) -> dict:
@@ -140,13 +139,13 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
   return {
       "steps_per_sec": 1 / loop,
       **{c: rates[c] for c in ("tokens_per_sec", "tflops_per_device", "mfu")},
-      "compiled_gib": compiled_bytes(compiled) / 2**30,
+      "compiled_gib": compiled_gib(compiled),
       "sync_overhead": loop / bare,
   }
 
 
 def format_row(size: str, optimizer: str, dtype: str, row: dict) -> str:
-  """A markdown table row of ``measure``'s ``row``; MFU "n/a" when the peak is unknown.
+  """A markdown table row of ``measure``'s ``row``; "n/a" for an unknown peak or memory.
 
   Example:
     >>> row = dict(steps_per_sec=2.0, tokens_per_sec=512.0, tflops_per_device=0.002, mfu=None,
@@ -157,16 +156,18 @@ def format_row(size: str, optimizer: str, dtype: str, row: dict) -> str:
     (True, False)
   """
   mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
+  gib = "n/a" if row["compiled_gib"] is None else f"{row['compiled_gib']:.3g}"
   return (
       f"| {size} | {optimizer} | {dtype} | {row['steps_per_sec']:.2f} | "
       f"{row['tokens_per_sec']:.0f} | {row['tflops_per_device']:.3f} | {mfu} | "
-      f"{row['compiled_gib']:.3g} | {row['sync_overhead']:.2f}x |"
+      f"{gib} | {row['sync_overhead']:.2f}x |"
   )
 
 
 def finite(row: dict) -> bool:
-  """Whether every column of ``row`` is a finite number (MFU may be None: unknown peak)."""
-  return all(row[c] is None if c == "mfu" else math.isfinite(row[c]) for c in COLUMNS)
+  """Whether every column of ``row`` is a finite number or, for MFU and memory, None (unknown)."""
+  unknown = lambda c: c in ("mfu", "compiled_gib") and row[c] is None
+  return all(unknown(c) or math.isfinite(row[c]) for c in COLUMNS)
 
 
 def names(choices) -> Callable[[str], list[str]]:
