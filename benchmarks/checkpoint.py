@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from benchmarks.throughput import lm_config, setup
+from benchmarks.throughput import init_state, lm_config, setup
 from benchmarks.timing import WARMUP, seconds_per_step
 from trainers import cli
 from trainers.rundir import checkpoint
@@ -39,10 +39,10 @@ def state_mib(state) -> float:
 
 def measure(config, saves: int, use_async: bool) -> dict:
   """State MiB, seconds per step without saving, and seconds the loop is blocked per save."""
-  mesh, init, train_step, batches = setup(config, WARMUP + 2 * saves)
+  mesh, run, train_step, batches = setup(config, WARMUP + 2 * saves)
   rules = nn.logical_axis_rules(config.sharding_rules)
   with jax.set_mesh(mesh), rules, tempfile.TemporaryDirectory() as d:
-    state, step_s = seconds_per_step(train_step, init(), batches, saves)
+    state, step_s = seconds_per_step(train_step, init_state(run), batches, saves)
     manager = checkpoint.open_manager(os.path.join(d, "ckpt"), use_async=use_async)
     blocked, copies = [], []
     for i, batch in enumerate(batches[WARMUP + saves :]):

@@ -32,10 +32,9 @@ REPLICATED = ((".*", "replicate()"),)
 
 
 def setup(config, num_batches: int) -> tuple:
-  """``(mesh, init, train_step, batches)`` of ``config``'s run on this host's devices.
+  """``(mesh, run, train_step, batches)`` of ``config``'s run on this host's devices.
 
-  ``init()`` (called under ``jax.set_mesh(mesh)``) returns the born-sharded state;
-  ``batches`` are ``num_batches`` global batches.
+  ``run`` is the :class:`trainers.build.Run`; ``batches`` are ``num_batches`` global batches.
   """
   mesh = bvs.make_mesh(config.mesh)
   run = build.build(config, mesh)
@@ -43,14 +42,19 @@ def setup(config, num_batches: int) -> tuple:
   local = run.task.batches(run.task.train, global_batch=config.batch_size, seed=0)
   batches = [batching.to_global(b, sharding) for b in itertools.islice(local, num_batches)]
   train_step = steps.make_train_step(run.loss, run.tx, run.plan, sharding)
-  return mesh, lambda: steps.init_state(run.init, run.tx, run.plan), train_step, batches
+  return mesh, run, train_step, batches
+
+
+def init_state(run) -> dict:
+  """``run``'s born-sharded state (under ``jax.set_mesh`` of its mesh)."""
+  return steps.init_state(run.init, run.tx, run.plan)
 
 
 def steps_per_sec(config, num_steps: int) -> float:
   """Steps per second of ``config``'s train step."""
-  mesh, init, train_step, batches = setup(config, WARMUP + num_steps)
+  mesh, run, train_step, batches = setup(config, WARMUP + num_steps)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    _, seconds = seconds_per_step(train_step, init(), batches, num_steps)
+    _, seconds = seconds_per_step(train_step, init_state(run), batches, num_steps)
   return 1 / seconds
 
 

@@ -18,15 +18,18 @@ WARMUP = 2  # Steps run before timing: the first compiles, the second settles th
 
 
 def seconds_per_step(
-    train_step: Callable, state: Any, batches: Iterable, num_steps: int
+    train_step: Callable, state: Any, batches: Iterable, num_steps: int, warmup: int = WARMUP
 ) -> tuple[Any, float]:
-  """``(state, mean seconds of num_steps steps)`` after ``WARMUP`` untimed steps of ``batches``."""
+  """``(state, mean seconds of num_steps steps)`` after ``warmup`` untimed steps of ``batches``.
+
+  Only the last step is waited for: the steps are dispatched back to back.
+  """
   batches = iter(batches)
-  for _, batch in zip(range(WARMUP), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
+  for _, batch in zip(range(warmup), batches):
+    state, _ = train_step(state, batch)
+  jax.block_until_ready(state)
   start = time.perf_counter()
   for _, batch in zip(range(num_steps), batches):
-    state, loss = train_step(state, batch)
-  jax.block_until_ready(loss)
+    state, _ = train_step(state, batch)
+  jax.block_until_ready(state)
   return state, (time.perf_counter() - start) / num_steps

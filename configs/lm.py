@@ -3,6 +3,8 @@
   python -m trainers.train --config configs/lm.py --workdir /tmp/lm
   python -m trainers.train --config configs/lm.py:size=small --workdir /tmp/lm \
       --config.optax_name=kron          # the only change needed to switch optimizers
+  python -m trainers.train --config configs/lm.py:size=1b --workdir /tmp/lm1b \
+      --config.compute_dtype=bfloat16   # ~1B params (vocab 32000) on one GPU or TPU chip
 
 The default (tiny) runs in about a minute on a 2-core CPU with 8 simulated devices.
 """
@@ -12,7 +14,7 @@ from trainers.input import sources
 
 
 def get_config(arg=None):
-  """The LM config; ``arg``: ``size=tiny|small|medium``."""
+  """The LM config; ``arg``: ``size=tiny|small|medium|1b`` (1b: seq_len 2048, batch 16)."""
   arg = parse_arg(arg, size="tiny")
   # seed, eval_batches, log_every, eval_every, mesh, rules, adamw, wd, clipping, checkpoints:
   config = base_config()
@@ -34,4 +36,7 @@ def get_config(arg=None):
   config.lr = 3e-3
   # big_vision's schedule keys: a multiplier of config.lr over config.total_steps.
   config.schedule = dict(decay_type="cosine", warmup_steps=10)
+  if arg["size"] == "1b":  # One 80-141 GiB accelerator: 32k tokens a step, layers rematerialised.
+    config.seq_len, config.batch_size, config.lr = 2048, 16, 3e-4
+    config.model.update(scan_layers=True, remat=True)
   return config

@@ -152,7 +152,7 @@ def test_activation_constraints_apply_under_rules_and_mesh(params):
   np.testing.assert_allclose(logits, _logits(model, params, tokens), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("size,expected", [("125m", 134e6), ("7b", 6.74e9)])
+@pytest.mark.parametrize("size,expected", [("125m", 134e6), ("1b", 1.056e9), ("7b", 6.74e9)])
 def test_llama_preset_sizes(size, expected):
   params = _abstract_params(llama.build(size, scan_layers=True))
   count = sum(x.size for x in jax.tree.leaves(nn.unbox(params)))

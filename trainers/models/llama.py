@@ -69,7 +69,9 @@ class LlamaConfig:
     return self.d_model // self.n_heads
 
 
-# Byte-level presets (vocab 256) train on CPU; "125m"/"7b" are Llama-shaped.
+# Byte-level presets (vocab 256) train on CPU; "125m"/"1b"/"7b" are Llama-shaped. "1b"
+# (1,055,991,808 params) trains on one 80-141 GiB accelerator: adamw's fp32 params, grads
+# and moments take 15.7 GiB (11.8 GiB with bfloat16 state), leaving the rest for activations.
 PRESETS = {
     "tiny": LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_ff=384, max_len=128),
     "small": LlamaConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, d_ff=768, max_len=256),
@@ -78,6 +80,9 @@ PRESETS = {
     ),
     "125m": LlamaConfig(
         vocab_size=32_000, d_model=768, n_layers=12, n_heads=12, d_ff=2048, max_len=2048
+    ),
+    "1b": LlamaConfig(
+        vocab_size=32_000, d_model=2048, n_layers=18, n_heads=16, d_ff=5632, max_len=2048
     ),
     "7b": LlamaConfig(
         vocab_size=32_000, d_model=4096, n_layers=32, n_heads=32, d_ff=11_008, max_len=4096
