@@ -44,7 +44,7 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, optimizers, profiling, steps, train
+from trainers import cli, divergence, memory, optimizers, profiling, train
 from trainers.models import llama
 from trainers.rundir import checkpoint
 
@@ -105,16 +105,6 @@ def loop_seconds(config, run, compiled, cost, state, batches) -> tuple[dict, flo
   return ckpt.state, (time.perf_counter() - began) / len(batches)
 
 
-def compiled_gib(compiled) -> float | None:
-  """GiB per device of a compiled step: arguments + temporaries + outputs - aliased; None when
-  the backend gives no ``memory_analysis()``."""
-  m = compiled.memory_analysis()
-  if m is None:
-    return None
-  total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-  return (total - m.alias_size_in_bytes) / 2**30
-
-
 def measure(config, num_steps: int, repeats: int = 1) -> dict:
   """One row: the ``COLUMNS`` of ``config``'s train step over ``num_steps`` timed steps.
 
@@ -122,10 +112,11 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
   keeps its fastest turn (a host shared with other work slows some turns, never speeds one).
   """
   mesh, run, train_step, batches = throughput.setup(config, WARMUP + num_steps)
-  shape = train.batch_shape(batches[0], config, batches[0].sharding)
+  compiled, figures = memory.compile_step(
+      config, run.plan, train_step, batches[0].sharding, batches[0]
+  )
   bare, loop = math.inf, math.inf
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    compiled = steps.compile_train_step(train_step, run.plan, shape)
     cost = train.step_cost(compiled, run, config)
     state = throughput.init_state(run)
     for batch in batches[:WARMUP]:
@@ -139,7 +130,7 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
   return {
       "steps_per_sec": 1 / loop,
       **{c: rates[c] for c in ("tokens_per_sec", "tflops_per_device", "mfu")},
-      "compiled_gib": compiled_gib(compiled),
+      "compiled_gib": None if figures is None else figures.total / 2**30,
       "sync_overhead": loop / bare,
   }
 
