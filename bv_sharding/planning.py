@@ -260,7 +260,8 @@ def plan(
     tree: the pytree to plan; a top-level ``params`` entry makes the rest state that
       follows it (module docstring).
     strategy: ``[(regex, op_chain), ...]`` or one op chain string.
-    mesh: a ``Mesh`` or an ``AbstractMesh``.
+    mesh: a ``Mesh`` or an ``AbstractMesh``, its axes Auto, Explicit or mixed (e.g.
+      ``jax.make_mesh``'s, Explicit by default); the specs do not depend on the types.
     rules: ``config.sharding_rules`` for ``logical_partitioning()``. With ``None`` (or
       empty) a box's own ``rules``, else those of the enclosing
       ``with nn.logical_axis_rules(...)`` apply (as in flax and big_vision's train.py);

@@ -11,13 +11,21 @@ big_vision's ops and place params as big_vision's do (arguments, defaults,
 threshold and tie-breaking included); ``docs/differences.md`` lists where they
 deliberately do not.
 
+Each op declares whether the axes it places on params only save memory
+(``register(..., storage_only=...)``, see :mod:`bv_sharding.compute`): ``fsdp``,
+``llm_fsdp`` and ``zero1`` place storage-only axes, gathered for compute under
+Explicit axes; ``shard_dim``, ``tensor_parallel`` and ``logical_partitioning`` (but
+for the axes its ``storage_only`` lists) place compute axes, which stay;
+``replicate`` and ``preconditioner`` place none on params.
+
 Example:
   >>> import jax
   >>> import bv_sharding as bvs
   >>> mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
   >>> tree = {"attn": {"q_kernel": jax.ShapeDtypeStruct((1024, 2048), "float32")}}
-  >>> bvs.plan(tree, 'tensor_parallel(axis="model")|fsdp(axis="data")', mesh).specs
-  {'attn': {'q_kernel': P('data', 'model')}}
+  >>> p = bvs.plan(tree, 'tensor_parallel(axis="model")|fsdp(axis="data")', mesh)
+  >>> p.specs, p.compute_specs
+  ({'attn': {'q_kernel': P('data', 'model')}}, {'attn': {'q_kernel': P(None, 'model')}})
 """
 
 import flax.linen as nn
