@@ -460,7 +460,8 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
     before = spec
     spec, note = specs.checked(op.name, op.rule(leaf, spec), leaf)
     notes.append(f"{op.name}: {note}")
-    storage |= compute.storage_axes(op.storage_only, before, spec)
+    # Axes the op kept keep their kind, those it added take its kind, those it cleared go.
+    storage = storage & specs.used_axes(spec) | compute.storage_axes(op.storage_only, before, spec)
   if follow_param and not ops:
     spec, note = _place_param_spec(leaf, spec)
     notes.append(note)
@@ -469,7 +470,7 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
     if leaf.nbytes >= threshold * MiB:
       spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops))
       notes.append(f"fallback (>= {threshold:g} MiB): {note}")
-  return spec, "; ".join(notes) or "replicated", storage & specs.used_axes(spec)
+  return spec, "; ".join(notes) or "replicated", storage
 
 
 def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:

@@ -33,6 +33,12 @@ def entry(strategy, tree=None, mesh=MESH, **kwargs) -> bvs.Entry:
             "data",
         ),
         ('fsdp(axis="data")|replicate()', P(None, None), P(None, None), None),
+        (
+            'fsdp(axis="data")|replicate()|shard_dim(axis="data", dim=0)',
+            P("data", None),
+            P("data", None),
+            None,
+        ),
         ('zero1(axis="data")', P(None, None), P(None, None), None),
     ],
 )
