@@ -304,7 +304,7 @@ def plan(
   planned = {leaf.name: leaf for leaf in leaves if _is_param(leaf) or not has_params}
   pairs = tuple((p.regex, p.chain_text) for p in pats)
   decided = _earlier(params, planned, pairs, mesh) or {
-      name: _param_entry(leaf, pats, sizes) for name, leaf in planned.items()
+      name: _entry(leaf, sizes, *_decide_param(leaf, pats)) for name, leaf in planned.items()
   }
   by_path = {_relative(name): name for name in planned} if has_params else {}
   entries = []
@@ -313,7 +313,7 @@ def plan(
       entries.append(decided[leaf.name])
     else:
       leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, planned, decided)
-      entries.append(_entry(leaf, *_decide_state(leaf, pats), sizes))
+      entries.append(_entry(leaf, sizes, *_decide_state(leaf, pats)))
   return Plan(tuple(entries), treedef, mesh, pairs)
 
 
@@ -411,15 +411,15 @@ def _claim(pats, name: str) -> int | None:
   return next((i for i, p in enumerate(pats) if patterns.fullmatch(p, name)), None)
 
 
-def _param_entry(leaf: Leaf, pats, sizes) -> Entry:
-  """A param's entry: its storage spec, and its compute spec without the storage-only axes."""
+def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str, int | None, PartitionSpec | None]:
+  """A param's storage spec, why, claiming entry and compute spec (less the storage-only axes)."""
   claimed = _claim(pats, leaf.name)
   if claimed is None:
-    return _entry(leaf, _replicated(leaf), "no strategy entry matches: replicated", None, sizes)
+    return _replicated(leaf), "no strategy entry matches: replicated", None, None
   pattern = pats[claimed]
   spec, notes, gathered = _apply_chain(pattern.ops, leaf)
   why = f"{pattern.regex!r} -> {notes}{compute.gather_note(gathered)}"
-  return _entry(leaf, spec, why, claimed, sizes, compute.without(spec, gathered))
+  return spec, why, claimed, compute.without(spec, gathered)
 
 
 def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
@@ -523,10 +523,10 @@ def _replicated(leaf: Leaf) -> Spec:
 
 def _entry(
     leaf: Leaf,
+    sizes,
     spec: Spec,
     why: str,
     claimed: int | None,
-    sizes,
     compute_spec: PartitionSpec | None = None,
 ) -> Entry:
   per_device = leaf.nbytes // specs.shards(spec, sizes)
