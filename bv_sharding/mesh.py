@@ -1,8 +1,12 @@
 """Meshes from big_vision's ``config.mesh``: a list of ``(axis_name, size)`` pairs.
 
-At most one size may be ``-1`` (the rest of the devices). Axes are ``Auto``:
-``jax.make_mesh`` defaults to Explicit axes in jax 0.10, under which common
-optimizer code raises ``ShardingTypeError``.
+At most one size may be ``-1`` (the rest of the devices). ``axis_types`` chooses how
+the axes are typed: ``"auto"`` (the default: the compiler places what the plan does not
+pin) or ``"explicit"`` (jax's "sharding in types", ``jax.make_mesh``'s default since jax
+0.9: every array's sharding is part of its type, so params are gathered for compute
+with :func:`bv_sharding.gather_for_compute`), one for all axes or one per axis (a
+mixed mesh), as the strings or as ``jax.sharding.AxisType`` values. A plan accepts a
+mesh of either kind, ``jax.make_mesh``'s included.
 
 Multi-slice pods (MaxText's ``dcn_*`` idea): ``config.mesh`` is the mesh inside one
 slice (ICI) and ``config.dcn_mesh`` the mesh across slices (DCN), a list of
@@ -20,6 +24,8 @@ Example:
   {'data': 32, 'model': 8}
   >>> dict(make_abstract_mesh([("data", -1), ("model", 4)], 512, dcn_mesh=[("data", 2)]).shape)
   {'data': 128, 'model': 4}
+  >>> make_mesh([("data", -1), ("model", 2)], axis_types=("explicit", "auto")).axis_types
+  (Explicit, Auto)
 """
 
 import math
@@ -30,7 +36,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from bv_sharding.errors import ShardingError
+from bv_sharding.errors import ShardingError, closest
+
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def axis_sizes(
@@ -75,20 +83,61 @@ def axis_sizes(
   return names, tuple(sizes)
 
 
+def axis_types_of(choice, names: Sequence[str]) -> tuple[AxisType, ...]:
+  """One ``AxisType`` per axis of ``names`` from ``choice``: ``"auto"``, ``"explicit"``, an
+  ``AxisType``, or a sequence of those with one per axis.
+
+  Example:
+    >>> axis_types_of("explicit", ("data", "model"))
+    (Explicit, Explicit)
+    >>> axis_types_of("explict", ("data",))
+    Traceback (most recent call last):
+    ...
+    bv_sharding.errors.ShardingError: axis_types 'explict' for axes ('data',): use "auto" ...; did you mean 'explicit'?
+  """
+  choices = [choice] * len(names) if _one_type(choice) else choice
+  try:
+    types = tuple(_axis_type(c) for c in choices)
+  except (TypeError, KeyError):
+    types = ()
+  if len(types) != len(names):
+    hint = closest(choice, AXIS_TYPES) if isinstance(choice, str) else ""
+    raise ShardingError(
+        f'axis_types {choice!r} for axes {tuple(names)}: use "auto" or "explicit" (or '
+        "jax.sharding.AxisType.Auto / .Explicit), one for all axes or one per axis" + hint
+    )
+  return types
+
+
+def _one_type(choice) -> bool:
+  return isinstance(choice, (str, AxisType))
+
+
+def _axis_type(choice) -> AxisType:
+  if choice in (AxisType.Auto, AxisType.Explicit):
+    return choice
+  if not isinstance(choice, str):
+    raise TypeError(choice)
+  return AXIS_TYPES[choice]
+
+
 def make_mesh(
-    config_mesh: Sequence, devices: Sequence | None = None, dcn_mesh: Sequence | None = None
+    config_mesh: Sequence,
+    devices: Sequence | None = None,
+    dcn_mesh: Sequence | None = None,
+    axis_types="auto",
 ) -> Mesh:
-  """A ``Mesh`` with Auto axes over ``devices`` (default: all of ``jax.devices()``).
+  """A ``Mesh`` over ``devices`` (default: all of ``jax.devices()``), its axes typed by
+  ``axis_types`` (module docstring).
 
   With ``dcn_mesh`` (``config.dcn_mesh``), a hybrid ICI x DCN mesh over TPU slices.
   """
   devices = jax.devices() if devices is None else list(devices)
-  auto = lambda n: (AxisType.Auto,) * n
   if dcn_mesh:
     names, array = hybrid_devices(config_mesh, dcn_mesh, devices)
-    return Mesh(array, names, axis_types=auto(len(names)))
+    return Mesh(array, names, axis_types=axis_types_of(axis_types, names))
   names, sizes = axis_sizes(config_mesh, len(devices))
-  return jax.make_mesh(sizes, names, axis_types=auto(len(names)), devices=devices)
+  return jax.make_mesh(sizes, names, axis_types=axis_types_of(axis_types, names), devices=devices)
 
 
 def make_abstract_mesh(
@@ -96,8 +145,10 @@ def make_abstract_mesh(
     num_devices: int,
     dcn_mesh: Sequence | None = None,
     num_slices: int | None = None,
+    axis_types="auto",
 ) -> AbstractMesh:
-  """An ``AbstractMesh`` for planning ``num_devices`` without having them.
+  """An ``AbstractMesh`` for planning ``num_devices`` without having them, its axes typed
+  by ``axis_types`` as in :func:`make_mesh`.
 
   With ``dcn_mesh``, ``num_devices`` spans ``num_slices`` slices (default: the
   product of the ``dcn_mesh`` sizes, which then may not hold a ``-1``) and each
@@ -107,7 +158,7 @@ def make_abstract_mesh(
     names, sizes = axis_sizes(config_mesh, num_devices)
   else:
     names, sizes = _hybrid_sizes(config_mesh, dcn_mesh, num_devices, num_slices)
-  return AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+  return AbstractMesh(sizes, names, axis_types=axis_types_of(axis_types, names))
 
 
 def hybrid_devices(

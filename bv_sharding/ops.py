@@ -7,7 +7,10 @@ a :class:`Leaf` (name, shape, dtype, mesh axis sizes) and the spec so far (one
 entry per dim: ``None``, an axis name or a tuple of names, see :func:`axes_of` and
 :func:`axis_size`), and adds axes only through :func:`place` (one dim) or
 :func:`place_largest` (the largest free dim an axis divides). Both refuse what
-``jax.jit`` would reject and say why in the note, so ops compose in chains.
+``jax.jit`` would reject and say why in the note, so ops compose in chains. An op
+whose axes only save memory (FSDP-like) is registered ``storage_only=True``, so that
+under Explicit axes params are gathered over them for compute; by default an op's axes
+are compute axes and stay (see :func:`bv_sharding.register`).
 
 An optimizer whose state the plan places agrees with it on two things: leaf names
 (:func:`flatten_with_names`, the names strategy regexes match) and, for a stack of

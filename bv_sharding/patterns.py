@@ -137,6 +137,9 @@ def _pattern(regex, chain, mesh_axes) -> Pattern:
     ) from None
   ops = registry.parse_chain(chain)
   for op in ops:
+    where = f"{op.text!r} in strategy entry {regex!r}"
     if "axis" in op.arguments:
-      check_mesh_axes(op.arguments["axis"], mesh_axes, f"{op.text!r} in strategy entry {regex!r}")
+      check_mesh_axes(op.arguments["axis"], mesh_axes, where)
+    if not isinstance(op.storage_only, bool):
+      check_mesh_axes(op.storage_only, mesh_axes, where)
   return Pattern(regex, compiled, chain, ops)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from bv_sharding import following, names, patterns, specs
+from bv_sharding import compute, following, names, patterns, specs
 from bv_sharding.errors import ShardingError, ShardingWarning
 from bv_sharding.specs import Leaf, MiB, Spec
 
@@ -47,7 +47,10 @@ class Entry:
   """One leaf's decision: ``spec`` and ``why`` (which entry and op decided, or why not sharded).
 
   ``claimed_by``: the index in ``Plan.strategy`` of the entry whose regex claimed the
-  leaf (``None``: no entry did).
+  leaf (``None``: no entry did). ``spec`` is the storage spec; ``compute_spec`` the spec
+  the leaf's consumers need under Explicit axes: ``spec`` less the storage-only axes of
+  the ops that placed it (``why`` ends with the axes gathered for compute), ``spec``
+  itself for optimizer state (see :mod:`bv_sharding.compute`).
   """
 
   name: str
@@ -59,6 +62,11 @@ class Entry:
   bytes_per_device: int
   follows: str | None = None
   claimed_by: int | None = None
+  compute_spec: PartitionSpec | None = None
+
+  def __post_init__(self):
+    if self.compute_spec is None:  # Nothing gathered: computed on as stored.
+      object.__setattr__(self, "compute_spec", self.spec)
 
   @property
   def sharded(self) -> bool:
@@ -86,6 +94,25 @@ class Plan:
   def shardings(self):
     """``NamedSharding`` tree for ``jax.jit(in_shardings=..., out_shardings=...)``."""
     return self.treedef.unflatten([NamedSharding(self.mesh, e.spec) for e in self.entries])
+
+  @property
+  def compute_specs(self):
+    """``PartitionSpec`` tree of the leaves' compute specs (state: its storage spec)."""
+    return self.treedef.unflatten([e.compute_spec for e in self.entries])
+
+  @property
+  def compute_shardings(self):
+    """``NamedSharding`` tree of the compute specs: where params are used under Explicit axes.
+
+    Example:
+      >>> import bv_sharding as bvs, jax, numpy as np
+      >>> mesh = jax.make_mesh((8,), ("data",))
+      >>> p = bvs.plan({"w": jax.ShapeDtypeStruct((64, 8), np.float32)},
+      ...              'fsdp(axis="data", min_size_to_shard_mb=0)', mesh)
+      >>> p.shardings["w"].spec, p.compute_shardings["w"].spec
+      (P('data', None), P(None, None))
+    """
+    return self.treedef.unflatten([NamedSharding(self.mesh, e.compute_spec) for e in self.entries])
 
   def abstract(self):
     """``jax.ShapeDtypeStruct`` tree carrying the planned ``NamedSharding``s: a restore target.
@@ -233,7 +260,8 @@ def plan(
     tree: the pytree to plan; a top-level ``params`` entry makes the rest state that
       follows it (module docstring).
     strategy: ``[(regex, op_chain), ...]`` or one op chain string.
-    mesh: a ``Mesh`` or an ``AbstractMesh``.
+    mesh: a ``Mesh`` or an ``AbstractMesh``, its axes Auto, Explicit or mixed (e.g.
+      ``jax.make_mesh``'s, Explicit by default); the specs do not depend on the types.
     rules: ``config.sharding_rules`` for ``logical_partitioning()``. With ``None`` (or
       empty) a box's own ``rules``, else those of the enclosing
       ``with nn.logical_axis_rules(...)`` apply (as in flax and big_vision's train.py);
@@ -261,7 +289,7 @@ def plan(
     >>> p = plan(tree, 'fsdp(axis="data")', make_abstract_mesh([("data", -1)], 8))
     >>> [(e.name, e.spec, e.why) for e in p.entries]  # doctest: +NORMALIZE_WHITESPACE
     [('b', P(None,), "'.*' -> fsdp: 0.00391 MiB <= 4 MiB threshold"),
-     ('w', P(None, 'data'), "'.*' -> fsdp: dim 1 over data")]
+     ('w', P(None, 'data'), "'.*' -> fsdp: dim 1 over data; gathered for compute: data")]
   """
   sizes = _mesh_sizes(mesh)
   pats = patterns.parse_strategy(strategy, sizes)
@@ -276,7 +304,7 @@ def plan(
   planned = {leaf.name: leaf for leaf in leaves if _is_param(leaf) or not has_params}
   pairs = tuple((p.regex, p.chain_text) for p in pats)
   decided = _earlier(params, planned, pairs, mesh) or {
-      name: _entry(leaf, *_decide_param(leaf, pats), sizes) for name, leaf in planned.items()
+      name: _entry(leaf, sizes, *_decide_param(leaf, pats)) for name, leaf in planned.items()
   }
   by_path = {_relative(name): name for name in planned} if has_params else {}
   entries = []
@@ -285,7 +313,7 @@ def plan(
       entries.append(decided[leaf.name])
     else:
       leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, planned, decided)
-      entries.append(_entry(leaf, *_decide_state(leaf, pats), sizes))
+      entries.append(_entry(leaf, sizes, *_decide_state(leaf, pats)))
   return Plan(tuple(entries), treedef, mesh, pairs)
 
 
@@ -383,13 +411,15 @@ def _claim(pats, name: str) -> int | None:
   return next((i for i, p in enumerate(pats) if patterns.fullmatch(p, name)), None)
 
 
-def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
+def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str, int | None, PartitionSpec | None]:
+  """A param's storage spec, why, claiming entry and compute spec (less the storage-only axes)."""
   claimed = _claim(pats, leaf.name)
   if claimed is None:
-    return _replicated(leaf), "no strategy entry matches: replicated", None
+    return _replicated(leaf), "no strategy entry matches: replicated", None, None
   pattern = pats[claimed]
-  spec, notes = _apply_chain(pattern.ops, leaf)
-  return spec, f"{pattern.regex!r} -> {notes}", claimed
+  spec, notes, gathered = _apply_chain(pattern.ops, leaf)
+  why = f"{pattern.regex!r} -> {notes}{compute.gather_note(gathered)}"
+  return spec, why, claimed, compute.without(spec, gathered)
 
 
 def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
@@ -401,16 +431,17 @@ def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
       return _replicated(leaf), "scalar state: replicated", claimed
     if pattern is None:
       return _replicated(leaf), "no param to follow, no strategy entry: replicated", claimed
-    spec, notes = _apply_chain(pattern.ops, leaf)
+    spec, notes, _ = _apply_chain(pattern.ops, leaf)
     return spec, f"no param to follow; {pattern.regex!r} -> {notes}", claimed
   ops = pattern.ops if pattern else ()
-  spec, notes = _apply_chain(ops, leaf, follow_param=not ops or any(op.follows for op in ops))
+  spec, notes, _ = _apply_chain(ops, leaf, follow_param=not ops or any(op.follows for op in ops))
   where = f"{pattern.regex!r} -> " if pattern else "default: "
   return spec, f"follows {follow.param} ({follow.how}); {where}{notes}", claimed
 
 
-def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str]:
-  """Applies a chain of ops to one leaf; returns its spec and the notes joined.
+def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str, set[str]]:
+  """Applies a chain of ops to one leaf; returns its spec, the notes joined and the
+  storage-only axes of the spec (as the ops that placed them declare).
 
   On a state leaf that follows a param, the chain's first sharding op
   (``follows=True``) places the param's spec instead of acting, and later ones are
@@ -418,7 +449,7 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
   chain places the param's spec too, and a big leaf left unsharded goes to the
   size-based fallback.
   """
-  spec, notes, param_spec_placed = _replicated(leaf), [], False
+  spec, notes, param_spec_placed, storage = _replicated(leaf), [], False, set()
   for op in ops:
     if leaf.follow is not None and op.follows:
       if not param_spec_placed:
@@ -426,8 +457,11 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
         notes.append(note)
         param_spec_placed = True
       continue
+    before = spec
     spec, note = specs.checked(op.name, op.rule(leaf, spec), leaf)
     notes.append(f"{op.name}: {note}")
+    # Axes the op kept keep their kind, those it added take its kind, those it cleared go.
+    storage = storage & specs.used_axes(spec) | compute.storage_axes(op.storage_only, before, spec)
   if follow_param and not ops:
     spec, note = _place_param_spec(leaf, spec)
     notes.append(note)
@@ -436,7 +470,7 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
     if leaf.nbytes >= threshold * MiB:
       spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops))
       notes.append(f"fallback (>= {threshold:g} MiB): {note}")
-  return spec, "; ".join(notes) or "replicated"
+  return spec, "; ".join(notes) or "replicated", storage
 
 
 def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
@@ -487,7 +521,14 @@ def _replicated(leaf: Leaf) -> Spec:
   return (None,) * leaf.ndim
 
 
-def _entry(leaf: Leaf, spec: Spec, why: str, claimed: int | None, sizes) -> Entry:
+def _entry(
+    leaf: Leaf,
+    sizes,
+    spec: Spec,
+    why: str,
+    claimed: int | None,
+    compute_spec: PartitionSpec | None = None,
+) -> Entry:
   per_device = leaf.nbytes // specs.shards(spec, sizes)
   follows = leaf.follow.param if leaf.follow is not None else None
   return Entry(
@@ -500,6 +541,7 @@ def _entry(leaf: Leaf, spec: Spec, why: str, claimed: int | None, sizes) -> Entr
       per_device,
       follows,
       claimed,
+      compute_spec,
   )
 
 

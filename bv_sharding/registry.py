@@ -25,6 +25,7 @@ import tokenize
 from collections.abc import Callable
 from typing import Any
 
+from bv_sharding import specs
 from bv_sharding.errors import ShardingError, closest
 
 MAX_CHAIN_CHARS = 2000
@@ -38,11 +39,18 @@ class OpInfo:
   ``follows=True`` (sharding ops): on a state leaf that follows a param the op
   carries that param's spec over instead of choosing dims itself.
   ``follows=False`` (``replicate`` and state-specific ops): the op always acts.
+
+  ``storage_only``: which mesh axes the op places only to save memory (FSDP, ZeRO),
+  so that consumers gather them for compute under Explicit axes (see
+  :mod:`bv_sharding.compute`): ``True`` every axis it places, ``False`` none (the
+  axes are compute axes, e.g. tensor-parallel ones), or the name of the factory's
+  argument that lists them (``logical_partitioning``'s ``storage_only``).
   """
 
   name: str
   factory: Callable[..., Callable]
   follows: bool
+  storage_only: bool | str = False
 
   @property
   def signature(self) -> str:
@@ -58,9 +66,12 @@ class Op:
   arguments: dict[str, Any]
   rule: Callable
   follows: bool
+  storage_only: bool | tuple[str, ...] = False
+  """``True``: every axis the op places is storage-only; a tuple: those mesh axes are;
+  ``False``: none is."""
 
 
-def register(name: str, *, follows: bool = True):
+def register(name: str, *, follows: bool = True, storage_only: bool | str = False):
   """Decorator registering an op factory under ``name`` for the rest of the process.
 
   Put it above a factory in a module of your own; the factory's arguments come
@@ -70,9 +81,17 @@ def register(name: str, *, follows: bool = True):
     name: the op's name in config strings (a Python identifier).
     follows: on a state leaf that follows a param, carry the param's spec over
       instead of calling the rule (sharding ops); ``False`` for ops that always act.
+    storage_only: whether the axes the op places on params exist only to save memory
+      (``True``: an FSDP- or ZeRO-like op; a param's compute spec drops them), or the
+      name of the factory argument listing such mesh axes. The default ``False`` keeps
+      every axis in the compute spec, as tensor parallelism needs: a plan never gathers
+      what its op did not declare gatherable, so a wrong default costs an explicit
+      ``ShardingTypeError`` under Explicit axes (nothing under Auto ones), never a silent
+      all-gather of a weight that was split because it does not fit.
 
   Raises:
-    ShardingError: another factory is already registered under ``name``.
+    ShardingError: another factory is already registered under ``name``, or
+      ``storage_only`` names no argument of the factory.
 
   Example:
     >>> from bv_sharding.specs import place
@@ -98,7 +117,8 @@ def register(name: str, *, follows: bool = True):
       )
     if name in _OPS and _OPS[name].factory is not factory:
       raise ShardingError(f"op {name!r} is already registered; pick another name")
-    _OPS[name] = OpInfo(name, factory, follows)
+    _check_storage_only(name, factory, storage_only)
+    _OPS[name] = OpInfo(name, factory, follows, storage_only)
     return factory
 
   return decorate
@@ -137,6 +157,18 @@ def temporary_ops(*, follows: bool = True, **factories: Callable):
   finally:
     for name in set(_OPS) - before:
       del _OPS[name]
+
+
+def _check_storage_only(name: str, factory: Callable, storage_only) -> None:
+  if isinstance(storage_only, bool):
+    return
+  arguments = list(inspect.signature(factory).parameters)
+  if not isinstance(storage_only, str) or storage_only not in arguments:
+    raise ShardingError(
+        f"register({name!r}, storage_only={storage_only!r}): storage_only is True, False or "
+        f"the name of the factory argument listing the storage-only mesh axes, one of "
+        f"{arguments}"
+    )
 
 
 def registered() -> tuple[str, ...]:
@@ -223,6 +255,19 @@ def _bind(call: ast.Call, text: str) -> Op:
       dict(bound.arguments),
       info.factory(*bound.args, **bound.kwargs),
       info.follows,
+      _storage_axes(info, bound.arguments, where),
+  )
+
+
+def _storage_axes(info: OpInfo, arguments: dict, where: str) -> bool | tuple[str, ...]:
+  """``info.storage_only`` resolved against the bound ``arguments``: a bool, or the listed axes."""
+  if isinstance(info.storage_only, bool):
+    return info.storage_only
+  listed = arguments[info.storage_only]
+  return (
+      ()
+      if listed is None
+      else specs.axes_of(specs.check_axis(f"{where}: {info.storage_only}", listed))
   )
 
 

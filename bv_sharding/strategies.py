@@ -11,13 +11,21 @@ big_vision's ops and place params as big_vision's do (arguments, defaults,
 threshold and tie-breaking included); ``docs/differences.md`` lists where they
 deliberately do not.
 
+Each op declares whether the axes it places on params only save memory
+(``register(..., storage_only=...)``, see :mod:`bv_sharding.compute`): ``fsdp``,
+``llm_fsdp`` and ``zero1`` place storage-only axes, gathered for compute under
+Explicit axes; ``shard_dim``, ``tensor_parallel`` and ``logical_partitioning`` (but
+for the axes its ``storage_only`` lists) place compute axes, which stay;
+``replicate`` and ``preconditioner`` place none on params.
+
 Example:
   >>> import jax
   >>> import bv_sharding as bvs
   >>> mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
   >>> tree = {"attn": {"q_kernel": jax.ShapeDtypeStruct((1024, 2048), "float32")}}
-  >>> bvs.plan(tree, 'tensor_parallel(axis="model")|fsdp(axis="data")', mesh).specs
-  {'attn': {'q_kernel': P('data', 'model')}}
+  >>> p = bvs.plan(tree, 'tensor_parallel(axis="model")|fsdp(axis="data")', mesh)
+  >>> p.specs, p.compute_specs
+  ({'attn': {'q_kernel': P('data', 'model')}}, {'attn': {'q_kernel': P(None, 'model')}})
 """
 
 import flax.linen as nn
@@ -46,9 +54,11 @@ def replicate():
   return lambda leaf, spec: ((None,) * leaf.ndim, "replicated")
 
 
-@register("fsdp")
+@register("fsdp", storage_only=True)
 def fsdp(axis, min_size_to_shard_mb=4):
   """big_vision's FSDP: the largest free dim ``axis`` divides, for leaves above the threshold.
+
+  Storage-only: under Explicit axes consumers gather ``axis`` for compute.
 
   As in big_vision, a leaf of exactly ``min_size_to_shard_mb`` stays unsharded
   (only larger ones are sharded) and of equal dims the last one is taken.
@@ -67,6 +77,9 @@ def fsdp(axis, min_size_to_shard_mb=4):
 @register("shard_dim")
 def shard_dim(axis, dim, ignore_ndim_error=False):
   """``axis`` on dim ``dim`` (negative counts from the end): ``'shard_dim(axis="model", dim=-1)'``.
+
+  A compute axis (kept in the compute spec), as a tensor-parallel placement needs;
+  for a storage-only placement use ``fsdp`` or an op registered ``storage_only=True``.
 
   A leaf that has no dim ``dim`` raises, as in big_vision; with
   ``ignore_ndim_error=True`` it is left as it is and the plan says why.
@@ -94,9 +107,9 @@ def shard_dim(axis, dim, ignore_ndim_error=False):
   return rule
 
 
-@register("llm_fsdp")
+@register("llm_fsdp", storage_only=True)
 def llm_fsdp(axis, min_size_to_shard_mb=1):
-  """FSDP by parameter name, for Llama-style models.
+  """FSDP by parameter name, for Llama-style models; storage-only, as ``fsdp``.
 
   Matching is on whole path components: norm ``scale`` and ``bias`` are never
   sharded; ``embedding``/``out_kernel``/``down_kernel`` go on the last dim;
@@ -133,6 +146,7 @@ def tensor_parallel(axis):
   row-parallel out/down kernels (dim -2), vocab-parallel embedding (dim -2).
 
   Compose with FSDP on another axis: ``'tensor_parallel(axis="model")|fsdp(axis="data")'``.
+  ``axis`` is a compute axis: the compute spec keeps it.
   """
   axis = specs.check_axis("tensor_parallel", axis)
 
@@ -149,13 +163,20 @@ def tensor_parallel(axis):
   return rule
 
 
-@register("logical_partitioning")
-def logical_partitioning():
+@register("logical_partitioning", storage_only="storage_only")
+def logical_partitioning(storage_only=None):
   """Axes from flax boxes: ``nn.with_logical_partitioning`` names resolved through the
   plan's ``rules`` (``config.sharding_rules``, else the flax context's
   ``nn.logical_axis_rules``) exactly as ``nn.logical_to_mesh_axes`` resolves them
   (a logical name listed twice is a fallback), or ``nn.Partitioned`` mesh axis
   names as they are. A dim its axis does not divide stays unsharded.
+
+  The axes the rules place are compute axes, except the mesh axes listed in
+  ``storage_only`` (one name or a tuple): MaxText-style rules
+  ``[("embed", "fsdp"), ("mlp", "tensor")]`` with
+  ``'logical_partitioning(storage_only="fsdp")'`` store params over both axes and
+  gather ``fsdp`` for compute. The rules themselves stay flax's pairs, so the same
+  ``config.sharding_rules`` place activations.
   """
 
   def rule(leaf: Leaf, spec: Spec):
@@ -225,7 +246,7 @@ def preconditioner(axis=None, dim=1):
   return rule
 
 
-@register("zero1", follows=False)
+@register("zero1", follows=False, storage_only=True)
 def zero1(axis, min_size_to_shard_mb=1):
   """ZeRO-1: shards optimizer state over ``axis`` (largest free divisible dim), even
   where the params are replicated; params are left to other ops.

@@ -20,7 +20,7 @@ Example:
   >>> run.example.shape  # one row of a batch: what init traces the model with
   (1, 128)
   >>> print(run.plan.by_name()["params/layers_0/attention/q_kernel"].why)
-  '.*' -> llm_fsdp: dim 0 over data
+  '.*' -> llm_fsdp: dim 0 over data; gathered for compute: data
   >>> float(run.learning_rates["lr"](0))  # the warmup's first step
   0.0
 """

@@ -11,8 +11,10 @@ The devices need not exist: the plan is made on an ``AbstractMesh`` of ``--num_d
 from the model and optimizer the trainer would build (``trainers/build.py``),
 traced with ``jax.eval_shape``. It prints:
 
-* one row per leaf (name, shape, dtype, spec, MiB per device, why), the leaves
-  with the most unsharded bytes first (see ``bvs.Plan.unsharded_bytes``);
+* one row per leaf (name, shape, dtype, storage spec, compute spec, MiB per device, why),
+  the leaves with the most unsharded bytes first (see ``bvs.Plan.unsharded_bytes``); the
+  compute spec is the layout a param is gathered to where it is used under Explicit axes
+  (the storage spec less its storage-only axes; optimizer state's is its storage spec);
 * per-device totals for params, gradients (the params' specs) and optimizer state,
   and the largest per-device tensor;
 * the coverage (bytes-weighted share of the full split over every mesh axis),
@@ -188,20 +190,21 @@ def report(s: Setup, plan: bvs.Plan) -> dict:
 def text(rep: dict, rows: int | None = None) -> str:
   """The report as a table and summary lines."""
   shown = rep["leaves"][:rows]
-  table = [("name", "shape", "dtype", "spec", "MiB/device", "why")]
+  table = [("name", "shape", "dtype", "spec", "compute_spec", "MiB/device", "why")]
   table += [
       (
           r["name"],
           str(tuple(r["shape"])),
           r["dtype"],
           _spec(r["spec"]),
+          _spec(r["compute_spec"]),
           f"{r['bytes_per_device'] / MiB:.3f}",
           r["why"],
       )
       for r in shown
   ]
-  widths = [max(len(t[i]) for t in table) for i in range(5)]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(t[:5], widths)) + "  " + t[5] for t in table]
+  widths = [max(len(t[i]) for t in table) for i in range(6)]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(t[:6], widths)) + "  " + t[6] for t in table]
   if len(shown) < len(rep["leaves"]):
     lines.append(f"... {len(rep['leaves']) - len(shown)} more leaves (--rows)")
   d, big = rep["per_device"], rep["largest"]
@@ -379,7 +382,8 @@ def _row(plan: bvs.Plan, e: bvs.Entry) -> dict:
       "component": PARAMS if e.name.split("/")[0] == PARAMS else "optimizer_state",
       "shape": list(e.shape),
       "dtype": np.dtype(e.dtype).name,
-      "spec": [list(a) if isinstance(a, tuple) else a for a in e.spec],
+      "spec": _spec_json(e.spec),
+      "compute_spec": _spec_json(e.compute_spec),
       "bytes": e.nbytes,
       "bytes_per_device": e.bytes_per_device,
       "pieces": plan.pieces(e),
@@ -397,6 +401,10 @@ def _fixed_size(pairs) -> int | None:
 
 def _is_param(row: dict) -> bool:
   return row["component"] == PARAMS
+
+
+def _spec_json(spec) -> list:
+  return [list(a) if isinstance(a, tuple) else a for a in spec]
 
 
 def _spec(spec: list) -> str:

@@ -89,13 +89,26 @@ def test_text_is_the_json_as_a_table(reports):
   assert status == 0
   lines = out.splitlines()
   rep = reports["kron"]
-  assert lines[0].split()[:5] == ["name", "shape", "dtype", "spec", "MiB/device"]
+  assert lines[0].split()[:6] == ["name", "shape", "dtype", "spec", "compute_spec", "MiB/device"]
   assert [line.split()[0] for line in lines[1:4]] == [r["name"] for r in rep["leaves"][:3]]
   assert f"... {len(rep['leaves']) - 3} more leaves (--rows)" in out
   d = rep["per_device"]
   assert f"optimizer state {d['optimizer_state'] / MiB:.1f} MiB" in out
   assert f"largest per-device tensor: {rep['largest']['name']}" in out
   assert "strategy entries that claimed no leaf: none" in out
+
+
+def test_compute_specs_gather_the_fsdp_axis_and_keep_the_tensor_parallel_one(reports):
+  """``tensor_parallel(axis="model")|llm_fsdp(axis="data")``: params are used over ``model``
+  only; optimizer state is never gathered."""
+  rows = reports["adamw"]["leaves"]
+  for row in rows:
+    kept = [None if a == "data" else a for a in row["spec"]]
+    assert row["compute_spec"] == (kept if row["component"] == "params" else row["spec"])
+  q = next(r for r in rows if r["name"].endswith("q_kernel") and r["component"] == "params")
+  assert sorted(filter(None, q["spec"])) == ["data", "model"]
+  assert list(filter(None, q["compute_spec"])) == ["model"]
+  assert q["why"].endswith("; gathered for compute: data")
 
 
 @pytest.mark.parametrize("limit, status", [("0.0001", 0), ("0.00001", 1)])

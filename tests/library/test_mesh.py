@@ -113,3 +113,39 @@ def test_device_counts(count):
 def test_make_mesh_on_no_devices():
   with pytest.raises(bvs.ShardingError, match=r"num_devices=0"):
     bvs.make_mesh([("data", -1)], devices=[])
+
+
+@pytest.mark.parametrize(
+    "choice, types",
+    [
+        ("explicit", (AxisType.Explicit, AxisType.Explicit)),
+        (AxisType.Explicit, (AxisType.Explicit, AxisType.Explicit)),
+        ("auto", (AxisType.Auto, AxisType.Auto)),
+        (("explicit", AxisType.Auto), (AxisType.Explicit, AxisType.Auto)),
+    ],
+)
+def test_meshes_take_axis_types(choice, types):
+  assert bvs.make_mesh([("data", -1), ("model", 2)], axis_types=choice).axis_types == types
+  assert (
+      bvs.make_abstract_mesh([("data", -1), ("model", 2)], 64, axis_types=choice).axis_types
+      == types
+  )
+
+
+@pytest.mark.parametrize(
+    "choice, fragment",
+    [
+        ("Explicit", "did you mean 'explicit'"),
+        ("manual", 'use "auto" or "explicit"'),
+        (AxisType.Manual, "AxisType.Auto / .Explicit"),
+        (("auto",), "one per axis"),
+        (None, "one for all axes"),
+    ],
+)
+def test_bad_axis_types_are_refused(choice, fragment):
+  for build in (
+      bvs.make_mesh,
+      lambda m, axis_types: bvs.make_abstract_mesh(m, 8, axis_types=axis_types),
+  ):
+    with pytest.raises(bvs.Error, match=re.escape(fragment)):
+      build([("data", -1), ("model", 2)], axis_types=choice)
