@@ -54,6 +54,7 @@ def test_readme_and_every_docs_page_with_code_are_found():
       "README.md",
       "docs/data.md",
       "docs/durability.md",
+      "docs/explicit.md",
       "docs/optimizers.md",
       "docs/planning.md",
       "docs/strategies.md",
