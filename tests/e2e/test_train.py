@@ -36,21 +36,25 @@ def trained(workdir, *overrides, config="configs/lm.py"):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "optimizer, config",
+    "optimizer, config, dtype",
     [
-        ("adamw", "configs/lm.py"),
-        ("kron", "configs/lm.py"),
-        ("shampoo", "configs/lm.py"),
-        ("shampoo", "configs/lm_shampoo.py"),
+        ("adamw", "configs/lm.py", "float32"),
+        ("kron", "configs/lm.py", "bfloat16"),
+        ("shampoo", "configs/lm.py", "bfloat16"),
+        ("shampoo", "configs/lm_shampoo.py", "float32"),
+        ("muon", "configs/lm.py", "bfloat16"),
     ],
 )
-def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
+def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config, dtype):
   """Also: the step metrics and throughput in every record, TensorBoard scalars equal to
-  them, and a profile of step 2 (``config.profile_steps``)."""
+  them, and a profile of step 2 (``config.profile_steps``); "bfloat16" computes and keeps
+  the optimizer state in bfloat16 (params float32)."""
   out, records = trained(
       tmp_path,
       *SHORT,
       f"--config.optax_name={optimizer}",
+      f"--config.compute_dtype={dtype}",
+      f"--config.state_dtype={dtype}",
       "--config.profile_steps=(2, 3)",
       config=config,
   )
@@ -72,7 +76,11 @@ def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config):
   assert "state shardings match the plan after the first step" in out
   assert "step 30/30 loss=" in out and "tokens/s/device=" in out and "MFU=null" in out
   config = json.loads(pathlib.Path(tmp_path, "config.json").read_text())
-  assert config["optax_name"] == optimizer
+  assert (config["optax_name"], config["compute_dtype"], config["state_dtype"]) == (
+      optimizer,
+      dtype,
+      dtype,
+  )
 
 
 @pytest.mark.timeout(240)
