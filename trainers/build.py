@@ -92,6 +92,21 @@ def build(config, mesh) -> Run:
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
 
 
+def axis_types(config) -> str:
+  """``config.mesh_axis_types``: how the trainer types its mesh's axes, for ``bvs.make_mesh``.
+
+  ``"auto"`` (the default) lets XLA place what the plan does not pin; ``"explicit"`` makes
+  every array's sharding part of its type: the loss gathers the params to their compute
+  specs and the models lay out their activations (``trainers/models/axes.py``).
+
+  Example:
+    >>> from configs import lm
+    >>> axis_types(lm.get_config())
+    'auto'
+  """
+  return config.get("mesh_axis_types", "auto")
+
+
 def example_input(task, batch) -> Any:
   """The model input of the first row of ``batch``: what init traces the model with.
 

@@ -60,3 +60,12 @@ def test_adamw_step_gathers_params_once_unscanned_scanned_layers_twice(scan):
   layers = sum(e.nbytes for e in params if e.name.startswith("params/layers/"))
   scanned = layers / sum(e.nbytes for e in params) if scan else 0.0
   assert step_traffic.in_param_units(hlo, plan) == pytest.approx((1 + scanned, 2.0), abs=0.01)
+
+
+@pytest.mark.timeout(600)
+def test_explicit_axes_step_moves_what_the_auto_step_moves(adamw_bytes):
+  config = config_with("lm_tp_fsdp", "adamw")
+  config.mesh_axis_types = "explicit"
+  hlo, log, _, _ = step_traffic.compile_step(config)
+  assert step_traffic.REMAT not in log
+  assert traffic.wire_bytes(hlo) == pytest.approx(adamw_bytes, rel=0.05)

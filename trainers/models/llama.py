@@ -23,9 +23,11 @@ logical axes ("layers", "embed", "heads").
 
 The output head is untied from the input embedding (``lm_head/kernel``).
 
-Activations are constrained with ``nn.with_logical_constraint`` using the names
+Activations are constrained (:func:`trainers.models.axes.constrain`) using the names
 of :mod:`trainers.models.axes` ("act_batch", "act_len", "act_embed", "act_heads",
 "act_mlp", "act_vocab"); outside an ``nn.logical_axis_rules`` context these are no-ops.
+On a mesh with Explicit axes they reshard, and the row-parallel products (``out_kernel``,
+``down_kernel``) and the embedding lookup are told their output sharding.
 
 Params are stored in ``param_dtype`` and cast to the compute ``dtype`` for the matmuls
 (``config.param_dtype``, ``config.compute_dtype``); whatever the dtypes, RoPE's angles,

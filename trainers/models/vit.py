@@ -147,8 +147,9 @@ class ViT(_Layer):
     )
     cls = self.param("cls", nn.initializers.zeros, (1, 1, c), self.param_dtype)
     x = x + pos.astype(self.dtype)
-    x = jnp.concatenate([jnp.tile(cls.astype(self.dtype), (b, 1, 1)), x], axis=1)
     x = constrain(x, ACT_EMBED)
+    cls = constrain(jnp.tile(cls.astype(self.dtype), (b, 1, 1)), ACT_EMBED)  # Split as x is.
+    x = jnp.concatenate([cls, x], axis=1)
     x = Encoder(cfg, **self.dtypes, name="Transformer")(x)
     head = nn.Dense(self.num_classes, **self.dtypes, kernel_init=nn.initializers.zeros, name="head")
     return head(x[:, 0]).astype(jnp.float32)
