@@ -271,7 +271,8 @@ def constrain(tree, shardings):
   Example:
     >>> import bv_sharding as bvs
     >>> mesh = bvs.make_mesh([("data", -1)], axis_types="explicit")
-    >>> w = jax.jit(lambda: constrain(jnp.ones((8, 2)), NamedSharding(mesh, P("data"))))()
+    >>> with jax.set_mesh(mesh):
+    ...   w = jax.jit(lambda: constrain(jnp.ones((8, 2)), NamedSharding(mesh, P("data"))))()
     >>> jax.typeof(w)
     ShapedArray(float32[8@data,2])
   """
