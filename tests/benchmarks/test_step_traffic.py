@@ -63,9 +63,14 @@ def test_adamw_step_gathers_params_once_unscanned_scanned_layers_twice(scan):
 
 
 @pytest.mark.timeout(600)
-def test_explicit_axes_step_moves_what_the_auto_step_moves(adamw_bytes):
-  config = config_with("lm_tp_fsdp", "adamw")
-  config.mesh_axis_types = "explicit"
-  hlo, log, _, _ = step_traffic.compile_step(config)
-  assert step_traffic.REMAT not in log
-  assert traffic.wire_bytes(hlo) == pytest.approx(adamw_bytes, rel=0.05)
+def test_explicit_axes_step_moves_what_the_auto_step_moves():
+  """The benchmark's lm_tp_fsdp:size=small step on Explicit axes: the params gathered in the
+  loss, the activations resharded; within 5% of the Auto step's bytes (0.6% more in fact)."""
+  wire = {}
+  for axis_types in ("auto", "explicit"):
+    config = config_with("lm_tp_fsdp:size=small", "adamw")
+    config.mesh_axis_types = axis_types
+    hlo, log, _, _ = step_traffic.compile_step(config)
+    assert step_traffic.REMAT not in log
+    wire[axis_types] = traffic.wire_bytes(hlo)
+  assert wire["explicit"] == pytest.approx(wire["auto"], rel=0.05)
