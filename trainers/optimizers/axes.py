@@ -54,7 +54,7 @@ def auto_mesh(mesh):
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2,), ("data",), axis_types=(AxisType.Explicit,))
       >>> auto_mesh(mesh).axis_types
-      (<AxisType.Auto: 1>,)
+      (Auto,)
   """
   if mesh is None:
     return None
