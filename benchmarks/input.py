@@ -73,7 +73,7 @@ def main(argv=None):
   path = os.path.join(tmp.name, "train.bin")
   write_token_file(path, args.file_mib, vocab=256)
   config.input = sources.input_config(kind="tokens", train=path, eval_fraction=0.01)
-  mesh = bvs.make_mesh(config.mesh)
+  mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
   task, tx, plan = run.task, run.tx, run.plan
   task.check(run.model)

@@ -9,13 +9,17 @@ collective (all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduc
 collectives, compile time, the per-device FLOPs of the optimizer update alone
 (``cost_analysis``) and their ratio to the single-device update's FLOPs / N, the
 state bytes per device over the ideal (total / N), and whether XLA printed
-"Involuntary full rematerialization" while compiling. "gathers x P" and "reductions x P"
+"Involuntary full rematerialization" while compiling. Each config is compiled on a mesh
+with Auto axes and on one with Explicit axes (``config.mesh_axis_types``; the loss gathers
+the params to their compute specs, the model lays out its activations); "x auto" is an
+Explicit row's wire bytes over its Auto row's. "gathers x P" and "reductions x P"
 split the bytes into all-gathers and all-reduces/reduce-scatters, in units of the params'
 P*(N-1)/N: XLA:CPU has no reduce-scatter (it all-reduces and slices, 2 units), so on
 this backend a step whose layers are scanned, which re-gathers the params in the
 backward loop, sends 2 + 2 units where a backend with reduce-scatter sends 2 + 1.
 
-  python -m benchmarks.step_traffic [--configs lm:size=small] [--optimizers adamw,kron]
+  python -m benchmarks.step_traffic [--configs lm:size=small] [--optimizers adamw,kron] \
+      [--axis_types auto,explicit]
 """
 
 import os
@@ -80,7 +84,7 @@ def update_flops(tx, state) -> float:
 
 def compile_step(config):
   """Compiles the trainer's step: (HLO text, XLA's stderr while compiling, seconds, extras)."""
-  mesh = bvs.make_mesh(config.mesh)
+  mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
   batch = next(run.task.batches(run.task.train, global_batch=config.batch_size, seed=0))
   batch_sharding = steps.batch_sharding(
@@ -135,24 +139,32 @@ def main(argv=None):
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
   parser.add_argument("--scan_layers", default="false", help="false, true or false,true")
+  parser.add_argument("--axis_types", default="auto,explicit", help="auto, explicit or both")
   args = parser.parse_args(argv)
   print(
-      "| config | scan | optimizer | step MB/device | x adamw | x FSDP min | gathers x P | "
+      "| config | scan | axes | optimizer | step MB/device | x adamw | x auto | x FSDP min | gathers x P | "
       "reductions x P | collectives | compile s | update GFLOP/device | "
       "x (1-device update / N) | state x ideal | remat |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   scans = [s == "true" for s in args.scan_layers.split(",")]
-  for spec, scan in itertools.product(args.configs.split(","), scans):
+  auto = {}  # (config, scan, optimizer) -> the Auto row's wire bytes.
+  rows = itertools.product(args.configs.split(","), scans, args.axis_types.split(","))
+  for spec, scan, axis_types in rows:
     adamw = None
     for optimizer in args.optimizers.split(","):
       config = load_config(spec)
       config.model.scan_layers, config.optax_name = scan, optimizer
+      config.mesh_axis_types = axis_types
       r = measure(config)
       adamw = r["wire"] if optimizer == "adamw" else adamw
       vs_adamw = f"{r['wire'] / adamw:.2f}" if adamw else "-"
+      key = (spec, scan, optimizer)
+      auto[key] = r["wire"] if axis_types == "auto" else auto.get(key)
+      vs_auto = f"{r['wire'] / auto[key]:.3f}" if auto[key] else "-"
       print(
-          f"| {spec} | {scan} | {optimizer} | {r['wire'] / 1e6:.1f} | {vs_adamw} | "
+          f"| {spec} | {scan} | {axis_types} | {optimizer} | {r['wire'] / 1e6:.1f} | "
+          f"{vs_adamw} | {vs_auto} | "
           f"{r['wire'] / r['fsdp_min']:.2f} | {r['gathers']:.2f} | {r['reductions']:.2f} | "
           f"{r['collectives']} | {r['seconds']:.1f} | "
           f"{r['flops'] / 1e9:.3f} | {r['flops_ratio']:.2f} | {r['state_ratio']:.3f} | "

@@ -36,7 +36,7 @@ def setup(config, num_batches: int) -> tuple:
 
   ``run`` is the :class:`trainers.build.Run`; ``batches`` are ``num_batches`` global batches.
   """
-  mesh = bvs.make_mesh(config.mesh)
+  mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   local = run.task.batches(run.task.train, global_batch=config.batch_size, seed=0)

@@ -23,6 +23,9 @@ def base_config() -> ml_collections.ConfigDict:
   config.eval_every = 100
   config.mesh = (("data", -1),)
   config.dcn_mesh = ()  # Across TPU slices, e.g. (("data", 2),); () = one slice.
+  # "explicit": jax's sharding-in-types mesh (params gathered to their compute specs in the
+  # loss, activations resharded by config.sharding_rules); "auto": XLA places the rest.
+  config.mesh_axis_types = "auto"
   config.sharding_rules = (("act_batch", "data"),)
   config.data_axes = ()  # () = the mesh axes the "act_batch" rule maps to.
   # Dtypes (trainers/precision.py): activations and matmuls, stored params, optimizer state

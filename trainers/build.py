@@ -88,8 +88,23 @@ def build(config, mesh) -> Run:
   rebuild = lambda other: optimizer(config, other)[0]
   params = plan.abstract()["params"]
   migration = optimizers.BuiltOptimizer(config.optax_name, params, layout, rebuild)
-  loss = loss_fn(task, model)
+  loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
+
+
+def axis_types(config) -> str:
+  """``config.mesh_axis_types``: how the trainer types its mesh's axes, for ``bvs.make_mesh``.
+
+  ``"auto"`` (the default) lets XLA place what the plan does not pin; ``"explicit"`` makes
+  every array's sharding part of its type: the loss gathers the params to their compute
+  specs and the models lay out their activations (``trainers/models/axes.py``).
+
+  Example:
+    >>> from configs import lm
+    >>> axis_types(lm.get_config())
+    'auto'
+  """
+  return config.get("mesh_axis_types", "auto")
 
 
 def example_input(task, batch) -> Any:
@@ -109,12 +124,23 @@ def model_and_init(config, example) -> tuple[Any, Callable[[], Any]]:
   return model, lambda: model.init(jax.random.key(config.seed), example)["params"]
 
 
-def loss_fn(task, model) -> Callable[[Any, Any], Any]:
+def loss_fn(task, model, plan: bvs.Plan | None = None) -> Callable[[Any, Any], Any]:
   """``loss(params, batch)``: ``task``'s loss of ``model`` applied to the batch's inputs.
 
-  Example: ``steps.make_train_step(loss_fn(task, model), tx, plan, batch_sharding)``.
+  With ``plan``, the params are first gathered to their compute specs
+  (``bvs.gather_for_compute``: on a mesh with Explicit axes, the FSDP axes are gathered and
+  the gradients come back in the storage specs; on an Auto mesh, nothing changes). The
+  whole tree is gathered at the start of the loss, so every layer's gathered params may be
+  live at once (a scanned stack: the whole stack).
+
+  Example: ``steps.make_train_step(loss_fn(task, model, plan), tx, plan, batch_sharding)``.
   """
-  return lambda params, batch: task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
+
+  def loss(params, batch):
+    params = params if plan is None else bvs.gather_for_compute(params, plan)
+    return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
+
+  return loss
 
 
 def optimizer(config, layout=None) -> tuple[Any, dict[str, Callable]]:

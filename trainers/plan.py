@@ -122,7 +122,9 @@ def parse_mesh(text: str, flag: str) -> tuple:
 
 def make_plan(s: Setup) -> bvs.Plan:
   """The trainer's plan of ``s.config`` on an abstract mesh of ``s.num_devices``; no arrays."""
-  mesh = bvs.make_abstract_mesh(s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh)
+  mesh = bvs.make_abstract_mesh(
+      s.mesh, s.num_devices, dcn_mesh=s.dcn_mesh, axis_types=build.axis_types(s.config)
+  )
   return build.build(s.config, mesh).plan
 
 
@@ -140,7 +142,9 @@ def compiled(s: Setup) -> dict:
         f"compile where they exist, or plan for these with --num_devices={len(devices)} or --mesh"
     )
   devices = devices[: s.num_devices]
-  mesh = bvs.make_mesh(s.mesh, dcn_mesh=s.dcn_mesh, devices=devices)
+  mesh = bvs.make_mesh(
+      s.mesh, dcn_mesh=s.dcn_mesh, devices=devices, axis_types=build.axis_types(s.config)
+  )
   run, config = build.build(s.config, mesh), s.config
   batch_sharding = steps.checked_batch_sharding(config, mesh)
   train_step = steps.make_train_step(

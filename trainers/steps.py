@@ -143,7 +143,7 @@ def make_train_step(
 
   def step(state, batch):
     loss, grads = loss_and_grads(state["params"], batch)
-    grads = jax.lax.with_sharding_constraint(grads, shardings["params"])
+    grads = constrain(grads, shardings["params"])
     updates, opt = tx.update(grads, state["opt"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     return {"params": params, "opt": opt}, step_metrics(loss, grads, params, updates)
@@ -235,9 +235,7 @@ def accumulate(
   loss_and_grads = jax.value_and_grad(loss_fn)
   if accum_steps == 1:
     return loss_and_grads
-  constrain = lambda tree: (
-      tree if param_shardings is None else jax.lax.with_sharding_constraint(tree, param_shardings)
-  )
+  to_params = lambda tree: tree if param_shardings is None else constrain(tree, param_shardings)
 
   def microbatches(x):
     rows = batch_sharding.shard_shape(x.shape)[0]
@@ -248,22 +246,40 @@ def accumulate(
           f"that is a multiple of {accum_steps * x.shape[0] // rows}"
       )
     x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1)
-    split = NamedSharding(batch_sharding.mesh, P(None, *batch_sharding.spec))
-    return jax.lax.with_sharding_constraint(x, split)
+    return constrain(x, NamedSharding(batch_sharding.mesh, P(None, *batch_sharding.spec)))
 
   def loss_and_mean_grads(params, batch):
     def add(sums, microbatch):
       loss, grads = loss_and_grads(params, microbatch)
-      summed = jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums[1], constrain(grads))
-      return (sums[0] + loss.astype(jnp.float32), constrain(summed)), None
+      summed = jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums[1], to_params(grads))
+      return (sums[0] + loss.astype(jnp.float32), to_params(summed)), None
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, compute_dtype(p.dtype)), params)
-    start = (jnp.zeros((), jnp.float32), constrain(zeros))
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, compute_dtype(p.dtype)), params)
+    start = (jnp.zeros((), jnp.float32), to_params(zeros))
     (total, summed), _ = jax.lax.scan(add, start, jax.tree.map(microbatches, batch))
     grads = jax.tree.map(lambda s, p: (s / accum_steps).astype(p.dtype), summed, params)
     return total / accum_steps, grads
 
   return loss_and_mean_grads
+
+
+def constrain(tree, shardings):
+  """``tree`` laid out in ``shardings`` (a matching tree of ``NamedSharding``s):
+  ``jax.sharding.reshard`` on a mesh with Explicit axes (where ``with_sharding_constraint``
+  only asserts), ``with_sharding_constraint`` on an Auto one.
+
+  Example:
+    >>> import bv_sharding as bvs
+    >>> mesh = bvs.make_mesh([("data", -1)], axis_types="explicit")
+    >>> with jax.set_mesh(mesh):
+    ...   w = jax.jit(lambda: constrain(jnp.ones((8, 2)), NamedSharding(mesh, P("data"))))()
+    >>> jax.typeof(w)
+    ShapedArray(float32[8@data,2])
+  """
+  meshes = {s.mesh for s in jax.tree.leaves(shardings)}
+  if any(m.explicit_axes for m in meshes):
+    return jax.sharding.reshard(tree, shardings)
+  return jax.lax.with_sharding_constraint(tree, shardings)
 
 
 def make_eval_step(loss_fn: Callable, plan: Plan, batch: NamedSharding) -> Callable:

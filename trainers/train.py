@@ -112,7 +112,9 @@ def main(argv):
   workdir.check(_WORKDIR.value)
   start_backend()
   is_main_process = jax.process_index() == 0
-  mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.get("dcn_mesh"))
+  mesh = bvs.make_mesh(
+      config.mesh, dcn_mesh=config.get("dcn_mesh"), axis_types=build.axis_types(config)
+  )
   batch_sharding = checked_batch_sharding(config, mesh)
   # Task, model, the config's optimizer for the params' layout and one plan of
   # {"params", "opt"}: trainers/build.py.

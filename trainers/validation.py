@@ -29,7 +29,11 @@ from trainers.errors import ConfigError, closest
 from trainers.optimizers import schedules
 
 COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
-POLICIES = ("stop", "skip")  # config.on_nonfinite: end the run, or skip the update.
+POLICIES = ("stop", "skip")
+AXIS_TYPES = (
+    "auto",
+    "explicit",
+)  # config.mesh_axis_types: bvs.make_mesh's axis_types.  # config.on_nonfinite: end the run, or skip the update.
 LARGEST_LEAVES = 5
 
 
@@ -60,6 +64,7 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
     if config.get(key) is not None:
       check_count(f"config.{key}", config.get(key), example=100)
   _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
+  _check_choice("config.mesh_axis_types", config.get("mesh_axis_types", "auto"), AXIS_TYPES)
   if config.get("device_memory_gib") is not None:  # None: ask the devices.
     check_number(
         "config.device_memory_gib", config.get("device_memory_gib"), True, example=80, none_ok=True

@@ -60,3 +60,17 @@ def test_adamw_step_gathers_params_once_unscanned_scanned_layers_twice(scan):
   layers = sum(e.nbytes for e in params if e.name.startswith("params/layers/"))
   scanned = layers / sum(e.nbytes for e in params) if scan else 0.0
   assert step_traffic.in_param_units(hlo, plan) == pytest.approx((1 + scanned, 2.0), abs=0.01)
+
+
+@pytest.mark.timeout(600)
+def test_explicit_axes_step_moves_what_the_auto_step_moves():
+  """The benchmark's lm_tp_fsdp:size=small step on Explicit axes: the params gathered in the
+  loss, the activations resharded; within 5% of the Auto step's bytes (0.6% more in fact)."""
+  wire = {}
+  for axis_types in ("auto", "explicit"):
+    config = config_with("lm_tp_fsdp:size=small", "adamw")
+    config.mesh_axis_types = axis_types
+    hlo, log, _, _ = step_traffic.compile_step(config)
+    assert step_traffic.REMAT not in log
+    wire[axis_types] = traffic.wire_bytes(hlo)
+  assert wire["explicit"] == pytest.approx(wire["auto"], rel=0.05)

@@ -136,6 +136,7 @@ def test_valid_configs_and_boundaries_pass():
         ({"sharding_strategy": {".*": "fsdp(axis='data')"}}, "config.sharding_strategy"),
         ({"mesh": ("data", -1)}, "config.mesh"),
         ({"on_nonfinite": "stopp"}, "config.on_nonfinite"),
+        ({"mesh_axis_types": "explict"}, "config.mesh_axis_types"),
         ({"schedule.decay_type": "cosin"}, "config.schedule.decay_type"),
         ({"schedule": {"warmup": 10}}, "config.schedule.warmup"),
         ({"schedule": 3}, "config.schedule"),

@@ -23,9 +23,11 @@ logical axes ("layers", "embed", "heads").
 
 The output head is untied from the input embedding (``lm_head/kernel``).
 
-Activations are constrained with ``nn.with_logical_constraint`` using the names
+Activations are constrained (:func:`trainers.models.axes.constrain`) using the names
 of :mod:`trainers.models.axes` ("act_batch", "act_len", "act_embed", "act_heads",
 "act_mlp", "act_vocab"); outside an ``nn.logical_axis_rules`` context these are no-ops.
+On a mesh with Explicit axes they reshard, and the row-parallel products (``out_kernel``,
+``down_kernel``) and the embedding lookup are told their output sharding.
 
 Params are stored in ``param_dtype`` and cast to the compute ``dtype`` for the matmuls
 (``config.param_dtype``, ``config.compute_dtype``); whatever the dtypes, RoPE's angles,
@@ -48,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.models import _presets
-from trainers.models.axes import ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB
+from trainers.models.axes import ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, constrain, matmul, take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,13 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
   return rotated.astype(x.dtype)
 
 
+class _Embed(nn.Embed):
+  """``nn.Embed`` whose lookup comes out as the token stream ``ACT_EMBED`` (``axes.take``)."""
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    return take(self.embedding.astype(self.dtype), inputs, ACT_EMBED)
+
+
 class _Layer(nn.Module):
   """What every layer of the model holds: the sizes, the compute and the params' dtypes."""
 
@@ -157,7 +166,7 @@ class Attention(_Layer):
     def project(name):
       kernel = _kernel(self, name, (cfg.d_model, inner), ("embed", "heads"))
       y = (x @ kernel).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
-      return nn.with_logical_constraint(y, ACT_HEADS)
+      return constrain(y, ACT_HEADS)
 
     q = apply_rope(project("q_kernel"), cfg.rope_theta)
     k = apply_rope(project("k_kernel"), cfg.rope_theta)
@@ -165,7 +174,7 @@ class Attention(_Layer):
     y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # Softmax in float32.
     y = y.reshape(*x.shape[:2], inner)
     out = _kernel(self, "out_kernel", (inner, cfg.d_model), ("heads", "embed"))
-    return nn.with_logical_constraint(y @ out, ACT_EMBED)
+    return matmul(y, out, ACT_EMBED)
 
 
 class Mlp(_Layer):
@@ -177,8 +186,8 @@ class Mlp(_Layer):
     gate = _kernel(self, "gate_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
     up = _kernel(self, "up_kernel", (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
     down = _kernel(self, "down_kernel", (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
-    h = nn.with_logical_constraint(nn.silu(x @ gate) * (x @ up), ACT_MLP)
-    return nn.with_logical_constraint(h @ down, ACT_EMBED)
+    h = constrain(nn.silu(x @ gate) * (x @ up), ACT_MLP)
+    return matmul(h, down, ACT_EMBED)
 
 
 class DecoderBlock(_Layer):
@@ -189,7 +198,7 @@ class DecoderBlock(_Layer):
     dtypes = (self.dtype, self.param_dtype)
     x = x + Attention(self.config, *dtypes, name="attention")(_rms_norm("attention_norm", self)(x))
     x = x + Mlp(self.config, *dtypes, name="mlp")(_rms_norm("mlp_norm", self)(x))
-    return nn.with_logical_constraint(x, ACT_EMBED), None
+    return constrain(x, ACT_EMBED), None
 
 
 class Llama(nn.Module):
@@ -213,7 +222,7 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     cfg = self.config
-    embed = nn.Embed(
+    embed = _Embed(
         cfg.vocab_size,
         cfg.d_model,
         dtype=self.dtype,
@@ -223,7 +232,7 @@ class Llama(nn.Module):
             nn.initializers.normal(stddev=0.02), ("vocab", "embed")
         ),
     )
-    x = nn.with_logical_constraint(embed(tokens), ACT_EMBED)
+    x = embed(tokens)
 
     block = DecoderBlock
     if self.remat:
@@ -252,7 +261,7 @@ class Llama(nn.Module):
             nn.initializers.lecun_normal(), ("embed", "vocab")
         ),
     )(x)
-    return nn.with_logical_constraint(logits.astype(jnp.float32), ACT_VOCAB)
+    return constrain(logits.astype(jnp.float32), ACT_VOCAB)
 
 
 def build(

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.models import _presets
-from trainers.models.axes import ACT_EMBED
+from trainers.models.axes import ACT_EMBED, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Encoder1DBlock(_Layer):
         force_fp32_for_softmax=True,
     )(y, y)
     x = x + MlpBlock(self.mlp_dim, **self.dtypes)(nn.LayerNorm(**self.dtypes)(x))
-    return nn.with_logical_constraint(x, ACT_EMBED)
+    return constrain(x, ACT_EMBED)
 
 
 class Encoder(_Layer):
@@ -147,8 +147,9 @@ class ViT(_Layer):
     )
     cls = self.param("cls", nn.initializers.zeros, (1, 1, c), self.param_dtype)
     x = x + pos.astype(self.dtype)
-    x = jnp.concatenate([jnp.tile(cls.astype(self.dtype), (b, 1, 1)), x], axis=1)
-    x = nn.with_logical_constraint(x, ACT_EMBED)
+    x = constrain(x, ACT_EMBED)
+    cls = constrain(jnp.tile(cls.astype(self.dtype), (b, 1, 1)), ACT_EMBED)  # Split as x is.
+    x = jnp.concatenate([cls, x], axis=1)
     x = Encoder(cfg, **self.dtypes, name="Transformer")(x)
     head = nn.Dense(self.num_classes, **self.dtypes, kernel_init=nn.initializers.zeros, name="head")
     return head(x[:, 0]).astype(jnp.float32)

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import axis_size, stack_axes
 from trainers.errors import OptimizerError
+from trainers.optimizers.axes import auto_mesh
 from trainers.optimizers.state_dtype import compute_dtype
 from trainers.optimizers.tensor_ops import blockify, unblockify
 
@@ -64,7 +65,9 @@ class ParamLayout:
 
   ``mesh`` is a ``jax.sharding.Mesh`` (the optimizer runs its blocks in
   ``shard_map``) or an ``AbstractMesh`` (same blocks, computed on global arrays).
-  The trainer builds it from the plan of the params with :meth:`from_plan`.
+  The trainer builds it from the plan of the params with :meth:`from_plan`. The mesh
+  is kept with Auto axes (:func:`~trainers.optimizers.axes.auto_mesh`): the registry's
+  updates run in Auto axes on any mesh (``axes.py``).
 
   Example:
       >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
@@ -75,6 +78,9 @@ class ParamLayout:
 
   specs: Any
   mesh: Any
+
+  def __post_init__(self):
+    object.__setattr__(self, "mesh", auto_mesh(self.mesh))
 
   @classmethod
   def from_plan(cls, plan) -> ParamLayout:

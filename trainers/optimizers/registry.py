@@ -23,6 +23,7 @@ import jax
 import optax
 
 from trainers.errors import OptimizerError, closest
+from trainers.optimizers.axes import auto_axes_update
 from trainers.optimizers.kron import kron
 from trainers.optimizers.muon import muon
 from trainers.optimizers.schedules import make_schedule
@@ -177,6 +178,9 @@ def make_optimizer(
       matrix orthogonalised by its owner device); the others ignore it.
     **optimizer_kwargs: passed to the optimizer's own constructor.
 
+  On a mesh with Explicit axes the update runs in Auto axes and returns its results in
+  the gradients' and the state's shardings (``axes.py``): the same update as on Auto axes.
+
   Raises:
     OptimizerError: unknown name (lists names and the closest match) or
       arguments the constructor does not take (shows its signature).
@@ -209,4 +213,4 @@ def make_optimizer(
       else None,
       entry.factory(learning_rate, **kwargs),
   ]
-  return optax.chain(*[t for t in transforms if t is not None])
+  return auto_axes_update(optax.chain(*[t for t in transforms if t is not None]))
