@@ -55,6 +55,18 @@ def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: in
   )
 
 
+def tiny_llama(get_config, batch_size: int = 32, **keys):
+  """``get_config()`` with a one-layer Llama of width 32, batches of ``batch_size`` x 32 bytes,
+  a 2-step warmup, and ``keys`` replaced (in-process runs through trainers/build.py)."""
+  config = get_config()
+  config.model.update(n_layers=1, d_model=32, n_heads=2, d_ff=64)
+  config.seq_len, config.batch_size = 32, batch_size
+  config.schedule.warmup_steps = 2
+  for key, value in keys.items():
+    config[key] = value
+  return config
+
+
 def environment(**extra: str) -> dict:
   """This process's environment on the CPU backend, ``extra`` variables added."""
   return {**os.environ, "JAX_PLATFORMS": "cpu", **extra}

@@ -11,21 +11,14 @@ import pytest
 
 import bv_sharding as bvs
 from configs import lm, lm_tp_fsdp, vit_digits
+from tests.helpers import tiny_llama
 from trainers import build, steps
 from trainers.input import batching
 
 STEPS = 20
 
 
-def _tiny(get_config, **keys):
-  """A config's one-layer Llama of width 32, batches of 16 x 32 bytes, ``keys`` replaced."""
-  config = get_config()
-  config.model.update(n_layers=1, d_model=32, n_heads=2, d_ff=64)
-  config.seq_len, config.batch_size = 32, 16
-  config.schedule.warmup_steps = 2
-  for key, value in keys.items():
-    config[key] = value
-  return config
+_tiny = functools.partial(tiny_llama, batch_size=16)
 
 
 def _losses(config, axis_types: str, count: int) -> tuple[list[float], float]:

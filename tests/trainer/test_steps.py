@@ -1,5 +1,6 @@
 """The train step built as the trainer builds it: gradient accumulation and mixed precision."""
 
+import functools
 import itertools
 
 import flax.linen as nn
@@ -10,21 +11,12 @@ import pytest
 
 import bv_sharding as bvs
 from configs import lm
+from tests.helpers import tiny_llama
 from trainers import build, steps
 from trainers.errors import ConfigError
 from trainers.input import batching, tasks
 
-
-def _lm(**keys):
-  """configs/lm.py with a one-layer Llama of width 32 (FSDP over the 8 test devices), batches
-  of 32 x 32 bytes, ``keys`` replaced."""
-  config = lm.get_config()
-  config.model.update(n_layers=1, d_model=32, n_heads=2, d_ff=64)
-  config.seq_len, config.batch_size = 32, 32
-  config.schedule.warmup_steps = 2
-  for key, value in keys.items():
-    config[key] = value
-  return config
+_lm = functools.partial(tiny_llama, lm.get_config)
 
 
 def _runs(configs, count: int) -> list[tuple[list[float], int]]:
