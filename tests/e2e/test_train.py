@@ -213,12 +213,12 @@ def write_data(root):
   return {
       "tokens": (
           f"configs/lm_data.py:train={tokens}/train.bin,val={tokens}/val.bin,vocab=512",
-          "tokens/s=",
+          "tokens/s/device=",
       ),
-      "text": (f"configs/lm_data.py:kind=text,train={root}/text", "tokens/s="),
+      "text": (f"configs/lm_data.py:kind=text,train={root}/text", "tokens/s/device="),
       "images": (
           f"configs/vit_images.py:train={root}/images/train,val={root}/images/val,classes=4",
-          "images/s=",
+          "images/s/device=",
       ),
   }
 

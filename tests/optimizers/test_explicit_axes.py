@@ -18,6 +18,7 @@ import bv_sharding as bvs
 from benchmarks import traffic
 from benchmarks.step_traffic import REMAT, captured_stderr
 from configs import lm, lm_tp_fsdp
+from tests.helpers import tiny_llama
 from trainers import build, steps
 from trainers.optimizers import OPTIMIZERS
 
@@ -26,9 +27,7 @@ CONFIGS = {"lm": lm, "lm_tp_fsdp": lm_tp_fsdp}
 
 @functools.cache
 def _config(name: str):
-  config = CONFIGS[name].get_config()
-  config.model.n_layers = 1
-  return config
+  return tiny_llama(CONFIGS[name].get_config)
 
 
 @functools.cache
