@@ -379,7 +379,7 @@ class StepLog:
     logged, is_eval = logs_step(step, self.config)
     if not logged:
       return
-    record = {"step": step, "loss": metrics["loss"], **metrics}
+    record = {"step": step, **metrics}  # metrics start with the loss.
     record.update(
         {k: float(lr(step - 1 - self.opt_start)) for k, lr in self.learning_rates.items()}
     )
