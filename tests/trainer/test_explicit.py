@@ -61,9 +61,19 @@ def _scanned_tp(**keys):
   return config
 
 
-@pytest.mark.parametrize("optax_name", ["adamw"])
+_lm = functools.partial(_tiny, lm.get_config)
+_tp = functools.partial(_tiny, lm_tp_fsdp.get_config)
+# configs/lm.py and configs/lm_tp_fsdp.py with the optimizers that lay out their own work
+# (Kron's and Shampoo's blocks, Muon's owners), and adamw on the scanned, rematerialised,
+# accumulating tp config.
+CASES = [(_lm, name) for name in ("adamw", "kron", "shampoo", "muon")]
+CASES += [(_tp, name) for name in ("kron", "shampoo", "muon")] + [(_scanned_tp, "adamw")]
+
+
 @pytest.mark.parametrize(
-    "make_config", [functools.partial(_tiny, lm.get_config), _scanned_tp], ids=["lm", "tp_scan"]
+    "make_config, optax_name",
+    CASES,
+    ids=[f"{'lm' if m is _lm else 'tp' if m is _tp else 'tp_scan'}-{n}" for m, n in CASES],
 )
 def test_explicit_axes_train_as_auto_ones(make_config, optax_name):
   losses = _same_training(make_config(optax_name=optax_name))
