@@ -136,11 +136,22 @@ def loss_fn(task, model, plan: bvs.Plan | None = None) -> Callable[[Any, Any], A
   Example: ``steps.make_train_step(loss_fn(task, model, plan), tx, plan, batch_sharding)``.
   """
 
-  def loss(params, batch):
-    params = params if plan is None else bvs.gather_for_compute(params, plan)
-    return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
+  apply = apply_fn(model, plan)
+  return lambda params, batch: task.loss(apply(params, task.inputs(batch)), batch)
 
-  return loss
+
+def apply_fn(model, plan: bvs.Plan | None = None) -> Callable[[Any, Any], Any]:
+  """``apply(params, inputs)``: ``model``'s output, the params first gathered to their compute
+  specs with ``plan`` (as in :func:`loss_fn`; ``trainers.sample`` takes its logits from it).
+
+  Example: ``logits = apply_fn(run.model, run.plan)(params, tokens)``.
+  """
+
+  def apply(params, inputs):
+    params = params if plan is None else bvs.gather_for_compute(params, plan)
+    return model.apply({"params": params}, inputs)
+
+  return apply
 
 
 def optimizer(config, layout=None) -> tuple[Any, dict[str, Callable]]:

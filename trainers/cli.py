@@ -148,6 +148,24 @@ def snake_case(args: list[str], names) -> list[str]:
   return out
 
 
+def at_least(low: int):
+  """An argparse ``type``: integers >= ``low`` (e.g. of ``trainers.convert --workers``).
+
+  Example: ``at_least(1)("4")`` == 4; ``at_least(1)("0")`` raises ArgumentTypeError.
+  """
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = low - 1
+    if value < low:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {low}")
+    return value
+
+  return parse
+
+
 def fraction(text: str) -> float:
   """A number in [0, 1]: an argparse ``type`` (e.g. of ``trainers.plan --max_unsharded_fraction``).
 

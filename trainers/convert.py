@@ -272,13 +272,6 @@ def make_dir(path: str, what: str) -> None:
     ) from None
 
 
-def positive(text: str) -> int:
-  """An integer >= 1: an argparse ``type``."""
-  if not text.isdigit() or int(text) < 1:
-    raise ValueError(text)
-  return int(text)
-
-
 @cli.command
 def main(argv=None) -> None:
   """``python -m trainers.convert CORPUS OUT_DIR``: writes the token files, prints how to train."""
@@ -290,10 +283,10 @@ def main(argv=None) -> None:
   parser.add_argument(
       "--train_tokenizer", action="store_true", help="train a BPE on the corpus first"
   )
-  parser.add_argument("--vocab_size", type=positive, help="the trained tokenizer's ids")
+  parser.add_argument("--vocab_size", type=cli.at_least(1), help="the trained tokenizer's ids")
   parser.add_argument("--eot_token", default="", help="the end-of-text token (default: found)")
   parser.add_argument("--text_field", default="text", help="JSONL/Parquet: the text's field")
-  parser.add_argument("--workers", type=positive, default=os.cpu_count() or 1)
+  parser.add_argument("--workers", type=cli.at_least(1), default=os.cpu_count() or 1)
   parser.add_argument("--dtype", default="", choices=("", *sources.TOKEN_DTYPES))
   args = parser.parse_args(argv)
   if args.train_tokenizer and (args.tokenizer or not args.vocab_size):
