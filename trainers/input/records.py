@@ -193,6 +193,7 @@ class ScanCache:
   def save(self) -> None:
     """Writes what the main process scanned (after every check passed; a rename, so whole)."""
     if self.is_main and self.scanned:
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
       partial = f"{self.path}.partial-{os.getpid()}"
       with open(partial, "w") as f:
         json.dump(self.known, f, indent=1)
