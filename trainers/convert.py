@@ -23,8 +23,9 @@ end-of-text id), a JSONL line or Parquet row crossing it goes to val.bin. Each o
 and SHA-256; the trainer takes the vocabulary and dtype from it.
 
 Documents stream in pieces (at most 16 MiB of a long file at a time) and are encoded in
-batches by ``--workers`` processes (default: every core; bytes need none), written in
-input order, so the output does not depend on the worker count. Progress (MiB, rate, ETA)
+batches by ``--workers`` processes (default: every core, one tokenizer thread each; 1: here,
+with the library's threads; bytes need none), written in input order, so the output does not
+depend on the worker count. Progress (MiB, rate, ETA)
 goes to stderr. Outputs are written under temporary names and renamed at the end, so an
 interrupted run leaves the last complete output (or none), and running again redoes it.
 A bad input (a path that names no file, a non-UTF-8 file named explicitly, a missing text
@@ -145,9 +146,11 @@ def batches(pieces: Iterator[documents.Piece], cut: int) -> Iterator[tuple[str, 
 _WORKER = {}  # The tokenizer and end-of-text id of this process (set by start_worker).
 
 
-def start_worker(path: str | None, eot: int | None) -> None:
-  """Loads the tokenizer once in each worker process (its own threads off: one core each)."""
-  os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def start_worker(path: str | None, eot: int | None, one_thread: bool = True) -> None:
+  """Loads the tokenizer once in each worker process (``one_thread``: its threads off, one core
+  a process)."""
+  if one_thread:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
   _WORKER.update(tok=tokenizers_lib.load(path), eot=eot)
 
 
@@ -159,7 +162,7 @@ def encode_batch(texts: list[str], ends: list[bool]) -> np.ndarray:
 def encoded(work: Iterator[tuple[str, list]], workers: int, path, eot) -> Iterator[tuple]:
   """(split, pieces, ids) for each batch of ``work``, in order; at most 2 per worker in flight."""
   if workers <= 1:
-    start_worker(path, eot)
+    start_worker(path, eot, one_thread=False)  # In this process: the library's threads.
     for split, pieces in work:
       yield split, pieces, encode_batch([p.text for p in pieces], [p.last for p in pieces])
     return
