@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.helpers import run_module, train
+from tests.helpers import assert_snake_case_help, help_text, run_module, train
 from trainers import convert, sample
 from trainers.input import sources
 
@@ -81,3 +81,9 @@ def test_a_workdir_without_a_run_is_one_line(tmp_path, capsys):
   err = capsys.readouterr().err
   assert exited.value.code == 1 and err.startswith(f"ConfigError: --workdir={tmp_path} has no")
   assert len(err.splitlines()) == 1
+
+
+def test_help_shows_snake_case_flags_only(capsys):
+  assert_snake_case_help(
+      help_text(sample.main, capsys), "--max_new_tokens", "--devices_per_process"
+  )
