@@ -245,15 +245,18 @@ def train_tokenizer(corpus: documents.Corpus, out_dir: str, vocab_size: int) -> 
   make_dir(out_dir, "out_dir")
   path = os.path.join(out_dir, "tokenizer.json")
   partial = f"{path}.partial-{os.getpid()}"
-  print(
-      f"training a {vocab_size}-id BPE tokenizer on {corpus.size / 2**20:.1f} MiB", file=sys.stderr
-  )
+  began = time.monotonic()
   try:
     tokenizers_lib.train_bpe(corpus.texts(), vocab_size, partial)
     os.replace(partial, path)
   finally:
     if os.path.exists(partial):
       os.remove(partial)
+  print(
+      f"trained a {vocab_size}-id BPE tokenizer on {corpus.size / 2**20:.1f} MiB in "
+      f"{time.monotonic() - began:.0f} s: {path}",
+      file=sys.stderr,
+  )
   return path
 
 

@@ -174,6 +174,10 @@ def test_an_interrupted_run_leaves_the_last_output(tmp_path, given_tokenizer, mo
             ["{tmp}/corpus/a.txt", "{tmp}/out", "--train_tokenizer"],
             "ConfigError: --train_tokenizer needs --vocab_size=N",
         ),
+        (
+            ["{tmp}/corpus/c.jsonl", "{tmp}/out", "--train_tokenizer", "--vocab_size=300"],
+            "ConfigError: {tmp}/corpus/c.jsonl:1 has no text field 'text' (its keys: ['body']);",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys, args, line):
