@@ -12,11 +12,12 @@ The prompt is encoded, and decoded with the continuation, by the tokenizer recor
 run's token files (trainers/input/tokenizer.py; bytes for ``kind="text"`` and byte-level
 files); generation stops at the end-of-text id or after ``--max_new_tokens``.
 
-Each new token recomputes the whole window: the model runs on the last ``config.seq_len``
-tokens (right-padded to that length, so one compiled program serves every step; causal
-attention never looks at the padding), so a token costs one forward pass of ``seq_len``
-positions, ``seq_len`` times a KV cache's, and N tokens cost N passes. ``--temperature 0``
-picks the most likely token; ``--top_k K`` samples among the K likeliest. A bad input (no
+Generation keeps a KV cache (the Llama's ``decode`` mode): the prompt is run once, then each
+new token is one position's forward pass attending to the cached ones. The window is the
+trained one (``config.seq_len``, at most the model's ``max_len``): when the cache is full, it is
+refilled from the last half window of tokens (one pass of ``seq_len / 2`` positions every
+``seq_len / 2`` new tokens), so the model never sees a position it was not trained on.
+``--temperature 0`` picks the most likely token; ``--top_k K`` samples among the K likeliest. A bad input (no
 checkpoint, a missing tokenizer) ends as one line, ``ConfigError: ...``, exit status 1.
 """
 
@@ -90,18 +91,40 @@ def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k
   return int(rng.choice(len(p), p=p / p.sum()))
 
 
-def generate(apply, params, prompt: list[int], window: int, steps: int, choose, eot) -> list[int]:
-  """``prompt`` continued by up to ``steps`` tokens, each ``choose(logits)`` of the last
-  ``window``; stops after ``eot``."""
-  tokens = list(prompt)
-  for _ in range(steps):
-    context = tokens[-window:]
-    padded = np.zeros((1, window), np.int32)
-    padded[0, : len(context)] = context
-    tokens.append(choose(np.asarray(apply(params, padded)[0, len(context) - 1])))
-    if tokens[-1] == eot:
+def decode_step(model, plan: bvs.Plan):
+  """``step(params, cache, tokens) -> (last logits, cache)``: ``tokens`` (1, T) continue the
+  sequence ``cache`` holds ({}: none yet), jitted; params gathered to their compute specs."""
+  decoder = model.clone(decode=True)
+
+  def step(params, cache, tokens):
+    variables = {"params": bvs.gather_for_compute(params, plan), **cache}
+    logits, cache = decoder.apply(variables, tokens, mutable=["cache"])
+    return logits[0, -1], cache
+
+  return jax.jit(step)
+
+
+def generate(step, params, prompt: list[int], window: int, steps: int, choose, eot) -> list[int]:
+  """Up to ``steps`` tokens continuing ``prompt``, each ``choose(logits)``; stops after ``eot``.
+
+  The cache holds at most ``window`` tokens; when full it is refilled with the last
+  ``window // 2``.
+  """
+  context = list(prompt[-window:])
+  logits, cache = step(params, {}, np.array([context], np.int32))
+  new, filled = [], len(context)
+  while len(new) < steps:
+    new.append(choose(np.asarray(logits)))
+    if new[-1] == eot or len(new) == steps:
       break
-  return tokens[len(prompt) :]
+    if filled == window:  # Full: refill from the last half window.
+      recent = (context + new)[-(window // 2) :]
+      logits, cache = step(params, {}, np.array([recent], np.int32))
+      filled = len(recent)
+    else:
+      logits, cache = step(params, cache, np.array([new[-1:]], np.int32))
+      filled += 1
+  return new
 
 
 def non_negative(text: str) -> float:
@@ -148,10 +171,11 @@ def main(argv=None) -> None:
   with jax.set_mesh(mesh):
     params, source = checkpoint.load_params(args.workdir, run.plan)
     print(f"sampling from {source} on {jax.device_count()} devices", file=sys.stderr)
-    apply = jax.jit(build.apply_fn(run.model, run.plan))
+    step = decode_step(run.model, run.plan)
     rng = np.random.default_rng(args.seed)
     choose = lambda logits: pick(logits[:vocab], rng, args.temperature, args.top_k)
-    new = generate(apply, params, prompt, config.seq_len, args.max_new_tokens, choose, eot)
+    window = min(config.seq_len, run.model.config.max_len)
+    new = generate(step, params, prompt, window, args.max_new_tokens, choose, eot)
   print(args.prompt + tokenizers_lib.decode(tok, new))
 
 
