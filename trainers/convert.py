@@ -5,8 +5,10 @@
   python -m trainers.convert '/hub/*.parquet' /data/gpt2 --tokenizer=gpt2/tokenizer.json
   python -m trainers.convert /hub/docs.jsonl /data/d --tokenizer=t.json --text_field=content
 
-The corpus is text files (a directory, recursively, or a glob; one document per file), JSONL
-or Parquet (one document per line or row, its ``--text_field``): trainers/input/documents.py.
+The corpus is text files (a directory, recursively, or a glob; one document per file, or per
+stretch between ``--separator``s, e.g. ``--separator='<|endoftext|>'``; ``\\n`` in it is a
+newline), JSONL or Parquet (one document per line or row, its ``--text_field``):
+trainers/input/documents.py.
 Files in a directory that are not UTF-8 text are skipped, with one line saying how many.
 
 Without a tokenizer the ids are the UTF-8 bytes (uint8, vocab 256, nothing between
@@ -292,6 +294,9 @@ def main(argv=None) -> None:
   parser.add_argument("--vocab_size", type=cli.at_least(1), help="the trained tokenizer's ids")
   parser.add_argument("--eot_token", default="", help="the end-of-text token (default: found)")
   parser.add_argument("--text_field", default="text", help="JSONL/Parquet: the text's field")
+  parser.add_argument(
+      "--separator", default="", help="text files: documents end at this string (\\n: newline)"
+  )
   parser.add_argument("--workers", type=cli.at_least(1), default=os.cpu_count() or 1)
   parser.add_argument("--dtype", default="", choices=("", *sources.TOKEN_DTYPES))
   args = parser.parse_args(argv)
@@ -299,7 +304,8 @@ def main(argv=None) -> None:
     raise ConfigError(
         "--train_tokenizer needs --vocab_size=N and no --tokenizer; e.g. --vocab_size=8192"
     )
-  corpus = documents.Corpus.of(args.text, args.text_field)
+  separator = args.separator.replace("\\n", "\n")
+  corpus = documents.Corpus.of(args.text, args.text_field, separator)
   path = args.tokenizer
   if args.train_tokenizer:
     path = train_tokenizer(corpus, args.out_dir, args.vocab_size)

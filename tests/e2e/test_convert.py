@@ -62,6 +62,9 @@ def write_corpus(root, form: str) -> str:
       (root / f"{i:02}.txt").write_text(doc)
     (root / "compiled.pyc").write_bytes(b"\x00\x01\xff\xfe binary")
     return str(root)
+  if form == "separated":  # One file, the documents between separators (TinyStories' form).
+    (root / "stories.txt").write_text("<|endoftext|>".join(["", *DOCS, "  "]))
+    return str(root / "stories.txt")
   if form == "jsonl":
     lines = [json.dumps({"id": i, "body": doc}) for i, doc in enumerate(DOCS)]
     (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
@@ -79,14 +82,14 @@ def given_tokenizer(tmp_path_factory):
   return path
 
 
-@pytest.mark.parametrize("form", ["text", "jsonl", "parquet"])
+@pytest.mark.parametrize("form", ["text", "separated", "jsonl", "parquet"])
 @pytest.mark.parametrize("how", ["trained", "given"])
 def test_documents_end_with_the_end_of_text_id(tmp_path, capsys, given_tokenizer, form, how):
   corpus = write_corpus(tmp_path / "corpus", form)
   out = tmp_path / "out"
   tokenizer = ["--train_tokenizer", "--vocab_size=400"] if how == "trained" else []
   tokenizer = tokenizer or [f"--tokenizer={given_tokenizer}"]
-  field = [] if form == "text" else ["--text_field=body"]
+  field = {"text": [], "separated": ["--separator=<|endoftext|>"]}.get(form, ["--text_field=body"])
   convert.main([corpus, str(out), "--val_fraction=0.2", "--workers=1", *tokenizer, *field])
   err = capsys.readouterr().err
   assert ("skipped 1 files that are not UTF-8 text: " in err) == (form == "text"), err

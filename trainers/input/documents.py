@@ -3,7 +3,9 @@
 A corpus is a file, a glob or a directory (searched recursively; the ``.json`` records
 beside token files are left out). Each file's format comes from its name: ``.jsonl``
 (one JSON object a line), ``.parquet`` (``pyarrow``: ``pip install -e ".[parquet]"``),
-anything else is a text file. A text file is one document; a JSONL line or a Parquet row
+anything else is a text file. A text file is one document, or, with a ``separator`` (e.g.
+``<|endoftext|>``, as TinyStories' files have), one document per stretch between
+separators (the separators dropped, blank stretches skipped); a JSONL line or a Parquet row
 is one document, its ``text_field`` (default "text") the text.
 
 Documents stream as :class:`Piece`s of at most about :data:`CHUNK` bytes: a longer text
@@ -119,9 +121,10 @@ class Corpus:
   size: int
   skipped: tuple[str, ...]
   text_field: str = "text"
+  separator: str = ""
 
   @classmethod
-  def of(cls, pattern: str, text_field: str = "text") -> "Corpus":
+  def of(cls, pattern: str, text_field: str = "text", separator: str = "") -> "Corpus":
     """The corpus ``pattern`` names (a file, a glob or a directory), non-text files left out."""
     files = sources.find_files(pattern, "the corpus argument")
     explicit = len(files) == 1 and os.path.isfile(os.path.expanduser(pattern))
@@ -140,14 +143,14 @@ class Corpus:
           "point it at text, .jsonl or .parquet files"
       )
     size = sum(os.path.getsize(f) for f in kept)
-    return cls(tuple(kept), size, tuple(skipped), text_field)
+    return cls(tuple(kept), size, tuple(skipped), text_field, separator)
 
   def pieces(self) -> Iterator[Piece]:
     """Every document's pieces, file by file in sorted order."""
     start, texts = 0, 0
     for path in self.files:
       read = {"text": _text_pieces, "jsonl": _jsonl_pieces, "parquet": _parquet_pieces}
-      for piece in read[format_of(path)](path, start, self.text_field):
+      for piece in read[format_of(path)](path, start, self):
         texts += bool(piece.text)
         yield piece
       start += os.path.getsize(path)
@@ -166,8 +169,45 @@ def _head_is_text(path: str) -> bool:
     return is_text(f.read(CHUNK))
 
 
-def _text_pieces(path: str, start: int, _) -> Iterator[Piece]:
-  """A text file as one document, in pieces of at most CHUNK bytes."""
+def _text_pieces(path: str, start: int, corpus: Corpus) -> Iterator[Piece]:
+  """A text file as one document (or one per separated stretch), in pieces of at most CHUNK
+  bytes."""
+  pieces = _file_pieces(path, start)
+  return split_on(pieces, corpus.separator) if corpus.separator else pieces
+
+
+def split_on(pieces: Iterator[Piece], separator: str) -> Iterator[Piece]:
+  """One file's ``pieces`` (one document) re-cut into a document per stretch between
+  ``separator``s; blank stretches are skipped, their bytes counted with the next piece.
+
+  Example:
+    >>> one = iter([Piece("a<s>b<", False, 0, 6, True), Piece("s><s>c", True, 6, 6, True)])
+    >>> [(p.text, p.last, p.start, p.size) for p in split_on(one, "<s>")]
+    [('a', True, 0, 4), ('b', True, 4, 4), ('c', True, 8, 4)]
+  """
+  carry, width = "", len(separator.encode())
+  offset = position = None  # Where carry begins; the first byte not in a piece yielded.
+  for piece in pieces:
+    if offset is None:
+      offset = position = piece.start
+    *done, carry = (carry + piece.text).split(separator)
+    for text in done:
+      end = offset + len(text.encode()) + width  # Through its separator.
+      if text.strip():
+        yield Piece(text, True, position, end - position, True)
+        position = end
+      offset = end
+    if len(carry) > CHUNK and not piece.last:  # A long document: all but a possible separator.
+      head, carry = carry[: -len(separator)], carry[-len(separator) :]
+      offset += len(head.encode())
+      yield Piece(head, False, position, offset - position, True)
+      position = offset
+  if carry.strip():
+    yield Piece(carry, True, position, offset + len(carry.encode()) - position, True)
+
+
+def _file_pieces(path: str, start: int) -> Iterator[Piece]:
+  """A text file's bytes as one document, in pieces of at most CHUNK bytes."""
   with open(path, "rb") as f:
     data = f.read(CHUNK)
     while data:
@@ -184,8 +224,9 @@ def _text_pieces(path: str, start: int, _) -> Iterator[Piece]:
       start += len(head)
 
 
-def _jsonl_pieces(path: str, start: int, field: str) -> Iterator[Piece]:
-  """A JSONL file's lines, each one document: its ``field``."""
+def _jsonl_pieces(path: str, start: int, corpus: Corpus) -> Iterator[Piece]:
+  """A JSONL file's lines, each one document: its ``corpus.text_field``."""
+  field = corpus.text_field
   with open(path, "rb") as f:
     for number, line in enumerate(f, 1):
       if line.strip():
@@ -209,8 +250,10 @@ def _field(path: str, number: int, line: bytes, field: str) -> str:
   return record[field]
 
 
-def _parquet_pieces(path: str, start: int, field: str) -> Iterator[Piece]:
-  """A Parquet file's rows, each one document: column ``field``, PARQUET_ROWS rows at a time."""
+def _parquet_pieces(path: str, start: int, corpus: Corpus) -> Iterator[Piece]:
+  """A Parquet file's rows, each one document: column ``corpus.text_field``, PARQUET_ROWS rows
+  at a time."""
+  field = corpus.text_field
   try:
     from pyarrow import parquet  # pylint: disable=g-import-not-at-top
   except ImportError:
