@@ -93,12 +93,12 @@ def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k
 
 def decode_step(model, plan: bvs.Plan):
   """``step(params, cache, tokens) -> (last logits, cache)``: ``tokens`` (1, T) continue the
-  sequence ``cache`` holds ({}: none yet), jitted; params gathered to their compute specs."""
-  decoder = model.clone(decode=True)
+  sequence ``cache`` holds ({}: none yet), jitted; params gathered to their compute specs as
+  the trainer's loss gathers them (``build.gathering``)."""
+  gather, decoder = build.gathering(model.clone(decode=True), plan)
 
   def step(params, cache, tokens):
-    variables = {"params": bvs.gather_for_compute(params, plan), **cache}
-    logits, cache = decoder.apply(variables, tokens, mutable=["cache"])
+    logits, cache = decoder.apply({"params": gather(params), **cache}, tokens, mutable=["cache"])
     return logits[0, -1], cache
 
   return jax.jit(step)

@@ -24,6 +24,7 @@ API = {
     "check_coverage",
     "check_same_plan",
     "gather_for_compute",
+    "save_anything_but_gathers",
     "register",
     "registered",
     "lookup",

@@ -130,10 +130,10 @@ def test_decoding_with_the_kv_cache_gives_the_full_pass_logits(params, scan_laye
   tokens = _tokens(batch=1)
   weights = _stack_layers(params) if scan_layers else params
   model = llama.build("tiny", scan_layers=scan_layers)
+  # A scanned stack as trainers.sample runs it: each layer read through gather_layer.
+  decoding = model.clone(decode=True, gather_layer=(lambda p: p) if scan_layers else None)
   decoder = jax.jit(
-      lambda cache, x: model.clone(decode=True).apply(
-          {"params": weights, **cache}, x, mutable=["cache"]
-      )
+      lambda cache, x: decoding.apply({"params": weights, **cache}, x, mutable=["cache"])
   )
   logits, cache = decoder({}, tokens[:, :5])
   pieces = [logits]

@@ -43,12 +43,14 @@ Example:
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import bv_sharding as bvs
 from trainers.models import _presets
 from trainers.models.axes import ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, constrain, matmul, take
 
@@ -234,6 +236,10 @@ class Llama(nn.Module):
     remat: rematerialise each block's activations in the backward pass.
     dtype: activation / compute dtype (params are cast to it for the matmuls).
     param_dtype: the params' stored dtype.
+    gather_layer: with ``scan_layers``, a function of one layer's params (its slice of
+      the ``layers`` stack) applied where the scanned body reads them, e.g. to gather them
+      for compute one layer at a time (``trainers.build.loss_fn`` passes
+      ``bv_sharding.gather_for_compute``); ``None`` reads them as they are.
     decode: decode with a KV cache (``model.clone(decode=True)``, applied with
       ``mutable=["cache"]``): each call continues the sequence the cache holds, up to
       ``config.max_len`` positions (trainers/sample.py).
@@ -244,7 +250,27 @@ class Llama(nn.Module):
   remat: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  gather_layer: Callable[[Any], Any] | None = None
   decode: bool = False
+
+  STACK = "layers"  # The path of the scanned layers' params (scan_layers=True).
+
+  def _block(self):
+    """The decoder block as the model runs it. On a scanned stack with ``gather_layer`` the
+    block gathers its params where it reads them, inside the rematerialised part: the
+    backward pass gathers each layer again (without ``remat``, only the gathers are
+    recomputed: ``bv_sharding.save_anything_but_gathers``), so no layer's gathered params
+    are kept from the forward pass."""
+    block = DecoderBlock
+    gathers = self.scan_layers and self.gather_layer is not None
+    if gathers:
+      gather = lambda variables: {"params": self.gather_layer(variables["params"])}
+      block = nn.map_variables(block, "params", trans_in_fn=gather)
+    if self.remat:
+      block = nn.remat(block, prevent_cse=not self.scan_layers)
+    elif gathers:
+      block = nn.remat(block, prevent_cse=False, policy=bvs.save_anything_but_gathers)
+    return block
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -262,9 +288,7 @@ class Llama(nn.Module):
     x = embed(tokens)
     dtypes = (self.dtype, self.param_dtype)
 
-    block = DecoderBlock
-    if self.remat:
-      block = nn.remat(block, prevent_cse=not self.scan_layers)
+    block = self._block()
     if self.scan_layers:
       layers = nn.scan(
           block,
@@ -273,7 +297,7 @@ class Llama(nn.Module):
           split_rngs={"params": True},
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x, _ = layers(cfg, *dtypes, decode=self.decode, name="layers")(x, None)
+      x, _ = layers(cfg, *dtypes, decode=self.decode, name=self.STACK)(x, None)
     else:
       for i in range(cfg.n_layers):
         x, _ = block(cfg, *dtypes, decode=self.decode, name=f"layers_{i}")(x, None)
