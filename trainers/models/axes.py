@@ -70,6 +70,12 @@ def matmul(x: jax.Array, kernel: jax.Array, names) -> jax.Array:
   """``x @ kernel`` laid out as ``names``: on Explicit axes the product is told its output
   sharding, which a kernel split along the summed dim (row-parallel) leaves ambiguous.
 
+  A kernel split along its output dim over axes the rules keep that dim of the output whole
+  on (a tensor-parallel ``lm_head`` when the rules do not split the vocabulary) is gathered
+  over those axes first: moving the kernel costs less than moving the output it would split
+  whenever there are more rows (tokens) than the kernel has input dims, as XLA's Auto
+  partitioning also decides.
+
   Example:
     >>> matmul(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), ACT_EMBED).shape
     (2, 3, 5)
@@ -77,7 +83,20 @@ def matmul(x: jax.Array, kernel: jax.Array, names) -> jax.Array:
   spec = explicit_spec(names, (*x.shape[:-1], kernel.shape[-1]))
   if spec is None:
     return nn.with_logical_constraint(x @ kernel, names)
-  return jnp.matmul(x, kernel, out_sharding=spec)
+  return jnp.matmul(x, _output_dim_as(kernel, spec[-1]), out_sharding=spec)
+
+
+def _output_dim_as(kernel: jax.Array, entry) -> jax.Array:
+  """``kernel`` with its last dim split over no axes but those of ``entry``, the output's."""
+  stored = jax.typeof(kernel).sharding.spec
+  dims = list(stored) + [None] * (kernel.ndim - len(stored))
+  wanted = set((entry,) if isinstance(entry, str) else entry or ())
+  last = tuple(a for a in ((dims[-1],) if isinstance(dims[-1], str) else dims[-1] or ()))
+  kept = tuple(a for a in last if a in wanted)
+  if kept == last:
+    return kernel
+  dims[-1] = (kept[0] if len(kept) == 1 else kept) if kept else None
+  return jax.sharding.reshard(kernel, PartitionSpec(*dims))
 
 
 def take(table: jax.Array, ids: jax.Array, names) -> jax.Array:

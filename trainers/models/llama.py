@@ -151,6 +151,17 @@ class _Embed(nn.Embed):
     return take(self.embedding.astype(self.dtype), inputs, ACT_EMBED)
 
 
+class _Head(nn.Dense):
+  """``nn.Dense`` (no bias) whose product comes out as the logits ``ACT_VOCAB`` (``axes.matmul``:
+  on Explicit axes a kernel split over vocab that the rules keep whole is gathered first)."""
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    shape = (inputs.shape[-1], self.features)
+    kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
+    return matmul(inputs, kernel.astype(self.dtype), ACT_VOCAB)
+
+
 class _Layer(nn.Module):
   """What every layer of the model holds: the sizes, the compute and the params' dtypes, and
   whether it decodes with a KV cache (:class:`Llama`'s ``decode``)."""
@@ -303,7 +314,7 @@ class Llama(nn.Module):
         x, _ = block(cfg, *dtypes, decode=self.decode, name=f"layers_{i}")(x, None)
 
     x = _rms_norm("final_norm", self)(x)
-    logits = nn.Dense(
+    logits = _Head(
         cfg.vocab_size,
         use_bias=False,
         dtype=self.dtype,
