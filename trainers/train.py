@@ -64,6 +64,7 @@ from trainers import (
     validation,
 )
 from trainers.input import batching, prefetch
+from trainers.optimizers import rebirth
 from trainers.rundir import checkpoint, events, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
@@ -380,9 +381,10 @@ class StepLog:
     if not logged:
       return
     record = {"step": step, **metrics}  # metrics start with the loss.
-    record.update(
-        {k: float(lr(step - 1 - self.opt_start)) for k, lr in self.learning_rates.items()}
-    )
+    # The schedules count global steps; an optimizer born mid-run is ramped in (rebirth.py).
+    ramp = rebirth.ramp(self.config.get("rewarmup_steps", 0), step - 1 - self.opt_start)
+    ramp = ramp if self.opt_start else 1.0
+    record.update({k: float(lr(step - 1)) * ramp for k, lr in self.learning_rates.items()})
     record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)
     per_step = self.config.batch_size * self.task.per_example
     record.update(self.cost.record(record["steps_per_sec"], per_step, self.task.unit))

@@ -10,8 +10,9 @@ Restoring never reads the saved shardings: the target is ``plan.abstract()``, th
 current config's plan, so a checkpoint moves between meshes and process counts.
 Params and step are always restored; what becomes of the optimizer state is the
 optimizer's to say (:meth:`Migration.migrate`: kept, moved, or None). When None, the
-new optimizer's state is born sharded from the plan and its count (hence its schedule)
-starts at 0. A floating-point array saved in another dtype (another ``config.param_dtype``
+new optimizer's state is born sharded from the plan, its schedule continuing at the global
+step, with the saved leaves that mean the same in it (a first moment) carried over
+(:meth:`Migration.reborn`, trainers/optimizers/rebirth.py). A floating-point array saved in another dtype (another ``config.param_dtype``
 or ``config.state_dtype``) is cast to the plan's as orbax reads its shards, and the log
 says so (e.g. "restored params cast float32 -> bfloat16 (12 leaves); opt state cast
 float32 -> bfloat16 (30 leaves)"); a leaf of another name or shape is a difference.
@@ -74,6 +75,9 @@ class Migration(Protocol):
   checkpoint's meta; ``mismatch``: None when the saved state's tree is the one this run
   builds, else the first differing leaf (:func:`first_difference`); ``load()``: the saved
   state in the plan's shardings (read only if kept).
+  ``reborn(state, step, saved_meta, saved_table, read)``: ``(state, carried)``, a state just
+  born at ``step`` continuing the schedule there, with the saved leaves it carries over
+  (``{new leaf: saved leaf}``; ``read({saved leaf: target})`` reads them).
   """
 
   def record(self) -> dict:
@@ -82,13 +86,17 @@ class Migration(Protocol):
   def migrate(self, saved_meta: dict, mismatch: str | None, load: Callable[[], Any]) -> tuple:
     ...
 
+  def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
+    ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Start:
   """Where a run starts: ``step`` done so far, ``source`` (a path or "scratch"), ``opt_start``.
 
-  ``opt_start`` is the step the optimizer state was born at (its count is
-  ``step - opt_start``), so the logged learning rate is ``lr(step - 1 - opt_start)``.
+  ``opt_start`` is the step the optimizer state was born at: its schedule counts global
+  steps (the logged learning rate is ``lr(step - 1)``), its ``config.rewarmup_steps`` ramp
+  the steps since ``opt_start``.
   """
 
   step: int
@@ -105,8 +113,7 @@ def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   Example: ``leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}``.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
-  return {name(path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+  return {_name(path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
 
 
 def first_difference(want: dict, have: dict) -> str | None:
@@ -360,14 +367,33 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   if opt is not None:
     logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
     return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
+  read = lambda targets: restore_leaves(manager, step, OPT, targets)
+  opt, carried = migration.reborn(steps.init_opt(tx, plan, params), step, meta, saved_opt, read)
   logging.info(
       "resumed at step %d from %s with params and step only: optimizer state re-initialised (%s), "
-      "the new state born sharded from the plan (its count and schedule start at 0)",
+      "the new state born sharded from the plan, its schedule at step %d; carried over: %s",
       step,
       source,
       why,
+      step,
+      ", ".join(f"opt/{saved} -> opt/{new}" for new, saved in carried.items()) or "nothing",
   )
-  return {"params": params, "opt": steps.init_opt(tx, plan, params)}, Start(step, source, step)
+  return {"params": params, "opt": opt}, Start(step, source, step)
+
+
+def restore_leaves(manager: ocp.CheckpointManager, step: int, item: str, targets: dict) -> dict:
+  """``{name: array}``: the leaves of ``item`` that ``targets`` names (:func:`leaf_table`'s
+  names), each read onto its target's shape, dtype and sharding; the rest is not read."""
+  tree = manager.item_metadata(step)[item].tree
+  target = jax.tree_util.tree_map_with_path(
+      lambda path, _: targets.get(_name(path), ocp.PLACEHOLDER), tree
+  )
+  flat, _ = jax.tree_util.tree_flatten_with_path(restore_item(manager, step, item, target))
+  return {_name(path): x for path, x in flat if _name(path) in targets}
+
+
+def _name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def load_params(path: str, plan: Plan) -> tuple[Any, str]:
