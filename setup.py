@@ -17,6 +17,10 @@ TEST = [
     *PLOT,
     *STYLE,
 ]
+# gs:// workdirs (trainers/rundir/paths.py): epath's GCS backend, and Google's client.
+GCS = ["gcsfs==2026.10.1", "google-cloud-storage>=3.4,<4"]
+# The tests' bucket: a pure-Python GCS emulator on 127.0.0.1 (tests/trainer/test_bucket.py).
+TEST += [*GCS, "gcp-storage-emulator==2026.7.19"]
 
 setuptools.setup(
     name="bv_sharding",
@@ -39,6 +43,7 @@ setuptools.setup(
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],
         "plot": PLOT,  # trainers.plan --png
+        "gcs": GCS,  # --workdir gs://bucket/run
         "test": TEST,
         "dev": TEST,  # The tests, the formatter and the linter.
     },

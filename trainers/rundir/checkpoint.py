@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint._src.metadata import array_metadata_store
@@ -57,6 +58,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from bv_sharding import Plan
 from trainers import steps
 from trainers.errors import ConfigError
+from trainers.rundir import paths
 
 CHECKPOINTS = "checkpoints"
 PARAMS, OPT, META = "params", "opt", "meta"
@@ -194,7 +196,7 @@ class Checkpoints:
   """
 
   def __init__(self, workdir: str, config, migration: Migration):
-    self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
+    self.directory = os.fspath(_absolute(workdir) / CHECKPOINTS)
     self.config, self.migration = config, migration
     self.manager = open_manager(
         self.directory,
@@ -404,8 +406,8 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
 
   Example: ``params, source = load_params("runs/lm", plan)``.
   """
-  directory, step = _locate(os.path.abspath(path))
-  manager = open_manager(directory, read_only=True) if os.path.isdir(directory) else None
+  directory, step = _locate(_absolute(path))
+  manager = open_manager(directory, read_only=True) if directory.is_dir() else None
   complete = manager.all_steps() if manager else []
   step = max(complete, default=None) if step is None else step
   if step not in complete:
@@ -417,15 +419,20 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
     logging.info("%s", note)
   params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS])
   manager.close()
-  return params, os.path.join(directory, str(step))
+  return params, os.fspath(directory / str(step))
 
 
-def _locate(path: str) -> tuple[str, int | None]:
+def _absolute(location: str) -> epath.Path:
+  """A workdir or checkpoint ``location`` as an absolute ``epath.Path`` (a URL as it is)."""
+  return paths.path(location if paths.is_url(location) else os.path.abspath(location))
+
+
+def _locate(path: epath.Path) -> tuple[epath.Path, int | None]:
   """(checkpoint directory, step or None: the latest) a workdir, checkpoints/ or step dir names."""
-  if os.path.isdir(os.path.join(path, CHECKPOINTS)):
-    return os.path.join(path, CHECKPOINTS), None
-  if os.path.basename(path).isdigit():
-    return os.path.dirname(path), int(os.path.basename(path))
+  if (path / CHECKPOINTS).is_dir():
+    return path / CHECKPOINTS, None
+  if path.name.isdigit():
+    return path.parent, int(path.name)
   return path, None
 
 
