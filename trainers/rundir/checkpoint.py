@@ -58,7 +58,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from bv_sharding import Plan
 from trainers import steps
 from trainers.errors import ConfigError
-from trainers.rundir import paths
+from trainers.rundir import paths, saver
 
 CHECKPOINTS = "checkpoints"
 PARAMS, OPT, META = "params", "opt", "meta"
@@ -185,10 +185,11 @@ class Checkpoints:
 
   ``config.ckpt_steps`` (None: only at the end and on preemption) and
   ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
-  otherwise only the latest is kept) have big_vision's meaning. Saves are async:
-  the loop waits for the device-to-host copy and orbax's setup of the write (docs/benchmarks.md:
-  cost of a save); orbax writes to a temporary directory and renames it when
-  complete, so a cut-off write is never listed.
+  otherwise only the latest is kept) have big_vision's meaning. Saves do not stall the loop:
+  it waits only for the device-to-host copy of the state (trainers/rundir/saver.py); orbax's
+  setup runs on a background thread and its write on orbax's own (docs/benchmarks.md: cost of
+  a save). orbax writes to a temporary directory and renames it when complete (in a bucket: a
+  commit file), so a cut-off write is never listed.
 
   ``migration``: the run's optimizer, as its checkpoints need it (:class:`Migration`).
 
@@ -206,6 +207,7 @@ class Checkpoints:
     )
     self.preemption = Preemption()
     self.opt_start = self.step = 0
+    self.saver = saver.BackgroundSaver(background=jax.process_count() == 1)
     quiet_orbax()
 
   def latest_step(self) -> int | None:
@@ -243,14 +245,19 @@ class Checkpoints:
     preempted = self.preemption.reached(step)
     if preempted or self.manager.should_save(step):
       before_save()
-      save(self.manager, step, state, self._meta(step), force=preempted)
+      self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
+      if self.saver.background:
+        state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
+      self.saver.submit(save, self.manager, step, state, self._meta(step), preempted)
     if preempted:
+      self.saver.wait()
       self.manager.close()  # Waits for the write.
       logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
     return preempted
 
   def close(self, state) -> None:
     """Saves ``state`` at the last step done (unless saved already); waits for every write."""
+    self.saver.wait()
     if self.manager.latest_step() != self.step:
       save(self.manager, self.step, state, self._meta(self.step), force=True)
     self.manager.close()
