@@ -4,6 +4,7 @@ import setuptools
 
 STYLE = ["pyink==26.5.1", "ruff==0.17.6"]  # The house style (pyproject.toml), checked in CI.
 PLOT = ["matplotlib>=3.8,<4"]
+PARQUET = ["pyarrow>=26.0.1,<27"]  # trainers.convert reads .parquet corpora.
 TEST = [
     "pytest>=8,<10",
     "pytest-timeout>=2.3,<3",
@@ -15,6 +16,7 @@ TEST = [
     "psgd-jax==0.2.9",
     "precondition-opt==0.3.0",
     *PLOT,
+    *PARQUET,
     *STYLE,
 ]
 # gs:// workdirs (trainers/rundir/paths.py): epath's GCS backend, and Google's client.
@@ -39,11 +41,14 @@ setuptools.setup(
         "orbax-checkpoint==0.12.8",  # Checkpoints (trainers/rundir/checkpoint.py); its API moves fast.
         # TensorBoard event files (trainers/rundir/events.py) without TensorFlow; pinned like orbax.
         "tensorboardX==2.6.5",
+        # Tokenizers (trainers/input/tokenizer.py): tokenizer.json files, BPE training.
+        "tokenizers==0.23.3",
     ],
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],
         "plot": PLOT,  # trainers.plan --png
         "gcs": GCS,  # --workdir gs://bucket/run
+        "parquet": PARQUET,  # trainers.convert on .parquet files
         "test": TEST,
         "dev": TEST,  # The tests, the formatter and the linter.
     },

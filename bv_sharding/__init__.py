@@ -24,7 +24,7 @@ library (an op of your own, an optimizer whose state the plan places) needs
 from bv_sharding import ops
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
 from bv_sharding.aliases import deprecated as _deprecated
-from bv_sharding.compute import gather_for_compute
+from bv_sharding.compute import gather_for_compute, save_anything_but_gathers
 from bv_sharding.coverage import check_coverage
 from bv_sharding.errors import Error, ShardingError, ShardingWarning
 from bv_sharding.fingerprint import check_same_plan, line_checksums
@@ -51,6 +51,7 @@ __all__ = [
     "check_coverage",
     "check_same_plan",
     "gather_for_compute",
+    "save_anything_but_gathers",
     "infer_sharding",
     "line_checksums",
     "lookup",

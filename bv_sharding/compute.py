@@ -57,12 +57,43 @@ def without(spec, axes) -> PartitionSpec:
   return PartitionSpec(*kept)
 
 
+def save_anything_but_gathers(prim, *avals, **params) -> bool:
+  """A ``jax.checkpoint`` policy: save every value but a gather's result (a ``reshard`` that
+  drops mesh axes), so the backward pass gathers again instead of keeping what the forward
+  pass gathered: FSDP's "gather, use, drop" in both passes, as ZeRO-3 does.
+
+  Around a scanned layer that gathers its params (``gather_for_compute(...,
+  stacked=...)``), only the gathers are recomputed and no layer's gathered params are
+  saved for the backward pass; everything else is saved as without the policy.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.ad_checkpoint import print_saved_residuals
+    >>> import bv_sharding as bvs
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> w = jax.device_put(np.ones((64, 64), np.float32), jax.NamedSharding(mesh, jax.P("data")))
+    >>> def layer(x, w):  # gathers w, then uses it
+    ...   return jax.numpy.tanh(x @ jax.sharding.reshard(w, jax.P()))
+    >>> f = jax.checkpoint(layer, policy=bvs.save_anything_but_gathers)
+    >>> with jax.set_mesh(mesh):
+    ...   print_saved_residuals(f, np.ones((8, 64), np.float32), w)
+    f32[8,64] from the argument x
+    f32[64@data,64] from the argument w
+    f32[8,64] output of tanh ...(layer)
+    f32[8,64] output of sub ...(layer)
+  """
+  if prim.name != "reshard":
+    return True
+  stored, target = avals[0].sharding.spec, params["dst_sharding"].spec
+  return not specs.used_axes(tuple(stored)) - specs.used_axes(tuple(target))
+
+
 def gather_note(axes) -> str:
   """The ``why`` note for a param whose compute spec gathers ``axes`` ("" when none)."""
   return f"; gathered for compute: {', '.join(sorted(axes))}" if axes else ""
 
 
-def gather_for_compute(params, plan):
+def gather_for_compute(params, plan, *, stacked: str | None = None):
   """``params`` resharded from their storage specs to their compute specs, for use inside jit.
 
   Call it inside the loss, where the params are used: ``jax.sharding.reshard``'s
@@ -72,14 +103,17 @@ def gather_for_compute(params, plan):
   Auto mesh the params come back as they are.
 
   Gathering the whole tree at once holds every gathered param at the same time; for a
-  scanned stack of layers that is the whole stack. The memory-friendly alternative is to
-  gather inside the model, one layer at a time (e.g. ``reshard`` on each layer's slice of
-  the stack inside the scanned body, with that layer's ``plan.compute_specs``), so only one
-  layer is ever gathered.
+  scanned stack of layers that is the whole stack. With ``stacked``, ``params`` is one
+  layer's slice of the stack at that path of the plan, and each leaf is gathered to its
+  entry's compute spec less the stacked (leading) dim: called inside the scanned body
+  (e.g. through ``flax.linen.map_variables``), it gathers one layer at a time.
 
   Args:
-    params: the plan's tree, or its ``params`` part (as ``model.apply`` takes it).
+    params: the plan's tree, or its ``params`` part (as ``model.apply`` takes it); with
+      ``stacked``, one slice of that stack.
     plan: a :class:`bv_sharding.Plan` of the params (alone or with the optimizer state).
+    stacked: the path in the plan of a stack whose slice ``params`` is, e.g.
+      ``"params/layers"``.
 
   Raises:
     ShardingError: a leaf of ``params`` the plan does not have.
@@ -102,20 +136,32 @@ def gather_for_compute(params, plan):
     float32[64,32]
     >>> grads["w"].sharding.spec  # back to the storage spec
     P('data', None)
+    >>> stack = {"params": {"layers": {"w": jax.ShapeDtypeStruct((3, 64, 32), np.float32)}}}
+    >>> s = bvs.plan(stack, 'fsdp(axis="data", min_size_to_shard_mb=0)', mesh)
+    >>> @jax.jit
+    ... def layer_gathered(layer):  # one layer's slice of the stack, stored split over data
+    ...   return bvs.gather_for_compute({"w": layer}, s, stacked="params/layers")["w"]
+    >>> layer = jax.device_put(np.ones((64, 32), np.float32), jax.NamedSharding(mesh, jax.P("data")))
+    >>> layer_gathered(layer).sharding.spec
+    P(None, None)
   """
   named, treedef = names.flatten(params)
   entries = plan.by_name()
-  prefix = "" if all(name in entries for name, _ in named) else PARAMS + "/"
+  if stacked is not None:
+    prefix = stacked.rstrip("/") + "/"
+  else:
+    prefix = "" if all(name in entries for name, _ in named) else PARAMS + "/"
   explicit = set(plan.mesh.explicit_axes)
   gathered = []
   for name, x in named:
     entry = entries.get(prefix + name)
     if entry is None:
       raise ShardingError(
-          f"gather_for_compute: leaf {name!r} is not in the plan (its leaves are e.g. "
-          f"{list(entries)[:3]}); pass the params the plan was made for, or their "
-          f"{PARAMS!r} part"
+          f"gather_for_compute: leaf {prefix + name!r} is not in the plan (its leaves are "
+          f"e.g. {list(entries)[:3]}); pass the params the plan was made for, their "
+          f"{PARAMS!r} part, or a slice of the stack named by stacked="
       )
-    target = without(entry.compute_spec, set(plan.mesh.axis_names) - explicit)
+    spec = entry.compute_spec if stacked is None else PartitionSpec(*tuple(entry.compute_spec)[1:])
+    target = without(spec, set(plan.mesh.axis_names) - explicit)
     gathered.append(jax.sharding.reshard(x, NamedSharding(plan.mesh, target)) if explicit else x)
   return treedef.unflatten(gathered)

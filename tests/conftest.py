@@ -1,11 +1,15 @@
-"""Every test process sees 8 simulated CPU devices, gives OpenBLAS one thread and shares one
-jax compilation cache.
+"""Every test process sees 8 simulated CPU devices, gives OpenBLAS one thread, compiles fast
+and shares one jax compilation cache.
 
 OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why). The cache is
 a directory made for the session (or ``$JAX_COMPILATION_CACHE_DIR`` when set) in which every
 compiled program is kept, however small or quick, so a program compiled once is loaded by
 every later test, pytest-xdist worker and trainer subprocess that compiles it again. Both
-settings reach the subprocesses tests start through the environment.
+settings reach the subprocesses tests start through the environment, and so does the last:
+XLA:CPU's LLVM backend at its lowest optimisation level. The tests' models are tiny and run a
+few steps each, so compiling is what they wait on: a tiny Kron step compiles in half the time
+(30 s -> 15 s) and runs in 0.16 s instead of 0.07 s. HLO passes are unchanged, and with them
+every collective the traffic tests count.
 """
 
 import os
@@ -15,6 +19,9 @@ import tempfile
 from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 
 
 def shared_compilation_cache() -> str | None:

@@ -30,7 +30,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = pathlib.Path("docs") / "architecture.md"
 PACKAGES = ("bv_sharding", "trainers", "benchmarks", "configs")
-COMMANDS = ("trainers.train", "trainers.plan", "trainers.launch", "trainers.convert")
+COMMANDS = (
+    "trainers.train",
+    "trainers.plan",
+    "trainers.launch",
+    "trainers.convert",
+    "trainers.sample",
+)
 
 
 @dataclasses.dataclass(frozen=True)

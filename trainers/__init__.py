@@ -1,8 +1,8 @@
 """A big_vision-style trainer built on ``bv_sharding``: commands on top, library below.
 
 Commands (``python -m trainers.<name>``): ``train``, ``plan`` (a run's plan without
-devices), ``launch`` (several ``jax.distributed`` processes on one host) and ``convert``
-(text to token files). Each builds its run through :mod:`trainers.build`. Below them:
+devices), ``launch`` (several ``jax.distributed`` processes on one host), ``convert``
+(documents to token files) and ``sample`` (text from a run's checkpoint). Each builds its run through :mod:`trainers.build`. Below them:
 
   build, steps, validation,      the run record, the jitted steps, the checks before a run
   cli, errors, divergence,       flags and one-line errors, the non-finite loss policy

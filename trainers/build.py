@@ -127,20 +127,42 @@ def model_and_init(config, example) -> tuple[Any, Callable[[], Any]]:
 def loss_fn(task, model, plan: bvs.Plan | None = None) -> Callable[[Any, Any], Any]:
   """``loss(params, batch)``: ``task``'s loss of ``model`` applied to the batch's inputs.
 
-  With ``plan``, the params are first gathered to their compute specs
+  With ``plan``, the params are gathered to their compute specs where they are used
   (``bvs.gather_for_compute``: on a mesh with Explicit axes, the FSDP axes are gathered and
-  the gradients come back in the storage specs; on an Auto mesh, nothing changes). The
-  whole tree is gathered at the start of the loss, so every layer's gathered params may be
-  live at once (a scanned stack: the whole stack).
+  the gradients come back in the storage specs; on an Auto mesh, nothing changes). A
+  scanned stack of layers is gathered one layer at a time inside the scanned body (the
+  model's ``gather_layer``), so only one layer's gathered params are live at once; the rest
+  of the tree is gathered at the start of the loss.
 
   Example: ``steps.make_train_step(loss_fn(task, model, plan), tx, plan, batch_sharding)``.
   """
+  gather, model = gathering(model, plan)
 
   def loss(params, batch):
-    params = params if plan is None else bvs.gather_for_compute(params, plan)
-    return task.loss(model.apply({"params": params}, task.inputs(batch)), batch)
+    return task.loss(model.apply({"params": gather(params)}, task.inputs(batch)), batch)
 
   return loss
+
+
+def gathering(model, plan: bvs.Plan | None) -> tuple[Callable[[Any], Any], Any]:
+  """``(gather, model)``: ``gather(params)`` gathers what ``model`` reads outside a scanned
+  stack, and ``model`` gathers each layer of its stack as the scanned body reads it.
+
+  Example: ``gathering(model, None)`` leaves both as they are.
+  """
+  if plan is None:
+    return lambda params: params, model
+  stack = getattr(model, "STACK", None) if getattr(model, "scan_layers", False) else None
+  if stack is None:
+    return lambda params: bvs.gather_for_compute(params, plan), model
+  at = f"params/{stack}"
+  model = model.clone(gather_layer=lambda p: bvs.gather_for_compute(p, plan, stacked=at))
+
+  def gather(params):
+    rest = bvs.gather_for_compute({k: v for k, v in params.items() if k != stack}, plan)
+    return {**rest, stack: params[stack]}
+
+  return gather, model
 
 
 def optimizer(config, layout=None) -> tuple[Any, dict[str, Callable]]:

@@ -1,9 +1,9 @@
 """The commands' one dialect: snake_case flags, and errors of ours as one line, exit status 1.
 
 Every command (``trainers.train``, ``trainers.plan``, ``trainers.launch``,
-``trainers.convert``) and every benchmark takes snake_case flags. The dashed spellings of
-older scripts (``--num-devices``) still parse, each with a one-line deprecation note on
-stderr (:func:`snake_case`); ``--help`` shows the snake_case ones only. A bad input ends
+``trainers.convert``, ``trainers.sample``) and every benchmark takes snake_case flags. The
+dashed spellings of older scripts (``--num-devices``) still parse, each with a one-line
+deprecation note on stderr (:func:`snake_case`); ``--help`` shows the snake_case ones only. A bad input ends
 as exactly one line on stderr, ``ConfigError: <what> <fix>``, with exit status 1; ``--debug``
 (or ``BV_DEBUG=1``) shows the full traceback instead (:func:`fail`).
 
@@ -146,6 +146,24 @@ def snake_case(args: list[str], names) -> list[str]:
       print(f"{flag} is deprecated: use --{name}", file=sys.stderr)
       out[i] = f"--{name}{eq}{value}"
   return out
+
+
+def at_least(low: int):
+  """An argparse ``type``: integers >= ``low`` (e.g. of ``trainers.convert --workers``).
+
+  Example: ``at_least(1)("4")`` == 4; ``at_least(1)("0")`` raises ArgumentTypeError.
+  """
+
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      value = low - 1
+    if value < low:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {low}")
+    return value
+
+  return parse
 
 
 def fraction(text: str) -> float:

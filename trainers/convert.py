@@ -1,27 +1,53 @@
-"""Converts a text corpus once into byte-level token files: train.bin, val.bin and their records.
+"""Converts a corpus once into token files: train.bin, val.bin, their records (and a tokenizer).
 
-  python -m trainers.convert ~/my_text /data/my_text                  # a directory, recursively
-  python -m trainers.convert '/corpus/**/*.txt' /data/txt --val_fraction=0.01 --dtype=uint16
+  python -m trainers.convert ~/my_text /data/my_text                    # bytes (vocab 256)
+  python -m trainers.convert ~/my_text /data/bpe --train_tokenizer --vocab_size=8192
+  python -m trainers.convert '/hub/*.parquet' /data/gpt2 --tokenizer=gpt2/tokenizer.json
+  python -m trainers.convert /hub/docs.jsonl /data/d --tokenizer=t.json --text_field=content
 
-The files (sorted) are streamed in 16 MiB chunks, never held whole; the first
-1 - val_fraction of the bytes go to train.bin, the rest to val.bin. Each output
-gets ``<name>.json`` with its dtype, token count and largest token id, so the
-trainer checks the vocabulary without scanning. Progress goes to stderr. A bad input (a
-path that names no file, an ``out_dir`` that cannot be made, a fraction outside [0, 1]) ends
-as one line, ``ConfigError: ...``, with exit status 1 (``--debug``: the traceback).
+The corpus is text files (a directory, recursively, or a glob; one document per file, or per
+stretch between ``--separator``s, e.g. ``--separator='<|endoftext|>'``; ``\\n`` in it is a
+newline), JSONL or Parquet (one document per line or row, its ``--text_field``):
+trainers/input/documents.py.
+Files in a directory that are not UTF-8 text are skipped, with one line saying how many.
+
+Without a tokenizer the ids are the UTF-8 bytes (uint8, vocab 256, nothing between
+documents), as before. ``--tokenizer PATH`` encodes with a Hugging Face ``tokenizer.json``;
+``--train_tokenizer --vocab_size N`` first trains a byte-level BPE on the corpus and saves it
+as ``OUT_DIR/tokenizer.json``. With a tokenizer each document ends with its end-of-text id and
+the files are uint16 up to 65,536 ids, else uint32 (``--dtype`` forces a wider one).
+
+The first 1 - val_fraction of the input's bytes go to train.bin, the rest to val.bin: a
+text file crossing that cut is split there (its first part ends train.bin without an
+end-of-text id), a JSONL line or Parquet row crossing it goes to val.bin. Each output gets
+``<name>.json``: dtype, token and document counts, the largest id, the bytes of text
+(bytes per token, for bits per byte), vocab size, end-of-text id and the tokenizer's path
+and SHA-256; the trainer takes the vocabulary and dtype from it.
+
+Documents stream in pieces (at most 16 MiB of a long file at a time) and are encoded in
+batches by ``--workers`` processes (default: every core, one tokenizer thread each; 1: here,
+with the library's threads; bytes need none), written in input order, so the output does not
+depend on the worker count. Progress (MiB, rate, ETA)
+goes to stderr. Outputs are written under temporary names and renamed at the end, so an
+interrupted run leaves the last complete output (or none), and running again redoes it.
+A bad input (a path that names no file, a non-UTF-8 file named explicitly, a missing text
+field, an empty corpus, a tokenizer that cannot be read, an ``out_dir`` that cannot be
+made) ends as one line, ``ConfigError: ...``, exit status 1 (``--debug``: the traceback).
 
 Example:
   >>> import os, tempfile
   >>> corpus, out = tempfile.mkdtemp(), tempfile.mkdtemp()
   >>> with open(os.path.join(corpus, "a.txt"), "w") as f:
   ...   _ = f.write("hello world " * 10)
-  >>> convert(sources.find_files(corpus, "text"), out, val_fraction=0.1)
+  >>> convert(documents.Corpus.of(corpus), out, val_fraction=0.1)
   {'train': 108, 'val': 12}
   >>> sources.sidecar(os.path.join(out, "val.bin"))["max_token"] == ord("w")
   True
 """
 
+import collections
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -31,24 +57,15 @@ import numpy as np
 
 from trainers import cli
 from trainers.errors import ConfigError
-from trainers.input import sources
+from trainers.input import documents, sources
+from trainers.input import tokenizer as tokenizers_lib
 
-CHUNK = 16 * 2**20
-
-
-def chunks(files: list[str]) -> Iterator[bytes]:
-  """The bytes of ``files``, one after the other, CHUNK at a time.
-
-  Example: ``b"".join(chunks(["a.txt", "b.txt"]))``.
-  """
-  for path in files:
-    with open(path, "rb") as f:
-      while chunk := f.read(CHUNK):
-        yield chunk
+BATCH = 2**20  # Bytes of text per batch a worker encodes.
+SPLITS = ("train", "val")
 
 
 class Progress:
-  """Prints ``done / total`` bytes and the rate to ``stream``, at most once a second."""
+  """Prints ``done / total`` MiB, the rate and the time left to ``stream``, at most once a second."""
 
   def __init__(self, total: int, stream=None):
     self.total, self.stream, self.done = total, stream or sys.stderr, 0
@@ -57,76 +74,192 @@ class Progress:
   def advance(self, n: int) -> None:
     self.done += n
     now = time.monotonic()
-    if now - self.last >= 1 or self.done == self.total:
+    if now - self.last >= 1 or self.done >= self.total:
       self.last = now
-      rate = self.done / max(now - self.start, 1e-9) / 2**20
-      percent = 100 * self.done / max(self.total, 1)
+      rate = self.done / max(now - self.start, 1e-9)
+      eta = (self.total - self.done) / max(rate, 1e-9)
       print(
           f"converted {self.done / 2**20:.1f} / {self.total / 2**20:.1f} MiB "
-          f"({percent:.0f}%), {rate:.0f} MiB/s",
+          f"({100 * self.done / max(self.total, 1):.0f}%), {rate / 2**20:.1f} MiB/s, "
+          f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}",
           file=self.stream,
           flush=True,
       )
 
 
-def write_tokens(stream: Iterator[np.ndarray], path: str, dtype: str) -> int:
-  """Writes the token chunks of ``stream`` to ``path`` and its ``.json`` record; returns the count.
+class TokenFile:
+  """One output (``path`` and its record), written under a temporary name until :meth:`commit`."""
 
-  Example: ``write_tokens(iter([np.arange(5)]), "/tmp/t.bin", "uint16")`` == 5.
+  def __init__(self, path: str, dtype: str, about: dict):
+    self.path, self.dtype, self.about = path, dtype, about
+    self.partial = f"{path}.partial-{os.getpid()}"
+    self.file = open(self.partial, "wb")
+    self.tokens = self.documents = self.text_bytes = self.max_token = 0
+
+  def write(self, ids: np.ndarray, documents: int, text_bytes: int) -> None:
+    ids.astype(self.dtype).tofile(self.file)
+    self.tokens += len(ids)
+    self.max_token = max(self.max_token, int(ids.max(initial=0)))
+    self.documents += documents
+    self.text_bytes += text_bytes
+
+  def record(self) -> dict:
+    """What the trainer reads beside the file (``sources.sidecar``)."""
+    counts = dict(tokens=self.tokens, documents=self.documents, text_bytes=self.text_bytes)
+    return {"dtype": self.dtype, **counts, "max_token": self.max_token, **self.about}
+
+  def commit(self) -> None:
+    """Closes the file, then puts it and its record in place (each a rename)."""
+    self.file.close()
+    os.replace(self.partial, self.path)
+    with open(self.partial, "w") as f:
+      json.dump(self.record(), f, indent=1)
+    os.replace(self.partial, self.path + ".json")
+
+  def discard(self) -> None:
+    self.file.close()
+    if os.path.exists(self.partial):
+      os.remove(self.partial)
+
+
+def batches(pieces: Iterator[documents.Piece], cut: int) -> Iterator[tuple[str, list]]:
+  """(split, pieces) batches of about BATCH bytes, in order; pieces ending by input byte ``cut``
+  are "train", the rest "val" (a splittable piece across it is split there).
+
+  Example: ``[s for s, _ in batches(corpus.pieces(), cut)]`` == ["train", ..., "val"].
   """
-  count, largest = 0, 0
-  with open(path, "wb") as f:
-    for tokens in stream:
-      tokens.astype(dtype).tofile(f)
-      count += len(tokens)
-      largest = max(largest, int(tokens.max(initial=0)))
-  with open(path + ".json", "w") as f:
-    json.dump({"dtype": dtype, "tokens": count, "max_token": largest}, f)
-  return count
+  pending, size, split = [], 0, "train"
+  for piece in pieces:
+    parts = [piece]
+    if piece.splittable and piece.start < cut < piece.start + piece.size:
+      parts = list(piece.split(cut))
+    for part in parts:
+      where = "train" if part.start + part.size <= cut else "val"
+      if pending and (where != split or size >= BATCH):
+        yield split, pending
+        pending, size = [], 0
+      split = where
+      pending.append(part)
+      size += part.size
+  if pending:
+    yield split, pending
 
 
-def split_bytes(files: list[str], cut: int, progress: Progress) -> tuple[Iterator, Iterator]:
-  """Two iterators of uint8 chunks: the first ``cut`` bytes of ``files``, then the rest.
-
-  The first must be used up before the second is started.
-  """
-  source = chunks(files)
-  pending = []
-
-  def head():
-    left = cut
-    for chunk in source:
-      progress.advance(len(chunk))
-      tokens = np.frombuffer(chunk, np.uint8)
-      if len(tokens) >= left:
-        pending.append(tokens[left:])
-        yield tokens[:left]
-        return
-      left -= len(tokens)
-      yield tokens
-
-  def tail():
-    yield from pending
-    for chunk in source:
-      progress.advance(len(chunk))
-      yield np.frombuffer(chunk, np.uint8)
-
-  return head(), tail()
+_WORKER = {}  # The tokenizer and end-of-text id of this process (set by start_worker).
 
 
-def convert(files: list[str], out_dir: str, val_fraction: float = 0.01, dtype: str = "uint8"):
-  """Writes ``out_dir``/train.bin and val.bin (byte tokens of ``files``); returns their counts.
+def start_worker(path: str | None, eot: int | None, one_thread: bool = True) -> None:
+  """Loads the tokenizer once in each worker process (``one_thread``: its threads off, one core
+  a process)."""
+  if one_thread:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+  _WORKER.update(tok=tokenizers_lib.load(path), eot=eot)
 
-  Example: ``convert(["a.txt"], "/data/a", val_fraction=0.1)`` -> {"train": 90, "val": 10}.
-  """
-  total = sum(os.path.getsize(f) for f in files)
-  make_dir(out_dir, "out_dir")
-  progress = Progress(total)
-  train, val = split_bytes(files, total - round(total * val_fraction), progress)
+
+def encode_batch(texts: list[str], ends: list[bool]) -> np.ndarray:
+  """The ids of one batch, with the worker's tokenizer."""
+  return tokenizers_lib.encode(_WORKER["tok"], texts, ends, _WORKER["eot"])
+
+
+def encoded(work: Iterator[tuple[str, list]], workers: int, path, eot) -> Iterator[tuple]:
+  """(split, pieces, ids) for each batch of ``work``, in order; at most 2 per worker in flight."""
+  if workers <= 1:
+    start_worker(path, eot, one_thread=False)  # In this process: the library's threads.
+    for split, pieces in work:
+      yield split, pieces, encode_batch([p.text for p in pieces], [p.last for p in pieces])
+    return
+  spawn = multiprocessing.get_context("spawn")  # No fork of a threaded process.
+  with spawn.Pool(workers, initializer=start_worker, initargs=(path, eot)) as pool:
+    queue = collections.deque()
+    for split, pieces in work:
+      texts, ends = [p.text for p in pieces], [p.last for p in pieces]
+      queue.append((split, pieces, pool.apply_async(encode_batch, (texts, ends))))
+      if len(queue) >= 2 * workers:
+        split, pieces, ids = queue.popleft()
+        yield split, pieces, ids.get()
+    while queue:
+      split, pieces, ids = queue.popleft()
+      yield split, pieces, ids.get()
+
+
+def describe(path: str | None, tok, eot: int | None) -> dict:
+  """The tokenizer's part of each record."""
   return {
-      "train": write_tokens(train, os.path.join(out_dir, "train.bin"), dtype),
-      "val": write_tokens(val, os.path.join(out_dir, "val.bin"), dtype),
+      "vocab_size": tokenizers_lib.vocab_size(tok),
+      "eot_id": eot,
+      "tokenizer": None if path is None else os.path.abspath(path),
+      "tokenizer_sha256": None if path is None else tokenizers_lib.sha256(path),
   }
+
+
+def convert(
+    corpus: documents.Corpus,
+    out_dir: str,
+    val_fraction: float = 0.01,
+    tokenizer: str | None = None,
+    *,
+    workers: int = 1,
+    eot_token: str = "",
+    dtype: str = "",
+) -> dict:
+  """Writes ``out_dir``/train.bin and val.bin with their records; returns their token counts.
+
+  Example: ``convert(Corpus.of("a.txt"), "/data/a", 0.1, "t.json")`` -> {"train": 90, "val": 9}.
+  """
+  tok = tokenizers_lib.load(tokenizer)
+  eot = tokenizers_lib.end_of_text(tok, tokenizer, eot_token)
+  about = describe(tokenizer, tok, eot)
+  dtype = checked_dtype(dtype, about["vocab_size"])
+  make_dir(out_dir, "out_dir")
+  outputs = {s: TokenFile(os.path.join(out_dir, f"{s}.bin"), dtype, about) for s in SPLITS}
+  progress = Progress(corpus.size)
+  cut = corpus.size - round(corpus.size * val_fraction)
+  work = batches(corpus.pieces(), cut)
+  try:
+    for split, pieces, ids in encoded(work, workers if tok else 1, tokenizer, eot):
+      text_bytes = sum(len(p.text.encode()) for p in pieces)
+      outputs[split].write(ids, sum(p.last for p in pieces), text_bytes)
+      progress.advance(sum(p.size for p in pieces))
+    for output in outputs.values():
+      output.commit()
+  finally:
+    for output in outputs.values():
+      output.discard()
+  return {s: o.tokens for s, o in outputs.items()}
+
+
+def checked_dtype(dtype: str, vocab: int) -> str:
+  """``dtype`` (default: the smallest for ``vocab``), once it can hold every id.
+
+  Example: ``checked_dtype("", 50_257)`` == "uint16"; ``checked_dtype("uint8", 300)`` raises.
+  """
+  dtype = dtype or tokenizers_lib.dtype_for(vocab)
+  if np.iinfo(dtype).max < vocab - 1:
+    raise ConfigError(
+        f"--dtype={dtype} cannot hold the tokenizer's {vocab} ids; use "
+        f"--dtype={tokenizers_lib.dtype_for(vocab)} (or leave it out)"
+    )
+  return dtype
+
+
+def train_tokenizer(corpus: documents.Corpus, out_dir: str, vocab_size: int) -> str:
+  """Trains a BPE of ``vocab_size`` ids on ``corpus``; returns ``out_dir``/tokenizer.json."""
+  make_dir(out_dir, "out_dir")
+  path = os.path.join(out_dir, "tokenizer.json")
+  partial = f"{path}.partial-{os.getpid()}"
+  began = time.monotonic()
+  try:
+    tokenizers_lib.train_bpe(corpus.texts(), vocab_size, partial)
+    os.replace(partial, path)
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
+  print(
+      f"trained a {vocab_size}-id BPE tokenizer on {corpus.size / 2**20:.1f} MiB in "
+      f"{time.monotonic() - began:.0f} s: {path}",
+      file=sys.stderr,
+  )
+  return path
 
 
 def make_dir(path: str, what: str) -> None:
@@ -149,23 +282,51 @@ def make_dir(path: str, what: str) -> None:
 
 @cli.command
 def main(argv=None) -> None:
-  """``python -m trainers.convert TEXT OUT_DIR``: writes the token files, prints how to train."""
+  """``python -m trainers.convert CORPUS OUT_DIR``: writes the token files, prints how to train."""
   parser = cli.Parser("python -m trainers.convert", __doc__)
-  parser.add_argument("text", help="a UTF-8 text file, a glob or a directory (recursive)")
+  parser.add_argument("text", help="text files (a file, a glob or a directory), JSONL or Parquet")
   parser.add_argument("out_dir", help="where train.bin, val.bin and their .json go")
   parser.add_argument("--val_fraction", type=cli.fraction, default=0.01)
-  parser.add_argument("--dtype", default="uint8", choices=sources.TOKEN_DTYPES)
+  parser.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: bytes)")
+  parser.add_argument(
+      "--train_tokenizer", action="store_true", help="train a BPE on the corpus first"
+  )
+  parser.add_argument("--vocab_size", type=cli.at_least(1), help="the trained tokenizer's ids")
+  parser.add_argument("--eot_token", default="", help="the end-of-text token (default: found)")
+  parser.add_argument("--text_field", default="text", help="JSONL/Parquet: the text's field")
+  parser.add_argument(
+      "--separator", default="", help="text files: documents end at this string (\\n: newline)"
+  )
+  parser.add_argument("--workers", type=cli.at_least(1), default=os.cpu_count() or 1)
+  parser.add_argument("--dtype", default="", choices=("", *sources.TOKEN_DTYPES))
   args = parser.parse_args(argv)
+  if args.train_tokenizer and (args.tokenizer or not args.vocab_size):
+    raise ConfigError(
+        "--train_tokenizer needs --vocab_size=N and no --tokenizer; e.g. --vocab_size=8192"
+    )
+  separator = args.separator.replace("\\n", "\n")
+  corpus = documents.Corpus.of(args.text, args.text_field, separator)
+  path = args.tokenizer
+  if args.train_tokenizer:
+    path = train_tokenizer(corpus, args.out_dir, args.vocab_size)
   counts = convert(
-      sources.find_files(args.text, "the text argument"),
+      corpus,
       args.out_dir,
       args.val_fraction,
-      args.dtype,
+      path,
+      workers=args.workers,
+      eot_token=args.eot_token,
+      dtype=args.dtype,
   )
+  if corpus.skipped:
+    names = ", ".join(corpus.skipped[:3]) + (", ..." if len(corpus.skipped) > 3 else "")
+    print(f"skipped {len(corpus.skipped)} files that are not UTF-8 text: {names}", file=sys.stderr)
+  record = sources.sidecar(os.path.join(args.out_dir, "train.bin"))
   print(
-      f"wrote {counts['train']} train and {counts['val']} val tokens ({args.dtype}) to "
-      f"{args.out_dir}; train with --config configs/lm_data.py:train={args.out_dir}/train.bin,"
-      f"val={args.out_dir}/val.bin,dtype={args.dtype}"
+      f"wrote {counts['train']} train and {counts['val']} val tokens ({record['dtype']}, vocab "
+      f"{record['vocab_size']}, {record['documents']} documents in train) to {args.out_dir}; "
+      f"train with --config configs/lm_data.py:train={args.out_dir}/train.bin,"
+      f"val={args.out_dir}/val.bin"
   )
 
 

@@ -49,7 +49,7 @@ import numpy as np
 import bv_sharding as bvs
 from trainers import MiB, build, cli, distributed, memory, steps
 from trainers.errors import ConfigError
-from trainers.input import batching
+from trainers.input import batching, records
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -94,7 +94,7 @@ def parser() -> cli.Parser:
 
 def setup(options, config_args) -> Setup:
   """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count."""
-  config = cli.config_from_args(config_args)
+  config = records.resolve(cli.config_from_args(config_args))  # The token files' vocab, dtype.
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
   dcn = config.get("dcn_mesh") or ()
   dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn_mesh")

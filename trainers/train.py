@@ -51,6 +51,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from absl import flags, logging
+from jax.experimental import multihost_utils
 
 import bv_sharding as bvs
 from trainers import (
@@ -65,7 +66,7 @@ from trainers import (
     utilization,
     validation,
 )
-from trainers.input import batching, prefetch
+from trainers.input import batching, prefetch, records
 from trainers.optimizers import rebirth
 from trainers.rundir import checkpoint, events, provenance, workdir
 
@@ -105,7 +106,7 @@ _DEVICES = flags.DEFINE_integer(
 
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = records.resolve(_CONFIG.value)  # vocab_size and dtype from the token files' record.
   validation.check_config(
       config,
       devices_per_process=_DEVICES.value,
@@ -123,7 +124,9 @@ def main(argv):
   # Task, model, the config's optimizer for the params' layout and one plan of
   # {"params", "opt"}: trainers/build.py.
   run = build.build(config, mesh)
-  run.task.check(run.model)  # Token ids / labels fit the model, before init.
+  share = multihost_utils.broadcast_one_to_all if jax.process_count() > 1 else None
+  scans = records.ScanCache(_WORKDIR.value, is_main_process, share)  # Process 0 scans, once.
+  run.task.check(run.model, scans)  # Token ids / labels fit the model, before init.
   plan, tx = check_plan(config, run.plan, is_main_process), run.tx
   eval_batches = held_out_batches(run.task, config)
   train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps)
@@ -136,6 +139,7 @@ def main(argv):
   # Every check passed: only now is the workdir touched.
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
   ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, is_main_process)
+  scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
   write = fan_out(metrics, curves) if is_main_process else None
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
@@ -367,7 +371,9 @@ class StepLog:
   last record, the ``cost``'s ``flops_per_step`` and ``flops_source``, per device
   ``<unit>_per_sec`` (``tokens_per_sec``, ``images_per_sec``) and ``tflops_per_device``,
   ``mfu`` (null where the device's peak is unknown) and, at evals, ``eval_loss``
-  (``evaluate(params)``).
+  (``evaluate(params)``) and, where the data's bytes per token are known (text: 1; token
+  files: their records), ``eval_bits_per_byte`` = eval_loss / ln 2 / bytes per token, which
+  compares runs across tokenizers.
   """
 
   def __init__(
@@ -407,6 +413,10 @@ class StepLog:
     if is_eval:
       record["eval_loss"] = self.evaluate(params)
       line += f" eval_loss={record['eval_loss']:.4f}"
+      if self.task.bytes_per_token:
+        bits = record["eval_loss"] / math.log(2) / self.task.bytes_per_token
+        record["eval_bits_per_byte"] = bits
+        line += f" eval_bits_per_byte={bits:.4f}"
     logging.info("%s", line)
     if self.write is not None:
       self.write(record)

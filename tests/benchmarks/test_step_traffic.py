@@ -47,13 +47,16 @@ def test_xla_cpu_reduces_by_all_reduce_and_slice():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("scan", [False, True])
-def test_adamw_step_gathers_params_once_unscanned_scanned_layers_twice(scan):
+@pytest.mark.parametrize("scan, axis_types", [(False, "auto"), (True, "auto"), (True, "explicit")])
+def test_adamw_step_gathers_params_once_unscanned_scanned_layers_twice(scan, axis_types):
   """Unscanned, XLA keeps the gathered params from forward to backward; scanned, the
   backward loop gathers the layers' params again (keeping them would hold every layer
-  whole). Grads are all-reduced either way (2 units on XLA:CPU, see above)."""
+  whole). On Explicit axes the scanned body gathers each layer where it reads it and the
+  backward pass gathers it again (``bvs.save_anything_but_gathers``), as XLA does on Auto
+  ones. Grads are all-reduced either way (2 units on XLA:CPU, see above)."""
   config = config_with("lm", "adamw")
   config.model.scan_layers = scan
+  config.mesh_axis_types = axis_types
   hlo, log, _, (_, plan, _) = step_traffic.compile_step(config)
   assert step_traffic.REMAT not in log
   params = [e for e in plan.entries if e.name.startswith("params/")]

@@ -241,6 +241,8 @@ def test_training_on_own_data_lowers_the_loss(tmp_path, inputs, kind):
   assert [r["step"] for r in records] == [1, 10, 20, 30]
   assert records[-1]["loss"] < 0.8 * records[0]["loss"], records
   assert "eval_loss" in records[-1] and unit in out
+  if kind == "text":  # Bytes: one byte a token, so bits per byte are the loss in bits.
+    assert records[-1]["eval_bits_per_byte"] == records[-1]["eval_loss"] / math.log(2)
 
 
 @pytest.mark.timeout(120)

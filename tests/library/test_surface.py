@@ -25,6 +25,7 @@ API = {
     "check_same_plan",
     "line_checksums",
     "gather_for_compute",
+    "save_anything_but_gathers",
     "register",
     "registered",
     "lookup",

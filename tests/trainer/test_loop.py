@@ -35,7 +35,7 @@ class Run:
     )
     log = train.StepLog(
         config,
-        types.SimpleNamespace(unit="tokens", per_example=8),
+        types.SimpleNamespace(unit="tokens", per_example=8, bytes_per_token=None),
         {},
         checkpoint.Start(0, "scratch"),
         evaluate=lambda params: float(params),

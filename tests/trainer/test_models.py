@@ -125,6 +125,30 @@ def test_scanned_matches_unscanned_with_stacked_params(params):
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
+def test_decoding_with_the_kv_cache_gives_the_full_pass_logits(params, scan_layers):
+  """A prompt of 5 tokens, then one token at a time (trainers.sample's use), against one pass."""
+  tokens = _tokens(batch=1)
+  weights = _stack_layers(params) if scan_layers else params
+  model = llama.build("tiny", scan_layers=scan_layers)
+  # A scanned stack as trainers.sample runs it: each layer read through gather_layer.
+  decoding = model.clone(decode=True, gather_layer=(lambda p: p) if scan_layers else None)
+  decoder = jax.jit(
+      lambda cache, x: decoding.apply({"params": weights, **cache}, x, mutable=["cache"])
+  )
+  logits, cache = decoder({}, tokens[:, :5])
+  pieces = [logits]
+  for t in range(5, SEQ):
+    logits, cache = decoder(cache, tokens[:, t : t + 1])
+    pieces.append(logits)
+  np.testing.assert_allclose(
+      jnp.concatenate(pieces, 1), _logits(model, weights, tokens), rtol=1e-5, atol=1e-5
+  )
+  flat = jax.tree_util.tree_leaves_with_path(cache)
+  index = [leaf for path, leaf in flat if "index" in jax.tree_util.keystr(path)]
+  assert {int(np.max(i)) for i in index} == {SEQ}  # Every layer's cache holds the sequence.
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
 def test_remat_gives_same_loss_and_grads(params, scan_layers):
   if scan_layers:
     params = _stack_layers(params)

@@ -11,7 +11,8 @@ unset so that each key can be overridden on the command line):
                  holding images.npy and labels.npy (images).
   val            the same for held-out data; "" = the last ``eval_fraction`` of train.
   eval_fraction  the held-out tail of train when ``val`` is "".
-  dtype          the token files' dtype (tokens; text is always uint8).
+  dtype          the token files' dtype (tokens; text is always uint8); "" = the one
+                 recorded beside them by trainers.convert (none: uint16).
   vocab_size     the data's vocabulary; 0 = the largest token id + 1. Token ids
                  must be below it and below the model's ``vocab_size``.
   max_tokens     use only the first max_tokens of train; 0 = all.
@@ -96,7 +97,7 @@ def input_spec(value) -> ml_collections.ConfigDict:
   spec = ml_collections.ConfigDict(input_config(**dict(value)))
   if spec.kind not in KINDS:
     raise ConfigError(f"config.input.kind={spec.kind!r} is not one of {KINDS}")
-  if spec.kind == "tokens" and spec.dtype not in TOKEN_DTYPES:
+  if spec.kind == "tokens" and spec.dtype not in ("", *TOKEN_DTYPES):
     raise ConfigError(
         f"config.input.dtype={spec.dtype!r} is not a token dtype; use one of {TOKEN_DTYPES} "
         "(nanoGPT's train.bin is uint16)"
@@ -121,6 +122,11 @@ def find_files(pattern: str, what: str) -> list[str]:
   """
   if not pattern:
     raise ConfigError(f"{what} is empty; set it to a file, a glob or a directory")
+  if "://" in pattern:
+    raise ConfigError(
+        f"{what}={pattern!r} is a URL; files are memory-mapped from local disk: stage them first "
+        "(e.g. gcloud storage cp -r gs://bucket/data /data) and point it at the local copy"
+    )
   path = os.path.expanduser(pattern)
   if os.path.isdir(path):
     path = os.path.join(path, "**", "*")
@@ -221,11 +227,14 @@ def max_token(array: np.ndarray, name: str) -> int:
   return chunked(np.max, array)
 
 
-def check_token_ids(stream: TokenStream, model_vocab: int, declared: int = 0) -> None:
+def check_token_ids(
+    stream: TokenStream, model_vocab: int, declared: int = 0, largest=max_token
+) -> None:
   """Raises unless every token id of ``stream``'s files is below the vocabularies.
 
   ``declared`` is config.input.vocab_size (0: none). Skips the scan when the dtype
-  cannot hold an id that large.
+  cannot hold an id that large. ``largest(array, name)`` gives a file's largest id
+  (:func:`max_token`; the trainer's caches its scans: ``records.ScanCache``).
 
   Example: ``check_token_ids(train, model.config.vocab_size, spec.vocab_size)``.
   """
@@ -238,15 +247,15 @@ def check_token_ids(stream: TokenStream, model_vocab: int, declared: int = 0) ->
   for array, name in zip(stream.arrays, stream.names):
     if np.iinfo(array.dtype).max < limit:
       continue
-    largest = max_token(array, name)
-    if largest >= limit:
+    found = largest(array, name)
+    if found >= limit:
       fix = (
           f"config.input.vocab_size={declared}: the file does not match it"
           if declared
-          else f"the model's vocab_size={model_vocab}: set config.model.vocab_size={largest + 1} "
+          else f"the model's vocab_size={model_vocab}: set config.model.vocab_size={found + 1} "
           "(or larger)"
       )
-      raise ConfigError(f"{name} holds token id {largest}, not below {fix}")
+      raise ConfigError(f"{name} holds token id {found}, not below {fix}")
 
 
 def memmap_tokens(path: str, dtype: str) -> np.memmap:
@@ -254,6 +263,7 @@ def memmap_tokens(path: str, dtype: str) -> np.memmap:
 
   Example: ``memmap_tokens("/data/train.bin", "uint16")``.
   """
+  dtype = dtype or sidecar(path).get("dtype", "uint16")  # "": the record's, else nanoGPT's.
   size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
   if size == 0:
     raise ConfigError(f"{path} is empty; remove it from config.input or write tokens into it")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from trainers.errors import ConfigError
-from trainers.input import batching, sources
+from trainers.input import batching, records, sources
 
 
 class Task(NamedTuple):
@@ -44,8 +44,9 @@ class Task(NamedTuple):
   loss: Callable[[Any, Any], Any]  # (logits, batch) -> mean loss
   unit: str
   per_example: int
-  check: Callable[[Any], None]  # model -> None; raises ConfigError if the data does not fit
+  check: Callable[..., None]  # (model, largest=) -> None; ConfigError if the data does not fit
   prefetch: int  # batches prepared ahead of the step
+  bytes_per_token: float | None = None  # of held_out's text, for bits per byte (None: unknown)
 
 
 def cross_entropy(logits, labels):
@@ -72,9 +73,9 @@ def language_model(config, spec) -> Task:
     tail = f"the held-out tail (config.input.eval_fraction={spec.eval_fraction}) of train"
     sources.check_length(held_out, config.seq_len, tail, "raise it, or set config.input.val")
 
-  def check(model):
+  def check(model, largest=sources.max_token):
     for stream in (train, held_out) if spec.val else (train,):  # Else held_out is train's tail.
-      sources.check_token_ids(stream, model.config.vocab_size, spec.vocab_size)
+      sources.check_token_ids(stream, model.config.vocab_size, spec.vocab_size, largest)
 
   return Task(
       train,
@@ -86,6 +87,7 @@ def language_model(config, spec) -> Task:
       per_example=config.seq_len,
       check=check,
       prefetch=spec.prefetch,
+      bytes_per_token=records.bytes_per_token(held_out, spec.kind),
   )
 
 
@@ -117,7 +119,8 @@ def classifier(config, spec) -> Task:
           "leaves no held-out images; set config.input.val or eval_fraction"
       )
 
-  def check(model):
+  def check(model, largest=None):
+    del largest  # Labels are few: always scanned.
     for key, split in (("train", train), ("val" if spec.val else "train", held_out)):
       sources.check_labels(split, model.num_classes, key)
 

@@ -43,12 +43,14 @@ Example:
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import bv_sharding as bvs
 from trainers.models import _presets
 from trainers.models.axes import ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, constrain, matmul, take
 
@@ -120,8 +122,9 @@ def _rms_norm(name: str, module: nn.Module) -> nn.RMSNorm:
   )
 
 
-def apply_rope(x: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding ("rotate half" form) of x: (B, T, heads, hd).
+def apply_rope(x: jax.Array, theta: float, start=0) -> jax.Array:
+  """Rotary position embedding ("rotate half" form) of x: (B, T, heads, hd) at positions
+  ``start``, ``start + 1``, ... (``start`` may be traced: a KV cache's fill).
 
   Position t is rotated by angles ``t * theta ** (-i / (hd / 2))``; position 0 is unchanged.
 
@@ -132,7 +135,8 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
   """
   half = x.shape[-1] // 2
   freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs
+  positions = jnp.arange(x.shape[1], dtype=jnp.float32) + jnp.asarray(start, jnp.float32)
+  angles = positions[:, None] * freqs
   sin = jnp.sin(angles)[None, :, None, :]
   cos = jnp.cos(angles)[None, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -148,15 +152,23 @@ class _Embed(nn.Embed):
 
 
 class _Layer(nn.Module):
-  """What every layer of the model holds: the sizes, the compute and the params' dtypes."""
+  """What every layer of the model holds: the sizes, the compute and the params' dtypes, and
+  whether it decodes with a KV cache (:class:`Llama`'s ``decode``)."""
 
   config: LlamaConfig
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  decode: bool = False
 
 
 class Attention(_Layer):
-  """Causal multi-head self-attention with RoPE on queries and keys."""
+  """Causal multi-head self-attention with RoPE on queries and keys.
+
+  With ``decode``, keys and values go into the "cache" collection (``max_len`` positions,
+  zeros until written) from its "index" on, and the queries attend to every cached position
+  up to their own: feeding a prompt, then one token at a time, gives the logits a full pass
+  over the whole sequence gives.
+  """
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -168,10 +180,22 @@ class Attention(_Layer):
       y = (x @ kernel).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
       return constrain(y, ACT_HEADS)
 
-    q = apply_rope(project("q_kernel"), cfg.rope_theta)
-    k = apply_rope(project("k_kernel"), cfg.rope_theta)
-    v = project("v_kernel")
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # Softmax in float32.
+    q, k, v = project("q_kernel"), project("k_kernel"), project("v_kernel")
+    if self.decode:
+      shape = (x.shape[0], cfg.max_len, cfg.n_heads, cfg.head_dim)
+      keys = self.variable("cache", "k", jnp.zeros, shape, k.dtype)
+      values = self.variable("cache", "v", jnp.zeros, shape, v.dtype)
+      index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+      start = index.value
+      q, k = apply_rope(q, cfg.rope_theta, start), apply_rope(k, cfg.rope_theta, start)
+      keys.value = jax.lax.dynamic_update_slice(keys.value, k, (0, start, 0, 0))
+      values.value = jax.lax.dynamic_update_slice(values.value, v, (0, start, 0, 0))
+      index.value = start + x.shape[1]
+      seen = jnp.arange(cfg.max_len)[None, :] <= start + jnp.arange(x.shape[1])[:, None]
+      y = jax.nn.dot_product_attention(q, keys.value, values.value, mask=seen[None, None])
+    else:
+      q, k = apply_rope(q, cfg.rope_theta), apply_rope(k, cfg.rope_theta)
+      y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # Softmax in float32.
     y = y.reshape(*x.shape[:2], inner)
     out = _kernel(self, "out_kernel", (inner, cfg.d_model), ("heads", "embed"))
     return matmul(y, out, ACT_EMBED)
@@ -196,7 +220,8 @@ class DecoderBlock(_Layer):
   @nn.compact
   def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
     dtypes = (self.dtype, self.param_dtype)
-    x = x + Attention(self.config, *dtypes, name="attention")(_rms_norm("attention_norm", self)(x))
+    attention = Attention(self.config, *dtypes, decode=self.decode, name="attention")
+    x = x + attention(_rms_norm("attention_norm", self)(x))
     x = x + Mlp(self.config, *dtypes, name="mlp")(_rms_norm("mlp_norm", self)(x))
     return constrain(x, ACT_EMBED), None
 
@@ -211,6 +236,13 @@ class Llama(nn.Module):
     remat: rematerialise each block's activations in the backward pass.
     dtype: activation / compute dtype (params are cast to it for the matmuls).
     param_dtype: the params' stored dtype.
+    gather_layer: with ``scan_layers``, a function of one layer's params (its slice of
+      the ``layers`` stack) applied where the scanned body reads them, e.g. to gather them
+      for compute one layer at a time (``trainers.build.loss_fn`` passes
+      ``bv_sharding.gather_for_compute``); ``None`` reads them as they are.
+    decode: decode with a KV cache (``model.clone(decode=True)``, applied with
+      ``mutable=["cache"]``): each call continues the sequence the cache holds, up to
+      ``config.max_len`` positions (trainers/sample.py).
   """
 
   config: LlamaConfig
@@ -218,6 +250,27 @@ class Llama(nn.Module):
   remat: bool = False
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  gather_layer: Callable[[Any], Any] | None = None
+  decode: bool = False
+
+  STACK = "layers"  # The path of the scanned layers' params (scan_layers=True).
+
+  def _block(self):
+    """The decoder block as the model runs it. On a scanned stack with ``gather_layer`` the
+    block gathers its params where it reads them, inside the rematerialised part: the
+    backward pass gathers each layer again (without ``remat``, only the gathers are
+    recomputed: ``bv_sharding.save_anything_but_gathers``), so no layer's gathered params
+    are kept from the forward pass."""
+    block = DecoderBlock
+    gathers = self.scan_layers and self.gather_layer is not None
+    if gathers:
+      gather = lambda variables: {"params": self.gather_layer(variables["params"])}
+      block = nn.map_variables(block, "params", trans_in_fn=gather)
+    if self.remat:
+      block = nn.remat(block, prevent_cse=not self.scan_layers)
+    elif gathers:
+      block = nn.remat(block, prevent_cse=False, policy=bvs.save_anything_but_gathers)
+    return block
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -233,22 +286,21 @@ class Llama(nn.Module):
         ),
     )
     x = embed(tokens)
+    dtypes = (self.dtype, self.param_dtype)
 
-    block = DecoderBlock
-    if self.remat:
-      block = nn.remat(block, prevent_cse=not self.scan_layers)
+    block = self._block()
     if self.scan_layers:
       layers = nn.scan(
           block,
           length=cfg.n_layers,
-          variable_axes={"params": 0},
+          variable_axes={"params": 0, "cache": 0},
           split_rngs={"params": True},
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      x, _ = layers(cfg, self.dtype, self.param_dtype, name="layers")(x, None)
+      x, _ = layers(cfg, *dtypes, decode=self.decode, name=self.STACK)(x, None)
     else:
       for i in range(cfg.n_layers):
-        x, _ = block(cfg, self.dtype, self.param_dtype, name=f"layers_{i}")(x, None)
+        x, _ = block(cfg, *dtypes, decode=self.decode, name=f"layers_{i}")(x, None)
 
     x = _rms_norm("final_norm", self)(x)
     logits = nn.Dense(
