@@ -19,6 +19,10 @@ TEST = [
     *PARQUET,
     *STYLE,
 ]
+# gs:// workdirs (trainers/rundir/paths.py): epath's GCS backend, and Google's client.
+GCS = ["gcsfs==2026.10.1", "google-cloud-storage>=3.4,<4"]
+# The tests' bucket: a pure-Python GCS emulator on 127.0.0.1 (tests/trainer/test_bucket.py).
+TEST += [*GCS, "gcp-storage-emulator==2026.7.19"]
 
 setuptools.setup(
     name="bv_sharding",
@@ -43,6 +47,7 @@ setuptools.setup(
     extras_require={
         "vision": ["scikit-learn>=1.4,<2"],
         "plot": PLOT,  # trainers.plan --png
+        "gcs": GCS,  # --workdir gs://bucket/run
         "parquet": PARQUET,  # trainers.convert on .parquet files
         "test": TEST,
         "dev": TEST,  # The tests, the formatter and the linter.

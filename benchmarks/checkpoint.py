@@ -1,17 +1,18 @@
-"""What a checkpoint costs the training loop: seconds blocked per save vs the time of one step.
+"""What a checkpoint costs the training loop: seconds blocked per save vs the device-to-host copy.
 
-  python -m benchmarks.checkpoint [--sizes tiny,small] [--saves 5]
+  python -m benchmarks.checkpoint [--sizes tiny,small,medium] [--saves 5]
 
-For each model size (configs/lm.py, AdamW, 8 simulated CPU devices, batch 16) the
-same jitted train step runs: first without saving (the time of one step), then
-with an orbax save (trainers/rundir/checkpoint.py's manager) after each step. "blocked"
-is the median time the loop thread spends inside ``save`` (after the previous save's
-write has finished, as it has in a run saving every ``config.ckpt_steps``); "copy" is
-the median device-to-host copy of the same state in the same run (``jax.device_get``,
-timed alone just before each save), and "blocked / copy" their ratio: what the loop
-pays beyond the copy while orbax's background thread writes. The synchronous save
-(async off) is the baseline.
-Prints a markdown table.
+For each model size (configs/lm.py, AdamW, 8 simulated CPU devices, batch 16) the same jitted
+train step runs, then saves after each step, two ways in the same run: "orbax async" calls
+orbax's async ``save`` in the loop thread (the trainer before), "trainer" is
+``Checkpoints.step_done`` as the trainer calls it (the loop copies the state to host memory,
+a background thread hands it to orbax: trainers/rundir/saver.py). "blocked" is the median time
+the loop thread spends in the save (after the previous save's write has finished, as it has in
+a run saving every ``config.ckpt_steps``); "copy" the median device-to-host copy of the same
+state in the same run (``jax.device_get``, timed alone just before each save); "extra host
+memory" the peak rise of the process's resident memory during a save and its write (sampled
+every millisecond), as a multiple of the state's bytes this process holds. Prints a markdown
+table.
 """
 
 import os
@@ -21,6 +22,7 @@ from trainers import ONE_BLAS_THREAD
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import tempfile
+import threading
 import time
 
 import flax.linen as nn
@@ -32,61 +34,105 @@ from benchmarks.timing import WARMUP, seconds_per_step
 from trainers import cli
 from trainers.rundir import checkpoint
 
-
-def state_mib(state) -> float:
-  return sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(config, saves: int, use_async: bool) -> dict:
-  """State MiB, seconds per step without saving, and seconds the loop is blocked per save."""
-  mesh, run, train_step, batches = setup(config, WARMUP + 2 * saves)
+def local_bytes(state) -> int:
+  """Bytes of the state's shards this process holds, each distinct shard once."""
+  return sum(
+      s.data.nbytes
+      for x in jax.tree.leaves(state)
+      for s in x.addressable_shards
+      if s.replica_id == 0
+  )
+
+
+def rss() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * PAGE
+
+
+class PeakMemory:
+  """The peak resident memory above the level at entry, sampled every millisecond."""
+
+  def __enter__(self):
+    self.base = self.peak = rss()
+    self.done = threading.Event()
+    self.thread = threading.Thread(target=self._sample, daemon=True)
+    self.thread.start()
+    return self
+
+  def _sample(self):
+    while not self.done.wait(0.001):
+      self.peak = max(self.peak, rss())
+
+  def __exit__(self, *exc):
+    self.done.set()
+    self.thread.join()
+    self.extra = max(self.peak, rss()) - self.base
+
+
+def measure(config, saves: int) -> dict:
+  """State MiB, step s, copy s, and per way of saving: blocked s and peak extra host bytes."""
+  config.ckpt_steps, config.total_steps = 1, 10**6
+  mesh, run, train_step, batches = setup(config, WARMUP + 3 * saves)
   rules = nn.logical_axis_rules(config.sharding_rules)
+  timed = {"orbax": ([], []), "trainer": ([], [])}
+  copies = []
   with jax.set_mesh(mesh), rules, tempfile.TemporaryDirectory() as d:
     state, step_s = seconds_per_step(train_step, init_state(run), batches, saves)
-    manager = checkpoint.open_manager(os.path.join(d, "ckpt"), use_async=use_async)
-    blocked, copies = [], []
+    manager = checkpoint.open_manager(os.path.join(d, "orbax"))
+    ckpt = checkpoint.Checkpoints(os.path.join(d, "trainer"), config, run.migration)
     for i, batch in enumerate(batches[WARMUP + saves :]):
       state, loss = train_step(state, batch)
       jax.block_until_ready(loss)  # Time the save alone, not the step it waits for,
       manager.wait_until_finished()  # nor the previous save's background write.
+      ckpt.saver.wait()
+      ckpt.manager.wait_until_finished()
       tick = time.perf_counter()
       jax.device_get(state)
       copies.append(time.perf_counter() - tick)
-      tick = time.perf_counter()
-      checkpoint.save(manager, i + 1, state, {"step": i + 1}, force=True)
-      blocked.append(time.perf_counter() - tick)
+      way = "orbax" if i % 2 else "trainer"
+      with PeakMemory() as memory:
+        tick = time.perf_counter()
+        if way == "orbax":
+          checkpoint.save(manager, i + 1, state, {"step": i + 1}, force=True)
+        else:
+          ckpt.step_done(i + 1, state)
+        timed[way][0].append(time.perf_counter() - tick)
+        ckpt.saver.wait()
+        (manager if way == "orbax" else ckpt.manager).wait_until_finished()
+      timed[way][1].append(memory.extra)
     manager.close()
-  return {
-      "mib": state_mib(state),
-      "step": step_s,
-      "copy": np.median(copies),
-      "blocked": np.median(blocked),
-  }
+    ckpt.close(state)
+  found = {"mib": local_bytes(state) / 2**20, "step": step_s, "copy": np.median(copies)}
+  for way, (blocked, extra) in timed.items():
+    found[way] = np.median(blocked)
+    found[f"{way} memory"] = max(extra) / local_bytes(state)
+  return found
 
 
 @cli.command
 def main(argv=None):
   parser = cli.Parser("python -m benchmarks.checkpoint", __doc__)
-  parser.add_argument("--sizes", default="tiny,small")
-  parser.add_argument("--saves", type=int, default=5, help="timed saves per measurement")
+  parser.add_argument("--sizes", default="tiny,small,medium")
+  parser.add_argument("--saves", type=int, default=5, help="timed saves per way of saving")
   args = parser.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", 8)
   checkpoint.quiet_orbax()
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices, AdamW, batch 16\n")
   print(
-      "| size | state MiB | step s | device-to-host copy s | async save: loop blocked s "
-      "| blocked / copy | blocked / step | sync save s | sync / step |"
+      "| size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy "
+      "| extra host memory / state | trainer: blocked s | blocked - copy ms | extra host memory "
+      "/ state |"
   )
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for size in args.sizes.split(","):
-    config = lm_config(size, "adamw")
-    fast = measure(config, args.saves, use_async=True)
-    sync = measure(config, args.saves, use_async=False)
+    m = measure(lm_config(size, "adamw"), args.saves)
     print(
-        f"| {size} | {fast['mib']:.1f} | {fast['step']:.3f} | {fast['copy']:.3f} | "
-        f"{fast['blocked']:.3f} | {fast['blocked'] / fast['copy']:.1f} | "
-        f"{fast['blocked'] / fast['step']:.2f} | {sync['blocked']:.3f} | "
-        f"{sync['blocked'] / fast['step']:.2f} |",
+        f"| {size} | {m['mib']:.1f} | {m['step']:.3f} | {m['copy']:.3f} | {m['orbax']:.3f} | "
+        f"{m['orbax'] / m['copy']:.1f} | {m['orbax memory']:.2f} | {m['trainer']:.3f} | "
+        f"{1000 * (m['trainer'] - m['copy']):+.0f} | {m['trainer memory']:.2f} |",
         flush=True,
     )
 

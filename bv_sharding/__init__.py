@@ -27,7 +27,7 @@ from bv_sharding.aliases import deprecated as _deprecated
 from bv_sharding.compute import gather_for_compute, save_anything_but_gathers
 from bv_sharding.coverage import check_coverage
 from bv_sharding.errors import Error, ShardingError, ShardingWarning
-from bv_sharding.fingerprint import check_same_plan
+from bv_sharding.fingerprint import check_same_plan, line_checksums
 from bv_sharding.mesh import make_abstract_mesh, make_mesh
 from bv_sharding.planning import Entry, Plan, infer_sharding, plan
 from bv_sharding.registry import (
@@ -53,6 +53,7 @@ __all__ = [
     "gather_for_compute",
     "save_anything_but_gathers",
     "infer_sharding",
+    "line_checksums",
     "lookup",
     "make_abstract_mesh",
     "make_mesh",

@@ -53,19 +53,31 @@ def check_same_plan(plan: Plan) -> None:
   ``process_allgather`` rounds: the digests (the only round when they agree),
   then one CRC per line to find the first line that differs.
   """
-  if jax.process_count() == 1:
-    return
   lines = describe(plan)
-  mine = np.frombuffer(bytes.fromhex(digest(plan)), np.uint8).astype(np.int32)
+  rows = line_checksums(lines)
+  if rows is not None:
+    raise ShardingError(_difference(lines, rows, jax.process_index()))
+
+
+def line_checksums(lines: list[str]) -> np.ndarray | None:
+  """None when every jax process has the same ``lines``; else every process's CRC of each line.
+
+  Rows are processes, columns lines (0 past a process's last line). Call it on every
+  process: one ``process_allgather`` of a digest when the lines agree, a second of the CRCs.
+
+  Example: ``line_checksums(["lr 0.001"])`` is None on one process.
+  """
+  if jax.process_count() == 1:
+    return None
+  mine = np.frombuffer(hashlib.sha256("\n".join(lines).encode()).digest(), np.uint8)
   heads = multihost_utils.process_allgather(np.append(mine, len(lines)).astype(np.int32))
   if (heads == heads[0]).all():
-    return
+    return None
   crcs = np.zeros(int(heads[:, DIGEST_BYTES].max()), np.int32)
   crcs[: len(lines)] = [
       np.int32(np.uint32(zlib.crc32(line.encode())).view(np.int32)) for line in lines
   ]
-  everyone = multihost_utils.process_allgather(crcs)
-  raise ShardingError(_difference(lines, everyone, jax.process_index()))
+  return multihost_utils.process_allgather(crcs)
 
 
 def first_difference(rows: np.ndarray, me: int) -> tuple[int, int]:

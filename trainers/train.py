@@ -31,7 +31,8 @@ On CPU every process simulates ``--devices_per_process`` devices (default 8);
 ``--coordinator_address/--num_processes/--process_id`` (or BV_COORDINATOR,
 BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed; without them a job jax
 detects (TPU pod, SLURM, ...) starts it from the environment (``--nodistributed_auto``: off).
-Before allocating, every process checks that all computed the same plan, and
+Before allocating, every process checks that all run the same job (config, data files,
+versions: trainers/same_job.py) and computed the same plan, and
 ``config.max_unsharded_fraction`` (if set) gates the plan's coverage.
 """
 
@@ -60,11 +61,13 @@ from trainers import (
     divergence,
     memory,
     profiling,
+    same_job,
     steps,
     utilization,
     validation,
 )
 from trainers.input import batching, prefetch, records
+from trainers.optimizers import rebirth
 from trainers.rundir import checkpoint, events, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
@@ -112,6 +115,7 @@ def main(argv):
   )
   workdir.check(_WORKDIR.value)
   start_backend()
+  same_job.check(config, job_facts())  # Every host runs this job.
   is_main_process = jax.process_index() == 0
   mesh = bvs.make_mesh(
       config.mesh, dcn_mesh=config.get("dcn_mesh"), axis_types=build.axis_types(config)
@@ -172,6 +176,12 @@ def start_backend() -> None:
       jax.device_count(),
       jax.local_device_count(),
   )
+
+
+def job_facts() -> dict[str, str]:
+  """What names this job besides its config: ``--workdir``, package versions, git revision."""
+  facts = {f"version {name}": version for name, version in provenance.versions().items()}
+  return {"--workdir": _WORKDIR.value, "git revision": provenance.git_revision(), **facts}
 
 
 def checked_batch_sharding(config, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
@@ -386,9 +396,10 @@ class StepLog:
     if not logged:
       return
     record = {"step": step, **metrics}  # metrics start with the loss.
-    record.update(
-        {k: float(lr(step - 1 - self.opt_start)) for k, lr in self.learning_rates.items()}
-    )
+    # The schedules count global steps; an optimizer born mid-run is ramped in (rebirth.py).
+    ramp = rebirth.ramp(self.config.get("rewarmup_steps", 0), step - 1 - self.opt_start)
+    ramp = ramp if self.opt_start else 1.0
+    record.update({k: float(lr(step - 1)) * ramp for k, lr in self.learning_rates.items()})
     record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)
     per_step = self.config.batch_size * self.task.per_example
     record.update(self.cost.record(record["steps_per_sec"], per_step, self.task.unit))

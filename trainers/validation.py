@@ -52,6 +52,7 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
   for key in COUNTS:
     check_count(f"config.{key}", config.get(key), example=_example(key))
   check_int("config.seed", config.get("seed"), minimum=0, example=0)
+  check_int("config.rewarmup_steps", config.get("rewarmup_steps", 0), minimum=0, example=100)
   if "seq_len" in config:  # Sequence models only.
     check_count("config.seq_len", config.get("seq_len"), example=128)
   check_number("config.lr", config.get("lr"), positive=True, example=3e-3)

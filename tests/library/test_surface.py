@@ -23,6 +23,7 @@ API = {
     "make_abstract_mesh",
     "check_coverage",
     "check_same_plan",
+    "line_checksums",
     "gather_for_compute",
     "save_anything_but_gathers",
     "register",

@@ -107,6 +107,7 @@ def test_fuzz_number_keys(key, positive):
         ({"log_every": 0}, "config.log_every=0: must be an integer >= 1"),
         ({"eval_batches": 0}, "config.eval_batches=0: must be an integer >= 1"),
         ({"seed": -1}, "config.seed=-1: must be an integer >= 0"),
+        ({"rewarmup_steps": -1}, "config.rewarmup_steps=-1: must be an integer >= 0"),
         ({"sharding_rules": (("act_batch",),)}, "config.sharding_rules=(('act_batch',),)"),
     ],
 )

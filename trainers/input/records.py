@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 from absl import logging
+from etils import epath
 
 from trainers.errors import ConfigError
 from trainers.input import sources, tokenizer
@@ -153,10 +154,9 @@ class ScanCache:
   """
 
   def __init__(self, workdir: str, is_main: bool, share=None):
-    self.path, self.is_main, self.share = os.path.join(workdir, SCANS), is_main, share
-    try:
-      with open(self.path) as f:
-        self.known = json.load(f)
+    self.path, self.is_main, self.share = epath.Path(workdir) / SCANS, is_main, share
+    try:  # The workdir may be a gs:// URL: etils.epath, as everything the run writes.
+      self.known = json.loads(self.path.read_text())
     except (FileNotFoundError, ValueError):
       self.known = {}
     self.scanned = 0
@@ -193,8 +193,7 @@ class ScanCache:
   def save(self) -> None:
     """Writes what the main process scanned (after every check passed; a rename, so whole)."""
     if self.is_main and self.scanned:
-      os.makedirs(os.path.dirname(self.path), exist_ok=True)
-      partial = f"{self.path}.partial-{os.getpid()}"
-      with open(partial, "w") as f:
-        json.dump(self.known, f, indent=1)
-      os.replace(partial, self.path)
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      partial = self.path.parent / f"{self.path.name}.partial-{os.getpid()}"
+      partial.write_text(json.dumps(self.known, indent=1))
+      partial.replace(self.path)

@@ -43,7 +43,7 @@ import optax
 from bv_sharding.ops import flatten_with_names
 from trainers import precision
 from trainers.errors import OptimizerError, nearest
-from trainers.optimizers import registry
+from trainers.optimizers import rebirth, registry
 from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.state_dtype import with_state_dtype
 
@@ -80,7 +80,10 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
     tx = _registry_optimizer(config, name, kwargs, entries, schedules, layout)
   else:
     tx = _optax_chain(config, _optax_factory(name, kwargs), entries, schedules)
-  return with_state_dtype(tx, precision.of_config(config).state), learning_rates
+  tx = with_state_dtype(tx, precision.of_config(config).state)
+  if config.get("rewarmup_steps"):  # Ramps in an optimizer born mid-run (rebirth.py).
+    tx = optax.chain(tx, rebirth.ramp_in(config.rewarmup_steps))
+  return tx, learning_rates
 
 
 def _registry_optimizer(config, name, kwargs, entries, schedules, layout):

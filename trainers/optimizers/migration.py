@@ -34,6 +34,7 @@ import jax
 import optax
 
 from trainers.errors import OptimizerError
+from trainers.optimizers import rebirth
 from trainers.optimizers.layout import ParamLayout, reorder, stack_blocks, stack_moves
 
 RECORD = "optimizer"  # The key of the record in a checkpoint's meta.
@@ -68,6 +69,12 @@ class BuiltOptimizer:
   def migrate(self, saved_meta: dict, mismatch: str | None, load: Callable[[], Any]) -> tuple:
     """:func:`migrate_state` of this run's optimizer."""
     return migrate_state(saved_meta, self, mismatch, load)
+
+  def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
+    """:func:`~trainers.optimizers.rebirth.reborn` of this run's state, born at ``step``."""
+    return rebirth.reborn(
+        state, step, (saved_record(saved_meta)["name"], saved_table), self.name, read
+    )
 
 
 def migrate_state(

@@ -10,8 +10,9 @@ Restoring never reads the saved shardings: the target is ``plan.abstract()``, th
 current config's plan, so a checkpoint moves between meshes and process counts.
 Params and step are always restored; what becomes of the optimizer state is the
 optimizer's to say (:meth:`Migration.migrate`: kept, moved, or None). When None, the
-new optimizer's state is born sharded from the plan and its count (hence its schedule)
-starts at 0. A floating-point array saved in another dtype (another ``config.param_dtype``
+new optimizer's state is born sharded from the plan, its schedule continuing at the global
+step, with the saved leaves that mean the same in it (a first moment) carried over
+(:meth:`Migration.reborn`, trainers/optimizers/rebirth.py). A floating-point array saved in another dtype (another ``config.param_dtype``
 or ``config.state_dtype``) is cast to the plan's as orbax reads its shards, and the log
 says so (e.g. "restored params cast float32 -> bfloat16 (12 leaves); opt state cast
 float32 -> bfloat16 (30 leaves)"); a leaf of another name or shape is a difference.
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint._src.metadata import array_metadata_store
@@ -56,6 +58,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store
 from bv_sharding import Plan
 from trainers import steps
 from trainers.errors import ConfigError
+from trainers.rundir import paths, saver
 
 CHECKPOINTS = "checkpoints"
 PARAMS, OPT, META = "params", "opt", "meta"
@@ -74,6 +77,9 @@ class Migration(Protocol):
   checkpoint's meta; ``mismatch``: None when the saved state's tree is the one this run
   builds, else the first differing leaf (:func:`first_difference`); ``load()``: the saved
   state in the plan's shardings (read only if kept).
+  ``reborn(state, step, saved_meta, saved_table, read)``: ``(state, carried)``, a state just
+  born at ``step`` continuing the schedule there, with the saved leaves it carries over
+  (``{new leaf: saved leaf}``; ``read({saved leaf: target})`` reads them).
   """
 
   def record(self) -> dict:
@@ -82,13 +88,17 @@ class Migration(Protocol):
   def migrate(self, saved_meta: dict, mismatch: str | None, load: Callable[[], Any]) -> tuple:
     ...
 
+  def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
+    ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Start:
   """Where a run starts: ``step`` done so far, ``source`` (a path or "scratch"), ``opt_start``.
 
-  ``opt_start`` is the step the optimizer state was born at (its count is
-  ``step - opt_start``), so the logged learning rate is ``lr(step - 1 - opt_start)``.
+  ``opt_start`` is the step the optimizer state was born at: its schedule counts global
+  steps (the logged learning rate is ``lr(step - 1)``), its ``config.rewarmup_steps`` ramp
+  the steps since ``opt_start``.
   """
 
   step: int
@@ -105,8 +115,7 @@ def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   Example: ``leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}``.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
-  return {name(path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+  return {_name(path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
 
 
 def first_difference(want: dict, have: dict) -> str | None:
@@ -176,10 +185,11 @@ class Checkpoints:
 
   ``config.ckpt_steps`` (None: only at the end and on preemption) and
   ``config.keep_ckpt_steps`` (checkpoints at multiples of it are never deleted;
-  otherwise only the latest is kept) have big_vision's meaning. Saves are async:
-  the loop waits for the device-to-host copy and orbax's setup of the write (docs/benchmarks.md:
-  cost of a save); orbax writes to a temporary directory and renames it when
-  complete, so a cut-off write is never listed.
+  otherwise only the latest is kept) have big_vision's meaning. Saves do not stall the loop:
+  it waits only for the device-to-host copy of the state (trainers/rundir/saver.py); orbax's
+  setup runs on a background thread and its write on orbax's own (docs/benchmarks.md: cost of
+  a save). orbax writes to a temporary directory and renames it when complete (in a bucket: a
+  commit file), so a cut-off write is never listed.
 
   ``migration``: the run's optimizer, as its checkpoints need it (:class:`Migration`).
 
@@ -187,7 +197,7 @@ class Checkpoints:
   """
 
   def __init__(self, workdir: str, config, migration: Migration):
-    self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
+    self.directory = os.fspath(_absolute(workdir) / CHECKPOINTS)
     self.config, self.migration = config, migration
     self.manager = open_manager(
         self.directory,
@@ -197,6 +207,7 @@ class Checkpoints:
     )
     self.preemption = Preemption()
     self.opt_start = self.step = 0
+    self.saver = saver.BackgroundSaver(background=jax.process_count() == 1)
     quiet_orbax()
 
   def latest_step(self) -> int | None:
@@ -234,14 +245,19 @@ class Checkpoints:
     preempted = self.preemption.reached(step)
     if preempted or self.manager.should_save(step):
       before_save()
-      save(self.manager, step, state, self._meta(step), force=preempted)
+      self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
+      if self.saver.background:
+        state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
+      self.saver.submit(save, self.manager, step, state, self._meta(step), preempted)
     if preempted:
+      self.saver.wait()
       self.manager.close()  # Waits for the write.
       logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
     return preempted
 
   def close(self, state) -> None:
     """Saves ``state`` at the last step done (unless saved already); waits for every write."""
+    self.saver.wait()
     if self.manager.latest_step() != self.step:
       save(self.manager, self.step, state, self._meta(self.step), force=True)
     self.manager.close()
@@ -360,14 +376,33 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   if opt is not None:
     logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
     return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
+  read = lambda targets: restore_leaves(manager, step, OPT, targets)
+  opt, carried = migration.reborn(steps.init_opt(tx, plan, params), step, meta, saved_opt, read)
   logging.info(
       "resumed at step %d from %s with params and step only: optimizer state re-initialised (%s), "
-      "the new state born sharded from the plan (its count and schedule start at 0)",
+      "the new state born sharded from the plan, its schedule at step %d; carried over: %s",
       step,
       source,
       why,
+      step,
+      ", ".join(f"opt/{saved} -> opt/{new}" for new, saved in carried.items()) or "nothing",
   )
-  return {"params": params, "opt": steps.init_opt(tx, plan, params)}, Start(step, source, step)
+  return {"params": params, "opt": opt}, Start(step, source, step)
+
+
+def restore_leaves(manager: ocp.CheckpointManager, step: int, item: str, targets: dict) -> dict:
+  """``{name: array}``: the leaves of ``item`` that ``targets`` names (:func:`leaf_table`'s
+  names), each read onto its target's shape, dtype and sharding; the rest is not read."""
+  tree = manager.item_metadata(step)[item].tree
+  target = jax.tree_util.tree_map_with_path(
+      lambda path, _: targets.get(_name(path), ocp.PLACEHOLDER), tree
+  )
+  flat, _ = jax.tree_util.tree_flatten_with_path(restore_item(manager, step, item, target))
+  return {_name(path): x for path, x in flat if _name(path) in targets}
+
+
+def _name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def load_params(path: str, plan: Plan) -> tuple[Any, str]:
@@ -378,8 +413,8 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
 
   Example: ``params, source = load_params("runs/lm", plan)``.
   """
-  directory, step = _locate(os.path.abspath(path))
-  manager = open_manager(directory, read_only=True) if os.path.isdir(directory) else None
+  directory, step = _locate(_absolute(path))
+  manager = open_manager(directory, read_only=True) if directory.is_dir() else None
   complete = manager.all_steps() if manager else []
   step = max(complete, default=None) if step is None else step
   if step not in complete:
@@ -391,15 +426,20 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
     logging.info("%s", note)
   params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS])
   manager.close()
-  return params, os.path.join(directory, str(step))
+  return params, os.fspath(directory / str(step))
 
 
-def _locate(path: str) -> tuple[str, int | None]:
+def _absolute(location: str) -> epath.Path:
+  """A workdir or checkpoint ``location`` as an absolute ``epath.Path`` (a URL as it is)."""
+  return paths.path(location if paths.is_url(location) else os.path.abspath(location))
+
+
+def _locate(path: epath.Path) -> tuple[epath.Path, int | None]:
   """(checkpoint directory, step or None: the latest) a workdir, checkpoints/ or step dir names."""
-  if os.path.isdir(os.path.join(path, CHECKPOINTS)):
-    return os.path.join(path, CHECKPOINTS), None
-  if os.path.basename(path).isdigit():
-    return os.path.dirname(path), int(os.path.basename(path))
+  if (path / CHECKPOINTS).is_dir():
+    return path / CHECKPOINTS, None
+  if path.name.isdigit():
+    return path.parent, int(path.name)
   return path, None
 
 

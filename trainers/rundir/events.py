@@ -3,7 +3,8 @@
 ``tensorboard --logdir runs/`` then shows every run's curves. The writer is tensorboardX
 (no TensorFlow); its file is opened at the first record, so a resuming run can first move an
 earlier attempt's ``tensorboard/`` aside (``workdir.keep_metrics_until``) and replay the
-records it keeps. Records are flushed as written: a killed run loses none.
+records it keeps. Records are flushed as written: a killed run loses none. In a ``gs://``
+workdir the event file goes through ``etils.epath``, written whole at each flush.
 
 Example:
   >>> import os, tempfile
@@ -17,10 +18,12 @@ Example:
   {'loss': [(1, 2.5)]}
 """
 
-import glob
+import io
 import math
 import os
 import struct
+
+from etils import epath
 
 TENSORBOARD = "tensorboard"
 
@@ -53,8 +56,9 @@ class EventWriter:
     Example: ``EventWriter(workdir).write({"step": 10, "loss": 2.3})``.
     """
     if self.writer is None:
-      from tensorboardX import SummaryWriter
+      from tensorboardX import SummaryWriter, record_writer
 
+      record_writer.register_writer_factory("gs", _WholeObjects())  # Not tensorboardX's own.
       self.writer = SummaryWriter(self.directory)
     for key, value in scalars(record).items():
       self.writer.add_scalar(key, value, record["step"])
@@ -75,7 +79,7 @@ def read_scalars(directory: str) -> dict[str, list[tuple[int, float]]]:
   from tensorboardX.proto import event_pb2
 
   found: dict[str, list[tuple[int, float]]] = {}
-  for name in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+  for name in sorted(epath.Path(directory).glob("events.out.tfevents.*")):
     for data in _records(name):
       event = event_pb2.Event.FromString(data)
       for value in event.summary.value:
@@ -85,8 +89,35 @@ def read_scalars(directory: str) -> dict[str, list[tuple[int, float]]]:
 
 def _records(name: str):
   """The payloads of a TFRecord file: length (8 bytes), its CRC (4), payload, its CRC (4)."""
-  with open(name, "rb") as f:
+  with epath.Path(name).open("rb") as f:
     while header := f.read(12):
       (length,) = struct.unpack("<Q", header[:8])
       yield f.read(length)
       f.read(4)
+
+
+class _WholeObjects:
+  """tensorboardX's writer factory for ``gs://`` event files through ``etils.epath``: the file
+  is kept here and written whole at each flush (one object write: no append in a bucket)."""
+
+  def open(self, path: str):
+    return _WholeObject(path)
+
+  def directory_check(self, path: str) -> None:
+    del path  # A bucket has no directories to create.
+
+
+class _WholeObject:
+  """An event file written whole, as one object, at each ``flush`` and at ``close``."""
+
+  def __init__(self, path: str):
+    self.target, self.data = epath.Path(path), io.BytesIO()
+
+  def write(self, data: bytes) -> None:
+    self.data.write(data)
+
+  def flush(self) -> None:
+    self.target.write_bytes(self.data.getvalue())
+
+  def close(self) -> None:
+    self.flush()

@@ -30,6 +30,7 @@ import time
 
 import jax
 
+from trainers.rundir import paths
 from trainers.rundir import workdir as workdir_lib
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "ml_collections")
@@ -75,14 +76,15 @@ def git_revision(repo: pathlib.Path = REPO) -> str | None:
 def record_start(workdir: str, config, start_step: int, source: str) -> str:
   """Writes this start's config and provenance to ``workdir/starts/<i>``; returns that directory."""
   config_json = config.to_json_best_effort(indent=2)
-  if start_step == 0 or not os.path.exists(os.path.join(workdir, "config.json")):
+  run = paths.path(workdir)
+  if start_step == 0 or not (run / workdir_lib.CONFIG).exists():
     workdir_lib.write_config(workdir, config_json)
   i = 0
-  while os.path.exists(os.path.join(workdir, "starts", str(i))):
+  while (run / "starts" / str(i)).exists():  # In a bucket: once its files are written.
     i += 1
-  here = os.path.join(workdir, "starts", str(i))
-  os.makedirs(here)
-  _write(os.path.join(here, "config.json"), config_json)
+  here = run / "starts" / str(i)
+  here.mkdir(parents=True)
+  _write(here / "config.json", config_json)
   start = {
       "start_step": start_step,
       "from": source,
@@ -94,10 +96,9 @@ def record_start(workdir: str, config, start_step: int, source: str) -> str:
       "versions": versions(),
       "git_revision": git_revision(),
   }
-  _write(os.path.join(here, "start.json"), json.dumps(start, indent=2))
-  return here
+  _write(here / "start.json", json.dumps(start, indent=2))
+  return os.fspath(here)
 
 
-def _write(path: str, text: str) -> None:
-  with open(path, "w") as f:
-    f.write(text + "\n")
+def _write(target, text: str) -> None:
+  target.write_text(text + "\n")

@@ -2,9 +2,11 @@
 
 ``prepare`` runs only after the config passed every check. A fresh run on a workdir that
 already holds ``config.json`` / ``metrics.jsonl`` moves them into ``attempt-N/`` inside it and
-says so; a resuming run (see the checkpoint module) keeps them. ``MetricsWriter`` appends
+says so; a resuming run (see the checkpoint module) keeps them. ``MetricsWriter`` adds
 each record as one complete JSON line in one write, so a killed run never leaves half a
-line, and non-finite numbers are written as ``null``, never as bare ``NaN``.
+line, and non-finite numbers are written as ``null``, never as bare ``NaN``. The workdir may
+be a ``gs://`` URL: every file goes through ``etils.epath`` (trainers/rundir/paths.py), and
+what needs append or rename on a disk is one whole-object write or a copy there.
 
 Example:
   >>> import os, tempfile
@@ -28,6 +30,7 @@ import math
 import os
 
 from trainers.errors import ConfigError
+from trainers.rundir import paths
 from trainers.rundir.events import TENSORBOARD
 
 CONFIG = "config.json"
@@ -39,8 +42,13 @@ ATTEMPT = "attempt-{}"
 def check(path: str) -> None:
   """Raises ``ConfigError`` unless ``path`` is, or can become, a writable directory; writes nothing.
 
+  A URL is checked by :func:`paths.check` (its scheme, backend and credentials; no network).
+
   Example: ``check("/etc/passwd")`` raises: it is a file.
   """
+  if paths.is_url(path):
+    paths.check(path)
+    return
   existing = path
   while existing and not os.path.exists(existing):
     existing = os.path.dirname(existing.rstrip("/"))
@@ -57,8 +65,9 @@ def prepare(path: str, *, resuming: bool) -> str | None:
   Example: ``prepare(workdir, resuming=False)`` on a used workdir returns
   "workdir ... held an earlier run: moved config.json, metrics.jsonl into .../attempt-1".
   """
-  os.makedirs(path, exist_ok=True)
-  earlier = [name for name in RUN_FILES if os.path.exists(os.path.join(path, name))]
+  run = paths.path(path)
+  run.mkdir(parents=True, exist_ok=True)
+  earlier = [name for name in RUN_FILES if (run / name).exists()]
   if resuming or not earlier:
     return None
   attempt = move_to_attempt(path, earlier)
@@ -75,21 +84,23 @@ def move_to_attempt(path: str, names) -> str:
   """
   attempt = new_attempt(path)
   for name in names:
-    os.replace(os.path.join(path, name), os.path.join(attempt, name))
+    paths.move(paths.path(path) / name, paths.path(attempt) / name)
   return attempt
 
 
 def new_attempt(path: str) -> str:
   """Creates and returns the first unused ``attempt-N/`` directory of workdir ``path``.
 
+  In a bucket a directory exists once an object is in it: the caller moves files in at once.
+
   Example: ``new_attempt(workdir)`` == f"{workdir}/attempt-1" on a workdir without attempts.
   """
   n = 1
-  while os.path.exists(os.path.join(path, ATTEMPT.format(n))):
+  while (paths.path(path) / ATTEMPT.format(n)).exists():
     n += 1
-  attempt = os.path.join(path, ATTEMPT.format(n))
-  os.makedirs(attempt)
-  return attempt
+  attempt = paths.path(path) / ATTEMPT.format(n)
+  attempt.mkdir()
+  return os.fspath(attempt)
 
 
 def keep_metrics_until(path: str, step: int) -> str | None:
@@ -98,29 +109,27 @@ def keep_metrics_until(path: str, step: int) -> str | None:
   Lines after ``step`` (from an attempt that died before its next checkpoint) and
   any cut-off line go to ``<workdir>/attempt-N/metrics.jsonl`` (N the first free), and
   the workdir's ``tensorboard/`` with them (its curves then go past ``step``; the caller
-  replays the kept records into a fresh one); the file is replaced atomically, so it
-  holds each step at most once. Returns the attempt file, or None when nothing moved.
+  replays the kept records into a fresh one); the file is replaced whole
+  (:func:`paths.write_whole`), so it holds each step at most once. Returns the attempt file,
+  or None when nothing moved.
 
   Example: ``keep_metrics_until("runs/lm/metrics.jsonl", 200)``.
   """
-  if not os.path.exists(path):
+  metrics = paths.path(path)
+  if not metrics.exists():
     return None
-  with open(path) as f:
-    lines = f.readlines()
+  lines = metrics.read_text().splitlines(keepends=True)
   kept = [_line_step(line) <= step for line in lines]
   if all(kept):
     return None
-  attempt = new_attempt(os.path.dirname(path))
-  moved_to = os.path.join(attempt, os.path.basename(path))
-  with open(moved_to, "w") as f:
-    f.writelines(line for line, keep in zip(lines, kept) if not keep)
-  with open(path + ".tmp", "w") as f:
-    f.writelines(line for line, keep in zip(lines, kept) if keep)
-  os.replace(path + ".tmp", path)
-  events = os.path.join(os.path.dirname(path), TENSORBOARD)
-  if os.path.isdir(events):
-    os.replace(events, os.path.join(attempt, TENSORBOARD))
-  return moved_to
+  attempt = paths.path(new_attempt(os.fspath(metrics.parent)))
+  moved_to = attempt / metrics.name
+  moved_to.write_text("".join(line for line, keep in zip(lines, kept) if not keep))
+  paths.write_whole(metrics, "".join(line for line, keep in zip(lines, kept) if keep))
+  events = metrics.parent / TENSORBOARD
+  if events.is_dir():
+    paths.move(events, attempt / TENSORBOARD)
+  return os.fspath(moved_to)
 
 
 def read_records(path: str) -> list[dict]:
@@ -128,10 +137,10 @@ def read_records(path: str) -> list[dict]:
 
   Example: ``read_records("runs/lm/metrics.jsonl")[0]["step"]`` == 1.
   """
-  if not os.path.exists(path):
+  metrics = paths.path(path)
+  if not metrics.exists():
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+  return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def _line_step(line: str) -> float:
@@ -143,14 +152,11 @@ def _line_step(line: str) -> float:
 
 
 def write_config(path: str, text: str) -> None:
-  """Writes ``config.json`` whole: to a temporary file first, then renamed into place.
+  """Writes ``config.json`` whole (:func:`paths.write_whole`).
 
   Example: ``write_config(workdir, config.to_json_best_effort(indent=2))``.
   """
-  tmp = os.path.join(path, f".{CONFIG}.tmp")
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, os.path.join(path, CONFIG))
+  paths.write_whole(paths.path(path) / CONFIG, text)
 
 
 def json_line(record: dict) -> str:
@@ -165,21 +171,34 @@ def json_line(record: dict) -> str:
 
 
 class MetricsWriter:
-  """Appends records to ``metrics.jsonl``, each line in a single ``os.write`` of the whole line."""
+  """Adds records to ``metrics.jsonl``, each a complete line, never half of one.
+
+  Local: each line appended in a single ``os.write`` of the whole line. A bucket (no append):
+  the file is kept here and written whole at each record, one object write each.
+  """
 
   def __init__(self, path: str):
-    self.path = os.path.join(path, METRICS)
+    self.path = os.fspath(paths.path(path) / METRICS)
+    self.text = None  # A bucket's file as written so far (read at the first record).
 
   def write(self, record: dict) -> None:
-    """Appends ``record`` as one complete line.
+    """Adds ``record`` as one complete line.
 
     Example: ``MetricsWriter(workdir).write({"step": 10, "loss": 2.3})``.
     """
-    line = json_line(record).encode()
+    line = json_line(record)
+    if paths.is_url(self.path):
+      metrics = paths.path(self.path)
+      if self.text is None:
+        self.text = metrics.read_text() if metrics.exists() else ""
+      self.text += line
+      metrics.write_text(self.text)
+      return
+    data = line.encode()
     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-      written = os.write(fd, line)
+      written = os.write(fd, data)
     finally:
       os.close(fd)
-    if written != len(line):
-      raise OSError(f"{self.path}: wrote {written} of {len(line)} bytes (disk full?)")
+    if written != len(data):
+      raise OSError(f"{self.path}: wrote {written} of {len(data)} bytes (disk full?)")
