@@ -171,9 +171,11 @@ def json_line(record: dict) -> str:
 
 
 class MetricsWriter:
-  """Adds records to ``metrics.jsonl``, each a complete line, never half of one.
+  """Adds records to ``metrics.jsonl``, each as one complete line.
 
-  Local: each line appended in a single ``os.write`` of the whole line. A bucket (no append):
+  Local: each line appended in a single ``os.write`` of the whole line; only a process killed
+  inside that write (Linux ends a write at a page boundary on SIGKILL) can leave a cut-off
+  last line, which the resuming run moves out (:func:`keep_metrics_until`). A bucket (no append):
   the file is kept here and written whole at each record, one object write each.
   """
 
