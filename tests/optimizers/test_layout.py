@@ -143,19 +143,16 @@ def test_update_moves_only_scalars(name):
 
 @pytest.mark.timeout(300)
 def test_blocks_and_trajectory_do_not_depend_on_the_device_count():
-  """Shards that are multiples of the block size: 2 or 4 devices give the same tiles and the
-  same params; 8 devices cut 64 rows into 8-row shards, below the 16 block: other tiles."""
+  """The param's 16-row tiles on 2, 4 and 8 devices (8-row shards: tiles span two), the same
+  params; shard-local blocks ("local") are 8 rows on 8 devices: other tiles."""
   params = {"w": jax.random.normal(jax.random.PRNGKey(3), (64, 16))}
   layout = lambda n: ParamLayout({"w": P("data")}, AbstractMesh((n,), ("data",)))
-  blocks = lambda n: layout(n).blocks_of(params, 16)["w"]
-  assert same_blocking(blocks(2), blocks(4))
-  assert not same_blocking(blocks(4), blocks(8))
-  runs = [
-      _run(
-          kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout(n)), params
-      )
-      for n in (2, 4)
-  ]
-  np.testing.assert_allclose(runs[0][0]["w"], runs[1][0]["w"], rtol=1e-5, atol=1e-6)
-  qs = [r[1][0]["Qs_preconditioners"]["w"][0] for r in runs]
-  np.testing.assert_allclose(reorder(qs[0], blocks(2), blocks(4)), qs[1], rtol=1e-5, atol=1e-6)
+  blocks = lambda n, blocking="tiles": layout(n).blocks_of(params, 16, blocking=blocking)["w"]
+  assert same_blocking(blocks(2), blocks(4)) and same_blocking(blocks(4), blocks(8))
+  assert not same_blocking(blocks(4, "local"), blocks(8, "local"))
+  tx = lambda n: kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout(n))
+  runs = [_run(tx(n), params) for n in (2, 4, 8)]
+  for run, n in zip(runs[1:], (4, 8)):
+    np.testing.assert_allclose(runs[0][0]["w"], run[0]["w"], rtol=1e-5, atol=1e-6)
+    qs = [r[1][0]["Qs_preconditioners"]["w"][0] for r in (runs[0], run)]
+    np.testing.assert_allclose(reorder(qs[0], blocks(2), blocks(n)), qs[1], rtol=1e-5, atol=1e-6)

@@ -55,6 +55,8 @@ from trainers.optimizers.axes import auto_mesh
 from trainers.optimizers.state_dtype import compute_dtype
 from trainers.optimizers.tensor_ops import blockify, unblockify
 
+BLOCKINGS = ("tiles", "local")  # The param's fixed tile grid (default), or each shard's own blocks.
+
 # While :func:`stack_blocks` traces an update: the (blocks, stacks) each ShardBlocks.run got.
 _RUNS = contextvars.ContextVar("shard_block_runs", default=None)
 
@@ -111,20 +113,26 @@ class ParamLayout:
         "specs": [[entry(e) for e in spec] for spec in specs],
     }
 
-  def blocks_of(self, params, block_size: int, scanned=None) -> Any:
+  def blocks_of(self, params, block_size: int, scanned=None, blocking: str = "tiles") -> Any:
     """A :class:`ShardBlocks` per leaf of ``params`` (``scanned``: a bool per leaf)."""
     scanned = jax.tree.map(lambda _: False, params) if scanned is None else scanned
     treedef = jax.tree.structure(params)
     leaves = zip(treedef.flatten_up_to(params), treedef.flatten_up_to(self.specs))
     blocks = [
-        shard_blocks(x.shape, spec, self.mesh, block_size, s)
+        shard_blocks(x.shape, spec, self.mesh, block_size, s, blocking=blocking)
         for (x, spec), s in zip(leaves, treedef.flatten_up_to(scanned))
     ]
     return treedef.unflatten(blocks)
 
 
 def shard_blocks(
-    shape, spec, mesh, block_size: int, scanned: bool = False, deal: bool = False
+    shape,
+    spec,
+    mesh,
+    block_size: int,
+    scanned: bool = False,
+    deal: bool = False,
+    blocking: str = "tiles",
 ) -> ShardBlocks:
   """The :class:`ShardBlocks` of a param of ``shape`` sharded as ``spec`` on ``mesh``.
 
@@ -132,6 +140,11 @@ def shard_blocks(
   device count divides were split over every mesh axis, and each device works on its
   own piece (:attr:`ShardBlocks.dealt`); otherwise (and when no dim divides) its
   blocks are computed on global arrays.
+
+  ``blocking``: ``"tiles"`` (the param's fixed grid of ``block_size`` tiles, whatever
+  the mesh: shard-local where every shard holds whole tiles, else computed on global
+  arrays, :func:`tiles_in_shards`) or ``"local"`` (each shard cut into its own blocks
+  of ``min(block_size, local extent)``: no collective, the math depends on the mesh).
 
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
@@ -141,16 +154,40 @@ def shard_blocks(
       >>> dealt.dealt, dealt.shards, dealt.stack_spec
       (True, (4,), P(('data', 'model'),))
   """
+  if blocking not in BLOCKINGS:
+    raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   sizes = dict(mesh.shape) if mesh is not None else {}
   dim = _deal_dim(shape, sizes, scanned) if deal and not stack_axes(spec) else None
-  if dim is not None:
-    spec = _dealt_spec(len(shape), dim, sizes)
-  shards = tuple(axis_size(sizes, entry) for entry in spec)
+  shards_of = lambda spec: tuple(axis_size(sizes, entry) for entry in spec)
+  dealt = None if dim is None else _dealt_spec(len(shape), dim, sizes)
+  if dealt is not None and (
+      blocking == "local" or tiles_in_shards(shape, shards_of(dealt), block_size, scanned)
+  ):
+    spec = dealt
+  else:
+    dim = None
+  shards = shards_of(spec)
+  if blocking == "tiles" and not tiles_in_shards(shape, shards, block_size, scanned):
+    shards = (1,) * len(shape)
   concrete = isinstance(mesh, jax.sharding.Mesh) and math.prod(shards) > 1
   return ShardBlocks(
       tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None, dim is not None
   )
+
+
+def tiles_in_shards(shape, shards, block_size: int, scanned: bool = False) -> bool:
+  """Whether every shard holds whole ``block_size`` tiles of the param (its fixed grid).
+
+  True when each split dim (not a scanned layer axis) has a local extent that is a
+  multiple of ``block_size``: the blocks cut shard by shard are then the param's tiles.
+
+  Example:
+      >>> tiles_in_shards((512, 256), (2, 1), 128), tiles_in_shards((512, 256), (8, 1), 128)
+      (True, False)
+  """
+  dims = list(zip(shape, shards))[int(scanned) :]
+  return all(s == 1 or (d // s) % block_size == 0 for d, s in dims)
 
 
 def _deal_dim(shape, sizes: dict[str, int], scanned: bool) -> int | None:
