@@ -389,16 +389,29 @@ def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, st
 
 
 def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, settings):
-  """:func:`_fit_and_precondition` on one param: on its shard-local block stack
-  (in ``shard_map`` on a mesh), else on the param itself."""
-  if blocks is None:
-    return _fit_and_precondition(qs, momentum, target, probe, *scalars, stacked, settings)
+  """:func:`_fit_and_precondition` on one param: on its block stack (in ``shard_map``
+  on a mesh), else on the param itself.
 
-  def per_shard(arrays, qs, *scalars):
-    new_qs, direction = _fit_and_precondition(qs, *arrays, *scalars, stacked, settings)
+  ``scalars``: (damping, do_update, do_balance); the fit's target is ``target`` plus
+  ``damping`` times the probe, formed where the blocks are, so that only the momentum,
+  the probe and (when it is not the momentum) the target reach them.
+  """
+  damping, *flags = scalars
+  damped = lambda t, v, damping: t + damping.astype(t.dtype) * v
+  if blocks is None:
+    return _fit_and_precondition(
+        qs, momentum, damped(target, probe, damping), probe, *flags, stacked, settings
+    )
+  own_target = target is not momentum
+
+  def per_shard(arrays, qs, damping, *flags):
+    m, *t, v = arrays
+    fit = (qs, m, damped(t[0] if own_target else m, v, damping), v)
+    new_qs, direction = _fit_and_precondition(*fit, *flags, stacked, settings)
     return [direction], new_qs
 
-  (direction,), qs = blocks.run(per_shard, [momentum, target, probe], qs, scalars)
+  arrays = [momentum, target, probe] if own_target else [momentum, probe]
+  (direction,), qs = blocks.run(per_shard, arrays, qs, [damping, *flags])
   return qs, direction
 
 
@@ -477,10 +490,10 @@ def _probe_key(count: jax.Array) -> jax.Array:
   return key
 
 
-def _damped(target: jax.Array, probe: jax.Array) -> jax.Array:
-  """``target`` plus psgd's damping, ``sqrt(eps) * mean|target|`` times the probe."""
+def _damping(target: jax.Array) -> jax.Array:
+  """psgd's damping of the fit's target: ``sqrt(eps) * mean|target|`` (times the probe)."""
   damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
-  return target + damp.astype(target.dtype) * jnp.mean(jnp.abs(target)) * probe
+  return damp.astype(target.dtype) * jnp.mean(jnp.abs(target))
 
 
 def _kron_update(updates, state, params=None, *, settings: _Settings):
@@ -503,7 +516,8 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
       qs, momentum, targets, probes, grads, *_layers_and_blocks(updates, settings)
   ):
     stacked = s or b is not None
-    q, direction = _kron_leaf(q, m, _damped(t, v), v, (do_update, do_balance), b, stacked, settings)
+    scalars = (_damping(t), do_update, do_balance)
+    q, direction = _kron_leaf(q, m, t, v, scalars, b, stacked, settings)
     new_qs.append(q)
     out.append(_clip_rms(direction).astype(g.dtype))
   new_state = dict(

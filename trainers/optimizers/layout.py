@@ -167,12 +167,22 @@ def shard_blocks(
     spec = dealt
   else:
     dim = None
+  gathered = ()
+  if blocking == "tiles":
+    whole = _whole_tiles(shape, shards_of(spec), block_size, scanned)
+    gathered = tuple(a for e, w in zip(spec, whole) if not w for a in stack_axes((e,)))
+    spec = tuple(e if w else None for e, w in zip(spec, whole))
   shards = shards_of(spec)
-  if blocking == "tiles" and not tiles_in_shards(shape, shards, block_size, scanned):
-    shards = (1,) * len(shape)
-  concrete = isinstance(mesh, jax.sharding.Mesh) and math.prod(shards) > 1
+  concrete = isinstance(mesh, jax.sharding.Mesh) and (math.prod(shards) > 1 or bool(gathered))
   return ShardBlocks(
-      tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None, dim is not None
+      tuple(shape),
+      shards,
+      block_size,
+      scanned,
+      spec,
+      mesh if concrete else None,
+      dim is not None,
+      gathered,
   )
 
 
@@ -186,8 +196,15 @@ def tiles_in_shards(shape, shards, block_size: int, scanned: bool = False) -> bo
       >>> tiles_in_shards((512, 256), (2, 1), 128), tiles_in_shards((512, 256), (8, 1), 128)
       (True, False)
   """
-  dims = list(zip(shape, shards))[int(scanned) :]
-  return all(s == 1 or (d // s) % block_size == 0 for d, s in dims)
+  return all(_whole_tiles(shape, shards, block_size, scanned))
+
+
+def _whole_tiles(shape, shards, block_size: int, scanned: bool) -> list[bool]:
+  """Per dim: whether its shards hold whole tiles (a scanned layer axis always does)."""
+  return [
+      (scanned and i == 0) or s == 1 or (d // s) % block_size == 0
+      for i, (d, s) in enumerate(zip(shape, shards))
+  ]
 
 
 def _deal_dim(shape, sizes: dict[str, int], scanned: bool) -> int | None:
@@ -214,6 +231,10 @@ class ShardBlocks:
   on global arrays). ``dealt``: the param is replicated and ``spec`` is virtual:
   every device holds the whole param, cuts it as ``spec`` would shard it and works
   on its own piece's blocks; the pieces' results are gathered (a param's bytes).
+  ``gathered``: the param's mesh axes that cut its tiles (``blocking="tiles"``), left
+  out of ``spec``: the arrays :meth:`run` gets are all-gathered over them and every
+  device holding part of a tile computes the whole tile (its factors replicated over
+  those axes); the results are sliced back to the param's shards (no collective).
   """
 
   shape: tuple[int, ...]
@@ -223,6 +244,7 @@ class ShardBlocks:
   spec: tuple = ()
   mesh: Any = None
   dealt: bool = False
+  gathered: tuple[str, ...] = ()
 
   @property
   def local_shape(self) -> tuple[int, ...]:
@@ -412,6 +434,29 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
 
   jax.eval_shape(update, params, leaves)
   return [found.get(i) for i in range(len(leaves))]
+
+
+def stack_specs(tx, params, state) -> list[P | None]:
+  """Per leaf of ``state`` (flattened): the spec its block stack is computed in, else None.
+
+  Dim 0 over :attr:`ShardBlocks.stack_spec`'s axes (replicated over the axes a tile spans,
+  :attr:`ShardBlocks.gathered`), the rest whole: the plan keeps stacks there
+  (``trainers/build.py``) so the update moves none of them.
+
+  Example:
+      >>> from trainers.optimizers.kron import scale_by_kron
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+      >>> tx = scale_by_kron(block_size=4, layout=ParamLayout({"w": P("data")}, mesh))
+      >>> stack_specs(tx, params, jax.eval_shape(tx.init, params))  # 2-row shards: gathered
+      [None, None, PartitionSpec(None, None, None), PartitionSpec(None, None, None), None]
+  """
+  blocks = stack_blocks(tx, params, state)
+  leaves = jax.tree.leaves(state)
+  return [
+      None if b is None else P(*b.stack_spec, *(None,) * (x.ndim - 1))
+      for b, x in zip(blocks, leaves)
+  ]
 
 
 def stack_moves(
