@@ -21,7 +21,6 @@ from tests.helpers import metrics, train
 STEPS, SAVED = 30, 15
 RUN = (
     f"--config.total_steps={STEPS}",
-    "--config.model.n_layers=1",
     "--config.batch_size=8",
     "--config.seq_len=32",
     "--config.log_every=1",
