@@ -47,6 +47,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import axis_size, stack_axes
@@ -167,11 +168,13 @@ def shard_blocks(
     spec = dealt
   else:
     dim = None
-  gathered = ()
+  gathered, owners = (), None
   if blocking == "tiles":
     whole = _whole_tiles(shape, shards_of(spec), block_size, scanned)
-    gathered = tuple(a for e, w in zip(spec, whole) if not w for a in stack_axes((e,)))
-    spec = tuple(e if w else None for e, w in zip(spec, whole))
+    owners = _owners(tuple(shape), spec, shards_of(spec), whole, block_size, scanned)
+    if owners is None:
+      gathered = tuple(a for e, w in zip(spec, whole) if not w for a in stack_axes((e,)))
+      spec = tuple(e if w else None for e, w in zip(spec, whole))
   shards = shards_of(spec)
   concrete = isinstance(mesh, jax.sharding.Mesh) and (math.prod(shards) > 1 or bool(gathered))
   return ShardBlocks(
@@ -183,7 +186,24 @@ def shard_blocks(
       mesh if concrete else None,
       dim is not None,
       gathered,
+      owners,
   )
+
+
+def _owners(shape, spec, shards, whole, block_size: int, scanned: bool):
+  """``(dim, axis, holders)`` when the tiles of one dim span ``holders`` whole shards of one
+  mesh axis and every shard's pieces of tiles deal evenly to those holders; else None."""
+  spanning = [k for k, w in enumerate(whole) if not w]
+  axes = stack_axes((spec[spanning[0]],)) if len(spanning) == 1 else ()
+  if len(axes) != 1:
+    return None
+  k = spanning[0]
+  extent, tile = shape[k] // shards[k], min(block_size, shape[k])
+  if tile % extent or shape[k] % tile:
+    return None
+  holders = tile // extent
+  pieces = ShardBlocks(shape, shards, block_size, scanned).count // math.prod(shards)
+  return (k, axes[0], holders) if pieces % holders == 0 else None
 
 
 def tiles_in_shards(shape, shards, block_size: int, scanned: bool = False) -> bool:
@@ -231,10 +251,15 @@ class ShardBlocks:
   on global arrays). ``dealt``: the param is replicated and ``spec`` is virtual:
   every device holds the whole param, cuts it as ``spec`` would shard it and works
   on its own piece's blocks; the pieces' results are gathered (a param's bytes).
-  ``gathered``: the param's mesh axes that cut its tiles (``blocking="tiles"``), left
-  out of ``spec``: the arrays :meth:`run` gets are all-gathered over them and every
-  device holding part of a tile computes the whole tile (its factors replicated over
-  those axes); the results are sliced back to the param's shards (no collective).
+  ``owners``: ``(dim, axis, holders)`` (``blocking="tiles"``): the tiles of ``dim``
+  span ``holders`` consecutive shards of ``axis``, and each of those holders *owns* an
+  equal share of the tiles they hold together: its stack slice holds their factors, the
+  holders exchange the tiles' pieces (an all-to-all among them) so that each owner fits
+  and applies its whole tiles, and send the directions' pieces back the same way.
+  ``gathered``: where no such split exists, the param's mesh axes that cut its tiles,
+  left out of ``spec``: the arrays :meth:`run` gets are all-gathered over them and
+  every device holding part of a tile computes the whole tile (its factors replicated
+  over those axes); the results are sliced back to the param's shards.
   """
 
   shape: tuple[int, ...]
@@ -245,20 +270,35 @@ class ShardBlocks:
   mesh: Any = None
   dealt: bool = False
   gathered: tuple[str, ...] = ()
+  owners: tuple[int, str, int] | None = None
 
   @property
   def local_shape(self) -> tuple[int, ...]:
     return tuple(d // s for d, s in zip(self.shape, self.shards))
 
   @property
+  def whole_tiles(self) -> ShardBlocks:
+    """With :attr:`owners`: the same tiles cut from shards of whole tiles (one per group
+    of holders), stacked in that blocking's order; else ``self``."""
+    if self.owners is None:
+      return self
+    dim, _, holders = self.owners
+    shards = tuple(s // holders if d == dim else s for d, s in enumerate(self.shards))
+    return dataclasses.replace(self, shards=shards, mesh=None, owners=None)
+
+  @property
   def sizes(self) -> tuple[int, ...]:
     """Block size per (per-layer) dim."""
+    if self.owners is not None:
+      return self.whole_tiles.sizes
     local = self.local_shape[1:] if self.scanned else self.local_shape
     return tuple(min(e, self.block_size) for e in local)
 
   @property
   def count(self) -> int:
     """Number of blocks in the whole stack."""
+    if self.owners is not None:
+      return self.whole_tiles.count
     local = self.local_shape[1:] if self.scanned else self.local_shape
     per_shard = math.prod(-(-e // b) for e, b in zip(local, self.sizes))
     layers = self.local_shape[0] if self.scanned else 1
@@ -272,6 +312,8 @@ class ShardBlocks:
 
   def tiles(self) -> tuple[tuple[int, ...], ...]:
     """Per dim, the sorted start offsets of the blocks in the param (padding aside)."""
+    if self.owners is not None:
+      return self.whole_tiles.tiles()
     starts = []
     for dim, (extent, shards) in enumerate(zip(self.local_shape, self.shards)):
       if self.scanned and dim == 0:
@@ -281,7 +323,13 @@ class ShardBlocks:
     return tuple(starts)
 
   def split(self, x: jax.Array, local: bool = False) -> jax.Array:
-    """Param-shaped ``x`` (or its local shard) as the block stack ``(n, *sizes)``."""
+    """Param-shaped ``x`` (or its local shard) as the block stack ``(n, *sizes)``.
+
+    With :attr:`owners` the global stack is in owner order (each device's owned tiles in
+    turn) and a local shard's stack holds its pieces of tiles, ``min(block_size, extent)``.
+    """
+    if self.owners is not None and not local:
+      return self._owner_order(self.whole_tiles.split(x))
     shards = self._grid(x, local)
     per_shard = blockify(x, tuple(d // s for d, s in zip(x.shape, shards)))
     cut = functools.partial(blockify, block_size=self.block_size)
@@ -292,6 +340,8 @@ class ShardBlocks:
 
   def merge(self, blocks: jax.Array, local: bool = False) -> jax.Array:
     """Inverse of :meth:`split`."""
+    if self.owners is not None and not local:
+      return self.whole_tiles.merge(self._owner_order(blocks, inverse=True))
     shape = self.local_shape if local else self.shape
     shards = (1,) * len(shape) if local else self.shards
     local_shape = self.local_shape
@@ -331,6 +381,8 @@ class ShardBlocks:
       return body(arrays, stacks, scalars, local=False)
     if self.dealt:
       return self._run_dealt(fn, arrays, stacks, scalars)
+    if self.owners is not None:
+      return self._run_owned(fn, arrays, stacks, scalars)
     param = P(*self.spec)
     mapped = jax.shard_map(
         functools.partial(body, local=True),
@@ -361,10 +413,78 @@ class ShardBlocks:
     outs, new_stacks = mapped(list(arrays), stacks, list(scalars))
     return [self.merge(o) for o in outs], new_stacks
 
+  def _run_owned(self, fn: Callable, arrays, stacks, scalars):
+    """:meth:`run` with :attr:`owners`: pieces of tiles to their owners and back."""
+    dim, axis, holders = self.owners
+    block_dim = 1 + dim - int(self.scanned)  # The dim in a (n, *sizes) stack.
+    size = dict(self.mesh.shape)[axis]
+
+    def to_owners(pieces):  # (n_local, *piece) -> (n_local / holders, *tile)
+      chunks = pieces.reshape(holders, -1, *pieces.shape[1:])  # Chunk r: what r owns.
+      got = jnp.moveaxis(_exchange(chunks, axis, holders, size), 0, block_dim)
+      return got.reshape(*got.shape[:block_dim], -1, *got.shape[block_dim + 2 :])
+
+    def from_owners(tiles):
+      rows = tiles.shape[block_dim] // holders
+      parts = tiles.reshape(*tiles.shape[:block_dim], holders, rows, *tiles.shape[block_dim + 1 :])
+      back = _exchange(jnp.moveaxis(parts, block_dim, 0), axis, holders, size)
+      return back.reshape(-1, *back.shape[2:])
+
+    def body(arrays, stacks, scalars):
+      tiles = [to_owners(self.split(x, local=True)) for x in arrays]
+      outs, new_stacks = fn(tiles, stacks, *scalars)
+      return [self.merge(from_owners(o), local=True) for o in outs], new_stacks
+
+    param = P(*self.spec)
+    mapped = jax.shard_map(
+        body,
+        mesh=self.mesh,
+        in_specs=(param, self.stack_spec, P()),
+        out_specs=(param, self.stack_spec),
+        check_vma=False,
+    )
+    return mapped(list(arrays), stacks, list(scalars))
+
+  def _owner_order(self, stack: jax.Array, inverse: bool = False) -> jax.Array:
+    """A :attr:`whole_tiles` stack in owner order (device by device), or back.
+
+    Whole-tile order is ``(*grid, holder, owned)``: each group's tiles, its holders' shares
+    in turn; owner order puts the holder right after its dim's group, as devices are.
+    """
+    dim, _, holders = self.owners
+    grid, tail = self.whole_tiles.shards, stack.shape[1:]
+    ndim = len(grid)
+    order = [*range(dim + 1), ndim, *range(dim + 1, ndim), ndim + 1]
+    if inverse:
+      shape, order = (*grid[: dim + 1], holders, *grid[dim + 1 :]), np.argsort(order).tolist()
+    else:
+      shape = (*grid, holders)
+    split = stack.reshape(*shape, -1, *tail)
+    return split.transpose(*order, *range(ndim + 2, split.ndim)).reshape(stack.shape)
+
   def _grid(self, x: jax.Array, local: bool) -> tuple[int, ...]:
     if local:
       return (1,) * x.ndim
     return self.shards
+
+
+def _exchange(chunks: jax.Array, axis: str, holders: int, size: int) -> jax.Array:
+  """In ``shard_map``: ``out[p]`` is the chunk that holder ``p`` of this device's group
+  (``holders`` consecutive indices of ``axis``) sent it, having sent ``chunks[r]`` to
+  holder ``r``: an all-to-all among each group (the whole axis: one all-to-all)."""
+  if holders == size:
+    return jax.lax.all_to_all(chunks, axis, 0, 0)
+  me = jax.lax.axis_index(axis) % holders
+  out = jax.lax.dynamic_update_index_in_dim(
+      jnp.zeros_like(chunks), jax.lax.dynamic_index_in_dim(chunks, me, 0), me, 0
+  )
+  groups = range(0, size, holders)
+  for shift in range(1, holders):
+    send = jax.lax.dynamic_index_in_dim(chunks, (me + shift) % holders, 0, keepdims=False)
+    pairs = [(g + p, g + (p + shift) % holders) for g in groups for p in range(holders)]
+    got = jax.lax.ppermute(send, axis, pairs)
+    out = jax.lax.dynamic_update_index_in_dim(out, got, (me - shift) % holders, 0)
+  return out
 
 
 def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
