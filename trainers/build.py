@@ -26,7 +26,6 @@ Example:
 """
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -86,42 +85,11 @@ def build(config, mesh) -> Run:
   layout = optimizers.ParamLayout.from_plan(params)
   tx, learning_rates = optimizer(config, layout)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)
-  plan = stacks_placed(plan, tx)
   rebuild = lambda other: optimizer(config, other)[0]
   params = plan.abstract()["params"]
   migration = optimizers.BuiltOptimizer(config.optax_name, params, layout, rebuild)
   loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
-
-
-def stacks_placed(plan: bvs.Plan, tx) -> bvs.Plan:
-  """``plan`` with each optimizer block stack in the spec its blocks are computed in.
-
-  The plan shards a stack over all its param's axes; where Kron's or Shampoo's tiles span
-  several shards (``blocking="tiles"``) the stack is computed replicated over the axes the
-  tiles span (:func:`~trainers.optimizers.layout.stack_specs`), and kept there so that no
-  step gathers it. Other leaves, and stacks already there, keep their entries.
-
-  Example: ``stacks_placed(plan, tx).specs["opt"]`` (``build`` calls it).
-  """
-  abstract = plan.abstract()
-  specs = optimizers.stack_specs(tx, abstract["params"], abstract["opt"])
-  tree = plan.treedef.unflatten(list(plan.entries))
-  is_entry = lambda x: isinstance(x, bvs.Entry)
-  sizes = dict(plan.mesh.shape)
-  moved = {}
-  for entry, spec in zip(jax.tree.leaves(tree["opt"], is_leaf=is_entry), specs, strict=True):
-    if spec is None or spec == entry.spec:
-      continue
-    shards = math.prod(sizes[a] for a in bvs.ops.stack_axes(tuple(spec)))
-    moved[id(entry)] = dataclasses.replace(
-        entry,
-        spec=spec,
-        compute_spec=spec,
-        why=f"{entry.why}; block stack of tiles spanning shards: replicated over them",
-        bytes_per_device=entry.nbytes // shards,
-    )
-  return dataclasses.replace(plan, entries=tuple(moved.get(id(e), e) for e in plan.entries))
 
 
 def axis_types(config) -> str:

@@ -11,12 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import step_traffic, traffic
 
-
-def config_with(spec: str, optimizer: str):
-  """``configs/<spec>`` with ``config.optax_name = optimizer``: what the benchmark measures."""
-  config = step_traffic.load_config(spec)
-  config.optax_name = optimizer
-  return config
+config_with = step_traffic.config_for  # What the benchmark measures.
 
 
 @pytest.fixture(scope="module")

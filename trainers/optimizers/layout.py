@@ -257,9 +257,9 @@ class ShardBlocks:
   holders exchange the tiles' pieces (an all-to-all among them) so that each owner fits
   and applies its whole tiles, and send the directions' pieces back the same way.
   ``gathered``: where no such split exists, the param's mesh axes that cut its tiles,
-  left out of ``spec``: the arrays :meth:`run` gets are all-gathered over them and
-  every device holding part of a tile computes the whole tile (its factors replicated
-  over those axes); the results are sliced back to the param's shards.
+  left out of ``spec``: the arrays :meth:`run` gets, and the stacks (stored where the
+  plan puts them), are all-gathered over them for the step and every device holding
+  part of a tile computes the whole tile; the results are sliced back to the shards.
   """
 
   shape: tuple[int, ...]
@@ -554,29 +554,6 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
 
   jax.eval_shape(update, params, leaves)
   return [found.get(i) for i in range(len(leaves))]
-
-
-def stack_specs(tx, params, state) -> list[P | None]:
-  """Per leaf of ``state`` (flattened): the spec its block stack is computed in, else None.
-
-  Dim 0 over :attr:`ShardBlocks.stack_spec`'s axes (replicated over the axes a tile spans,
-  :attr:`ShardBlocks.gathered`), the rest whole: the plan keeps stacks there
-  (``trainers/build.py``) so the update moves none of them.
-
-  Example:
-      >>> from trainers.optimizers.kron import scale_by_kron
-      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
-      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
-      >>> tx = scale_by_kron(block_size=4, layout=ParamLayout({"w": P("data")}, mesh))
-      >>> stack_specs(tx, params, jax.eval_shape(tx.init, params))  # 2-row shards: gathered
-      [None, None, PartitionSpec(None, None, None), PartitionSpec(None, None, None), None]
-  """
-  blocks = stack_blocks(tx, params, state)
-  leaves = jax.tree.leaves(state)
-  return [
-      None if b is None else P(*b.stack_spec, *(None,) * (x.ndim - 1))
-      for b, x in zip(blocks, leaves)
-  ]
 
 
 def stack_moves(
