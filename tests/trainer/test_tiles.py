@@ -27,6 +27,7 @@ RUN = (
     "--config.eval_every=1000",  # Eval only at the last step.
     "--config.eval_batches=1",
     f"--config.ckpt_steps={SAVED}",
+    f"--config.keep_ckpt_steps={SAVED}",  # The resumed runs start from step 15's.
     # Constant after 2 warmup steps: the resumed runs' schedule is the uninterrupted one's.
     "--config.schedule.warmup_steps=2",
     "--config.schedule.decay_type=stair",
