@@ -43,7 +43,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
-from benchmarks import traffic  # noqa: E402
+from benchmarks import traffic, zoo  # noqa: E402
 from trainers import build, cli, steps  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
@@ -74,13 +74,8 @@ def load_config(spec: str):
 
 
 def config_for(spec: str, optimizer: str):
-  """``configs/<spec>`` training ``optimizer`` (a registry name, or ``<name>:local`` for
-  shard-local blocks: ``config.optax.blocking="local"``)."""
-  config = load_config(spec)
-  config.optax_name, local = optimizer.partition(":")[0], optimizer.endswith(":local")
-  if local:
-    config.optax.blocking = "local"
-  return config
+  """``configs/<spec>`` training ``optimizer`` (``zoo.train_with``: ``<name>:local`` too)."""
+  return zoo.train_with(load_config(spec), optimizer)
 
 
 def abstract(plan):
