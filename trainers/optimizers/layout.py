@@ -1,13 +1,15 @@
-"""Shard-local blocks: where each param's shards live, and block stacks cut inside them.
+"""Blocks on the params' layout: where each param's shards live, and the tiles they hold.
 
-Kron and Shampoo precondition blocks of a param. Cut from the whole param, a block
-spans several devices' shards and every factor update gathers, transposes and
-scatters. Given the param layout (the plan's specs and the mesh) through
-:class:`ParamLayout`, they instead cut every device's shard into its own blocks:
+Kron and Shampoo precondition blocks of a param. Left to XLA, a block that spans several
+devices' shards makes every factor update gather, transpose and scatter. Given the param
+layout (the plan's specs and the mesh) through :class:`ParamLayout`, they compute each
+block where its data is:
 
-* dim ``k`` of a param with ``s_k`` shards has local extent ``e_k = d_k / s_k``; the
-  block size on it is ``min(block_size, e_k)`` and a local extent that is not a
-  multiple is zero-padded inside its shard (a padded block acts like a smaller one);
+* dim ``k`` of a param with ``s_k`` shards has local extent ``e_k = d_k / s_k``; when
+  it is a multiple of ``block_size`` (or the dim is not split) each shard holds whole
+  tiles; shard-local blocks (``blocking="local"``) are ``min(block_size, e_k)`` long, a
+  local extent that is not a multiple zero-padded inside its shard (a padded block acts
+  like a smaller one);
 * blocks are stacked shard-major (shards in row-major order over the param's dims,
   then each shard's blocks as :func:`~trainers.optimizers.tensor_ops.blockify`
   orders them), so splitting the stack's dim 0 over
@@ -18,13 +20,14 @@ scatters. Given the param layout (the plan's specs and the mesh) through
   ``AbstractMesh`` (or without a layout) the same blocks are computed on global
   arrays: the unsharded reference, and shapes for planning.
 
-Same math on any mesh: whenever every local extent is a multiple of ``block_size``,
-the blocks are the same ``block_size`` tiles of the param whatever the device count,
-so the trajectory is the same; only the order of the stack differs.
-:func:`same_blocking` tells whether two layouts give the same tiles. When they do
-not (local extents below ``block_size`` or not multiples of it), the factors of one
-layout do not fit the other's blocks and a restore onto that mesh must re-initialise
-them.
+Same math on any mesh (``blocking="tiles"``, the default): the blocks are the param's own
+grid of ``block_size`` tiles whatever the device count; where a tile spans several shards
+its holders exchange what it needs (:attr:`ShardBlocks.owners`, :attr:`ShardBlocks.gathered`),
+and only the order of the stack differs between meshes (:func:`reorder`).
+``blocking="local"`` keeps blocks cut shard by shard: ``min(block_size, e_k)`` long, so
+another mesh may give other tiles. :func:`same_blocking` tells whether two layouts give
+the same tiles; when they do not, the factors of one layout do not fit the other's blocks
+and a restore onto that mesh must re-initialise them.
 
 Example:
     >>> blocks = ShardBlocks((8, 6), (2, 1), block_size=2)
@@ -143,9 +146,11 @@ def shard_blocks(
   blocks are computed on global arrays.
 
   ``blocking``: ``"tiles"`` (the param's fixed grid of ``block_size`` tiles, whatever
-  the mesh: shard-local where every shard holds whole tiles, else computed on global
-  arrays, :func:`tiles_in_shards`) or ``"local"`` (each shard cut into its own blocks
-  of ``min(block_size, local extent)``: no collective, the math depends on the mesh).
+  the mesh: shard-local where every shard holds whole tiles, :func:`tiles_in_shards`;
+  else dealt to owners among each tile's holders, or gathered by them:
+  :attr:`ShardBlocks.owners`, :attr:`ShardBlocks.gathered`) or ``"local"`` (each shard
+  cut into its own blocks of ``min(block_size, local extent)``: no collective, the math
+  depends on the mesh).
 
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
