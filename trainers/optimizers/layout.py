@@ -154,9 +154,11 @@ def shard_blocks(
 
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
-      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).shards
+      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4, blocking="local").shards
       (2, 2)
-      >>> dealt = shard_blocks((8,), P(), mesh, 4, deal=True)
+      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).gathered  # 3 of a 4-tile's 6 columns
+      ('model',)
+      >>> dealt = shard_blocks((8,), P(), mesh, 2, deal=True)  # 2-tiles: one per device
       >>> dealt.dealt, dealt.shards, dealt.stack_spec
       (True, (4,), P(('data', 'model'),))
   """
@@ -499,9 +501,9 @@ def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
   factors fitted under one layout cannot precondition the other's blocks.
 
   Example:
-      >>> on = lambda n: shard_blocks(
-      ...     (512, 256), P("data"), jax.sharding.AbstractMesh((n,), ("data",)), 128)
-      >>> same_blocking(on(2), on(4)), same_blocking(on(2), on(8))  # 64 < 128 on 8
+      >>> on = lambda n, blocking="tiles": shard_blocks((512, 256), P("data"),
+      ...     jax.sharding.AbstractMesh((n,), ("data",)), 128, blocking=blocking)
+      >>> same_blocking(on(2), on(8)), same_blocking(on(2, "local"), on(8, "local"))  # 64 rows
       (True, False)
   """
   return a.shape == b.shape and a.scanned == b.scanned and a.tiles() == b.tiles()
