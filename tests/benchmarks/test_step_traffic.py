@@ -1,7 +1,9 @@
-"""The trainer's real train step with shard-local Kron/Shampoo and owner-computed Muon on a 2-D
-mesh (8 simulated devices): XLA compiles it without "Involuntary full rematerialization" and it
-moves about what adamw moves (Muon: at most twice, one all-to-all of the momentum to the owners
-and an all-gather of the update)."""
+"""The trainer's real train step with Kron/Shampoo and owner-computed Muon on a 2-D mesh (8
+simulated devices): XLA compiles it without "Involuntary full rematerialization" and, with
+shard-local blocks, it moves about what adamw moves (Muon: at most twice, one all-to-all of the
+momentum to the owners and an all-gather of the update). With Kron's default tiles, which span
+shards on the tiny model, the holders gather the momentum, the probe and the factors of each
+tile (docs/optimizers.md): at most ``BOUND["kron"]`` times adamw's bytes."""
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ def adamw_bytes():
   return traffic.wire_bytes(hlo)
 
 
-BOUND = {"kron": 1.10, "shampoo": 1.10, "muon": 2.0}
+BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 2.5, "muon": 2.0}
 
 
 @pytest.mark.timeout(900)
@@ -28,6 +30,7 @@ BOUND = {"kron": 1.10, "shampoo": 1.10, "muon": 2.0}
 def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimizer, adamw_bytes):
   hlo, log, _, _ = step_traffic.compile_step(config_with("lm_tp_fsdp", optimizer))
   assert step_traffic.REMAT not in log
+  print(optimizer, traffic.wire_bytes(hlo) / adamw_bytes)
   assert traffic.wire_bytes(hlo) <= BOUND[optimizer] * adamw_bytes
 
 

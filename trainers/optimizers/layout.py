@@ -563,6 +563,41 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
   return [found.get(i) for i in range(len(leaves))]
 
 
+def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]:
+  """Per leaf of ``state`` (flattened): the spec to store its block stack in, else None.
+
+  All the param's axes (``mesh_sizes``: the mesh's axis sizes), on dim 0 while they divide
+  it: each device the stack slice of its own tiles. A stack of tiles its holders gather
+  (:attr:`ShardBlocks.gathered`: few tiles spanning many shards) puts the rest on the
+  tiles' rows, then columns: stored at the ideal, gathered for the step.
+
+  Example:
+      >>> from trainers.optimizers.kron import scale_by_kron
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+      >>> tx = scale_by_kron(block_size=4, layout=ParamLayout({"w": P("data")}, mesh))
+      >>> stack_specs(tx, params, jax.eval_shape(tx.init, params), {"data": 4})[:2]  # the Qs
+      [P(None, 'data', None), P(None, 'data', None)]
+  """
+  leaves = jax.tree.leaves(state)
+  specs = []
+  for blocks, x in zip(stack_blocks(tx, params, state), leaves, strict=True):
+    axes = () if blocks is None else (*stack_axes(blocks.spec), *blocks.gathered)
+    specs.append(None if blocks is None else P(*_spread(x.shape, axes, mesh_sizes)))
+  return specs
+
+
+def _spread(shape, axes, sizes: dict[str, int]) -> tuple:
+  """``axes`` on the first dim of ``shape`` each divides (with those already there)."""
+  placed = [[] for _ in shape]
+  for axis in axes:
+    for dim, extent in enumerate(shape):
+      if extent % (math.prod(sizes[a] for a in placed[dim]) * sizes[axis]) == 0:
+        placed[dim].append(axis)
+        break
+  return tuple(tuple(p) if len(p) > 1 else (p[0] if p else None) for p in placed)
+
+
 def stack_moves(
     old: Sequence, new: Sequence, names: Sequence[str] = ()
 ) -> list[tuple[ShardBlocks, ShardBlocks] | None]:
