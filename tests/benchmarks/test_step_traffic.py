@@ -22,7 +22,8 @@ def adamw_bytes():
   return traffic.wire_bytes(hlo)
 
 
-BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 2.5, "muon": 2.0}
+# Measured: 1.00x local, 1.68x kron's tiles (the tiny model's tiles span shards), muon 1.35x.
+BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.8, "muon": 2.0}
 
 
 @pytest.mark.timeout(900)
@@ -30,7 +31,6 @@ BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 2.5, "muon": 2.0}
 def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimizer, adamw_bytes):
   hlo, log, _, _ = step_traffic.compile_step(config_with("lm_tp_fsdp", optimizer))
   assert step_traffic.REMAT not in log
-  print(optimizer, traffic.wire_bytes(hlo) / adamw_bytes)
   assert traffic.wire_bytes(hlo) <= BOUND[optimizer] * adamw_bytes
 
 
