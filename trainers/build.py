@@ -100,7 +100,8 @@ def stacks_placed(plan: bvs.Plan, tx) -> bvs.Plan:
   The plan puts a stack's dim 0 over its param's axes when they divide it; a stack of the
   few tiles that span many shards (``blocking="tiles"``) does not divide, and goes over
   those axes on its rows and columns too (:func:`~trainers.optimizers.stack_specs`), so it
-  is stored at the ideal. Other leaves keep their entries.
+  is stored at the ideal. Other leaves, and stacks the optimizer computes replicated (a
+  never-sharded param's), keep their entries.
 
   Example: ``stacks_placed(plan, tx).specs["opt"]`` (``build`` calls it).
   """
@@ -111,7 +112,7 @@ def stacks_placed(plan: bvs.Plan, tx) -> bvs.Plan:
   is_entry = lambda x: isinstance(x, bvs.Entry)
   moved = {}
   for entry, spec in zip(jax.tree.leaves(tree["opt"], is_leaf=is_entry), specs, strict=True):
-    if spec is None or spec == entry.spec:
+    if spec is None or spec == entry.spec or not any(spec):  # Replicated: the plan's own.
       continue
     shards = math.prod(sizes[a] for a in bvs.ops.stack_axes(tuple(spec)))
     moved[id(entry)] = dataclasses.replace(
