@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import traffic
 from trainers.optimizers import ParamLayout, kron, same_blocking, shampoo
-from trainers.optimizers.layout import reorder, shard_blocks, stack_blocks
+from trainers.optimizers.layout import reorder, shard_blocks, stack_specs
 from trainers.optimizers.shampoo import ShampooState, factor_blocks
 
 STEPS = 4
@@ -185,15 +185,11 @@ def test_tiles_spanning_shards_are_fitted_by_their_owners(name):
   tx = make(ParamLayout(specs, mesh))
   state = jax.eval_shape(tx.init, params)
   leaves, treedef = jax.tree.flatten(state)
-  # Stacks where the plan puts them: over the param's axes where they divide, else replicated.
-  stacks = stack_blocks(tx, params, state)
+  # Stacks where the trainer stores them (build.stacks_placed), the rest on the params' spec.
+  stacks = stack_specs(tx, params, state, {"data": 8})
   param_spec = lambda x: P("data") if x.shape in SPANNING.values() else P()
-  stack_spec = lambda x: P("data") if x.shape[0] % 8 == 0 else P()
   shardings = treedef.unflatten(
-      [
-          NamedSharding(mesh, param_spec(x) if b is None else stack_spec(x, b))
-          for x, b in zip(leaves, stacks)
-      ]
+      [NamedSharding(mesh, param_spec(x) if s is None else s) for x, s in zip(leaves, stacks)]
   )
   hlo = []
   on_mesh = _run(tx, params, ({k: NamedSharding(mesh, P("data")) for k in params}, shardings), hlo)
