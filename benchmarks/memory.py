@@ -7,7 +7,8 @@ the baselines of ``benchmarks/placements.py``. Goal: ratio <= 1.02.
 Then the trainer's own plans on 2-D meshes: configs/lm_tp_fsdp.py and
 configs/lm_7b_pod.py (data x model) on 256 abstract devices, scanned and unscanned,
 per optimizer: the run trainers/train.py builds (trainers/build.py: the config's
-optimizer section, the params' layout, shard-local Kron/Shampoo blocks).
+optimizer section, the params' layout; Kron/Shampoo with the param's fixed tiles, and
+"kron:local"/"shampoo:local" with shard-local blocks).
 Goal: ratio <= 1.05.
 
   python -m benchmarks.memory [--only_2d]
@@ -30,7 +31,7 @@ TRAINER_CONFIGS = {
     "lm_tp_fsdp": lm_tp_fsdp.get_config("size=small"),
     "lm_7b_pod": lm_7b_pod.get_config(),
 }
-TRAINER_OPTIMIZERS = ("adamw", "kron", "shampoo", "muon")
+TRAINER_OPTIMIZERS = ("adamw", "kron", "kron:local", "shampoo", "shampoo:local", "muon")
 
 
 def llama_shape(size: str):
@@ -60,8 +61,8 @@ def rows(size: str, devices: int):
 def trainer_plan(config, optimizer: str, scan: bool, devices: int = 256) -> bvs.Plan:
   """The plan trainers/train.py makes for ``config`` with ``optimizer`` and ``scan_layers``
   on ``devices`` abstract devices (``trainers/build.py``)."""
-  config = config.copy_and_resolve_references()
-  config.optax_name, config.model.scan_layers = optimizer, scan
+  config = zoo.train_with(config.copy_and_resolve_references(), optimizer)
+  config.model.scan_layers = scan
   return build.build(config, bvs.make_abstract_mesh(config.mesh, devices)).plan
 
 

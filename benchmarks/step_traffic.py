@@ -9,7 +9,9 @@ collective (all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduc
 collectives, compile time, the per-device FLOPs of the optimizer update alone
 (``cost_analysis``) and their ratio to the single-device update's FLOPs / N, the
 state bytes per device over the ideal (total / N), and whether XLA printed
-"Involuntary full rematerialization" while compiling. Each config is compiled on a mesh
+"Involuntary full rematerialization" while compiling. Kron and Shampoo run with their
+default blocks (the param's fixed tiles) and as "kron:local"/"shampoo:local" with
+shard-local blocks (``config.optax.blocking="local"``). Each config is compiled on a mesh
 with Auto axes and on one with Explicit axes (``config.mesh_axis_types``; the loss gathers
 the params to their compute specs, the model lays out its activations); "x auto" is an
 Explicit row's wire bytes over its Auto row's. "gathers x P" and "reductions x P"
@@ -41,11 +43,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
-from benchmarks import traffic  # noqa: E402
+from benchmarks import traffic, zoo  # noqa: E402
 from trainers import build, cli, steps  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
-OPTIMIZERS = ("adamw", "kron", "shampoo", "muon")
+# "<name>:local": the optimizer with shard-local blocks (config.optax.blocking="local").
+OPTIMIZERS = ("adamw", "kron", "kron:local", "shampoo", "shampoo:local", "muon")
 REMAT = "Involuntary full rematerialization"
 
 
@@ -68,6 +71,11 @@ def captured_stderr():
 def load_config(spec: str):
   name, _, arg = spec.partition(":")
   return importlib.import_module(f"configs.{name}").get_config(arg or None)
+
+
+def config_for(spec: str, optimizer: str):
+  """``configs/<spec>`` training ``optimizer`` (``zoo.train_with``: ``<name>:local`` too)."""
+  return zoo.train_with(load_config(spec), optimizer)
 
 
 def abstract(plan):
@@ -153,9 +161,8 @@ def main(argv=None):
   for spec, scan, axis_types in rows:
     adamw = None
     for optimizer in args.optimizers.split(","):
-      config = load_config(spec)
-      config.model.scan_layers, config.optax_name = scan, optimizer
-      config.mesh_axis_types = axis_types
+      config = config_for(spec, optimizer)
+      config.model.scan_layers, config.mesh_axis_types = scan, axis_types
       r = measure(config)
       adamw = r["wire"] if optimizer == "adamw" else adamw
       vs_adamw = f"{r['wire'] / adamw:.2f}" if adamw else "-"

@@ -137,3 +137,20 @@ def optimizers(params, scanned=False, block_size=64):
       "shampoo": _ours.shampoo(LR, block_size=block_size // 2, matrix_epsilon=1e-3),
   }
   return zoo
+
+
+def train_with(config, optimizer: str):
+  """``config`` (changed in place, and returned) training ``optimizer``: a registry name, or
+  ``<name>:local`` for Kron's or Shampoo's shard-local blocks (``config.optax.blocking``).
+
+  Example:
+    >>> from configs import lm
+    >>> config = train_with(lm.get_config(), "kron:local")
+    >>> config.optax_name, config.optax.blocking
+    ('kron', 'local')
+  """
+  name, _, variant = optimizer.partition(":")
+  config.optax_name = name
+  if variant == "local":
+    config.optax.blocking = "local"
+  return config

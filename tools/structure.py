@@ -99,7 +99,7 @@ LAYERS = (
         packages("trainers.input", "trainers.models", "trainers.optimizers"),
         "What a run is built from, each knowing nothing of the others: `input/` (sources, "
         "deterministic batches, prefetch, tasks), `models/` (Llama and ViT), `optimizers/` "
-        "(the registry, schedules, Kron, Shampoo and Muon with their shard-local layouts).",
+        "(the registry, schedules, Kron, Shampoo and Muon on the params' layout).",
     ),
     Layer(
         "Trainer basics",

@@ -26,6 +26,7 @@ Example:
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -85,11 +86,43 @@ def build(config, mesh) -> Run:
   layout = optimizers.ParamLayout.from_plan(params)
   tx, learning_rates = optimizer(config, layout)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)
+  plan = stacks_placed(plan, tx)
   rebuild = lambda other: optimizer(config, other)[0]
   params = plan.abstract()["params"]
   migration = optimizers.BuiltOptimizer(config.optax_name, params, layout, rebuild)
   loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
+
+
+def stacks_placed(plan: bvs.Plan, tx) -> bvs.Plan:
+  """``plan`` with each Kron/Shampoo block stack where its optimizer stores it.
+
+  The plan puts a stack's dim 0 over its param's axes when they divide it; a stack of the
+  few tiles that span many shards (``blocking="tiles"``) does not divide, and goes over
+  those axes on its rows and columns too (:func:`~trainers.optimizers.stack_specs`), so it
+  is stored at the ideal. Other leaves, and stacks the optimizer computes replicated (a
+  never-sharded param's), keep their entries.
+
+  Example: ``stacks_placed(plan, tx).specs["opt"]`` (``build`` calls it).
+  """
+  abstract = plan.abstract()
+  sizes = dict(plan.mesh.shape)
+  specs = optimizers.stack_specs(tx, abstract["params"], abstract["opt"], sizes)
+  tree = plan.treedef.unflatten(list(plan.entries))
+  is_entry = lambda x: isinstance(x, bvs.Entry)
+  moved = {}
+  for entry, spec in zip(jax.tree.leaves(tree["opt"], is_leaf=is_entry), specs, strict=True):
+    if spec is None or spec == entry.spec or not any(spec):  # Replicated: the plan's own.
+      continue
+    shards = math.prod(sizes[a] for a in bvs.ops.stack_axes(tuple(spec)))
+    moved[id(entry)] = dataclasses.replace(
+        entry,
+        spec=spec,
+        compute_spec=spec,
+        why=f"{entry.why}; block stack of tiles over its param's axes where they divide",
+        bytes_per_device=entry.nbytes // shards,
+    )
+  return dataclasses.replace(plan, entries=tuple(moved.get(id(e), e) for e in plan.entries))
 
 
 def axis_types(config) -> str:

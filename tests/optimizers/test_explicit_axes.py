@@ -51,11 +51,13 @@ def _grads(params):
 
 
 @functools.cache
-def _update(name: str, axis_types: str, optimizer: str):
+def _update(name: str, axis_types: str, optimizer: str, block_size: int | None = None):
   """One jitted update: its updates, the new state, the state's plan, HLO and compile log."""
   mesh, run, params_plan, params = _params(name, axis_types)
   config = copy.deepcopy(_config(name))
   config.optax_name = optimizer
+  if block_size is not None:
+    config.optax.block_size = block_size
   tx, _ = build.optimizer(config, run.layout)
   plan = bvs.plan(
       steps.abstract_state(run.init, tx),
@@ -87,6 +89,18 @@ def test_explicit_update_is_the_auto_update_in_the_plans_shardings(config, optim
   leaves = jax.tree_util.tree_leaves_with_path(explicit.updates)
   for (path, e), a in zip(leaves, jax.tree.leaves(auto.updates), strict=True):
     assert np.max(np.abs(e - a), initial=0.0) <= 1e-6, jax.tree_util.keystr(path)
+
+
+def test_tiles_dealt_to_their_owners_under_explicit_axes():
+  """Kron's 16-tiles on the 4x2 mesh: those spanning two 8-wide shards of "data" are dealt to
+  their owners (collective permutes between the pair), the others gathered: the Auto update,
+  in the plan's shardings."""
+  explicit = _update("lm_tp_fsdp", "explicit", "kron", 16)
+  auto = _update("lm_tp_fsdp", "auto", "kron", 16)
+  assert explicit.plan.mismatches(explicit.state) == []
+  for e, a in zip(jax.tree.leaves(explicit.updates), jax.tree.leaves(auto.updates), strict=True):
+    assert np.max(np.abs(e - a), initial=0.0) <= 1e-6
+  assert "collective-permute" in {c.op for c in traffic.collectives(explicit.hlo)}
 
 
 @pytest.mark.parametrize("optimizer", ["kron", "shampoo", "muon"])

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import traffic
 from trainers.optimizers import ParamLayout, kron, same_blocking, shampoo
-from trainers.optimizers.layout import reorder, shard_blocks
+from trainers.optimizers.layout import reorder, shard_blocks, stack_specs
 from trainers.optimizers.shampoo import ShampooState, factor_blocks
 
 STEPS = 4
@@ -55,7 +55,9 @@ def _loss(params):
   return sum(jnp.mean(jnp.tanh(p) ** 2 + 0.1 * p) for p in jax.tree.leaves(params))
 
 
-def _run(tx, params, shardings=None):
+def _run(tx, params, shardings=None, hlo=None):
+  """``STEPS`` updates of ``tx`` on ``params``; the compiled program's text appended to
+  ``hlo`` when given."""
   state = tx.init(params)
 
   def step(carry, _):
@@ -66,7 +68,10 @@ def _run(tx, params, shardings=None):
   train = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), None, STEPS)[0])
   if shardings is not None:
     params, state = jax.device_put((params, state), shardings)
-  return jax.device_get(train(params, state))
+  compiled = train.lower(params, state).compile()
+  if hlo is not None:
+    hlo.append(compiled.as_text())
+  return jax.device_get(compiled(params, state))
 
 
 def _mesh():
@@ -143,19 +148,62 @@ def test_update_moves_only_scalars(name):
 
 @pytest.mark.timeout(300)
 def test_blocks_and_trajectory_do_not_depend_on_the_device_count():
-  """Shards that are multiples of the block size: 2 or 4 devices give the same tiles and the
-  same params; 8 devices cut 64 rows into 8-row shards, below the 16 block: other tiles."""
+  """The param's 16-row tiles on 2, 4 and 8 devices (8-row shards: tiles span two), the same
+  params; shard-local blocks ("local") are 8 rows on 8 devices: other tiles."""
   params = {"w": jax.random.normal(jax.random.PRNGKey(3), (64, 16))}
   layout = lambda n: ParamLayout({"w": P("data")}, AbstractMesh((n,), ("data",)))
-  blocks = lambda n: layout(n).blocks_of(params, 16)["w"]
-  assert same_blocking(blocks(2), blocks(4))
-  assert not same_blocking(blocks(4), blocks(8))
-  runs = [
-      _run(
-          kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout(n)), params
-      )
-      for n in (2, 4)
-  ]
-  np.testing.assert_allclose(runs[0][0]["w"], runs[1][0]["w"], rtol=1e-5, atol=1e-6)
-  qs = [r[1][0]["Qs_preconditioners"]["w"][0] for r in runs]
-  np.testing.assert_allclose(reorder(qs[0], blocks(2), blocks(4)), qs[1], rtol=1e-5, atol=1e-6)
+  blocks = lambda n, blocking="tiles": layout(n).blocks_of(params, 16, blocking=blocking)["w"]
+  assert same_blocking(blocks(2), blocks(4)) and same_blocking(blocks(4), blocks(8))
+  assert not same_blocking(blocks(4, "local"), blocks(8, "local"))
+  tx = lambda n: kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout(n))
+  runs = [_run(tx(n), params) for n in (2, 4, 8)]
+  for run, n in zip(runs[1:], (4, 8)):
+    np.testing.assert_allclose(runs[0][0]["w"], run[0]["w"], rtol=1e-5, atol=1e-6)
+    qs = [r[1][0]["Qs_preconditioners"]["w"][0] for r in (runs[0], run)]
+    np.testing.assert_allclose(reorder(qs[0], blocks(2), blocks(n)), qs[1], rtol=1e-5, atol=1e-6)
+
+
+# On 8 devices, rows over "data", 16-row tiles in 8- or 2-row shards: a's tiles span pairs of
+# shards and deal to them (collective permutes within each pair), b's span all 8 shards and
+# deal one per device (one all-to-all), c's 4 tiles cannot be dealt to 8 holders (gathered).
+SPANNING = {"a": (64, 32), "b": (16, 128), "c": (16, 64)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["kron", "shampoo"])
+def test_tiles_spanning_shards_are_fitted_by_their_owners(name):
+  params = {k: jax.random.normal(jax.random.key(i), s) for i, (k, s) in enumerate(SPANNING.items())}
+  specs = {k: P("data") for k in SPANNING}
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  blocks = {k: shard_blocks(s, P("data"), mesh, 16) for k, s in SPANNING.items()}
+  assert [blocks[k].owners for k in SPANNING] == [(0, "data", 2), (0, "data", 8), None]
+  make = lambda layout: (
+      kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout)
+      if name == "kron"
+      else shampoo(1e-2, block_size=16, graft_type="adam", layout=layout)
+  )
+  tx = make(ParamLayout(specs, mesh))
+  state = jax.eval_shape(tx.init, params)
+  leaves, treedef = jax.tree.flatten(state)
+  # Stacks where the trainer stores them (build.stacks_placed), the rest on the params' spec.
+  stacks = stack_specs(tx, params, state, {"data": 8})
+  param_spec = lambda x: P("data") if x.shape in SPANNING.values() else P()
+  shardings = treedef.unflatten(
+      [NamedSharding(mesh, param_spec(x) if s is None else s) for x, s in zip(leaves, stacks)]
+  )
+  hlo = []
+  on_mesh = _run(tx, params, ({k: NamedSharding(mesh, P("data")) for k in params}, shardings), hlo)
+  reference = _run(make(None), params)
+  for k in SPANNING:
+    np.testing.assert_allclose(on_mesh[0][k], reference[0][k], rtol=1e-5, atol=1e-6)
+  if name == "kron":  # Each owner's factors are those of its own tiles.
+    one = {k: shard_blocks(s, P(), None, 16) for k, s in SPANNING.items()}
+    for k in SPANNING:
+      qs = [r[1][0]["Qs_preconditioners"][k][0] for r in (on_mesh, reference)]
+      np.testing.assert_allclose(reorder(qs[0], blocks[k], one[k]), qs[1], rtol=1e-5, atol=1e-6)
+  found = {(c.op, c.result_bytes) for c in traffic.collectives(hlo[0])}
+  piece = lambda k: np.prod(SPANNING[k]) * 4 // 8  # One device's f32 shard of a param.
+  assert ("all-to-all", 2 * piece("b")) in found or ("all-to-all", piece("b")) in found, found
+  assert ("collective-permute", piece("a") // 2) in found, found
+  gathered = [b for op, b in found if op == "all-gather"]
+  assert gathered and max(gathered) <= params["c"].nbytes, found

@@ -28,13 +28,14 @@ def layout_on(devices: int) -> ParamLayout:
   return ParamLayout(SPECS, AbstractMesh((devices,), ("data",)))
 
 
-def optimizer_for(layout):
-  return shampoo(1e-2, block_size=4, graft_type="adam", layout=layout)
+def optimizer_for(layout, blocking="tiles"):
+  return shampoo(1e-2, block_size=4, graft_type="adam", layout=layout, blocking=blocking)
 
 
-def built_on(devices: int, name: str = "shampoo") -> BuiltOptimizer:
+def built_on(devices: int, name: str = "shampoo", blocking="tiles") -> BuiltOptimizer:
   abstract = jax.eval_shape(lambda: PARAMS)
-  return BuiltOptimizer(name, abstract, layout_on(devices), optimizer_for)
+  rebuild = lambda layout: optimizer_for(layout, blocking)
+  return BuiltOptimizer(name, abstract, layout_on(devices), rebuild)
 
 
 def trained(devices: int, steps: int = 3):
@@ -80,11 +81,15 @@ def test_same_tiles_in_another_order_reorders_each_stack_to_its_blocks(on_4):
   assert moved > 0
 
 
-def test_other_tiles_reinitialise_without_reading_the_state():
-  # On 8 devices w's shards are 2 columns wide: 4x2 tiles, which 4x4 factors do not fit.
-  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(8), None, never)
+def test_other_tiles_reinitialise_without_reading_the_state(on_4):
+  # On 8 devices w's shards are 2 columns wide: shard-local 4x2 blocks, which 4x4 factors do
+  # not fit; the param's own 4x4 tiles ("tiles", the default) are those of 4 devices.
+  local = built_on(4, blocking="local")
+  state, reason = migrate_state(checkpoint_meta(local), built_on(8, blocking="local"), None, never)
   assert state is None
   assert reason.startswith("its blocks differ on this mesh: opt/"), reason
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(8), None, lambda: on_4)
+  assert "block stacks reordered" in reason, reason
 
 
 def test_another_optimizer_reinitialises_without_reading_the_state():

@@ -45,7 +45,8 @@ def test_params_are_decided_once_and_the_state_plan_reuses_their_entries(monkeyp
   run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
   params = [e for e in run.plan.entries if e.name.startswith("params/")]
   assert sorted(decided) == sorted(e.name for e in params)  # each param once, in all
-  assert len(plans) == 2 and plans[1] is run.plan
+  # The state's plan is the run's, its block stacks placed where the optimizer stores them.
+  assert len(plans) == 2 and plans[1].treedef == run.plan.treedef
   assert all(a is b for a, b in zip(plans[0].entries, params, strict=True))
 
 

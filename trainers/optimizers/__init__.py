@@ -8,7 +8,7 @@ Example:
 from trainers.errors import OptimizerError
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
-from trainers.optimizers.layout import ParamLayout, same_blocking
+from trainers.optimizers.layout import ParamLayout, same_blocking, stack_specs
 from trainers.optimizers.migration import BuiltOptimizer, migrate_state
 from trainers.optimizers.muon import muon, scale_by_muon
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
@@ -35,4 +35,5 @@ __all__ = [
     "scale_by_muon",
     "scale_by_shampoo",
     "shampoo",
+    "stack_specs",
 ]

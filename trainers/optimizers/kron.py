@@ -69,7 +69,7 @@ import optax
 from optax import tree_utils as otu
 
 from trainers.errors import OptimizerError
-from trainers.optimizers.layout import ParamLayout, ShardBlocks, shard_blocks
+from trainers.optimizers.layout import BLOCKINGS, ParamLayout, ShardBlocks, shard_blocks
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
@@ -317,8 +317,10 @@ def leaf_blocks(
     block_size: int | None,
     spec: Any = (),
     mesh: Any = None,
+    blocking: str = "tiles",
 ) -> ShardBlocks | None:
-  """The shard-local blocking of ``param``, or None if it keeps one preconditioner.
+  """The blocking of ``param`` (:func:`~trainers.optimizers.layout.shard_blocks`), or None
+  if it keeps one preconditioner.
 
   Params with fewer than 2 dims (not counting a scanned layer axis), and every
   param when ``block_size`` is None, are not blocked.
@@ -331,7 +333,7 @@ def leaf_blocks(
   """
   if block_size is None or param.ndim - scanned < 2:
     return None
-  return shard_blocks(param.shape, spec, mesh, block_size, scanned)
+  return shard_blocks(param.shape, spec, mesh, block_size, scanned, blocking=blocking)
 
 
 def _stack_shape(param, scanned: bool, blocks: ShardBlocks | None):
@@ -362,6 +364,7 @@ class _Settings:
   scanned_layers: optax.Params | None
   block_size: int | None
   layout: ParamLayout | None
+  blocking: str
 
 
 def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, stacked, settings):
@@ -386,16 +389,29 @@ def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, st
 
 
 def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, settings):
-  """:func:`_fit_and_precondition` on one param: on its shard-local block stack
-  (in ``shard_map`` on a mesh), else on the param itself."""
-  if blocks is None:
-    return _fit_and_precondition(qs, momentum, target, probe, *scalars, stacked, settings)
+  """:func:`_fit_and_precondition` on one param: on its block stack (in ``shard_map``
+  on a mesh), else on the param itself.
 
-  def per_shard(arrays, qs, *scalars):
-    new_qs, direction = _fit_and_precondition(qs, *arrays, *scalars, stacked, settings)
+  ``scalars``: (damping, do_update, do_balance); the fit's target is ``target`` plus
+  ``damping`` times the probe, formed where the blocks are, so that only the momentum,
+  the probe and (when it is not the momentum) the target reach them.
+  """
+  damping, *flags = scalars
+  damped = lambda t, v, damping: t + damping.astype(t.dtype) * v
+  if blocks is None:
+    return _fit_and_precondition(
+        qs, momentum, damped(target, probe, damping), probe, *flags, stacked, settings
+    )
+  own_target = target is not momentum
+
+  def per_shard(arrays, qs, damping, *flags):
+    m, *t, v = arrays
+    fit = (qs, m, damped(t[0] if own_target else m, v, damping), v)
+    new_qs, direction = _fit_and_precondition(*fit, *flags, stacked, settings)
     return [direction], new_qs
 
-  (direction,), qs = blocks.run(per_shard, [momentum, target, probe], qs, scalars)
+  arrays = [momentum, target, probe] if own_target else [momentum, probe]
+  (direction,), qs = blocks.run(per_shard, arrays, qs, [damping, *flags])
   return qs, direction
 
 
@@ -405,6 +421,7 @@ def _layers_and_blocks(params, settings) -> tuple[list[bool], list[ShardBlocks |
   ``settings``: a :class:`_Settings` (its scanned_layers, block_size and layout).
   """
   scanned_layers, block_size, layout = settings.scanned_layers, settings.block_size, settings.layout
+  blocking = settings.blocking
   treedef = jax.tree.structure(params)
   leaves = treedef.flatten_up_to(params)
   scanned = [False] * len(leaves)
@@ -414,7 +431,8 @@ def _layers_and_blocks(params, settings) -> tuple[list[bool], list[ShardBlocks |
     return scanned, [leaf_blocks(p, s, block_size) for p, s in zip(leaves, scanned)]
   specs = treedef.flatten_up_to(layout.specs)
   blocks = [
-      leaf_blocks(p, s, block_size, spec, layout.mesh) for p, s, spec in zip(leaves, scanned, specs)
+      leaf_blocks(p, s, block_size, spec, layout.mesh, blocking)
+      for p, s, spec in zip(leaves, scanned, specs)
   ]
   return scanned, blocks
 
@@ -472,10 +490,10 @@ def _probe_key(count: jax.Array) -> jax.Array:
   return key
 
 
-def _damped(target: jax.Array, probe: jax.Array) -> jax.Array:
-  """``target`` plus psgd's damping, ``sqrt(eps) * mean|target|`` times the probe."""
+def _damping(target: jax.Array) -> jax.Array:
+  """psgd's damping of the fit's target: ``sqrt(eps) * mean|target|`` (times the probe)."""
   damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
-  return target + damp.astype(target.dtype) * jnp.mean(jnp.abs(target)) * probe
+  return damp.astype(target.dtype) * jnp.mean(jnp.abs(target))
 
 
 def _kron_update(updates, state, params=None, *, settings: _Settings):
@@ -498,7 +516,8 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
       qs, momentum, targets, probes, grads, *_layers_and_blocks(updates, settings)
   ):
     stacked = s or b is not None
-    q, direction = _kron_leaf(q, m, _damped(t, v), v, (do_update, do_balance), b, stacked, settings)
+    scalars = (_damping(t), do_update, do_balance)
+    q, direction = _kron_leaf(q, m, t, v, scalars, b, stacked, settings)
     new_qs.append(q)
     out.append(_clip_rms(direction).astype(g.dtype))
   new_state = dict(
@@ -526,6 +545,7 @@ def scale_by_kron(
     scanned_layers: optax.Params | None = None,
     block_size: int | None = None,
     layout: ParamLayout | None = None,
+    blocking: str = "tiles",
 ) -> optax.GradientTransformation:
   """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
@@ -548,8 +568,12 @@ def scale_by_kron(
       blocks of at most this size per dim, each with its own Qs (stacked as
       ``(n_blocks, b, b)``); see the module docstring.
     layout: the params' specs and mesh (:class:`ParamLayout`); with
-      ``block_size``, blocks are cut inside each device's shard and fitted
-      there (see :mod:`trainers.optimizers.layout`).
+      ``block_size``, blocks inside one device's shard are fitted there (see
+      :mod:`trainers.optimizers.layout`).
+    blocking: "tiles" (each param's fixed grid of ``block_size`` tiles on any
+      mesh: the same math on any device count) or "local" (each device's shard
+      cut into blocks of ``min(block_size, local extent)``: no collective, the
+      math depends on the mesh).
 
   Example:
       >>> tx = scale_by_kron(preconditioner_update_probability=1.0)
@@ -563,6 +587,8 @@ def scale_by_kron(
   settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if block_size is not None and block_size < 1:
     raise OptimizerError(f"block_size={block_size}; expected None or >= 1")
+  if blocking not in BLOCKINGS:
+    raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
   return optax.GradientTransformation(
       functools.partial(_kron_init, settings=settings),
       functools.partial(_kron_update, settings=settings),
@@ -588,6 +614,7 @@ def kron(
     scanned_layers: optax.Params | None = None,
     block_size: int | None = None,
     layout: ParamLayout | None = None,
+    blocking: str = "tiles",
 ) -> optax.GradientTransformation:
   """PSGD Kron with decoupled weight decay and a learning rate.
 
@@ -616,6 +643,7 @@ def kron(
           scanned_layers=scanned_layers,
           block_size=block_size,
           layout=layout,
+          blocking=blocking,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

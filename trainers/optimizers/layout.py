@@ -1,13 +1,15 @@
-"""Shard-local blocks: where each param's shards live, and block stacks cut inside them.
+"""Blocks on the params' layout: where each param's shards live, and the tiles they hold.
 
-Kron and Shampoo precondition blocks of a param. Cut from the whole param, a block
-spans several devices' shards and every factor update gathers, transposes and
-scatters. Given the param layout (the plan's specs and the mesh) through
-:class:`ParamLayout`, they instead cut every device's shard into its own blocks:
+Kron and Shampoo precondition blocks of a param. Left to XLA, a block that spans several
+devices' shards makes every factor update gather, transpose and scatter. Given the param
+layout (the plan's specs and the mesh) through :class:`ParamLayout`, they compute each
+block where its data is:
 
-* dim ``k`` of a param with ``s_k`` shards has local extent ``e_k = d_k / s_k``; the
-  block size on it is ``min(block_size, e_k)`` and a local extent that is not a
-  multiple is zero-padded inside its shard (a padded block acts like a smaller one);
+* dim ``k`` of a param with ``s_k`` shards has local extent ``e_k = d_k / s_k``; when
+  it is a multiple of ``block_size`` (or the dim is not split) each shard holds whole
+  tiles; shard-local blocks (``blocking="local"``) are ``min(block_size, e_k)`` long, a
+  local extent that is not a multiple zero-padded inside its shard (a padded block acts
+  like a smaller one);
 * blocks are stacked shard-major (shards in row-major order over the param's dims,
   then each shard's blocks as :func:`~trainers.optimizers.tensor_ops.blockify`
   orders them), so splitting the stack's dim 0 over
@@ -18,13 +20,14 @@ scatters. Given the param layout (the plan's specs and the mesh) through
   ``AbstractMesh`` (or without a layout) the same blocks are computed on global
   arrays: the unsharded reference, and shapes for planning.
 
-Same math on any mesh: whenever every local extent is a multiple of ``block_size``,
-the blocks are the same ``block_size`` tiles of the param whatever the device count,
-so the trajectory is the same; only the order of the stack differs.
-:func:`same_blocking` tells whether two layouts give the same tiles. When they do
-not (local extents below ``block_size`` or not multiples of it), the factors of one
-layout do not fit the other's blocks and a restore onto that mesh must re-initialise
-them.
+Same math on any mesh (``blocking="tiles"``, the default): the blocks are the param's own
+grid of ``block_size`` tiles whatever the device count; where a tile spans several shards
+its holders exchange what it needs (:attr:`ShardBlocks.owners`, :attr:`ShardBlocks.gathered`),
+and only the order of the stack differs between meshes (:func:`reorder`).
+``blocking="local"`` keeps blocks cut shard by shard: ``min(block_size, e_k)`` long, so
+another mesh may give other tiles. :func:`same_blocking` tells whether two layouts give
+the same tiles; when they do not, the factors of one layout do not fit the other's blocks
+and a restore onto that mesh must re-initialise them.
 
 Example:
     >>> blocks = ShardBlocks((8, 6), (2, 1), block_size=2)
@@ -47,6 +50,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import axis_size, stack_axes
@@ -54,6 +58,8 @@ from trainers.errors import OptimizerError
 from trainers.optimizers.axes import auto_mesh
 from trainers.optimizers.state_dtype import compute_dtype
 from trainers.optimizers.tensor_ops import blockify, unblockify
+
+BLOCKINGS = ("tiles", "local")  # The param's fixed tile grid (default), or each shard's own blocks.
 
 # While :func:`stack_blocks` traces an update: the (blocks, stacks) each ShardBlocks.run got.
 _RUNS = contextvars.ContextVar("shard_block_runs", default=None)
@@ -111,20 +117,26 @@ class ParamLayout:
         "specs": [[entry(e) for e in spec] for spec in specs],
     }
 
-  def blocks_of(self, params, block_size: int, scanned=None) -> Any:
+  def blocks_of(self, params, block_size: int, scanned=None, blocking: str = "tiles") -> Any:
     """A :class:`ShardBlocks` per leaf of ``params`` (``scanned``: a bool per leaf)."""
     scanned = jax.tree.map(lambda _: False, params) if scanned is None else scanned
     treedef = jax.tree.structure(params)
     leaves = zip(treedef.flatten_up_to(params), treedef.flatten_up_to(self.specs))
     blocks = [
-        shard_blocks(x.shape, spec, self.mesh, block_size, s)
+        shard_blocks(x.shape, spec, self.mesh, block_size, s, blocking=blocking)
         for (x, spec), s in zip(leaves, treedef.flatten_up_to(scanned))
     ]
     return treedef.unflatten(blocks)
 
 
 def shard_blocks(
-    shape, spec, mesh, block_size: int, scanned: bool = False, deal: bool = False
+    shape,
+    spec,
+    mesh,
+    block_size: int,
+    scanned: bool = False,
+    deal: bool = False,
+    blocking: str = "tiles",
 ) -> ShardBlocks:
   """The :class:`ShardBlocks` of a param of ``shape`` sharded as ``spec`` on ``mesh``.
 
@@ -133,24 +145,93 @@ def shard_blocks(
   own piece (:attr:`ShardBlocks.dealt`); otherwise (and when no dim divides) its
   blocks are computed on global arrays.
 
+  ``blocking``: ``"tiles"`` (the param's fixed grid of ``block_size`` tiles, whatever
+  the mesh: shard-local where every shard holds whole tiles, :func:`tiles_in_shards`;
+  else dealt to owners among each tile's holders, or gathered by them:
+  :attr:`ShardBlocks.owners`, :attr:`ShardBlocks.gathered`) or ``"local"`` (each shard
+  cut into its own blocks of ``min(block_size, local extent)``: no collective, the math
+  depends on the mesh).
+
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
-      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).shards
+      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4, blocking="local").shards
       (2, 2)
-      >>> dealt = shard_blocks((8,), P(), mesh, 4, deal=True)
+      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).gathered  # 3 of a 4-tile's 6 columns
+      ('model',)
+      >>> dealt = shard_blocks((8,), P(), mesh, 2, deal=True)  # 2-tiles: one per device
       >>> dealt.dealt, dealt.shards, dealt.stack_spec
       (True, (4,), P(('data', 'model'),))
   """
+  if blocking not in BLOCKINGS:
+    raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   sizes = dict(mesh.shape) if mesh is not None else {}
   dim = _deal_dim(shape, sizes, scanned) if deal and not stack_axes(spec) else None
-  if dim is not None:
-    spec = _dealt_spec(len(shape), dim, sizes)
-  shards = tuple(axis_size(sizes, entry) for entry in spec)
-  concrete = isinstance(mesh, jax.sharding.Mesh) and math.prod(shards) > 1
+  shards_of = lambda spec: tuple(axis_size(sizes, entry) for entry in spec)
+  dealt = None if dim is None else _dealt_spec(len(shape), dim, sizes)
+  if dealt is not None and (
+      blocking == "local" or tiles_in_shards(shape, shards_of(dealt), block_size, scanned)
+  ):
+    spec = dealt
+  else:
+    dim = None
+  gathered, owners = (), None
+  if blocking == "tiles":
+    whole = _whole_tiles(shape, shards_of(spec), block_size, scanned)
+    owners = _owners(tuple(shape), spec, shards_of(spec), whole, block_size, scanned)
+    if owners is None:
+      gathered = tuple(a for e, w in zip(spec, whole) if not w for a in stack_axes((e,)))
+      spec = tuple(e if w else None for e, w in zip(spec, whole))
+  shards = shards_of(spec)
+  concrete = isinstance(mesh, jax.sharding.Mesh) and (math.prod(shards) > 1 or bool(gathered))
   return ShardBlocks(
-      tuple(shape), shards, block_size, scanned, spec, mesh if concrete else None, dim is not None
+      tuple(shape),
+      shards,
+      block_size,
+      scanned,
+      spec,
+      mesh if concrete else None,
+      dim is not None,
+      gathered,
+      owners,
   )
+
+
+def _owners(shape, spec, shards, whole, block_size: int, scanned: bool):
+  """``(dim, axis, holders)`` when the tiles of one dim span ``holders`` whole shards of one
+  mesh axis and every shard's pieces of tiles deal evenly to those holders; else None."""
+  spanning = [k for k, w in enumerate(whole) if not w]
+  axes = stack_axes((spec[spanning[0]],)) if len(spanning) == 1 else ()
+  if len(axes) != 1:
+    return None
+  k = spanning[0]
+  extent, tile = shape[k] // shards[k], min(block_size, shape[k])
+  if tile % extent or shape[k] % tile:
+    return None
+  holders = tile // extent
+  pieces = ShardBlocks(shape, shards, block_size, scanned).count // math.prod(shards)
+  return (k, axes[0], holders) if pieces % holders == 0 else None
+
+
+def tiles_in_shards(shape, shards, block_size: int, scanned: bool = False) -> bool:
+  """Whether every shard holds whole ``block_size`` tiles of the param (its fixed grid).
+
+  True when each split dim (not a scanned layer axis) has a local extent that is a
+  multiple of ``block_size``: the blocks cut shard by shard are then the param's tiles.
+
+  Example:
+      >>> tiles_in_shards((512, 256), (2, 1), 128), tiles_in_shards((512, 256), (8, 1), 128)
+      (True, False)
+  """
+  return all(_whole_tiles(shape, shards, block_size, scanned))
+
+
+def _whole_tiles(shape, shards, block_size: int, scanned: bool) -> list[bool]:
+  """Per dim: whether its shards hold whole tiles (a scanned layer axis always does)."""
+  return [
+      (scanned and i == 0) or s == 1 or (d // s) % block_size == 0
+      for i, (d, s) in enumerate(zip(shape, shards))
+  ]
 
 
 def _deal_dim(shape, sizes: dict[str, int], scanned: bool) -> int | None:
@@ -177,6 +258,15 @@ class ShardBlocks:
   on global arrays). ``dealt``: the param is replicated and ``spec`` is virtual:
   every device holds the whole param, cuts it as ``spec`` would shard it and works
   on its own piece's blocks; the pieces' results are gathered (a param's bytes).
+  ``owners``: ``(dim, axis, holders)`` (``blocking="tiles"``): the tiles of ``dim``
+  span ``holders`` consecutive shards of ``axis``, and each of those holders *owns* an
+  equal share of the tiles they hold together: its stack slice holds their factors, the
+  holders exchange the tiles' pieces (an all-to-all among them) so that each owner fits
+  and applies its whole tiles, and send the directions' pieces back the same way.
+  ``gathered``: where no such split exists, the param's mesh axes that cut its tiles,
+  left out of ``spec``: the arrays :meth:`run` gets, and the stacks (stored where the
+  plan puts them), are all-gathered over them for the step and every device holding
+  part of a tile computes the whole tile; the results are sliced back to the shards.
   """
 
   shape: tuple[int, ...]
@@ -186,20 +276,36 @@ class ShardBlocks:
   spec: tuple = ()
   mesh: Any = None
   dealt: bool = False
+  gathered: tuple[str, ...] = ()
+  owners: tuple[int, str, int] | None = None
 
   @property
   def local_shape(self) -> tuple[int, ...]:
     return tuple(d // s for d, s in zip(self.shape, self.shards))
 
   @property
+  def whole_tiles(self) -> ShardBlocks:
+    """With :attr:`owners`: the same tiles cut from shards of whole tiles (one per group
+    of holders), stacked in that blocking's order; else ``self``."""
+    if self.owners is None:
+      return self
+    dim, _, holders = self.owners
+    shards = tuple(s // holders if d == dim else s for d, s in enumerate(self.shards))
+    return dataclasses.replace(self, shards=shards, mesh=None, owners=None)
+
+  @property
   def sizes(self) -> tuple[int, ...]:
     """Block size per (per-layer) dim."""
+    if self.owners is not None:
+      return self.whole_tiles.sizes
     local = self.local_shape[1:] if self.scanned else self.local_shape
     return tuple(min(e, self.block_size) for e in local)
 
   @property
   def count(self) -> int:
     """Number of blocks in the whole stack."""
+    if self.owners is not None:
+      return self.whole_tiles.count
     local = self.local_shape[1:] if self.scanned else self.local_shape
     per_shard = math.prod(-(-e // b) for e, b in zip(local, self.sizes))
     layers = self.local_shape[0] if self.scanned else 1
@@ -213,6 +319,8 @@ class ShardBlocks:
 
   def tiles(self) -> tuple[tuple[int, ...], ...]:
     """Per dim, the sorted start offsets of the blocks in the param (padding aside)."""
+    if self.owners is not None:
+      return self.whole_tiles.tiles()
     starts = []
     for dim, (extent, shards) in enumerate(zip(self.local_shape, self.shards)):
       if self.scanned and dim == 0:
@@ -222,7 +330,13 @@ class ShardBlocks:
     return tuple(starts)
 
   def split(self, x: jax.Array, local: bool = False) -> jax.Array:
-    """Param-shaped ``x`` (or its local shard) as the block stack ``(n, *sizes)``."""
+    """Param-shaped ``x`` (or its local shard) as the block stack ``(n, *sizes)``.
+
+    With :attr:`owners` the global stack is in owner order (each device's owned tiles in
+    turn) and a local shard's stack holds its pieces of tiles, ``min(block_size, extent)``.
+    """
+    if self.owners is not None and not local:
+      return self._owner_order(self.whole_tiles.split(x))
     shards = self._grid(x, local)
     per_shard = blockify(x, tuple(d // s for d, s in zip(x.shape, shards)))
     cut = functools.partial(blockify, block_size=self.block_size)
@@ -233,6 +347,8 @@ class ShardBlocks:
 
   def merge(self, blocks: jax.Array, local: bool = False) -> jax.Array:
     """Inverse of :meth:`split`."""
+    if self.owners is not None and not local:
+      return self.whole_tiles.merge(self._owner_order(blocks, inverse=True))
     shape = self.local_shape if local else self.shape
     shards = (1,) * len(shape) if local else self.shards
     local_shape = self.local_shape
@@ -272,6 +388,8 @@ class ShardBlocks:
       return body(arrays, stacks, scalars, local=False)
     if self.dealt:
       return self._run_dealt(fn, arrays, stacks, scalars)
+    if self.owners is not None:
+      return self._run_owned(fn, arrays, stacks, scalars)
     param = P(*self.spec)
     mapped = jax.shard_map(
         functools.partial(body, local=True),
@@ -302,10 +420,78 @@ class ShardBlocks:
     outs, new_stacks = mapped(list(arrays), stacks, list(scalars))
     return [self.merge(o) for o in outs], new_stacks
 
+  def _run_owned(self, fn: Callable, arrays, stacks, scalars):
+    """:meth:`run` with :attr:`owners`: pieces of tiles to their owners and back."""
+    dim, axis, holders = self.owners
+    block_dim = 1 + dim - int(self.scanned)  # The dim in a (n, *sizes) stack.
+    size = dict(self.mesh.shape)[axis]
+
+    def to_owners(pieces):  # (n_local, *piece) -> (n_local / holders, *tile)
+      chunks = pieces.reshape(holders, -1, *pieces.shape[1:])  # Chunk r: what r owns.
+      got = jnp.moveaxis(_exchange(chunks, axis, holders, size), 0, block_dim)
+      return got.reshape(*got.shape[:block_dim], -1, *got.shape[block_dim + 2 :])
+
+    def from_owners(tiles):
+      rows = tiles.shape[block_dim] // holders
+      parts = tiles.reshape(*tiles.shape[:block_dim], holders, rows, *tiles.shape[block_dim + 1 :])
+      back = _exchange(jnp.moveaxis(parts, block_dim, 0), axis, holders, size)
+      return back.reshape(-1, *back.shape[2:])
+
+    def body(arrays, stacks, scalars):
+      tiles = [to_owners(self.split(x, local=True)) for x in arrays]
+      outs, new_stacks = fn(tiles, stacks, *scalars)
+      return [self.merge(from_owners(o), local=True) for o in outs], new_stacks
+
+    param = P(*self.spec)
+    mapped = jax.shard_map(
+        body,
+        mesh=self.mesh,
+        in_specs=(param, self.stack_spec, P()),
+        out_specs=(param, self.stack_spec),
+        check_vma=False,
+    )
+    return mapped(list(arrays), stacks, list(scalars))
+
+  def _owner_order(self, stack: jax.Array, inverse: bool = False) -> jax.Array:
+    """A :attr:`whole_tiles` stack in owner order (device by device), or back.
+
+    Whole-tile order is ``(*grid, holder, owned)``: each group's tiles, its holders' shares
+    in turn; owner order puts the holder right after its dim's group, as devices are.
+    """
+    dim, _, holders = self.owners
+    grid, tail = self.whole_tiles.shards, stack.shape[1:]
+    ndim = len(grid)
+    order = [*range(dim + 1), ndim, *range(dim + 1, ndim), ndim + 1]
+    if inverse:
+      shape, order = (*grid[: dim + 1], holders, *grid[dim + 1 :]), np.argsort(order).tolist()
+    else:
+      shape = (*grid, holders)
+    split = stack.reshape(*shape, -1, *tail)
+    return split.transpose(*order, *range(ndim + 2, split.ndim)).reshape(stack.shape)
+
   def _grid(self, x: jax.Array, local: bool) -> tuple[int, ...]:
     if local:
       return (1,) * x.ndim
     return self.shards
+
+
+def _exchange(chunks: jax.Array, axis: str, holders: int, size: int) -> jax.Array:
+  """In ``shard_map``: ``out[p]`` is the chunk that holder ``p`` of this device's group
+  (``holders`` consecutive indices of ``axis``) sent it, having sent ``chunks[r]`` to
+  holder ``r``: an all-to-all among each group (the whole axis: one all-to-all)."""
+  if holders == size:
+    return jax.lax.all_to_all(chunks, axis, 0, 0)
+  me = jax.lax.axis_index(axis) % holders
+  out = jax.lax.dynamic_update_index_in_dim(
+      jnp.zeros_like(chunks), jax.lax.dynamic_index_in_dim(chunks, me, 0), me, 0
+  )
+  groups = range(0, size, holders)
+  for shift in range(1, holders):
+    send = jax.lax.dynamic_index_in_dim(chunks, (me + shift) % holders, 0, keepdims=False)
+    pairs = [(g + p, g + (p + shift) % holders) for g in groups for p in range(holders)]
+    got = jax.lax.ppermute(send, axis, pairs)
+    out = jax.lax.dynamic_update_index_in_dim(out, got, (me - shift) % holders, 0)
+  return out
 
 
 def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
@@ -315,9 +501,9 @@ def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
   factors fitted under one layout cannot precondition the other's blocks.
 
   Example:
-      >>> on = lambda n: shard_blocks(
-      ...     (512, 256), P("data"), jax.sharding.AbstractMesh((n,), ("data",)), 128)
-      >>> same_blocking(on(2), on(4)), same_blocking(on(2), on(8))  # 64 < 128 on 8
+      >>> on = lambda n, blocking="tiles": shard_blocks((512, 256), P("data"),
+      ...     jax.sharding.AbstractMesh((n,), ("data",)), 128, blocking=blocking)
+      >>> same_blocking(on(2), on(8)), same_blocking(on(2, "local"), on(8, "local"))  # 64 rows
       (True, False)
   """
   return a.shape == b.shape and a.scanned == b.scanned and a.tiles() == b.tiles()
@@ -375,6 +561,41 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
 
   jax.eval_shape(update, params, leaves)
   return [found.get(i) for i in range(len(leaves))]
+
+
+def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]:
+  """Per leaf of ``state`` (flattened): the spec to store its block stack in, else None.
+
+  All the param's axes (``mesh_sizes``: the mesh's axis sizes), on dim 0 while they divide
+  it: each device the stack slice of its own tiles. A stack of tiles its holders gather
+  (:attr:`ShardBlocks.gathered`: few tiles spanning many shards) puts the rest on the
+  tiles' rows, then columns: stored at the ideal, gathered for the step.
+
+  Example:
+      >>> from trainers.optimizers.kron import scale_by_kron
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+      >>> tx = scale_by_kron(block_size=4, layout=ParamLayout({"w": P("data")}, mesh))
+      >>> stack_specs(tx, params, jax.eval_shape(tx.init, params), {"data": 4})[:2]  # the Qs
+      [P(None, 'data', None), P(None, 'data', None)]
+  """
+  leaves = jax.tree.leaves(state)
+  specs = []
+  for blocks, x in zip(stack_blocks(tx, params, state), leaves, strict=True):
+    axes = () if blocks is None else (*stack_axes(blocks.spec), *blocks.gathered)
+    specs.append(None if blocks is None else P(*_spread(x.shape, axes, mesh_sizes)))
+  return specs
+
+
+def _spread(shape, axes, sizes: dict[str, int]) -> tuple:
+  """``axes`` on the first dim of ``shape`` each divides (with those already there)."""
+  placed = [[] for _ in shape]
+  for axis in axes:
+    for dim, extent in enumerate(shape):
+      if extent % (math.prod(sizes[a] for a in placed[dim]) * sizes[axis]) == 0:
+        placed[dim].append(axis)
+        break
+  return tuple(tuple(p) if len(p) > 1 else (p[0] if p else None) for p in placed)
 
 
 def stack_moves(

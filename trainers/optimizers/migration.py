@@ -104,8 +104,9 @@ def migrate_state(
     return load(), f"{built.name}'s, as saved"
   return reorder_stacks(load(), moves), (
       f"{built.name}'s, saved on mesh {dict(saved['layout']['mesh'])}, restored on mesh "
-      f"{dict(built.layout.record()['mesh'])}: {sum(m is not None for m in moves)} of {stacks} "
-      "block stacks reordered; same tiles, so each factor still preconditions its own block"
+      f"{dict(built.layout.record()['mesh'])}: every factor, statistic and moment carried over, "
+      f"{sum(m is not None for m in moves)} of {stacks} block stacks reordered; same tiles, so "
+      "each factor still preconditions its own block"
   )
 
 

@@ -99,8 +99,9 @@ _REGISTRY: dict[str, _Entry] = {
     # 1.521 at 0.6, 1.496 at 0.8, 1.503 at 1.1, 1.554 at 1.6; adamw 1.640.
     "muon": _Entry(muon, ("weight_decay", "weight_decay_mask"), {"consistent_rms": 0.8}),
     "schedule_free": _Entry(schedule_free_adamw),
-    # Shard-aligned blocks by default: 14.9x less update traffic than psgd-jax's Kron under
-    # the seed's placement (python -m benchmarks.communication; docs/benchmarks.md).
+    # Blocks of 256: the param's fixed tiles on any mesh (blocking="tiles"; "local" cuts each
+    # shard instead), 14.9x less update traffic than psgd-jax's Kron under the seed's
+    # placement (python -m benchmarks.communication; docs/benchmarks.md, docs/optimizers.md).
     "kron": _Entry(kron, defaults={"block_size": 256}),
     # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
     # one or two gradients, and RMSProp grafting of those overshoots at adamw's lr.

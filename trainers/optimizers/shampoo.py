@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import optax
 
 from trainers.errors import OptimizerError
-from trainers.optimizers.layout import ParamLayout, ShardBlocks, shard_blocks
+from trainers.optimizers.layout import BLOCKINGS, ParamLayout, ShardBlocks, shard_blocks
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
@@ -127,23 +127,27 @@ def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsil
   return _precondition_blocks(blocks, roots), stats, roots
 
 
-def factor_blocks(shape, block_size: int, spec=(), mesh=None) -> ShardBlocks:
-  """The shard-local blocking of a param of ``shape``, unit dims dropped.
+def factor_blocks(shape, block_size: int, spec=(), mesh=None, blocking="tiles") -> ShardBlocks:
+  """The blocking of a param of ``shape``, unit dims dropped (``blocking``: see
+  :func:`~trainers.optimizers.layout.shard_blocks`).
 
   A never-sharded param (e.g. a norm scale) is dealt: cut into one piece per device,
   so its statistics are split over the devices and each is updated, inverted and
-  applied on its owner; only the piece's preconditioned gradient is gathered.
+  applied on its owner; only the piece's preconditioned gradient is gathered. With
+  ``blocking="tiles"`` only when each piece is whole tiles (the math stays the same).
 
   Example:
       >>> factor_blocks((8, 1, 3), 4).sizes
       (4, 3)
       >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
-      >>> factor_blocks((256,), 1024, (), mesh).sizes  # 256 / 4 devices
+      >>> factor_blocks((256,), 1024, (), mesh, "local").sizes  # 256 / 4 devices
       (64,)
+      >>> factor_blocks((256,), 64, (), mesh).dealt, factor_blocks((256,), 1024, (), mesh).dealt
+      (True, False)
   """
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   kept = [e for d, e in zip(shape, spec) if d > 1]
-  return shard_blocks(_factor_shape(shape), kept, mesh, block_size, deal=True)
+  return shard_blocks(_factor_shape(shape), kept, mesh, block_size, deal=True, blocking=blocking)
 
 
 def _cast_like(new: jax.Array | None, old: jax.Array | None):
@@ -170,6 +174,7 @@ class _Settings:
   nesterov: bool
   exponent_override: int | None
   layout: ParamLayout | None
+  blocking: str
 
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
@@ -179,7 +184,10 @@ def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
   if layout is None:
     return [factor_blocks(p.shape, block_size) for p in leaves]
   specs = treedef.flatten_up_to(layout.specs)
-  return [factor_blocks(p.shape, block_size, s, layout.mesh) for p, s in zip(leaves, specs)]
+  return [
+      factor_blocks(p.shape, block_size, s, layout.mesh, settings.blocking)
+      for p, s in zip(leaves, specs)
+  ]
 
 
 def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamState:
@@ -301,6 +309,7 @@ def scale_by_shampoo(
     nesterov: bool = True,
     exponent_override: int | None = None,
     layout: ParamLayout | None = None,
+    blocking: str = "tiles",
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -320,8 +329,11 @@ def scale_by_shampoo(
       bias-corrected ``nu``) or "sgd" (``g``); sets the per-param step norm.
     nesterov: Nesterov momentum ``d + beta1 m`` instead of ``m``.
     exponent_override: use ``S^{-1/p}`` with this p instead of 2 * factors.
-    layout: the params' specs and mesh (:class:`ParamLayout`): blocks are cut
-      inside each device's shard and updated there.
+    layout: the params' specs and mesh (:class:`ParamLayout`): blocks inside one
+      device's shard are updated there.
+    blocking: "tiles" (the param's fixed grid of ``block_size`` tiles on any mesh)
+      or "local" (each shard's own blocks, mesh-dependent math; see
+      :func:`~trainers.optimizers.layout.shard_blocks`).
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
@@ -334,6 +346,8 @@ def scale_by_shampoo(
     raise OptimizerError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
   if block_size < 1 or update_preconditioners_freq < 1:
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
+  if blocking not in BLOCKINGS:
+    raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
   return optax.GradientTransformation(
       functools.partial(_shampoo_init, settings=settings),
       functools.partial(_shampoo_update, settings=settings),
@@ -355,6 +369,7 @@ def shampoo(
     weight_decay: float = 0.0,
     mask: Any | None = None,
     layout: ParamLayout | None = None,
+    blocking: str = "tiles",
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -379,6 +394,7 @@ def shampoo(
           nesterov=nesterov,
           exponent_override=exponent_override,
           layout=layout,
+          blocking=blocking,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

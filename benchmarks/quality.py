@@ -1,0 +1,118 @@
+"""Quality: eval loss of each optimizer over seeds, at fixed steps and at equal wall-clock.
+
+Trains configs/lm.py through ``python -m trainers.train`` once per (optimizer, device count,
+seed): adamw, muon, kron and shampoo (their default blocks, the param's fixed tiles) on 8
+simulated devices, and Kron's and Shampoo's shard-local blocks ("kron:local",
+"shampoo:local") on 1 and 8 devices. Each run's workdir and result (``result.json``: its
+eval losses and the training seconds up to each) stay under ``--cache``: a later call
+skips finished runs and the trainer resumes unfinished ones from their checkpoints, so the
+sweep can run in parts. The table gives, per optimizer and device count, mean ± std over
+the seeds of the eval loss at each eval step and at the wall-clock every run reached (the
+shortest run's training time; the first step, which compiles, not counted).
+
+  python -m benchmarks.quality [--seeds 3] [--runs adamw@8,kron:local@1] [--cache runs/quality] \
+      [--eval_every 100] [--set="--config.total_steps=20 ..."]
+"""
+
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+
+import ml_collections
+
+from benchmarks import zoo
+from trainers import cli
+
+RUNS = (
+    "adamw@8",
+    "muon@8",
+    "kron@8",
+    "shampoo@8",
+    "kron:local@1",
+    "kron:local@8",
+    "shampoo:local@1",
+    "shampoo:local@8",
+)
+
+
+def flags(optimizer: str, devices: int, seed: int, extra) -> list[str]:
+  """The trainer's flags for one run (``zoo.train_with``'s optimizer spelling)."""
+  config = zoo.train_with(ml_collections.ConfigDict({"optax_name": "", "optax": {}}), optimizer)
+  out = [f"--config.optax_name={config.optax_name}", f"--devices_per_process={devices}"]
+  out += [f"--config.optax.{k}={v}" for k, v in config.optax.items()]
+  return [*out, f"--config.seed={seed}", *extra]
+
+
+def result(records: list[dict]) -> dict:
+  """``{"evals": {step: eval loss}, "seconds": {step: training seconds up to it}}``.
+
+  Example:
+    >>> result([{"step": 1, "steps_per_sec": 0.1}, {"step": 2, "steps_per_sec": 2.0},
+    ...         {"step": 3, "steps_per_sec": 4.0, "eval_loss": 1.5}])
+    {'evals': {3: 1.5}, 'seconds': {3: 0.75}}
+  """
+  seconds, evals, at, last = 0.0, {}, {}, 0
+  for r in records:
+    if r.get("steps_per_sec") and r["step"] > 1:  # Step 1 compiles.
+      seconds += (r["step"] - last) / r["steps_per_sec"]
+    last = r["step"]
+    if "eval_loss" in r:
+      evals[r["step"]], at[r["step"]] = r["eval_loss"], seconds
+  return {"evals": evals, "seconds": at}
+
+
+def run(cache: pathlib.Path, spec: str, seed: int, extra) -> dict:
+  """One run's :func:`result`, trained now unless ``cache`` holds it."""
+  optimizer, _, devices = spec.partition("@")
+  workdir = cache / f"{optimizer.replace(':', '-')}-d{devices}-s{seed}"
+  done = workdir / "result.json"
+  if done.exists():
+    return json.loads(done.read_text())
+  cmd = [sys.executable, "-m", "trainers.train", "--config=configs/lm.py", f"--workdir={workdir}"]
+  subprocess.run([*cmd, *flags(optimizer, int(devices), seed, extra)], check=True)
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  out = result(records)
+  done.write_text(json.dumps(out))
+  return json.loads(done.read_text())  # Step keys as JSON has them, as when cached.
+
+
+def mean_std(values: list[float]) -> str:
+  std = statistics.stdev(values) if len(values) > 1 else 0.0
+  return f"{statistics.fmean(values):.3f} ± {std:.3f}"
+
+
+def loss_at(res: dict, seconds: float) -> float:
+  """The eval loss of the last eval at most ``seconds`` into training."""
+  reached = [s for s, t in res["seconds"].items() if t <= seconds + 1e-9]
+  return res["evals"][max(reached, key=int)]
+
+
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.quality", __doc__)
+  parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--runs", default=",".join(RUNS), help="<optimizer>@<devices>,...")
+  parser.add_argument("--cache", default="runs/quality")
+  parser.add_argument("--eval_every", type=int, default=100)
+  parser.add_argument("--set", default="", help="trainer flags for every run, space-separated")
+  args = parser.parse_args(argv)
+  cache = pathlib.Path(args.cache)
+  cache.mkdir(parents=True, exist_ok=True)
+  specs = args.runs.split(",")
+  extra = [*args.set.split(), f"--config.eval_every={args.eval_every}"]
+  results = {s: [run(cache, s, seed, extra) for seed in range(args.seeds)] for s in specs}
+  steps = sorted({k for rs in results.values() for r in rs for k in r["evals"]}, key=int)
+  clock = min(max(r["seconds"].values()) for rs in results.values() for r in rs)
+  head = " | ".join(f"eval @ {s}" for s in steps)
+  print(f"| optimizer | devices | {head} | eval @ {clock:.0f} s |")
+  print("|---|---|" + "---|" * (len(steps) + 1))
+  for spec, rs in results.items():
+    optimizer, _, devices = spec.partition("@")
+    at_steps = " | ".join(mean_std([r["evals"][s] for r in rs]) for s in steps)
+    print(f"| {optimizer} | {devices} | {at_steps} | {mean_std([loss_at(r, clock) for r in rs])} |")
+
+
+if __name__ == "__main__":
+  main()
