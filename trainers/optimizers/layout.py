@@ -546,6 +546,8 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
   # Traced in float32, a state stored narrower (state_dtype.py) reaches ShardBlocks.run
   # uncast, as the very leaves passed in.
   leaves = [jax.ShapeDtypeStruct(x.shape, compute_dtype(x.dtype)) for x in leaves]
+  # Shapes alone (no shardings): what is traced is which leaves are stacks, on any mesh.
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   found = {}
 
   def update(grads, leaves):
