@@ -6,8 +6,8 @@ With ``blocking="tiles"`` (the default) a param's blocks are its fixed grid of
 device), and a checkpoint saved on 8 devices resumes on 2, 4 and 4x2 with its whole
 optimizer state carried over: the resumed losses are the 8-device run's.
 
-Each mesh's run is made once (module fixture); a resumed run compiles the very program of
-the run from scratch on its mesh, which the shared compilation cache holds.
+Each mesh's run is made once; a resumed run compiles the very program of the run from
+scratch on its mesh, which the shared compilation cache holds.
 """
 
 import concurrent.futures
@@ -67,46 +67,38 @@ def resumed_copy(workdir, target):
   return target
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """(optimizer, mesh) -> (workdir, output) of the run from scratch, and (optimizer, "8->"
-  mesh) -> those of the 8-device run's step-15 checkpoint resumed on ``mesh``."""
-  root = tmp_path_factory.mktemp("tiles")
+def runs_of(root, optimizer: str) -> dict:
+  """mesh -> (workdir, output) of ``optimizer``'s run from scratch, and "8->" mesh -> those
+  of the 8-device run's step-15 checkpoint resumed on ``mesh``."""
   out = {}
-  jobs = [(o, m) for o in OPTIMIZERS for m in MESHES]
   # Two trainers at a time: each spends much of its start single-threaded.
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    done = {job: pool.submit(run, root / "-".join(job), *job) for job in jobs}
-    out.update({job: (root / "-".join(job), f.result()) for job, f in done.items()})
-    resumed = {
-        (o, f"8->{m}"): resumed_copy(out[o, "8"][0], root / f"{o}-8-to-{m}")
-        for o in OPTIMIZERS
-        for m in RESIZED
-    }
-    done = {job: pool.submit(run, path, job[0], job[1][3:]) for job, path in resumed.items()}
-    out.update({job: (resumed[job], f.result()) for job, f in done.items()})
+    done = {mesh: pool.submit(run, root / mesh, optimizer, mesh) for mesh in MESHES}
+    out.update({mesh: (root / mesh, f.result()) for mesh, f in done.items()})
+    resumed = {m: resumed_copy(out["8"][0], root / f"8-to-{m}") for m in RESIZED}
+    done = {m: pool.submit(run, path, optimizer, m) for m, path in resumed.items()}
+    out.update({f"8->{m}": (resumed[m], f.result()) for m, f in done.items()})
   return out
 
 
+# One test per optimizer, so that its runs are made once (pytest-xdist gives each worker its
+# own module fixtures) and the two optimizers' runs go to the two workers.
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_same_trajectory_on_any_mesh(runs, optimizer):
-  one = losses(runs[optimizer, "1"][0])
+def test_same_trajectory_on_any_mesh_and_a_resize_keeps_the_state(tmp_path, optimizer):
+  runs = runs_of(tmp_path, optimizer)
+  one = losses(runs["1"][0])
   assert sorted(one) == list(range(1, STEPS + 1)), sorted(one)
   assert one[STEPS] < one[1] - 0.5, one  # It trains.
   for mesh in MESHES:
-    got = losses(runs[optimizer, mesh][0])
+    got = losses(runs[mesh][0])
     worst = max(abs(got[s] - one[s]) for s in one)
     assert worst <= 1e-4, (mesh, worst)
-    assert "Involuntary full rematerialization" not in runs[optimizer, mesh][1], mesh
-
-
-@pytest.mark.timeout(3600)
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_a_resize_keeps_the_optimizer_state(runs, optimizer):
-  uninterrupted = losses(runs[optimizer, "8"][0])
+    assert "Involuntary full rematerialization" not in runs[mesh][1], mesh
+  # The 8-device checkpoint at step 15, resumed on 2, 4 and 4x2 devices.
+  uninterrupted = losses(runs["8"][0])
   for mesh in RESIZED:
-    workdir, out = runs[optimizer, f"8->{mesh}"]
+    workdir, out = runs[f"8->{mesh}"]
     assert f"resumed at step {SAVED} from" in out, out[-3000:]
     assert "every factor, statistic and moment carried over" in out, out[-3000:]
     assert "re-initialised" not in out
