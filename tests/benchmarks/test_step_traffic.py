@@ -22,8 +22,9 @@ def adamw_bytes():
   return traffic.wire_bytes(hlo)
 
 
-# Measured: 1.00x local, 1.68x kron's tiles (the tiny model's tiles span shards), muon 1.35x.
-BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.8, "muon": 2.0}
+# Measured: 1.00x local; 1.85x kron's tiles (the tiny model's tiles span shards, and their
+# factor stacks are stored at the ideal and gathered for the step); muon 1.35x.
+BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.9, "muon": 2.0}
 
 
 @pytest.mark.timeout(900)
