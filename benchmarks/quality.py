@@ -78,15 +78,25 @@ def run(cache: pathlib.Path, spec: str, seed: int, extra) -> dict:
   return json.loads(done.read_text())  # Step keys as JSON has them, as when cached.
 
 
-def mean_std(values: list[float]) -> str:
-  std = statistics.stdev(values) if len(values) > 1 else 0.0
-  return f"{statistics.fmean(values):.3f} ± {std:.3f}"
+def mean_std(values: list[float | None]) -> str:
+  """Mean ± std of the values there are; a run without one (``None``) is counted as missing.
+
+  Example:
+    >>> mean_std([1.0, 2.0, None])
+    '1.500 ± 0.707 (2 of 3 runs)'
+  """
+  there = [v for v in values if v is not None]
+  if not there:
+    return "no eval yet"
+  std = statistics.stdev(there) if len(there) > 1 else 0.0
+  missing = f" ({len(there)} of {len(values)} runs)" if len(there) < len(values) else ""
+  return f"{statistics.fmean(there):.3f} ± {std:.3f}{missing}"
 
 
-def loss_at(res: dict, seconds: float) -> float:
-  """The eval loss of the last eval at most ``seconds`` into training."""
+def loss_at(res: dict, seconds: float) -> float | None:
+  """The eval loss of the last eval at most ``seconds`` into training (None before the first)."""
   reached = [s for s, t in res["seconds"].items() if t <= seconds + 1e-9]
-  return res["evals"][max(reached, key=int)]
+  return res["evals"][max(reached, key=int)] if reached else None
 
 
 @cli.command
