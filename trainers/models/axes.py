@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+import bv_sharding as bvs
+
 ACT_BATCH = "act_batch"
 ACT_EMBED = (ACT_BATCH, "act_len", "act_embed")  # The token stream: (batch, length, width).
 ACT_HEADS = (ACT_BATCH, "act_len", "act_heads", None)  # (batch, length, heads, head_dim).
@@ -90,9 +92,8 @@ def _output_dim_as(kernel: jax.Array, entry) -> jax.Array:
   """``kernel`` with its last dim split over no axes but those of ``entry``, the output's."""
   stored = jax.typeof(kernel).sharding.spec
   dims = list(stored) + [None] * (kernel.ndim - len(stored))
-  wanted = set((entry,) if isinstance(entry, str) else entry or ())
-  last = tuple(a for a in ((dims[-1],) if isinstance(dims[-1], str) else dims[-1] or ()))
-  kept = tuple(a for a in last if a in wanted)
+  last = tuple(bvs.ops.axes_of(dims[-1]))
+  kept = tuple(a for a in last if a in set(bvs.ops.axes_of(entry)))
   if kept == last:
     return kernel
   dims[-1] = (kept[0] if len(kept) == 1 else kept) if kept else None
