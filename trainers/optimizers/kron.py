@@ -69,7 +69,14 @@ import optax
 from optax import tree_utils as otu
 
 from trainers.errors import OptimizerError
-from trainers.optimizers.layout import BLOCKINGS, ParamLayout, ShardBlocks, shard_blocks
+from trainers.optimizers.layout import (
+    BLOCKINGS,
+    BlockRun,
+    ParamLayout,
+    ShardBlocks,
+    run_all,
+    shard_blocks,
+)
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
@@ -388,31 +395,37 @@ def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, st
   return qs, direction
 
 
-def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, settings):
-  """:func:`_fit_and_precondition` on one param: on its block stack (in ``shard_map``
-  on a mesh), else on the param itself.
+def _damped(target: jax.Array, probe: jax.Array, damping: jax.Array) -> jax.Array:
+  """``target + damping * probe``; ``damping`` a scalar or one per block of a stack."""
+  damping = damping.reshape(damping.shape + (1,) * (target.ndim - damping.ndim))
+  return target + damping.astype(target.dtype) * probe
+
+
+def _fit_blocks(arrays, qs, damping, *flags, own_target: bool, settings):
+  """:func:`_fit_and_precondition` on block stacks, as :func:`~trainers.optimizers.layout.run_all`
+  calls it: ``arrays`` (momentum, [target,] probe) and the fit's target formed here."""
+  m, *t, v = arrays
+  fit = (qs, m, _damped(t[0] if own_target else m, v, damping), v)
+  new_qs, direction = _fit_and_precondition(*fit, *flags, True, settings)
+  return [direction], new_qs
+
+
+def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, settings):
+  """:func:`_fit_and_precondition` of one param: a :class:`BlockRun` of ``fit`` on its
+  block stack (``blocks``, run with the other params' by ``run_all``), or, unblocked,
+  ``(qs, direction)`` fitted on the param itself.
 
   ``scalars``: (damping, do_update, do_balance); the fit's target is ``target`` plus
   ``damping`` times the probe, formed where the blocks are, so that only the momentum,
   the probe and (when it is not the momentum) the target reach them.
   """
   damping, *flags = scalars
-  damped = lambda t, v, damping: t + damping.astype(t.dtype) * v
   if blocks is None:
-    return _fit_and_precondition(
-        qs, momentum, damped(target, probe, damping), probe, *flags, stacked, settings
-    )
-  own_target = target is not momentum
-
-  def per_shard(arrays, qs, damping, *flags):
-    m, *t, v = arrays
-    fit = (qs, m, damped(t[0] if own_target else m, v, damping), v)
-    new_qs, direction = _fit_and_precondition(*fit, *flags, stacked, settings)
-    return [direction], new_qs
-
+    fitted = (qs, momentum, _damped(target, probe, damping), probe)
+    return _fit_and_precondition(*fitted, *flags, stacked, settings)
+  own_target = fit.keywords["own_target"]
   arrays = [momentum, target, probe] if own_target else [momentum, probe]
-  (direction,), qs = blocks.run(per_shard, arrays, qs, [damping, *flags])
-  return qs, direction
+  return BlockRun(blocks, fit, arrays, qs, [damping, *flags])
 
 
 def _layers_and_blocks(params, settings) -> tuple[list[bool], list[ShardBlocks | None]]:
@@ -511,13 +524,24 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
   # stays zero and one block equals the unblocked fit.
   targets = momentum if settings.momentum_into_precond_update else grads
   do_balance, probes = _probe_vectors(_probe_key(state["count"]), targets)
+  # The fit's target is its own array unless it is the momentum (or, without momentum, the grad).
+  own_target = settings.b1 > 0 and not settings.momentum_into_precond_update
+  fit = functools.partial(_fit_blocks, own_target=own_target, settings=settings)
+  leaves = [
+      _kron_leaf(
+          q, m, t, v, (_damping(t), do_update, do_balance), b, s or b is not None, fit, settings
+      )
+      for q, m, t, v, s, b in zip(
+          qs, momentum, targets, probes, *_layers_and_blocks(updates, settings)
+      )
+  ]
+  ran = iter(run_all([leaf for leaf in leaves if isinstance(leaf, BlockRun)]))
   new_qs, out = [], []
-  for q, m, t, v, g, s, b in zip(
-      qs, momentum, targets, probes, grads, *_layers_and_blocks(updates, settings)
-  ):
-    stacked = s or b is not None
-    scalars = (_damping(t), do_update, do_balance)
-    q, direction = _kron_leaf(q, m, t, v, scalars, b, stacked, settings)
+  for leaf, g in zip(leaves, grads):
+    if isinstance(leaf, BlockRun):
+      (direction,), q = next(ran)
+    else:
+      q, direction = leaf
     new_qs.append(q)
     out.append(_clip_rms(direction).astype(g.dtype))
   new_state = dict(

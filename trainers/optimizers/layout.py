@@ -22,7 +22,8 @@ block where its data is:
 
 Same math on any mesh (``blocking="tiles"``, the default): the blocks are the param's own
 grid of ``block_size`` tiles whatever the device count; where a tile spans several shards
-its holders exchange what it needs (:attr:`ShardBlocks.owners`, :attr:`ShardBlocks.gathered`),
+its holders exchange what it needs (:attr:`ShardBlocks.owners`) or it is pooled with other
+params' tiles and dealt over the mesh (:attr:`ShardBlocks.pooled`, :func:`run_all`),
 and only the order of the stack differs between meshes (:func:`reorder`).
 ``blocking="local"`` keeps blocks cut shard by shard: ``min(block_size, e_k)`` long, so
 another mesh may give other tiles. :func:`same_blocking` tells whether two layouts give
@@ -46,11 +47,12 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import axis_size, stack_axes
@@ -147,8 +149,9 @@ def shard_blocks(
 
   ``blocking``: ``"tiles"`` (the param's fixed grid of ``block_size`` tiles, whatever
   the mesh: shard-local where every shard holds whole tiles, :func:`tiles_in_shards`;
-  else dealt to owners among each tile's holders, or gathered by them:
-  :attr:`ShardBlocks.owners`, :attr:`ShardBlocks.gathered`) or ``"local"`` (each shard
+  else dealt to owners among each tile's holders, or pooled with other params' tiles and
+  dealt over the mesh: :attr:`ShardBlocks.owners`, :attr:`ShardBlocks.pooled`) or
+  ``"local"`` (each shard
   cut into its own blocks of ``min(block_size, local extent)``: no collective, the math
   depends on the mesh).
 
@@ -156,8 +159,8 @@ def shard_blocks(
       >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
       >>> shard_blocks((8, 6), P("data", "model"), mesh, 4, blocking="local").shards
       (2, 2)
-      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).gathered  # 3 of a 4-tile's 6 columns
-      ('model',)
+      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).pooled  # no mesh: computed whole
+      False
       >>> dealt = shard_blocks((8,), P(), mesh, 2, deal=True)  # 2-tiles: one per device
       >>> dealt.dealt, dealt.shards, dealt.stack_spec
       (True, (4,), P(('data', 'model'),))
@@ -175,15 +178,13 @@ def shard_blocks(
     spec = dealt
   else:
     dim = None
-  gathered, owners = (), None
+  owners, pooled = None, False
   if blocking == "tiles":
     whole = _whole_tiles(shape, shards_of(spec), block_size, scanned)
     owners = _owners(tuple(shape), spec, shards_of(spec), whole, block_size, scanned)
-    if owners is None:
-      gathered = tuple(a for e, w in zip(spec, whole) if not w for a in stack_axes((e,)))
-      spec = tuple(e if w else None for e, w in zip(spec, whole))
-  shards = shards_of(spec)
-  concrete = isinstance(mesh, jax.sharding.Mesh) and (math.prod(shards) > 1 or bool(gathered))
+    pooled = owners is None and not all(whole)
+  shards = (1,) * len(shape) if pooled else shards_of(spec)
+  concrete = isinstance(mesh, jax.sharding.Mesh) and (math.prod(shards) > 1 or pooled)
   return ShardBlocks(
       tuple(shape),
       shards,
@@ -192,8 +193,8 @@ def shard_blocks(
       spec,
       mesh if concrete else None,
       dim is not None,
-      gathered,
       owners,
+      pooled and concrete,
   )
 
 
@@ -263,10 +264,13 @@ class ShardBlocks:
   equal share of the tiles they hold together: its stack slice holds their factors, the
   holders exchange the tiles' pieces (an all-to-all among them) so that each owner fits
   and applies its whole tiles, and send the directions' pieces back the same way.
-  ``gathered``: where no such split exists, the param's mesh axes that cut its tiles,
-  left out of ``spec``: the arrays :meth:`run` gets, and the stacks (stored where the
-  plan puts them), are all-gathered over them for the step and every device holding
-  part of a tile computes the whole tile; the results are sliced back to the shards.
+  ``pooled``: where no such split exists (fewer tiles than holders, or tiles not aligned
+  with the shards), the blocks are the param's global tile grid (``shards`` all 1, the
+  one-device order) and :func:`run_all` pools them with the other pooled params' tiles of
+  the same shape into one stack split over every mesh axis: each device fits and applies
+  its ``1/N`` of all those tiles. XLA moves each array (a device's shard to its tiles'
+  owners, and back) with all-to-alls and collective permutes of about a shard's bytes;
+  the stacks are stored per param at the ideal (:func:`stack_specs`) and move the same way.
   """
 
   shape: tuple[int, ...]
@@ -276,8 +280,8 @@ class ShardBlocks:
   spec: tuple = ()
   mesh: Any = None
   dealt: bool = False
-  gathered: tuple[str, ...] = ()
   owners: tuple[int, str, int] | None = None
+  pooled: bool = False
 
   @property
   def local_shape(self) -> tuple[int, ...]:
@@ -376,9 +380,9 @@ class ShardBlocks:
     spec, with the stacks split along dim 0 and the scalars replicated.
     """
 
-    runs = _RUNS.get()
-    if runs is not None:
-      runs.append((self, stacks))
+    if self.pooled:
+      return run_all([BlockRun(self, fn, arrays, stacks, scalars)])[0]
+    _record(self, stacks)
 
     def body(arrays, stacks, scalars, local):
       outs, new_stacks = fn([self.split(x, local) for x in arrays], stacks, *scalars)
@@ -494,6 +498,186 @@ def _exchange(chunks: jax.Array, axis: str, holders: int, size: int) -> jax.Arra
   return out
 
 
+class BlockRun(NamedTuple):
+  """One :meth:`ShardBlocks.run` call: ``blocks.run(fn, arrays, stacks, scalars)``."""
+
+  blocks: ShardBlocks
+  fn: Callable
+  arrays: Sequence[jax.Array]
+  stacks: Any
+  scalars: Sequence[jax.Array] = ()
+
+
+def run_all(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
+  """Each run's ``(outs, new_stacks)``; pooled blocks' runs share one stack per pool.
+
+  Runs whose blocks are :attr:`ShardBlocks.pooled` and that share ``fn`` (the same
+  object), the tile shape and the stacks' structure, shapes and dtypes form one pool:
+  their block stacks (arrays and stacks) are concatenated, padded to a multiple of the
+  device count and split over every mesh axis, and ``fn`` runs once on the pool. A scalar
+  every run of a pool passes as the same object stays a scalar; other scalars reach
+  ``fn`` as one value per block (``(n,)``). Other runs are :meth:`ShardBlocks.run` calls.
+
+  Example:
+      >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
+      >>> blocks = shard_blocks((4, 4), (), None, 2)
+      >>> (out,), _ = run_all([BlockRun(blocks, double, [jnp.ones((4, 4))], ())])[0]
+      >>> float(out.sum())
+      32.0
+  """
+  results: list = [None] * len(runs)
+  pools: dict[tuple, list[int]] = {}
+  for i, run in enumerate(runs):
+    if run.blocks.pooled:
+      pools.setdefault(_pool_key(run), []).append(i)
+    else:
+      results[i] = run.blocks.run(run.fn, run.arrays, run.stacks, run.scalars)
+  for members in pools.values():
+    for i, result in zip(members, _run_pool([runs[i] for i in members])):
+      results[i] = result
+  return results
+
+
+def _pool_key(run: BlockRun) -> tuple:
+  stacks = jax.tree.leaves(run.stacks)
+  return (
+      run.fn,
+      run.blocks.sizes,
+      run.blocks.mesh,
+      tuple(x.dtype for x in run.arrays),
+      jax.tree.structure(run.stacks),
+      tuple((x.shape[1:], x.dtype) for x in stacks),
+  )
+
+
+def _run_pool(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
+  """:func:`run_all` of one pool: ``fn`` once on the runs' blocks, in ``shard_map`` over the
+  pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
+
+  Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
+  split over the mesh axes along a tile dim (as the stacks are stored,
+  :func:`stack_specs`), so that joining them is local and the pool's move to dim 0 (and
+  back) is one all-to-all per array.
+  """
+  mesh = runs[0].blocks.mesh
+  sizes = dict(mesh.shape)
+  axes = stack_axes((), sizes)
+  dealt = P(_entry(axes))
+  along = P(None, *_spread(runs[0].blocks.sizes, axes, sizes))  # Split along a tile dim.
+  place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  counts = [run.blocks.count for run in runs]
+  total = sum(counts) + -sum(counts) % mesh.size
+
+  def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
+    parts = [place(x, along) for x in parts]
+    stack = jnp.concatenate([*parts, jnp.repeat(parts[-1][-1:], total - sum(counts), axis=0)])
+    return place(place(stack, along), dealt)
+
+  def tiles(run, x):  # Resharded to the run's tile layout, then cut into its tiles.
+    return run.blocks.split(place(x, _tile_spec(run.blocks, sizes)))
+
+  for run in runs:
+    _record(run.blocks, run.stacks)
+  arrays = [pool(parts) for parts in zip(*[[tiles(r, x) for x in r.arrays] for r in runs])]
+  stacks = jax.tree.map(lambda *parts: pool(parts), *[r.stacks for r in runs])
+  shared, per_block = [], []
+  for values in zip(*[r.scalars for r in runs]):
+    same = all(v is values[0] for v in values)
+    shared.append(values[0] if same else None)
+    per_block.append(
+        None
+        if same
+        else jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values, counts)])
+    )
+
+  def body(arrays, stacks, per_block):
+    start = jax.lax.axis_index(axes) * (total // mesh.size)
+    mine = lambda v: jax.lax.dynamic_slice_in_dim(
+        jnp.pad(v, (0, total - v.shape[0])), start, total // mesh.size
+    )
+    scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
+    return runs[0].fn(arrays, stacks, *scalars)
+
+  mapped = jax.shard_map(
+      body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
+  )
+  outs, new_stacks = mapped(arrays, stacks, per_block)
+  outs = [place(o, along) for o in outs]
+  new_stacks = jax.tree.map(lambda x: place(x, along), new_stacks)
+  results, start = [], 0
+  for run, n in zip(runs, counts):
+    cut = lambda x, start=start, n=n: x[start : start + n]
+    tile_spec = _tile_spec(run.blocks, sizes)
+    merged = [place(place(run.blocks.merge(cut(o)), tile_spec), P(*run.blocks.spec)) for o in outs]
+    results.append((merged, jax.tree.map(cut, new_stacks)))
+    start += n
+  return results
+
+
+def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
+  """Where a pooled param is cut into tiles: all its mesh axes (in mesh order) on the
+  first dim whose shards they keep in step with the tiles (each shard whole tiles, or
+  whole pieces of one tile); without such a dim, its spec with each axis out of step
+  moved to a dim it keeps in step, else dropped (gathered over).
+
+  Cutting the param into tiles is then a reshape XLA partitions as it is, and the tiles
+  reach the pool (split over the mesh axes on dim 0) in one all-to-all; a moved axis costs
+  another (each of about a shard's bytes).
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+      >>> blocks = ShardBlocks((768, 256), (1, 1), 256, spec=("model", "data"), pooled=True)
+      >>> _tile_spec(blocks, dict(mesh.shape))  # 384-row shards: all on the columns
+      PartitionSpec(None, ('data', 'model'))
+  """
+  dims = range(int(blocks.scanned), len(blocks.shape))
+  entries = [list(stack_axes((e,))) for e in blocks.spec]
+  own = {a for d in dims for a in entries[d]}
+  ordered = [a for a in sizes if a in own]
+  in_step = lambda d, axes: _in_step(
+      blocks.shape[d], math.prod(sizes[a] for a in axes), blocks.block_size
+  )
+  together = next((d for d in dims if in_step(d, ordered)), None)
+  if together is not None:
+    return P(
+        *(
+            _entry(ordered if d == together else entries[d] if d not in dims else [])
+            for d in range(len(entries))
+        )
+    )
+  moved = [a for d in dims for a in entries[d] if not in_step(d, entries[d])]
+  for d in dims:
+    entries[d] = [a for a in entries[d] if a not in moved]
+  for axis in moved:
+    d = next((d for d in dims if in_step(d, [*entries[d], axis])), None)
+    if d is not None:
+      entries[d].append(axis)
+  return P(*(_entry(e) for e in entries))
+
+
+def _entry(axes: Sequence[str]):
+  """A spec entry naming ``axes``: None, one axis, or a tuple of them."""
+  return tuple(axes) if len(axes) > 1 else (axes[0] if axes else None)
+
+
+def _in_step(extent: int, shards: int, block_size: int) -> bool:
+  """Whether ``shards`` even shards of a dim of ``extent`` hold whole tiles or whole
+  pieces of one tile each."""
+  if extent % shards:
+    return False
+  local = extent // shards
+  return local % block_size == 0 or (
+      block_size % local == 0 and extent % min(block_size, extent) == 0
+  )
+
+
+def _record(blocks: ShardBlocks, stacks) -> None:
+  """Tells :func:`stack_blocks` (while it traces) that ``stacks`` are ``blocks``' stacks."""
+  runs = _RUNS.get()
+  if runs is not None:
+    runs.append((blocks, stacks))
+
+
 def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
   """Whether two layouts of one param cut it into the same blocks (so the same math).
 
@@ -570,8 +754,9 @@ def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]
 
   All the param's axes (``mesh_sizes``: the mesh's axis sizes), on dim 0 while they divide
   it: each device the stack slice of its own tiles. A stack of tiles its holders gather
-  (:attr:`ShardBlocks.gathered`: few tiles spanning many shards) puts the rest on the
-  tiles' rows, then columns: stored at the ideal, gathered for the step.
+  (:attr:`ShardBlocks.pooled`: its tiles are dealt over the whole mesh) takes every mesh
+  axis, and puts those dim 0 cannot take on the tiles' rows, then columns: stored at
+  the ideal, moved to the tiles' owners for the step.
 
   Example:
       >>> from trainers.optimizers.kron import scale_by_kron
@@ -584,20 +769,26 @@ def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]
   leaves = jax.tree.leaves(state)
   specs = []
   for blocks, x in zip(stack_blocks(tx, params, state), leaves, strict=True):
-    axes = () if blocks is None else (*stack_axes(blocks.spec), *blocks.gathered)
+    axes = () if blocks is None else stack_axes(() if blocks.pooled else blocks.spec, mesh_sizes)
     specs.append(None if blocks is None else P(*_spread(x.shape, axes, mesh_sizes)))
   return specs
 
 
 def _spread(shape, axes, sizes: dict[str, int]) -> tuple:
-  """``axes`` on the first dim of ``shape`` each divides (with those already there)."""
+  """``axes`` together on the first dim of ``shape`` they divide (one all-to-all from the
+  pool's dim 0), else each on the first dim it divides (with those already there)."""
+  together = next(
+      (d for d, n in enumerate(shape) if n % math.prod(sizes[a] for a in axes) == 0), None
+  )
+  if together is not None:
+    return tuple(_entry(axes if d == together else ()) for d in range(len(shape)))
   placed = [[] for _ in shape]
   for axis in axes:
     for dim, extent in enumerate(shape):
       if extent % (math.prod(sizes[a] for a in placed[dim]) * sizes[axis]) == 0:
         placed[dim].append(axis)
         break
-  return tuple(tuple(p) if len(p) > 1 else (p[0] if p else None) for p in placed)
+  return tuple(_entry(p) for p in placed)
 
 
 def stack_moves(

@@ -57,7 +57,14 @@ import jax.numpy as jnp
 import optax
 
 from trainers.errors import OptimizerError
-from trainers.optimizers.layout import BLOCKINGS, ParamLayout, ShardBlocks, shard_blocks
+from trainers.optimizers.layout import (
+    BLOCKINGS,
+    BlockRun,
+    ParamLayout,
+    ShardBlocks,
+    run_all,
+    shard_blocks,
+)
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
@@ -228,22 +235,10 @@ def _graft(
   return g / (jnp.sqrt(denom) + epsilon), nu
 
 
-def _precondition(g: jax.Array, factors, count, blocks: ShardBlocks, settings: _Settings):
-  """(new stats, new roots, the Shampoo direction) of one param, block by block.
-
-  ``factors``: its (stats, roots).
-  """
-  step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
-
-  def per_shard(arrays, factors, refresh):
-    direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
-    return [direction], (stats, roots)
-
-  refresh = count % settings.update_preconditioners_freq == 0
-  (direction,), (stats, roots) = blocks.run(
-      per_shard, [g.reshape(blocks.shape)], factors, [refresh]
-  )
-  return stats, roots, direction.reshape(g.shape)
+def _shampoo_run(arrays, factors, refresh, *, step):
+  """:func:`_shampoo_blocks` as :func:`~trainers.optimizers.layout.run_all` calls it."""
+  direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
+  return [direction], (stats, roots)
 
 
 def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
@@ -259,15 +254,13 @@ def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
   return (direction + beta1 * momentum if nesterov else momentum), momentum
 
 
-def _update_leaf(
-    g: jax.Array, state: ShampooParamState, count, blocks: ShardBlocks, settings: _Settings
-):
-  """One param's direction and new state."""
+def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Settings):
+  """One param's direction and new state; ``factors``: its blocks' (stats, roots, direction)."""
   graft = (settings.graft_type, settings.beta2, settings.epsilon)
   graft_dir, nu = _graft(g, state.graft_nu, count + 1, *graft)
   stats, roots, direction = state.stats, state.roots, graft_dir
-  if stats:
-    stats, roots, precond = _precondition(g, (stats, roots), count, blocks, settings)
+  if factors is not None:
+    stats, roots, precond = factors
     scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
     preconditioning = count >= settings.start_preconditioning_step
     direction = jnp.where(preconditioning, precond * scale, graft_dir)
@@ -284,14 +277,27 @@ def _update_leaf(
 
 
 def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Settings):
-  """``scale_by_shampoo``'s update, param by param."""
+  """``scale_by_shampoo``'s update: every param's blocks in one :func:`run_all`."""
   del params
   grads, treedef = jax.tree.flatten(updates)
   per_param = treedef.flatten_up_to(state.per_param)
   blocks = _blocks_per_leaf(updates, settings)
-  results = [
-      _update_leaf(g, s, state.count, b, settings) for g, s, b in zip(grads, per_param, blocks)
+  refresh = state.count % settings.update_preconditioners_freq == 0
+  step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
+  fn = functools.partial(_shampoo_run, step=step)
+  runs = [
+      BlockRun(b, fn, [g.reshape(b.shape)], (s.stats, s.roots), [refresh])
+      for g, s, b in zip(grads, per_param, blocks)
+      if s.stats
   ]
+  ran = iter(run_all(runs))
+  results = []
+  for g, s in zip(grads, per_param):
+    factors = None
+    if s.stats:
+      (direction,), (stats, roots) = next(ran)
+      factors = (stats, roots, direction.reshape(g.shape))
+    results.append(_finish_leaf(g, s, state.count, factors, settings))
   new_updates = treedef.unflatten([r[0] for r in results])
   new_per_param = treedef.unflatten([r[1] for r in results])
   return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
