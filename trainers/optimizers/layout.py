@@ -144,8 +144,10 @@ def shard_blocks(
 
   ``deal``: a param no mesh axis splits is blocked as if its largest dim that the
   device count divides were split over every mesh axis, and each device works on its
-  own piece (:attr:`ShardBlocks.dealt`); otherwise (and when no dim divides) its
-  blocks are computed on global arrays.
+  own piece (:attr:`ShardBlocks.dealt`) where the pieces hold whole tiles (always under
+  ``"local"``); otherwise, under ``"tiles"``, its tiles are pooled
+  (:attr:`ShardBlocks.pooled`); when no dim divides, its blocks are computed on global
+  arrays.
 
   ``blocking``: ``"tiles"`` (the param's fixed grid of ``block_size`` tiles, whatever
   the mesh: shard-local where every shard holds whole tiles, :func:`tiles_in_shards`;
@@ -172,17 +174,16 @@ def shard_blocks(
   dim = _deal_dim(shape, sizes, scanned) if deal and not stack_axes(spec) else None
   shards_of = lambda spec: tuple(axis_size(sizes, entry) for entry in spec)
   dealt = None if dim is None else _dealt_spec(len(shape), dim, sizes)
-  if dealt is not None and (
+  in_pieces = dealt is not None and (
       blocking == "local" or tiles_in_shards(shape, shards_of(dealt), block_size, scanned)
-  ):
-    spec = dealt
-  else:
-    dim = None
+  )
+  spec = dealt if in_pieces else spec
   owners, pooled = None, False
   if blocking == "tiles":
     whole = _whole_tiles(shape, shards_of(spec), block_size, scanned)
     owners = _owners(tuple(shape), spec, shards_of(spec), whole, block_size, scanned)
-    pooled = owners is None and not all(whole)
+    # Tiles that span shards and no holder owns, or that a dealt piece would cut: pooled.
+    pooled = owners is None and (not all(whole) or (dealt is not None and not in_pieces))
   shards = (1,) * len(shape) if pooled else shards_of(spec)
   concrete = isinstance(mesh, jax.sharding.Mesh) and (math.prod(shards) > 1 or pooled)
   return ShardBlocks(
@@ -192,7 +193,7 @@ def shard_blocks(
       scanned,
       spec,
       mesh if concrete else None,
-      dim is not None,
+      in_pieces,
       owners,
       pooled and concrete,
   )
