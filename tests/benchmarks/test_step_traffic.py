@@ -1,9 +1,10 @@
 """The trainer's real train step with Kron/Shampoo and owner-computed Muon on a 2-D mesh (8
 simulated devices): XLA compiles it without "Involuntary full rematerialization" and, with
 shard-local blocks, it moves about what adamw moves (Muon: at most twice, one all-to-all of the
-momentum to the owners and an all-gather of the update). With Kron's default tiles, which span
-shards on the tiny model, the holders gather the momentum, the probe and the factors of each
-tile (docs/optimizers.md): at most ``BOUND["kron"]`` times adamw's bytes."""
+momentum to the owners and an all-gather of the update). With the default tiles, which span
+shards on the tiny model, every param's tiles are pooled and dealt over the mesh: the arrays
+and the factor stacks reach their owners by all-to-alls and come back the same way
+(docs/optimizers.md): at most ``BOUND[name]`` times adamw's bytes."""
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +23,10 @@ def adamw_bytes():
   return traffic.wire_bytes(hlo)
 
 
-# Measured: 1.00x local; 1.85x kron's tiles (the tiny model's tiles span shards, and their
-# factor stacks are stored at the ideal and gathered for the step); muon 1.35x.
-BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.9, "muon": 2.0}
+# Measured: 1.00x local; kron's pooled tiles 1.34x (1.85x when they were gathered), shampoo's
+# 2.03x (its factors of whole small params, 256^2 + 768^2 per 256x768 tile, move both ways);
+# muon 1.35x.
+BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.4, "shampoo": 2.1, "muon": 2.0}
 
 
 @pytest.mark.timeout(900)
