@@ -20,9 +20,11 @@ most ``block_size`` per dim, and each block gets its own Kron preconditioner:
 ``Qs = [(n_blocks, b_0, b_0), (n_blocks, b_1, b_1), ...]``, vmapped like
 scanned layers. ``mu`` stays param-shaped. A scanned param is blocked layer by
 layer (its layer axis is never cut). With ``layout`` (the params' specs and
-mesh, see :mod:`trainers.optimizers.layout`) the blocks are cut inside each
-device's shard and stacked shard-major, and fitting and preconditioning run in
-``shard_map`` where the block lives: the update's only collectives are scalars.
+mesh, see :mod:`trainers.optimizers.layout`) the tiles inside each device's shard
+are stacked shard-major and fitted and applied in ``shard_map`` where they live (no
+collective but scalars); tiles that span shards are dealt to owners among their
+holders, or pooled with every param's tiles of their shape and dealt over the mesh
+(all params' blocks go through one :func:`~trainers.optimizers.layout.run_all`).
 Without it the param is one shard (blocks row-major over the block grid).
 Padding (dims not a multiple of ``block_size``) is zero in grads and probes, so
 Q's padded rows and columns stay decoupled from the real ones: a padded block

@@ -629,7 +629,7 @@ def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
       >>> mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
       >>> blocks = ShardBlocks((768, 256), (1, 1), 256, spec=("model", "data"), pooled=True)
       >>> _tile_spec(blocks, dict(mesh.shape))  # 384-row shards: all on the columns
-      PartitionSpec(None, ('data', 'model'))
+      P(None, ('data', 'model'))
   """
   dims = range(int(blocks.scanned), len(blocks.shape))
   entries = [list(stack_axes((e,))) for e in blocks.spec]

@@ -24,11 +24,14 @@ State layout (tearfree-like)::
 Params whose dims are all 1 (scalars) have empty ``stats``/``roots`` lists and
 use the graft direction only; unit dims of other params are dropped before
 blocking, so a 1-D param is a single factor. With ``layout`` (the params' specs
-and mesh, see :mod:`trainers.optimizers.layout`) blocks are cut inside each
-device's shard and stacked shard-major; statistics, roots and preconditioning
-run in ``shard_map`` where the block lives, and only the grafting norms cross
-devices. A never-sharded param is dealt (:func:`factor_blocks`): each device
-preconditions one piece of it and the pieces' directions are all-gathered.
+and mesh, see :mod:`trainers.optimizers.layout`) a param's tiles that lie inside
+each device's shard are stacked shard-major and their statistics, roots and
+preconditioning run in ``shard_map`` where the tile lives (only the grafting norms
+cross devices); tiles that span shards are dealt to owners, or pooled with the
+other params' tiles of their shape and dealt over the mesh (one
+:func:`~trainers.optimizers.layout.run_all` per update). A never-sharded param is
+dealt (:func:`factor_blocks`): each device preconditions one piece of it and the
+pieces' directions are all-gathered.
 
 Roots come from ``eigh`` and are computed on every step, then kept with
 ``jnp.where`` only every ``update_preconditioners_freq`` steps: there is no
@@ -141,7 +144,8 @@ def factor_blocks(shape, block_size: int, spec=(), mesh=None, blocking="tiles") 
   A never-sharded param (e.g. a norm scale) is dealt: cut into one piece per device,
   so its statistics are split over the devices and each is updated, inverted and
   applied on its owner; only the piece's preconditioned gradient is gathered. With
-  ``blocking="tiles"`` only when each piece is whole tiles (the math stays the same).
+  ``blocking="tiles"`` only when each piece is whole tiles (the math stays the same);
+  otherwise its tiles are pooled (:attr:`~trainers.optimizers.layout.ShardBlocks.pooled`).
 
   Example:
       >>> factor_blocks((8, 1, 3), 4).sizes
@@ -151,6 +155,8 @@ def factor_blocks(shape, block_size: int, spec=(), mesh=None, blocking="tiles") 
       (64,)
       >>> factor_blocks((256,), 64, (), mesh).dealt, factor_blocks((256,), 1024, (), mesh).dealt
       (True, False)
+      >>> factor_blocks((256,), 1024, (), mesh).pooled  # An abstract mesh: computed whole.
+      False
   """
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   kept = [e for d, e in zip(shape, spec) if d > 1]
