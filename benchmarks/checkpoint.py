@@ -6,13 +6,14 @@ For each model size (configs/lm.py, AdamW, 8 simulated CPU devices, batch 16) th
 train step runs, then saves after each step, two ways in the same run: "orbax async" calls
 orbax's async ``save`` in the loop thread (the trainer before), "trainer" is
 ``Checkpoints.step_done`` as the trainer calls it (the loop copies the state to host memory,
-a background thread hands it to orbax: trainers/rundir/saver.py). "blocked" is the median time
-the loop thread spends in the save (after the previous save's write has finished, as it has in
-a run saving every ``config.ckpt_steps``); "copy" the median device-to-host copy of the same
-state in the same run (``jax.device_get``, timed alone just before each save); "extra host
-memory" the peak rise of the process's resident memory during a save and its write (sampled
-every millisecond), as a multiple of the state's bytes this process holds. Prints a markdown
-table.
+a background thread hands it to orbax, which encodes and writes at most a quarter of it at
+once: trainers/rundir/saver.py). "blocked" is the median time the loop thread spends in the
+save (after the previous save's write has finished, as it has in a run saving every
+``config.ckpt_steps``); "copy" the median device-to-host copy of the same
+state in the same run (``jax.device_get``, timed alone just before each save); "written" the
+median time from the save's start until its write is complete; "extra host memory" the peak rise
+of the process's resident memory during a save and its write (sampled every millisecond), as a
+multiple of the state's bytes this process holds. Prints a markdown table.
 """
 
 import os
@@ -77,12 +78,12 @@ def measure(config, saves: int) -> dict:
   config.ckpt_steps, config.total_steps = 1, 10**6
   mesh, run, train_step, batches = setup(config, WARMUP + 3 * saves)
   rules = nn.logical_axis_rules(config.sharding_rules)
-  timed = {"orbax": ([], []), "trainer": ([], [])}
+  timed = {"orbax": ([], [], []), "trainer": ([], [], [])}
   copies = []
   with jax.set_mesh(mesh), rules, tempfile.TemporaryDirectory() as d:
     state, step_s = seconds_per_step(train_step, init_state(run), batches, saves)
     manager = checkpoint.open_manager(os.path.join(d, "orbax"))
-    ckpt = checkpoint.Checkpoints(os.path.join(d, "trainer"), config, run.migration)
+    ckpt = checkpoint.Checkpoints(os.path.join(d, "trainer"), config, run.migration, run.plan)
     for i, batch in enumerate(batches[WARMUP + saves :]):
       state, loss = train_step(state, batch)
       jax.block_until_ready(loss)  # Time the save alone, not the step it waits for,
@@ -102,12 +103,13 @@ def measure(config, saves: int) -> dict:
         timed[way][0].append(time.perf_counter() - tick)
         ckpt.saver.wait()
         (manager if way == "orbax" else ckpt.manager).wait_until_finished()
+        timed[way][2].append(time.perf_counter() - tick)
       timed[way][1].append(memory.extra)
     manager.close()
     ckpt.close(state)
   found = {"mib": local_bytes(state) / 2**20, "step": step_s, "copy": np.median(copies)}
-  for way, (blocked, extra) in timed.items():
-    found[way] = np.median(blocked)
+  for way, (blocked, extra, written) in timed.items():
+    found[way], found[f"{way} write"] = np.median(blocked), np.median(written)
     found[f"{way} memory"] = max(extra) / local_bytes(state)
   return found
 
@@ -123,16 +125,17 @@ def main(argv=None):
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices, AdamW, batch 16\n")
   print(
       "| size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy "
-      "| extra host memory / state | trainer: blocked s | blocked - copy ms | extra host memory "
-      "/ state |"
+      "| written s | extra host memory / state | trainer: blocked s | blocked - copy ms "
+      "| written s | extra host memory / state |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for size in args.sizes.split(","):
     m = measure(lm_config(size, "adamw"), args.saves)
     print(
         f"| {size} | {m['mib']:.1f} | {m['step']:.3f} | {m['copy']:.3f} | {m['orbax']:.3f} | "
-        f"{m['orbax'] / m['copy']:.1f} | {m['orbax memory']:.2f} | {m['trainer']:.3f} | "
-        f"{1000 * (m['trainer'] - m['copy']):+.0f} | {m['trainer memory']:.2f} |",
+        f"{m['orbax'] / m['copy']:.1f} | {m['orbax write']:.2f} | {m['orbax memory']:.2f} | "
+        f"{m['trainer']:.3f} | {1000 * (m['trainer'] - m['copy']):+.0f} | "
+        f"{m['trainer write']:.2f} | {m['trainer memory']:.2f} |",
         flush=True,
     )
 

@@ -11,6 +11,12 @@ measured, docs/benchmarks.md) on one thread of its own; a save's error is raised
 the next save or at :meth:`BackgroundSaver.wait`. On several processes saves stay in the loop
 thread (orbax's collectives must keep their order against the train steps').
 
+The copy is the one full copy of the state a save holds: orbax serializes it in place (on the
+CPU backend; from ``pinned_host`` memory on accelerators) and TensorStore references it, but
+encodes (zstd) every array it writes into a buffer of its own. :func:`write_budget` caps the
+bytes being encoded and written at once (orbax's in-flight byte limit), so a save's peak extra
+host memory is the copy plus that budget instead of the copy plus an encoded second copy.
+
 Example:
   >>> import jax.numpy as jnp
   >>> state = {"w": jnp.arange(4.0)}
@@ -21,16 +27,21 @@ Example:
   >>> saver.submit(lambda tree: tree["w"].shape, copy)
   >>> saver.wait()
   (4,)
+  >>> tree = [jax.ShapeDtypeStruct((128, 256), jnp.float32)] * 8  # 8 arrays of 128 KiB
+  >>> write_budget(tree), write_budget(tree[:1])  # a quarter of 1 MiB; more than one array
+  (262144, 131073)
 """
 
 import concurrent.futures
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 HOST = "pinned_host"
+WRITE_FRACTION = 0.25  # Of the tree's local bytes, encoded and in flight at once during a write.
 
 
 def host_copy(tree) -> Any:
@@ -54,6 +65,25 @@ def _host_memory_apart(device) -> bool:
   """Whether ``device`` (not a CPU) has a ``pinned_host`` memory to copy into."""
   kinds = {memory.kind for memory in device.addressable_memories()}
   return device.platform != "cpu" and HOST in kinds
+
+
+def write_budget(tree) -> int:
+  """Bytes a save of ``tree`` (arrays, or ``ShapeDtypeStruct``s with shardings) may have in
+  flight: ``WRITE_FRACTION`` of the bytes of the distinct shards this process holds, and more
+  than its largest shard (orbax writes a shard at once and refuses one above its limit)."""
+  shards = [size for x in jax.tree.leaves(tree) for size in _local_shard_bytes(x)]
+  return max(int(WRITE_FRACTION * sum(shards)), max(shards, default=0) + 1)
+
+
+def _local_shard_bytes(x) -> list[int]:
+  """Bytes of each distinct shard of ``x`` on this process's devices (one if unsharded)."""
+  shape, itemsize = tuple(x.shape), x.dtype.itemsize
+  sharding = getattr(x, "sharding", None)
+  if sharding is None:
+    return [math.prod(shape) * itemsize]
+  indices = sharding.addressable_devices_indices_map(shape).values()
+  distinct = {tuple((s.start, s.stop) for s in index) for index in indices}
+  return [math.prod(sharding.shard_shape(shape)) * itemsize] * len(distinct)
 
 
 class BackgroundSaver:
