@@ -30,6 +30,16 @@ def test_the_write_budget_counts_each_distinct_local_shard_once():
   assert saver.write_budget([replicated]) == 256 * 1024 + 1  # More than its one shard.
 
 
+def test_a_host_copy_outlives_the_donated_state_in_the_same_shardings():
+  mesh = bvs.make_mesh([("data", 8)])
+  sharding = NamedSharding(mesh, PartitionSpec("data"))
+  x = jax.device_put(jnp.arange(64.0).reshape(8, 8), sharding)
+  copy = saver.host_copy({"x": x, "n": 3})
+  x.delete()  # As the next train step's donation does.
+  assert copy["n"] == 3 and copy["x"].sharding == sharding
+  np.testing.assert_array_equal(copy["x"], np.arange(64.0).reshape(8, 8))
+
+
 @pytest.fixture
 def in_flight(monkeypatch):
   """``{limit: peak bytes reserved at once}`` of every limited orbax write while it runs."""
