@@ -212,7 +212,7 @@ class Checkpoints:
     )
     self.preemption = Preemption()
     self.opt_start = self.step = 0
-    self.saver = saver.BackgroundSaver(background=jax.process_count() == 1)
+    self.saver = saver.BackgroundSaver()
     quiet_orbax()
 
   def latest_step(self) -> int | None:
@@ -251,8 +251,7 @@ class Checkpoints:
     if preempted or self.manager.should_save(step):
       before_save()
       self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
-      if self.saver.background:
-        state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
+      state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
       self.saver.submit(save, self.manager, step, state, self._meta(step), preempted)
     if preempted:
       self.saver.wait()
@@ -294,18 +293,40 @@ def open_manager(
   keep = [policies.LatestN(n=1)]
   if keep_ckpt_steps:
     keep.append(policies.EveryNSteps(keep_ckpt_steps))
+  # Naming every process makes orbax's barriers the coordination service's, never device
+  # collectives, so a save may run beside the train steps in another thread (orbax then
+  # leaves creating the directory to its caller).
+  processes = set(range(jax.process_count()))
+  if not read_only:
+    paths.path(directory).mkdir(parents=True, exist_ok=True)
   options = ocp.CheckpointManagerOptions(
       save_decision_policy=policies.AnySavePolicy(save_at),
       preservation_policy=policies.AnyPreservationPolicy(keep),
       enable_async_checkpointing=use_async,
       cleanup_tmp_directories=not read_only,
       read_only=read_only,
-      create=not read_only,
+      create=False,
+      multiprocessing_options=ocp.options.MultiprocessingOptions(active_processes=processes),
   )
   budget = write_bytes or {}
   handlers = {item: tree_handler(budget.get(item)) for item in (PARAMS, OPT)}
   handlers[META] = ocp.JsonCheckpointHandler()
-  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  return _Manager(directory, options=options, item_handlers=handlers)
+
+
+class _Manager(ocp.CheckpointManager):
+  """orbax's manager, leaving jax's preemption sync point to the loop (:class:`Preemption`).
+
+  jax's sync point must be asked once per step, in step order: it reports the last step it
+  was asked about when a SIGTERM arrives, and the processes stop one step after the highest.
+  orbax asks it too, from the threads that save and finalize, about the step they save,
+  which set that count back while the loop has moved on (two processes then agreed on a step
+  their loops had passed and never stopped). The loop saves on preemption itself.
+  """
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
 
 
 def tree_handler(write_bytes: int | None = None) -> ocp.PyTreeCheckpointHandler:

@@ -9,8 +9,10 @@ program, which orbax then reads in place), which is all the loop waits for.
 :class:`BackgroundSaver` then runs the save (orbax's own setup, its threads, its per-leaf
 bookkeeping: 0.03-0.09 s a save on the CPU hosts measured, docs/benchmarks.md) on one thread
 of its own; a save's error is raised in the loop at
-the next save or at :meth:`BackgroundSaver.wait`. On several processes saves stay in the loop
-thread (orbax's collectives must keep their order against the train steps').
+the next save or at :meth:`BackgroundSaver.wait`. On several processes too: the checkpoint
+manager names every process, so orbax's barriers are the coordination service's rather than
+device collectives, which would have to keep their order against the train steps'
+(trainers/rundir/checkpoint.py).
 
 The copy is the one full copy of the state a save holds: orbax serializes it in place (on the
 CPU backend; from ``pinned_host`` memory on accelerators) and TensorStore references it, but
@@ -101,25 +103,16 @@ def _local_shard_bytes(x) -> list[int]:
 
 
 class BackgroundSaver:
-  """Runs one save at a time on a thread of its own; the next waits for the previous.
+  """Runs one save at a time on a thread of its own; the next waits for the previous."""
 
-  ``background=False`` (the trainer's choice on several processes) runs each save in the
-  caller's thread: orbax's save runs collectives and barriers across processes, which must
-  come in the same order as the train steps' on every process.
-  """
-
-  def __init__(self, background: bool = True):
-    self.background = background
+  def __init__(self):
     self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
     self.pending: concurrent.futures.Future | None = None
 
   def submit(self, save: Callable, *args) -> None:
     """Waits for the previous save (raising its error), then starts ``save(*args)``."""
     self.wait()
-    if self.background:
-      self.pending = self.pool.submit(save, *args)
-    else:
-      save(*args)
+    self.pending = self.pool.submit(save, *args)
 
   def wait(self) -> Any:
     """The last save's result once it returned (None if none); raises its error."""
