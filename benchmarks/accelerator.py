@@ -44,9 +44,9 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, memory, optimizers, profiling, train
+from trainers import cli, divergence, memory, optimizers, train
 from trainers.models import llama
-from trainers.rundir import checkpoint
+from trainers.rundir import checkpoint, profiling
 
 DTYPES = {
     "float32": {},

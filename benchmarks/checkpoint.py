@@ -6,13 +6,16 @@ For each model size (configs/lm.py, AdamW, 8 simulated CPU devices, batch 16) th
 train step runs, then saves after each step, two ways in the same run: "orbax async" calls
 orbax's async ``save`` in the loop thread (the trainer before), "trainer" is
 ``Checkpoints.step_done`` as the trainer calls it (the loop copies the state to host memory,
-a background thread hands it to orbax: trainers/rundir/saver.py). "blocked" is the median time
-the loop thread spends in the save (after the previous save's write has finished, as it has in
-a run saving every ``config.ckpt_steps``); "copy" the median device-to-host copy of the same
-state in the same run (``jax.device_get``, timed alone just before each save); "extra host
-memory" the peak rise of the process's resident memory during a save and its write (sampled
-every millisecond), as a multiple of the state's bytes this process holds. Prints a markdown
-table.
+a background thread hands it to orbax, which encodes and writes at most a quarter of it at
+once: trainers/rundir/saver.py). "blocked" is the median time the loop thread spends in the
+save (after the previous save's write has finished, as it has in a run saving every
+``config.ckpt_steps``; each way's first save is untimed); "copy" the median device-to-host copy
+of the same state in the same run (``jax.device_get``, timed alone just before each save); "written" the
+median time from the save's start until its write is complete; "extra host memory" the peak rise
+of the process's resident memory during a save and its write above the memory in use at its
+start (free heap pages are released before the copy and before the save, so neither reuses the
+pages of the one before unseen; sampled every millisecond), as a multiple of the state's bytes
+this process holds. Prints a markdown table.
 """
 
 import os
@@ -21,6 +24,7 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
+import ctypes
 import tempfile
 import threading
 import time
@@ -35,6 +39,9 @@ from trainers import cli
 from trainers.rundir import checkpoint
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# Untimed saves each way first: they compile the trainer's copy and start orbax's threads, once
+# a run (as the first steps compile the train step).
+FIRST_SAVES = 1
 
 
 def local_bytes(state) -> int:
@@ -52,10 +59,21 @@ def rss() -> int:
     return int(f.read().split()[1]) * PAGE
 
 
+def release_free_memory() -> None:
+  """Returns the C heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing),
+  so that resident memory is the memory in use, not pages an earlier copy freed and the heap
+  kept (which the next copy would reuse unseen)."""
+  try:
+    ctypes.CDLL(None).malloc_trim(0)
+  except AttributeError:  # Not glibc.
+    pass
+
+
 class PeakMemory:
-  """The peak resident memory above the level at entry, sampled every millisecond."""
+  """The peak resident memory above the memory in use at entry, sampled every millisecond."""
 
   def __enter__(self):
+    release_free_memory()
     self.base = self.peak = rss()
     self.done = threading.Event()
     self.thread = threading.Thread(target=self._sample, daemon=True)
@@ -75,23 +93,24 @@ class PeakMemory:
 def measure(config, saves: int) -> dict:
   """State MiB, step s, copy s, and per way of saving: blocked s and peak extra host bytes."""
   config.ckpt_steps, config.total_steps = 1, 10**6
-  mesh, run, train_step, batches = setup(config, WARMUP + 3 * saves)
+  mesh, run, train_step, batches = setup(config, WARMUP + 3 * saves + 2 * FIRST_SAVES)
   rules = nn.logical_axis_rules(config.sharding_rules)
-  timed = {"orbax": ([], []), "trainer": ([], [])}
+  timed = {"orbax": ([], [], []), "trainer": ([], [], [])}
   copies = []
   with jax.set_mesh(mesh), rules, tempfile.TemporaryDirectory() as d:
     state, step_s = seconds_per_step(train_step, init_state(run), batches, saves)
     manager = checkpoint.open_manager(os.path.join(d, "orbax"))
-    ckpt = checkpoint.Checkpoints(os.path.join(d, "trainer"), config, run.migration)
+    ckpt = checkpoint.Checkpoints(os.path.join(d, "trainer"), config, run.migration, run.plan)
     for i, batch in enumerate(batches[WARMUP + saves :]):
       state, loss = train_step(state, batch)
       jax.block_until_ready(loss)  # Time the save alone, not the step it waits for,
       manager.wait_until_finished()  # nor the previous save's background write.
       ckpt.saver.wait()
       ckpt.manager.wait_until_finished()
+      release_free_memory()  # The copy, as the save after it, allocates afresh.
       tick = time.perf_counter()
       jax.device_get(state)
-      copies.append(time.perf_counter() - tick)
+      copy_s = time.perf_counter() - tick
       way = "orbax" if i % 2 else "trainer"
       with PeakMemory() as memory:
         tick = time.perf_counter()
@@ -99,17 +118,30 @@ def measure(config, saves: int) -> dict:
           checkpoint.save(manager, i + 1, state, {"step": i + 1}, force=True)
         else:
           ckpt.step_done(i + 1, state)
-        timed[way][0].append(time.perf_counter() - tick)
+        blocked = time.perf_counter() - tick
         ckpt.saver.wait()
         (manager if way == "orbax" else ckpt.manager).wait_until_finished()
-      timed[way][1].append(memory.extra)
+        written = time.perf_counter() - tick
+      if i >= 2 * FIRST_SAVES:
+        copies.append(copy_s)
+        timed[way][0].append(blocked)
+        timed[way][1].append(memory.extra)
+        timed[way][2].append(written)
     manager.close()
     ckpt.close(state)
   found = {"mib": local_bytes(state) / 2**20, "step": step_s, "copy": np.median(copies)}
-  for way, (blocked, extra) in timed.items():
-    found[way] = np.median(blocked)
-    found[f"{way} memory"] = max(extra) / local_bytes(state)
+  for way, (blocked, extra, written) in timed.items():
+    found[way], found[f"{way} write"] = np.median(blocked), np.median(written)
+    found[f"{way} memory"] = max(extra)
   return found
+
+
+def multiple(extra: int, state_mib: float) -> str:
+  """``extra`` bytes as a multiple of the state, and in MiB.
+
+  Example: ``multiple(3 * 2**20, 2.0)`` == "1.50 (3.0 MiB)".
+  """
+  return f"{extra / (state_mib * 2**20):.2f} ({extra / 2**20:.1f} MiB)"
 
 
 @cli.command
@@ -123,16 +155,17 @@ def main(argv=None):
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices, AdamW, batch 16\n")
   print(
       "| size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy "
-      "| extra host memory / state | trainer: blocked s | blocked - copy ms | extra host memory "
-      "/ state |"
+      "| written s | extra host memory / state | trainer: blocked s | blocked - copy ms "
+      "| written s | extra host memory / state |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for size in args.sizes.split(","):
     m = measure(lm_config(size, "adamw"), args.saves)
     print(
         f"| {size} | {m['mib']:.1f} | {m['step']:.3f} | {m['copy']:.3f} | {m['orbax']:.3f} | "
-        f"{m['orbax'] / m['copy']:.1f} | {m['orbax memory']:.2f} | {m['trainer']:.3f} | "
-        f"{1000 * (m['trainer'] - m['copy']):+.0f} | {m['trainer memory']:.2f} |",
+        f"{m['orbax'] / m['copy']:.1f} | {m['orbax write']:.2f} | {multiple(m['orbax memory'], m['mib'])} | "
+        f"{m['trainer']:.3f} | {1000 * (m['trainer'] - m['copy']):+.0f} | "
+        f"{m['trainer write']:.2f} | {multiple(m['trainer memory'], m['mib'])} |",
         flush=True,
     )
 

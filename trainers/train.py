@@ -25,7 +25,7 @@ for the device between log steps: step k+1 is dispatched before anything of step
 and the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
 at log, eval and checkpoint steps, on SIGTERM and at the end, then checked in step order.
 Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``;
-``config.profile_steps`` traces steps into ``workdir/profile/`` (trainers/profiling.py).
+``config.profile_steps`` traces steps into ``workdir/profile/`` (trainers/rundir/profiling.py).
 
 On CPU every process simulates ``--devices_per_process`` devices (default 8);
 ``--coordinator_address/--num_processes/--process_id`` (or BV_COORDINATOR,
@@ -60,7 +60,6 @@ from trainers import (
     distributed,
     divergence,
     memory,
-    profiling,
     same_job,
     steps,
     utilization,
@@ -68,7 +67,7 @@ from trainers import (
 )
 from trainers.input import batching, prefetch, records
 from trainers.optimizers import rebirth
-from trainers.rundir import checkpoint, events, provenance, workdir
+from trainers.rundir import checkpoint, events, profiling, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
@@ -138,7 +137,7 @@ def main(argv):
 
   # Every check passed: only now is the workdir touched.
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
-  ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, is_main_process)
+  ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, plan, is_main_process)
   scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
   write = fan_out(metrics, curves) if is_main_process else None
@@ -249,10 +248,12 @@ def mean_loss(eval_step, params, batches, batch_sharding) -> float:
   return float(np.mean([eval_step(params, batching.to_global(b, batch_sharding)) for b in batches]))
 
 
-def open_workdir(path: str, config, migration: checkpoint.Migration, is_main_process: bool):
+def open_workdir(
+    path: str, config, migration: checkpoint.Migration, plan: bvs.Plan, is_main_process: bool
+):
   """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
   earlier run's files aside unless resuming."""
-  ckpt = checkpoint.Checkpoints(path, config, migration)
+  ckpt = checkpoint.Checkpoints(path, config, migration, plan)
   if is_main_process:
     note = workdir.prepare(path, resuming=ckpt.latest_step() is not None)
     if note:

@@ -11,9 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from http import HTTPStatus
 
+import jax.numpy as jnp
 import pytest
 from etils import epath
 from gcp_storage_emulator import server as emulator_server
@@ -23,7 +25,7 @@ from gcp_storage_emulator.server import GET
 from tests.helpers import ROOT, environment, quick_lm
 from trainers.errors import ConfigError
 from trainers.launch import free_port
-from trainers.rundir import events, paths, provenance, workdir
+from trainers.rundir import events, paths, profiling, provenance, workdir
 
 BUCKET = "bucket"
 
@@ -141,6 +143,20 @@ def test_the_run_files_in_a_bucket(emulator):
       "config.json",
       "metrics.jsonl",
   ]
+
+
+def test_a_profile_in_a_bucket_workdir(emulator, tmp_path, monkeypatch):
+  """jax's profiler writes only to local paths: the trace goes to a local temporary directory,
+  then into the bucket, and nothing of it stays on local disk."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  run = f"gs://{BUCKET}/profiled"
+  trace = profiling.StepTrace((1, 2), run)
+  trace.before(1)
+  trace.after(1, state=jnp.arange(8.0) * 2)
+  traced = list(epath.Path(run, "profile").glob("plugins/profile/*/*.xplane.pb"))
+  assert len(traced) == 1 and traced[0].stat().length > 0
+  assert os.listdir(tmp_path) == []  # The temporary directory is gone, and no gs: folder.
 
 
 class _Config:

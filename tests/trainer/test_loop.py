@@ -8,9 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from trainers import divergence, profiling, train, utilization
+from trainers import divergence, train, utilization
 from trainers.errors import NonFiniteLossError
-from trainers.rundir import checkpoint
+from trainers.rundir import checkpoint, profiling
 
 
 class Value:

@@ -53,6 +53,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
+from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
 from orbax.checkpoint._src.metadata import array_metadata_store
 
 from bv_sharding import Plan
@@ -192,22 +193,26 @@ class Checkpoints:
   commit file), so a cut-off write is never listed.
 
   ``migration``: the run's optimizer, as its checkpoints need it (:class:`Migration`).
+  ``plan``: the state's plan, which sizes each item's write budget (:func:`saver.write_budget`:
+  a save holds the copy plus a quarter of the state in encoded buffers); None: orbax's default.
 
-  Example: ``ckpt = Checkpoints(workdir, config, migration); ckpt.latest_step()``.
+  Example: ``ckpt = Checkpoints(workdir, config, migration, plan); ckpt.latest_step()``.
   """
 
-  def __init__(self, workdir: str, config, migration: Migration):
+  def __init__(self, workdir: str, config, migration: Migration, plan: Plan | None = None):
     self.directory = os.fspath(_absolute(workdir) / CHECKPOINTS)
     self.config, self.migration = config, migration
+    abstract = plan.abstract() if plan else {}
     self.manager = open_manager(
         self.directory,
         ckpt_steps=config.get("ckpt_steps"),
         keep_ckpt_steps=config.get("keep_ckpt_steps"),
         total_steps=config.total_steps,
+        write_bytes={item: saver.write_budget(tree) for item, tree in abstract.items()},
     )
     self.preemption = Preemption()
     self.opt_start = self.step = 0
-    self.saver = saver.BackgroundSaver(background=jax.process_count() == 1)
+    self.saver = saver.BackgroundSaver()
     quiet_orbax()
 
   def latest_step(self) -> int | None:
@@ -246,8 +251,7 @@ class Checkpoints:
     if preempted or self.manager.should_save(step):
       before_save()
       self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
-      if self.saver.background:
-        state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
+      state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
       self.saver.submit(save, self.manager, step, state, self._meta(step), preempted)
     if preempted:
       self.saver.wait()
@@ -274,8 +278,12 @@ def open_manager(
     total_steps: int | None = None,
     read_only: bool = False,
     use_async: bool = True,
+    write_bytes: dict[str, int] | None = None,
 ) -> ocp.CheckpointManager:
   """An async ``CheckpointManager`` over ``directory``: the three items, big_vision's policies.
+
+  ``write_bytes``: ``{item: bytes}``, the bytes a save of ``PARAMS`` / ``OPT`` may have in
+  flight (:func:`tree_handler`); an item not named keeps orbax's default.
 
   Example: ``open_manager("/tmp/run/checkpoints", ckpt_steps=100, keep_ckpt_steps=1000)``.
   """
@@ -285,24 +293,51 @@ def open_manager(
   keep = [policies.LatestN(n=1)]
   if keep_ckpt_steps:
     keep.append(policies.EveryNSteps(keep_ckpt_steps))
+  # Naming every process makes orbax's barriers the coordination service's, never device
+  # collectives, so a save may run beside the train steps in another thread (orbax then
+  # leaves creating the directory to its caller).
+  processes = set(range(jax.process_count()))
+  if not read_only:
+    paths.path(directory).mkdir(parents=True, exist_ok=True)
   options = ocp.CheckpointManagerOptions(
       save_decision_policy=policies.AnySavePolicy(save_at),
       preservation_policy=policies.AnyPreservationPolicy(keep),
       enable_async_checkpointing=use_async,
       cleanup_tmp_directories=not read_only,
       read_only=read_only,
-      create=not read_only,
+      create=False,
+      multiprocessing_options=ocp.options.MultiprocessingOptions(active_processes=processes),
   )
-  handlers = {PARAMS: tree_handler(), OPT: tree_handler(), META: ocp.JsonCheckpointHandler()}
-  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  budget = write_bytes or {}
+  handlers = {item: tree_handler(budget.get(item)) for item in (PARAMS, OPT)}
+  handlers[META] = ocp.JsonCheckpointHandler()
+  return _Manager(directory, options=options, item_handlers=handlers)
 
 
-def tree_handler() -> ocp.PyTreeCheckpointHandler:
+class _Manager(ocp.CheckpointManager):
+  """orbax's manager, leaving jax's preemption sync point to the loop (:class:`Preemption`).
+
+  jax's sync point must be asked once per step, in step order: it reports the last step it
+  was asked about when a SIGTERM arrives, and the processes stop one step after the highest.
+  orbax asks it too, from the threads that save and finalize, about the step they save,
+  which set that count back while the loop has moved on (two processes then agreed on a step
+  their loops had passed and never stopped). The loop saves on preemption itself.
+  """
+
+  def reached_preemption(self, step: int) -> bool:
+    del step
+    return False
+
+
+def tree_handler(write_bytes: int | None = None) -> ocp.PyTreeCheckpointHandler:
   """orbax's pytree handler, its ``jax.Array``s written without replica-parallel slicing.
 
   orbax's default splits every replicated shard into one slice per replica, each a
   jax dispatch in the caller's thread (most of the time a save held up the loop); here
   replica 0 of each shard writes it whole, by the process that holds it.
+  ``write_bytes``: orbax's in-flight limit of a save (``save_concurrent_bytes``: shards
+  encoded and being written at once; it must exceed the largest shard), None: orbax's
+  default (96 GB, i.e. every shard at once). The checkpoint's format is the same.
   """
   arrays = ocp.type_handlers.ArrayHandler(
       use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
@@ -313,7 +348,14 @@ def tree_handler() -> ocp.PyTreeCheckpointHandler:
       if t is not jax.Array
   ]
   registry = ocp.type_handlers.create_type_handler_registry(*others, (jax.Array, arrays))
-  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+  impl = None
+  if write_bytes is not None:
+    impl = ocp.BasePyTreeCheckpointHandler(
+        save_concurrent_bytes=write_bytes,
+        restore_concurrent_bytes=pytree_checkpoint_handler.DEFAULT_CONCURRENT_GB * 10**9,
+        type_handler_registry=registry,
+    )
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, handler_impl=impl)
 
 
 def tree_restore(target) -> ocp.args.PyTreeRestore:

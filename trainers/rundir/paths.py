@@ -4,8 +4,8 @@ Everything a run writes goes through :func:`path` (an ``epath.Path``: the local 
 gcsfs for ``gs://``); orbax writes the checkpoints' arrays through TensorStore's GCS driver.
 Object stores have no append and no rename, so the two operations that need them are here:
 :func:`write_whole` (local: a temporary file renamed into place; a bucket: one object write,
-which readers see whole or not at all) and :func:`move` (local: a rename; a bucket: each
-object copied, then deleted).
+which readers see whole or not at all) and :func:`move` (local: a rename; a bucket on either
+side: each file or object copied, then deleted).
 
 :func:`check` validates a URL before anything starts, by what this machine has, without any
 network call: the backend package is importable (the ``.[gcs]`` extra) and credentials are
@@ -117,14 +117,17 @@ def write_whole(target: epath.Path, text: str) -> None:
 
 
 def move(source: epath.Path, target: epath.Path) -> None:
-  """Moves file or directory ``source`` to ``target`` (a bucket: copies each object, then
-  deletes it; nothing is deleted before its copy is written)."""
-  if not is_url(source):
+  """Moves file or directory ``source`` to ``target`` (a bucket on either side: copies each
+  file or object, then deletes it, nothing before its copy is written; a local directory
+  emptied so is removed too)."""
+  if not is_url(source) and not is_url(target):
     os.replace(source, target)
     return
   if source.is_dir():
     for child in source.iterdir():
       move(child, target / child.name)
+    if not is_url(source):
+      source.rmdir()
     return
   target.write_bytes(source.read_bytes())
   source.unlink()
