@@ -12,8 +12,10 @@ the reported eval loss never sees. Each run's workdir and result (``result.json`
 eval losses and the training seconds up to each) stay under ``--cache``, one per run and
 split: a later call skips finished runs and the trainer resumes unfinished ones from their
 checkpoints, so the sweep can run in parts. The table gives, per run, mean ± std over the
-seeds of the eval loss at each eval step and at the wall-clock every run reached (the
-shortest run's training time; the first step, which compiles, not counted).
+seeds of the eval loss at each eval step, of its difference at the last step from the first
+run of ``--runs`` paired by seed (:func:`paired`), and of the eval loss at the wall-clock
+every run reached (the shortest run's training time; the first step, which compiles, not
+counted).
 
   python -m benchmarks.quality [--seeds 3] [--runs adamw@8,kron:local@1] [--cache runs/quality] \
       [--split eval|tune] [--eval_every 100] [--set="--config.total_steps=20 ..."]
@@ -109,6 +111,19 @@ def mean_std(values: list[float | None]) -> str:
   return f"{statistics.fmean(there):.3f} ± {std:.3f}{missing}"
 
 
+def paired(runs: list[dict], base: list[dict], step: str) -> list[float]:
+  """Each run's eval loss at ``step`` minus that of the ``base`` run of the same seed.
+
+  Runs of one seed share the init and the batches, so the difference is the optimizer's, with
+  less of the seed's noise than the two means' difference.
+
+  Example:
+    >>> paired([{"evals": {"3": 1.5}}], [{"evals": {"3": 1.75}}], "3")
+    [-0.25]
+  """
+  return [r["evals"][step] - b["evals"][step] for r, b in zip(runs, base)]
+
+
 def loss_at(res: dict, seconds: float) -> float | None:
   """The eval loss of the last eval at most ``seconds`` into training (None before the first)."""
   reached = [s for s, t in res["seconds"].items() if t <= seconds + 1e-9]
@@ -137,12 +152,14 @@ def main(argv=None):
   steps = sorted({k for rs in results.values() for r in rs for k in r["evals"]}, key=int)
   clock = min(max(r["seconds"].values()) for rs in results.values() for r in rs)
   head = " | ".join(f"eval @ {s}" for s in steps)
-  print(f"| optimizer | devices | {head} | eval @ {clock:.0f} s |")
-  print("|---|---|" + "---|" * (len(steps) + 1))
+  print(f"| optimizer | devices | {head} | Δ @ {steps[-1]} vs {specs[0]} | eval @ {clock:.0f} s |")
+  print("|---|---|" + "---|" * (len(steps) + 2))
   for spec, rs in results.items():
     optimizer, _, devices = spec.partition("@")
     at_steps = " | ".join(mean_std([r["evals"][s] for r in rs]) for s in steps)
-    print(f"| {optimizer} | {devices} | {at_steps} | {mean_std([loss_at(r, clock) for r in rs])} |")
+    delta = mean_std(paired(rs, results[specs[0]], steps[-1]))
+    at_clock = mean_std([loss_at(r, clock) for r in rs])
+    print(f"| {optimizer} | {devices} | {at_steps} | {delta} | {at_clock} |")
 
 
 if __name__ == "__main__":
