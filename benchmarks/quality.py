@@ -114,8 +114,8 @@ def mean_std(values: list[float | None]) -> str:
 def paired(runs: list[dict], base: list[dict], step: str) -> list[float]:
   """Each run's eval loss at ``step`` minus that of the ``base`` run of the same seed.
 
-  Runs of one seed share the init and the batches, so the difference is the optimizer's, with
-  less of the seed's noise than the two means' difference.
+  Runs of one seed share the init, the batches and the evaluated windows, so the difference is
+  the optimizer's, with less of the seed's noise than the two means' difference.
 
   Example:
     >>> paired([{"evals": {"3": 1.5}}], [{"evals": {"3": 1.75}}], "3")
