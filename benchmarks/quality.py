@@ -3,15 +3,22 @@
 Trains configs/lm.py through ``python -m trainers.train`` once per (optimizer, device count,
 seed): adamw, muon, kron and shampoo (their default blocks, the param's fixed tiles) on 8
 simulated devices, and Kron's and Shampoo's shard-local blocks ("kron:local",
-"shampoo:local") on 1 and 8 devices. Each run's workdir and result (``result.json``: its
-eval losses and the training seconds up to each) stay under ``--cache``: a later call
-skips finished runs and the trainer resumes unfinished ones from their checkpoints, so the
-sweep can run in parts. The table gives, per optimizer and device count, mean ± std over
-the seeds of the eval loss at each eval step and at the wall-clock every run reached (the
-shortest run's training time; the first step, which compiles, not counted).
+"shampoo:local") on 1 and 8 devices. A run is ``<optimizer>[:local][:<key>=<value>...]@<devices>``:
+each ``key=value`` is a config override of that run (``muon:optax.consistent_rms=0.4@8``,
+``shampoo:lr=0.0015@8``), for comparing candidate hyperparameters. ``--split tune``
+evaluates the tuning slice (``config.input.tune_fraction``: the 5% of the corpus before the
+eval split, held out of training) instead of the eval split, for choosing defaults on data
+the reported eval loss never sees. Each run's workdir and result (``result.json``: its
+eval losses and the training seconds up to each) stay under ``--cache``, one per run and
+split: a later call skips finished runs and the trainer resumes unfinished ones from their
+checkpoints, so the sweep can run in parts. The table gives, per run, mean ± std over the
+seeds of the eval loss at each eval step, of its difference at the last step from the first
+run of ``--runs`` paired by seed (:func:`paired`), and of the eval loss at the wall-clock
+every run reached (the shortest run's training time; the first step, which compiles, not
+counted).
 
   python -m benchmarks.quality [--seeds 3] [--runs adamw@8,kron:local@1] [--cache runs/quality] \
-      [--eval_every 100] [--set="--config.total_steps=20 ..."]
+      [--split eval|tune] [--eval_every 100] [--set="--config.total_steps=20 ..."]
 """
 
 import json
@@ -35,14 +42,23 @@ RUNS = (
     "shampoo:local@1",
     "shampoo:local@8",
 )
+TUNE_FRACTION = 0.05  # --split tune: the tuning slice, as large as the eval split.
 
 
 def flags(optimizer: str, devices: int, seed: int, extra) -> list[str]:
-  """The trainer's flags for one run (``zoo.train_with``'s optimizer spelling)."""
-  config = zoo.train_with(ml_collections.ConfigDict({"optax_name": "", "optax": {}}), optimizer)
+  """The trainer's flags for one run: ``zoo.train_with``'s optimizer spelling, then overrides.
+
+  Example:
+    >>> flags("kron:local:optax.block_size=128", 8, 0, [])[2:]
+    ['--config.optax.blocking=local', '--config.optax.block_size=128', '--config.seed=0']
+  """
+  name, *variant = optimizer.split(":")
+  overrides = [f"--config.{v}" for v in variant if "=" in v]
+  name = ":".join([name, *(v for v in variant if "=" not in v)])
+  config = zoo.train_with(ml_collections.ConfigDict({"optax_name": "", "optax": {}}), name)
   out = [f"--config.optax_name={config.optax_name}", f"--devices_per_process={devices}"]
   out += [f"--config.optax.{k}={v}" for k, v in config.optax.items()]
-  return [*out, f"--config.seed={seed}", *extra]
+  return [*out, *overrides, f"--config.seed={seed}", *extra]
 
 
 def result(records: list[dict]) -> dict:
@@ -63,10 +79,12 @@ def result(records: list[dict]) -> dict:
   return {"evals": evals, "seconds": at}
 
 
-def run(cache: pathlib.Path, spec: str, seed: int, extra) -> dict:
-  """One run's :func:`result`, trained now unless ``cache`` holds it."""
+def run(cache: pathlib.Path, spec: str, seed: int, extra, split: str = "eval") -> dict:
+  """One run's :func:`result` on ``split``, trained now unless ``cache`` holds it."""
   optimizer, _, devices = spec.partition("@")
-  workdir = cache / f"{optimizer.replace(':', '-')}-d{devices}-s{seed}"
+  tune = split == "tune"
+  workdir = cache / f"{optimizer.replace(':', '-')}-d{devices}-s{seed}{'-tune' * tune}"
+  extra = [*extra, f"--config.input.tune_fraction={TUNE_FRACTION}"] if tune else extra
   done = workdir / "result.json"
   if done.exists():
     return json.loads(done.read_text())
@@ -93,6 +111,19 @@ def mean_std(values: list[float | None]) -> str:
   return f"{statistics.fmean(there):.3f} ± {std:.3f}{missing}"
 
 
+def paired(runs: list[dict], base: list[dict], step: str) -> list[float]:
+  """Each run's eval loss at ``step`` minus that of the ``base`` run of the same seed.
+
+  Runs of one seed share the init, the batches and the evaluated windows, so the difference is
+  the optimizer's, with less of the seed's noise than the two means' difference.
+
+  Example:
+    >>> paired([{"evals": {"3": 1.5}}], [{"evals": {"3": 1.75}}], "3")
+    [-0.25]
+  """
+  return [r["evals"][step] - b["evals"][step] for r, b in zip(runs, base)]
+
+
 def loss_at(res: dict, seconds: float) -> float | None:
   """The eval loss of the last eval at most ``seconds`` into training (None before the first)."""
   reached = [s for s, t in res["seconds"].items() if t <= seconds + 1e-9]
@@ -105,6 +136,9 @@ def main(argv=None):
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--runs", default=",".join(RUNS), help="<optimizer>@<devices>,...")
   parser.add_argument("--cache", default="runs/quality")
+  parser.add_argument(
+      "--split", default="eval", choices=("eval", "tune"), help="the held-out slice evaluated"
+  )
   parser.add_argument("--eval_every", type=int, default=100)
   parser.add_argument("--set", default="", help="trainer flags for every run, space-separated")
   args = parser.parse_args(argv)
@@ -112,16 +146,20 @@ def main(argv=None):
   cache.mkdir(parents=True, exist_ok=True)
   specs = args.runs.split(",")
   extra = [*args.set.split(), f"--config.eval_every={args.eval_every}"]
-  results = {s: [run(cache, s, seed, extra) for seed in range(args.seeds)] for s in specs}
+  results = {
+      s: [run(cache, s, seed, extra, args.split) for seed in range(args.seeds)] for s in specs
+  }
   steps = sorted({k for rs in results.values() for r in rs for k in r["evals"]}, key=int)
   clock = min(max(r["seconds"].values()) for rs in results.values() for r in rs)
   head = " | ".join(f"eval @ {s}" for s in steps)
-  print(f"| optimizer | devices | {head} | eval @ {clock:.0f} s |")
-  print("|---|---|" + "---|" * (len(steps) + 1))
+  print(f"| optimizer | devices | {head} | Δ @ {steps[-1]} vs {specs[0]} | eval @ {clock:.0f} s |")
+  print("|---|---|" + "---|" * (len(steps) + 2))
   for spec, rs in results.items():
     optimizer, _, devices = spec.partition("@")
     at_steps = " | ".join(mean_std([r["evals"][s] for r in rs]) for s in steps)
-    print(f"| {optimizer} | {devices} | {at_steps} | {mean_std([loss_at(r, clock) for r in rs])} |")
+    delta = mean_std(paired(rs, results[specs[0]], steps[-1]))
+    at_clock = mean_std([loss_at(r, clock) for r in rs])
+    print(f"| {optimizer} | {devices} | {at_steps} | {delta} | {at_clock} |")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,35 @@ def test_held_out_tail_and_max_tokens(shards):
   np.testing.assert_array_equal(held_out.windows(np.array([0]), 5)[0], TOKENS[18_000:18_005])
 
 
+def test_tuning_slice_is_disjoint_and_evaluated_when_set(shards):
+  """[train | tune | eval] tile train's stream; the eval slice is the same with or without tune."""
+  files = dict(kind="tokens", train=str(shards / "train_*.bin"), eval_fraction=0.1)
+  span = lambda stream: (stream.start, stream.stop)
+  slices = sources.token_slices(spec(tune_fraction=0.2, **files))
+  bounds = [span(slices[k]) for k in ("train", "tune", "eval")]
+  assert bounds == [(0, 21_000), (21_000, 27_000), (27_000, 30_000)]
+  assert span(sources.token_slices(spec(**files))["eval"]) == (27_000, 30_000)
+  t = task(tune_fraction=0.2, **files)
+  assert [span(t.train), span(t.held_out)] == bounds[:2]  # The tuning slice is evaluated.
+  np.testing.assert_array_equal(t.held_out.windows(np.array([0]), 3)[0], TOKENS[21_000:21_003])
+  assert span(task(**files).held_out) == bounds[2]  # Off (0): the eval slice, as before.
+  with_val = sources.token_slices(spec(tune_fraction=0.1, val=str(shards / "val.bin"), **files))
+  assert [len(with_val[k]) for k in ("train", "tune", "eval")] == [27_000, 3_000, 2_000]
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (dict(tune_fraction=-0.1), "tune_fraction=-0.1 must be >= 0"),
+        (dict(tune_fraction=0.95), "tune_fraction=0.95 must be >= 0"),
+        (dict(kind="digits", tune_fraction=0.1), "applies to kind 'tokens' or 'text'"),
+    ],
+)
+def test_bad_tune_fraction_names_the_key(overrides, key):
+  with pytest.raises(ConfigError, match=key):
+    spec(**{"kind": "text", **overrides})
+
+
 @pytest.mark.parametrize("process_count", [2, 4])
 def test_processes_read_their_rows_of_the_global_batch(shards, process_count):
   train = sources.token_stream(spec(kind="tokens", train=str(shards / "train_*.bin")), "train")

@@ -11,6 +11,10 @@ unset so that each key can be overridden on the command line):
                  holding images.npy and labels.npy (images).
   val            the same for held-out data; "" = the last ``eval_fraction`` of train.
   eval_fraction  the held-out tail of train when ``val`` is "".
+  tune_fraction  tokens, text: hold out this fraction of train just before its eval
+                 tail (its very end when ``val`` is set) as a tuning slice, and
+                 evaluate that slice instead of the eval split, to choose
+                 hyperparameters on data the reported eval loss never sees; 0 = off.
   dtype          the token files' dtype (tokens; text is always uint8); "" = the one
                  recorded beside them by trainers.convert (none: uint16).
   vocab_size     the data's vocabulary; 0 = the largest token id + 1. Token ids
@@ -56,6 +60,7 @@ DEFAULTS = dict(
     train="",
     val="",
     eval_fraction=0.05,
+    tune_fraction=0.0,
     dtype="uint16",
     vocab_size=0,
     max_tokens=0,
@@ -104,6 +109,17 @@ def input_spec(value) -> ml_collections.ConfigDict:
     )
   if not 0 <= spec.eval_fraction < 1:
     raise ConfigError(f"config.input.eval_fraction={spec.eval_fraction} must be in [0, 1)")
+  held = spec.tune_fraction + (0 if spec.val else spec.eval_fraction)
+  if spec.tune_fraction < 0 or held >= 1:
+    raise ConfigError(
+        f"config.input.tune_fraction={spec.tune_fraction} must be >= 0 and leave train some "
+        f"data (tune_fraction + eval_fraction < 1); 0.05 is typical"
+    )
+  if spec.tune_fraction and spec.kind not in ("tokens", "text"):
+    raise ConfigError(
+        f"config.input.tune_fraction={spec.tune_fraction} applies to kind 'tokens' or 'text', "
+        f"not {spec.kind!r}; set it to 0"
+    )
   for key in ("vocab_size", "max_tokens"):
     if spec[key] < 0:
       raise ConfigError(f"config.input.{key}={spec[key]} must be >= 0 (0 = unset)")
@@ -296,17 +312,36 @@ def token_stream(spec: ml_collections.ConfigDict, key: str) -> TokenStream:
   return TokenStream(tuple(memmap_tokens(f, dtype) for f in files), tuple(files))
 
 
+def token_slices(spec: ml_collections.ConfigDict) -> dict[str, TokenStream]:
+  """{"train", "tune", "eval"} TokenStreams of a "tokens" or "text" spec; nothing is read.
+
+  Without ``val``, train's stream (its first ``max_tokens``) is cut into [train | tune |
+  eval]: eval its last ``eval_fraction``, tune the ``tune_fraction`` before it (empty at
+  0), so the eval slice is the same whatever ``tune_fraction`` is. With ``val``, eval is
+  the val files and tune train's last ``tune_fraction``.
+
+  Example: ``token_slices(input_spec("text"))["eval"]``.
+  """
+  stream = token_stream(spec, "train")
+  if spec.max_tokens:
+    stream = stream.split(spec.max_tokens)[0]
+  n = len(stream)
+  tune = round(n * spec.tune_fraction)
+  train, rest = stream.split(n - tune - (0 if spec.val else round(n * spec.eval_fraction)))
+  tune, tail = rest.split(tune)
+  return {"train": train, "tune": tune, "eval": token_stream(spec, "val") if spec.val else tail}
+
+
 def open_tokens(spec: ml_collections.ConfigDict) -> tuple[TokenStream, TokenStream]:
   """(train, held-out) TokenStreams of a "tokens" or "text" spec; nothing is read.
 
+  The held-out stream is :func:`token_slices`' tune slice when ``tune_fraction`` is set,
+  else its eval slice.
+
   Example: ``train, held_out = open_tokens(input_spec("text"))``.
   """
-  train = token_stream(spec, "train")
-  if spec.max_tokens:
-    train = train.split(spec.max_tokens)[0]
-  if spec.val:
-    return train, token_stream(spec, "val")
-  return train.split(len(train) - round(len(train) * spec.eval_fraction))
+  slices = token_slices(spec)
+  return slices["train"], slices["tune" if spec.tune_fraction else "eval"]
 
 
 def check_length(stream: TokenStream, seq_len: int, what: str, fix: str) -> None:

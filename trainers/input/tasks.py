@@ -67,7 +67,10 @@ def language_model(config, spec) -> Task:
   """
   train, held_out = sources.open_tokens(spec)
   sources.check_length(train, config.seq_len, "config.input.train", "more data")
-  if spec.val:
+  if spec.tune_fraction:
+    tune = f"the tuning slice (config.input.tune_fraction={spec.tune_fraction}) of train"
+    sources.check_length(held_out, config.seq_len, tune, "raise it, or use more data")
+  elif spec.val:
     sources.check_length(held_out, config.seq_len, "config.input.val", "a longer file")
   else:
     tail = f"the held-out tail (config.input.eval_fraction={spec.eval_fraction}) of train"
