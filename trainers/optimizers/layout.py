@@ -770,9 +770,15 @@ def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]
   leaves = jax.tree.leaves(state)
   specs = []
   for blocks, x in zip(stack_blocks(tx, params, state), leaves, strict=True):
-    axes = () if blocks is None else stack_axes(() if blocks.pooled else blocks.spec, mesh_sizes)
+    axes = () if blocks is None else _stored_axes(blocks, mesh_sizes)
     specs.append(None if blocks is None else P(*_spread(x.shape, axes, mesh_sizes)))
   return specs
+
+
+def _stored_axes(blocks: ShardBlocks, sizes: dict[str, int]) -> tuple[str, ...]:
+  """The mesh axes a stack of ``blocks`` is stored over: every axis for a pool, else its
+  param's (none for a replicated param computed whole)."""
+  return stack_axes((), sizes) if blocks.pooled else stack_axes(blocks.spec)
 
 
 def _spread(shape, axes, sizes: dict[str, int]) -> tuple:
