@@ -161,8 +161,8 @@ def shard_blocks(
       >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
       >>> shard_blocks((8, 6), P("data", "model"), mesh, 4, blocking="local").shards
       (2, 2)
-      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).pooled  # no mesh: computed whole
-      False
+      >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).pooled  # 3 of a 4-tile's 6 columns
+      True
       >>> dealt = shard_blocks((8,), P(), mesh, 2, deal=True)  # 2-tiles: one per device
       >>> dealt.dealt, dealt.shards, dealt.stack_spec
       (True, (4,), P(('data', 'model'),))
@@ -195,7 +195,7 @@ def shard_blocks(
       mesh if concrete else None,
       in_pieces,
       owners,
-      pooled and concrete,
+      pooled,
   )
 
 
@@ -272,6 +272,8 @@ class ShardBlocks:
   its ``1/N`` of all those tiles. XLA moves each array (a device's shard to its tiles'
   owners, and back) with all-to-alls and collective permutes of about a shard's bytes;
   the stacks are stored per param at the ideal (:func:`stack_specs`) and move the same way.
+  On an ``AbstractMesh`` (``mesh`` None) the same tiles are computed on global arrays, and
+  the stacks are placed as on the concrete mesh.
   """
 
   shape: tuple[int, ...]
@@ -381,7 +383,7 @@ class ShardBlocks:
     spec, with the stacks split along dim 0 and the scalars replicated.
     """
 
-    if self.pooled:
+    if self.pooled and self.mesh is not None:
       return run_all([BlockRun(self, fn, arrays, stacks, scalars)])[0]
     _record(self, stacks)
 
@@ -529,7 +531,7 @@ def run_all(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
   results: list = [None] * len(runs)
   pools: dict[tuple, list[int]] = {}
   for i, run in enumerate(runs):
-    if run.blocks.pooled:
+    if run.blocks.pooled and run.blocks.mesh is not None:
       pools.setdefault(_pool_key(run), []).append(i)
     else:
       results[i] = run.blocks.run(run.fn, run.arrays, run.stacks, run.scalars)

@@ -155,8 +155,8 @@ def factor_blocks(shape, block_size: int, spec=(), mesh=None, blocking="tiles") 
       (64,)
       >>> factor_blocks((256,), 64, (), mesh).dealt, factor_blocks((256,), 1024, (), mesh).dealt
       (True, False)
-      >>> factor_blocks((256,), 1024, (), mesh).pooled  # An abstract mesh: computed whole.
-      False
+      >>> factor_blocks((256,), 1024, (), mesh).pooled  # 256 wide: one tile, for 4 devices
+      True
   """
   spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
   kept = [e for d, e in zip(shape, spec) if d > 1]
