@@ -247,7 +247,7 @@ def _dealt_spec(ndim: int, dim: int, sizes: dict[str, int]) -> tuple:
   """A never-sharded param's virtual spec: its blocks' stack axes on its deal ``dim``."""
   axes = stack_axes((), sizes)
   spec = [None] * ndim
-  spec[dim] = axes[0] if len(axes) == 1 else axes
+  spec[dim] = _entry(axes)
   return tuple(spec)
 
 
@@ -287,6 +287,11 @@ class ShardBlocks:
   pooled: bool = False
 
   @property
+  def in_pool(self) -> bool:
+    """Whether :func:`run_all` pools these blocks (pooled, on a concrete mesh)."""
+    return self.pooled and self.mesh is not None
+
+  @property
   def local_shape(self) -> tuple[int, ...]:
     return tuple(d // s for d, s in zip(self.shape, self.shards))
 
@@ -322,7 +327,7 @@ class ShardBlocks:
   def stack_spec(self) -> P:
     """Spec of dim 0 of a block stack: split over the param's axes (shard-major)."""
     axes = stack_axes(self.spec)
-    return P(axes if len(axes) > 1 else axes[0]) if axes else P()
+    return P(_entry(axes)) if axes else P()
 
   def tiles(self) -> tuple[tuple[int, ...], ...]:
     """Per dim, the sorted start offsets of the blocks in the param (padding aside)."""
@@ -383,7 +388,7 @@ class ShardBlocks:
     spec, with the stacks split along dim 0 and the scalars replicated.
     """
 
-    if self.pooled and self.mesh is not None:
+    if self.in_pool:
       return run_all([BlockRun(self, fn, arrays, stacks, scalars)])[0]
     _record(self, stacks)
 
@@ -531,7 +536,7 @@ def run_all(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
   results: list = [None] * len(runs)
   pools: dict[tuple, list[int]] = {}
   for i, run in enumerate(runs):
-    if run.blocks.pooled and run.blocks.mesh is not None:
+    if run.blocks.in_pool:
       pools.setdefault(_pool_key(run), []).append(i)
     else:
       results[i] = run.blocks.run(run.fn, run.arrays, run.stacks, run.scalars)
@@ -576,12 +581,13 @@ def _run_pool(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
     stack = jnp.concatenate([*parts, jnp.repeat(parts[-1][-1:], total - sum(counts), axis=0)])
     return place(place(stack, along), dealt)
 
-  def tiles(run, x):  # Resharded to the run's tile layout, then cut into its tiles.
-    return run.blocks.split(place(x, _tile_spec(run.blocks, sizes)))
+  tile_specs = [_tile_spec(run.blocks, sizes) for run in runs]
 
   for run in runs:
     _record(run.blocks, run.stacks)
-  arrays = [pool(parts) for parts in zip(*[[tiles(r, x) for x in r.arrays] for r in runs])]
+  # Each array resharded to its run's tile layout, then cut into its tiles.
+  tiles = [[r.blocks.split(place(x, t)) for x in r.arrays] for r, t in zip(runs, tile_specs)]
+  arrays = [pool(parts) for parts in zip(*tiles)]
   stacks = jax.tree.map(lambda *parts: pool(parts), *[r.stacks for r in runs])
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in runs]):
@@ -608,9 +614,8 @@ def _run_pool(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
   outs = [place(o, along) for o in outs]
   new_stacks = jax.tree.map(lambda x: place(x, along), new_stacks)
   results, start = [], 0
-  for run, n in zip(runs, counts):
+  for run, n, tile_spec in zip(runs, counts, tile_specs):
     cut = lambda x, start=start, n=n: x[start : start + n]
-    tile_spec = _tile_spec(run.blocks, sizes)
     merged = [place(place(run.blocks.merge(cut(o)), tile_spec), P(*run.blocks.spec)) for o in outs]
     results.append((merged, jax.tree.map(cut, new_stacks)))
     start += n
