@@ -14,6 +14,9 @@ sharding rules written for it carry over::
                            # scalars get one () diagonal Q
      "update_counter": int32[]}         # steps since the last Q update
 
+and, where some pools of tiles are stored as one (:func:`~trainers.optimizers.layout.stored_pools`,
+on a mesh), ``"pools"``: a tuple of each pool's Qs, whose members' Qs lists hold None.
+
 With ``block_size`` set (as distributed_kron's ``partition_grads_into_blocks``),
 every param whose (per-layer) dims number at least 2 is split into blocks of at
 most ``block_size`` per dim, and each block gets its own Kron preconditioner:
@@ -75,9 +78,12 @@ from trainers.optimizers.layout import (
     BLOCKINGS,
     BlockRun,
     ParamLayout,
+    Pool,
     ShardBlocks,
+    pack,
     run_all,
     shard_blocks,
+    stored_pools,
 )
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
@@ -465,17 +471,36 @@ def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, settings) -> li
   return qs
 
 
+def _stored_pools(params, scanned, blocks, settings) -> tuple[Pool, ...]:
+  """The pools whose Qs are stored as one (:func:`~trainers.optimizers.layout.stored_pools`),
+  over ``params``' leaves, as init makes them."""
+  shapes = [
+      jax.eval_shape(
+          lambda p, s=s, b=b: _init_leaf(p, s, b, settings), jax.ShapeDtypeStruct(p.shape, p.dtype)
+      )
+      for p, s, b in zip(params, scanned, blocks)
+  ]
+  return stored_pools(blocks, shapes)
+
+
 def _kron_init(params, settings: _Settings) -> dict[str, Any]:
   """``scale_by_kron``'s state for ``params`` (see the module docstring)."""
   leaves, treedef = jax.tree.flatten(params)
   scanned, blocks = _layers_and_blocks(params, settings)
   qs = [_init_leaf(*leaf, settings) for leaf in zip(leaves, scanned, blocks)]
+  qs, pools = pack(qs, _stored_pools(leaves, scanned, blocks, settings))
   return dict(
       count=jnp.zeros([], jnp.int32),
       mu=otu.tree_zeros_like(params, dtype=settings.mu_dtype) if settings.b1 > 0 else None,
       Qs_preconditioners=treedef.unflatten(qs),
       update_counter=jnp.zeros([], jnp.int32),
+      **_pools_entry(pools),
   )
+
+
+def _pools_entry(pools: tuple) -> dict[str, tuple]:
+  """The state's ``"pools"`` entry: none without stored pools (psgd-jax's layout)."""
+  return {"pools": pools} if pools else {}
 
 
 def _update_momentum(updates, mu, b1: float, count):
@@ -529,19 +554,20 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
   # The fit's target is its own array unless it is the momentum (or, without momentum, the grad).
   own_target = settings.b1 > 0 and not settings.momentum_into_precond_update
   fit = functools.partial(_fit_blocks, own_target=own_target, settings=settings)
+  scanned, blocks = _layers_and_blocks(updates, settings)
   leaves = [
       _kron_leaf(
           q, m, t, v, (_damping(t), do_update, do_balance), b, s or b is not None, fit, settings
       )
-      for q, m, t, v, s, b in zip(
-          qs, momentum, targets, probes, *_layers_and_blocks(updates, settings)
-      )
+      for q, m, t, v, s, b in zip(qs, momentum, targets, probes, scanned, blocks)
   ]
-  ran = iter(run_all([leaf for leaf in leaves if isinstance(leaf, BlockRun)]))
+  pools = _stored_pools(grads, scanned, blocks, settings)
+  pools = zip(pools, state.get("pools", ()), strict=True)
+  ran, new_pools = run_all([x if isinstance(x, BlockRun) else None for x in leaves], list(pools))
   new_qs, out = [], []
-  for leaf, g in zip(leaves, grads):
+  for leaf, result, g in zip(leaves, ran, grads):
     if isinstance(leaf, BlockRun):
-      (direction,), q = next(ran)
+      (direction,), q = result
     else:
       q, direction = leaf
     new_qs.append(q)
@@ -551,6 +577,7 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
       mu=otu.tree_cast(mu, settings.mu_dtype),
       Qs_preconditioners=treedef.unflatten(new_qs),
       update_counter=counter,
+      **_pools_entry(new_pools),
   )
   return treedef.unflatten(out), new_state
 

@@ -196,6 +196,7 @@ def shard_blocks(
       in_pieces,
       owners,
       pooled,
+      math.prod(sizes.values()) if pooled else 1,
   )
 
 
@@ -285,6 +286,7 @@ class ShardBlocks:
   dealt: bool = False
   owners: tuple[int, str, int] | None = None
   pooled: bool = False
+  devices: int = 1
 
   @property
   def in_pool(self) -> bool:
@@ -387,10 +389,10 @@ class ShardBlocks:
     go in and out as they are. On a mesh this is a ``shard_map`` over the param's
     spec, with the stacks split along dim 0 and the scalars replicated.
     """
+    return run_all([BlockRun(self, fn, arrays, stacks, scalars)])[0][0]
 
-    if self.in_pool:
-      return run_all([BlockRun(self, fn, arrays, stacks, scalars)])[0]
-    _record(self, stacks)
+  def run_alone(self, fn: Callable, arrays, stacks, scalars=()) -> tuple[list[jax.Array], Any]:
+    """:meth:`run` of blocks that are not pooled with others' (:func:`run_all` calls it)."""
 
     def body(arrays, stacks, scalars, local):
       outs, new_stacks = fn([self.split(x, local) for x in arrays], stacks, *scalars)
@@ -516,79 +518,200 @@ class BlockRun(NamedTuple):
   scalars: Sequence[jax.Array] = ()
 
 
-def run_all(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
-  """Each run's ``(outs, new_stacks)``; pooled blocks' runs share one stack per pool.
+class Pool(NamedTuple):
+  """Pooled runs whose stacks are stored as one: ``members`` (indices of the runs), each
+  member's tile count, and ``length``, the stored stacks' dim 0 (their total, padded to a
+  multiple of the device count with copies of the last tile's)."""
 
-  Runs whose blocks are :attr:`ShardBlocks.pooled` and that share ``fn`` (the same
-  object), the tile shape and the stacks' structure, shapes and dtypes form one pool:
-  their block stacks (arrays and stacks) are concatenated, padded to a multiple of the
-  device count and split over every mesh axis, and ``fn`` runs once on the pool. A scalar
-  every run of a pool passes as the same object stays a scalar; other scalars reach
-  ``fn`` as one value per block (``(n,)``). Other runs are :meth:`ShardBlocks.run` calls.
+  members: tuple[int, ...]
+  counts: tuple[int, ...]
+  length: int
+
+
+# A pool is stored as one when padding it to the device count adds at most this share.
+STORED_POOL_PADDING = 1 / 20
+
+
+def stored_pools(blocks: Sequence[ShardBlocks | None], stacks: Sequence) -> tuple[Pool, ...]:
+  """The :class:`Pool`s whose stacks an optimizer stores as one, in its pool layout.
+
+  ``blocks[i]``/``stacks[i]``: run ``i``'s blocks (None: not blocked) and stacks (arrays or
+  ``ShapeDtypeStruct``s, as its init makes them). Pooled blocks
+  (:attr:`ShardBlocks.pooled`) of one tile shape and one stacks structure (shapes past dim 0,
+  dtypes) form a pool; it is stored as one stack split over every mesh axis on dim 0 (each
+  device the factors of the tiles it fits, so nothing moves for them in a step) when padding
+  its tile count to a multiple of the device count adds at most ``STORED_POOL_PADDING`` of it;
+  other pools keep each member's stacks, at the ideal, and move them to the pool each step.
+  Depends on the mesh's device count only: the same on a ``Mesh`` and an ``AbstractMesh``.
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> b = shard_blocks((8, 8), P("data"), mesh, 8)  # one 8-tile over 2-row shards
+      >>> q = jax.ShapeDtypeStruct((1, 8, 8), jnp.float32)
+      >>> stored_pools([b] * 19 + [None], [q] * 20)  # 19 tiles: padded to 20
+      (Pool(members=(0, 1, ..., 18), counts=(1, 1, ..., 1), length=20),)
+      >>> stored_pools([b] * 2, [q] * 2)  # 2 tiles padded to 4: kept per param
+      ()
+  """
+  groups: dict[tuple, list[int]] = {}
+  for i, (b, stack) in enumerate(zip(blocks, stacks, strict=True)):
+    if b is not None and b.pooled:
+      groups.setdefault(_stacks_key(b, stack), []).append(i)
+  pools = []
+  for members in groups.values():
+    counts = tuple(blocks[i].count for i in members)
+    devices = blocks[members[0]].devices
+    padding = -sum(counts) % devices
+    if padding <= STORED_POOL_PADDING * sum(counts):
+      pools.append(Pool(tuple(members), counts, sum(counts) + padding))
+  return tuple(pools)
+
+
+def _stacks_key(blocks: ShardBlocks, stacks) -> tuple:
+  """What a pool's members share: tile shape, devices, stacks' structure and shapes past
+  dim 0 (a pool of mixed dtypes joins in the widest)."""
+  leaves = jax.tree.leaves(stacks)
+  return (
+      blocks.sizes,
+      blocks.devices,
+      jax.tree.structure(stacks),
+      tuple(tuple(x.shape[1:]) for x in leaves),
+  )
+
+
+def pack(stacks: Sequence, pools: Sequence[Pool]) -> tuple[list, tuple]:
+  """``(stacks, pooled)``: each member's stacks replaced by its placeholder (its structure,
+  None for every array) and each pool's stacks joined, padded to its ``length``.
+
+  Example:
+      >>> pool = Pool((0, 1), (1, 2), 4)
+      >>> kept, (joined,) = pack([jnp.zeros((1, 2)), jnp.ones((2, 2)), jnp.ones(3)], [pool])
+      >>> kept[0], joined[:, 0].tolist(), kept[2].shape
+      (None, [0.0, 1.0, 1.0, 1.0], (3,))
+  """
+  kept, pooled = list(stacks), []
+  for pool in pools:
+    parts = [stacks[i] for i in pool.members]
+    join = functools.partial(
+        lambda *xs, length: _padded(jnp.concatenate(xs), length), length=pool.length
+    )
+    pooled.append(jax.tree.map(join, *parts))
+    for i in pool.members:
+      kept[i] = placeholder(stacks[i])
+  return kept, tuple(pooled)
+
+
+def placeholder(stacks) -> Any:
+  """``stacks``' structure with None for every array: a stored pool member's own stacks."""
+  return jax.tree.map(lambda _: None, stacks)
+
+
+def _padded(stack: jax.Array, length: int) -> jax.Array:
+  """``stack`` padded to ``length`` along dim 0 with copies of its last block."""
+  return jnp.concatenate([stack, jnp.repeat(stack[-1:], length - stack.shape[0], axis=0)])
+
+
+def run_all(
+    runs: Sequence[BlockRun | None], pools: Sequence[tuple[Pool, Any]] = ()
+) -> tuple[list[tuple[list[jax.Array], Any] | None], tuple]:
+  """``(results, pooled)``: each run's ``(outs, new_stacks)``, and each stored pool's new stacks.
+
+  ``runs[i]`` None: nothing to run (its result is None). ``pools``: ``(Pool, its stored
+  stacks)`` per pool of :func:`stored_pools` over the same indices (their members' own
+  stacks are placeholders, and come back as they went). Other runs whose blocks are
+  :attr:`ShardBlocks.pooled` and that share ``fn`` (the same object), the tile shape and the
+  stacks' structure, shapes and dtypes form one pool on a concrete mesh: their block stacks
+  (arrays and stacks) are concatenated, padded to a multiple of the device count and split
+  over every mesh axis, and ``fn`` runs once on the pool. A scalar every run of a pool passes
+  as the same object stays a scalar; other scalars reach ``fn`` as one value per block
+  (``(n,)``). Other runs are :meth:`ShardBlocks.run` calls.
 
   Example:
       >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
       >>> blocks = shard_blocks((4, 4), (), None, 2)
-      >>> (out,), _ = run_all([BlockRun(blocks, double, [jnp.ones((4, 4))], ())])[0]
+      >>> [((out,), _)], _ = run_all([BlockRun(blocks, double, [jnp.ones((4, 4))], ())])
       >>> float(out.sum())
       32.0
   """
   results: list = [None] * len(runs)
-  pools: dict[tuple, list[int]] = {}
+  stored = {i: k for k, (pool, _) in enumerate(pools) for i in pool.members}
+  _record(runs, pools)
+  groups: dict[tuple, list[int]] = {}
   for i, run in enumerate(runs):
+    if run is None or i in stored:
+      continue
     if run.blocks.in_pool:
-      pools.setdefault(_pool_key(run), []).append(i)
+      groups.setdefault(_pool_key(run), []).append(i)
     else:
-      results[i] = run.blocks.run(run.fn, run.arrays, run.stacks, run.scalars)
-  for members in pools.values():
-    for i, result in zip(members, _run_pool([runs[i] for i in members])):
-      results[i] = result
-  return results
+      results[i] = run.blocks.run_alone(run.fn, run.arrays, run.stacks, run.scalars)
+  for members in groups.values():
+    outs, new_stacks = _run_pool([runs[i] for i in members])
+    for i, out, new in zip(members, outs, new_stacks):
+      results[i] = (out, new)
+  pooled = []
+  for pool, stacks in pools:
+    members = [runs[i] for i in pool.members]
+    _check_stored(members, pool, stacks)
+    outs, (new_stacks,) = _run_pool(members, (pool, stacks))
+    for i, out in zip(pool.members, outs):
+      results[i] = (out, runs[i].stacks)
+    pooled.append(new_stacks)
+  return results, tuple(pooled)
+
+
+def _check_stored(runs: Sequence[BlockRun], pool: Pool, stacks) -> None:
+  if len({id(run.fn) for run in runs}) > 1 or any(
+      x.shape[0] != pool.length for x in jax.tree.leaves(stacks)
+  ):
+    raise OptimizerError(
+        f"a stored pool of {len(runs)} runs needs one fn and stacks of {pool.length} blocks; "
+        "build its stacks with layout.stored_pools and layout.pack"
+    )
 
 
 def _pool_key(run: BlockRun) -> tuple:
-  stacks = jax.tree.leaves(run.stacks)
-  return (
-      run.fn,
-      run.blocks.sizes,
-      run.blocks.mesh,
-      tuple(x.dtype for x in run.arrays),
-      jax.tree.structure(run.stacks),
-      tuple((x.shape[1:], x.dtype) for x in stacks),
-  )
+  dtypes = tuple(x.dtype for x in [*run.arrays, *jax.tree.leaves(run.stacks)])
+  return (run.fn, run.blocks.mesh, dtypes) + _stacks_key(run.blocks, run.stacks)
 
 
-def _run_pool(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
-  """:func:`run_all` of one pool: ``fn`` once on the runs' blocks, in ``shard_map`` over the
-  pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
+def _run_pool(runs: Sequence[BlockRun], stored: tuple[Pool, Any] | None = None):
+  """``(outs per run, new stacks)``: ``fn`` once on the runs' blocks, in ``shard_map`` over
+  the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles); on an
+  ``AbstractMesh`` on global arrays. ``stored``: the pool's stored stacks (new stacks: one,
+  the pool's), else each run's own (new stacks: per run, its rows of the pool's).
 
   Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
-  split over the mesh axes along a tile dim (as the stacks are stored,
-  :func:`stack_specs`), so that joining them is local and the pool's move to dim 0 (and
-  back) is one all-to-all per array.
+  split over the mesh axes along a tile dim (as unstored stacks are, :func:`stack_specs`),
+  so that joining them is local and the pool's move to dim 0 (and back) is one all-to-all
+  per array.
   """
   mesh = runs[0].blocks.mesh
-  sizes = dict(mesh.shape)
+  sizes = {} if mesh is None else dict(mesh.shape)
   axes = stack_axes((), sizes)
   dealt = P(_entry(axes))
   along = P(None, *_spread(runs[0].blocks.sizes, axes, sizes))  # Split along a tile dim.
-  place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  place = (
+      lambda x, spec: x
+      if mesh is None
+      else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  )
   counts = [run.blocks.count for run in runs]
-  total = sum(counts) + -sum(counts) % mesh.size
+  devices = 1 if mesh is None else mesh.size
+  total = stored[0].length if stored else sum(counts) + -sum(counts) % devices
 
   def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
-    parts = [place(x, along) for x in parts]
-    stack = jnp.concatenate([*parts, jnp.repeat(parts[-1][-1:], total - sum(counts), axis=0)])
-    return place(place(stack, along), dealt)
+    stack = jnp.concatenate([place(x, along) for x in parts])
+    return place(place(_padded(stack, total), along), dealt)
 
-  tile_specs = [_tile_spec(run.blocks, sizes) for run in runs]
-
-  for run in runs:
-    _record(run.blocks, run.stacks)
+  tile_specs = [None if mesh is None else _tile_spec(run.blocks, sizes) for run in runs]
+  at = lambda x, spec: x if spec is None else place(x, spec)
   # Each array resharded to its run's tile layout, then cut into its tiles.
-  tiles = [[r.blocks.split(place(x, t)) for x in r.arrays] for r, t in zip(runs, tile_specs)]
+  tiles = [[r.blocks.split(at(x, t)) for x in r.arrays] for r, t in zip(runs, tile_specs)]
   arrays = [pool(parts) for parts in zip(*tiles)]
-  stacks = jax.tree.map(lambda *parts: pool(parts), *[r.stacks for r in runs])
+  if stored:
+    stacks = jax.tree.map(lambda x: place(x, dealt), stored[1])
+  else:
+    stacks = jax.tree.map(lambda *parts: pool(parts), *[r.stacks for r in runs])
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in runs]):
     same = all(v is values[0] for v in values)
@@ -600,26 +723,32 @@ def _run_pool(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
     )
 
   def body(arrays, stacks, per_block):
-    start = jax.lax.axis_index(axes) * (total // mesh.size)
+    start = 0 if mesh is None else jax.lax.axis_index(axes) * (total // devices)
     mine = lambda v: jax.lax.dynamic_slice_in_dim(
-        jnp.pad(v, (0, total - v.shape[0])), start, total // mesh.size
+        jnp.pad(v, (0, total - v.shape[0])), start, total // devices
     )
     scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
     return runs[0].fn(arrays, stacks, *scalars)
 
-  mapped = jax.shard_map(
-      body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
-  )
-  outs, new_stacks = mapped(arrays, stacks, per_block)
+  if mesh is not None:
+    body = jax.shard_map(
+        body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
+    )
+  outs, new_stacks = body(arrays, stacks, per_block)
   outs = [place(o, along) for o in outs]
-  new_stacks = jax.tree.map(lambda x: place(x, along), new_stacks)
-  results, start = [], 0
+  if stored:
+    new_stacks = [jax.tree.map(lambda x: place(x, dealt), new_stacks)]
+  else:
+    new_stacks = jax.tree.map(lambda x: place(x, along), new_stacks)
+  merged, cuts, start = [], [], 0
   for run, n, tile_spec in zip(runs, counts, tile_specs):
     cut = lambda x, start=start, n=n: x[start : start + n]
-    merged = [place(place(run.blocks.merge(cut(o)), tile_spec), P(*run.blocks.spec)) for o in outs]
-    results.append((merged, jax.tree.map(cut, new_stacks)))
+    spec = P(*run.blocks.spec)
+    merged.append([at(at(run.blocks.merge(cut(o)), tile_spec), spec) for o in outs])
+    if not stored:
+      cuts.append(jax.tree.map(cut, new_stacks))
     start += n
-  return results
+  return merged, new_stacks if stored else cuts
 
 
 def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
@@ -679,11 +808,19 @@ def _in_step(extent: int, shards: int, block_size: int) -> bool:
   )
 
 
-def _record(blocks: ShardBlocks, stacks) -> None:
-  """Tells :func:`stack_blocks` (while it traces) that ``stacks`` are ``blocks``' stacks."""
-  runs = _RUNS.get()
-  if runs is not None:
-    runs.append((blocks, stacks))
+def _record(runs: Sequence[BlockRun | None], pools: Sequence[tuple[Pool, Any]]) -> None:
+  """Tells :func:`stack_runs` (while it traces) where each run's stacks are: its own, or its
+  rows of a stored pool's."""
+  records = _RUNS.get()
+  if records is None:
+    return
+  rows = {}
+  for pool, stacks in pools:
+    offsets = np.cumsum((0,) + pool.counts[:-1])
+    rows.update({i: (stacks, int(o)) for i, o in zip(pool.members, offsets)})
+  for i, run in enumerate(runs):
+    if run is not None:
+      records.append((run.blocks, *rows.get(i, (run.stacks, None))))
 
 
 def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
@@ -721,11 +858,58 @@ def reorder(stack: jax.Array, old: ShardBlocks, new: ShardBlocks) -> jax.Array:
   return stack[where]
 
 
-def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
-  """Per leaf of ``state`` (flattened), the blocks it stacks along dim 0, else None.
+class StackedRun(NamedTuple):
+  """Where one :class:`BlockRun`'s stacks are in an optimizer state: ``leaves`` (indices of
+  the flattened state), its own (``offset`` None) or a stored pool's, whose rows
+  ``offset`` to ``offset + blocks.count`` are its blocks'."""
 
-  Traces ``tx.update`` on ``params``-shaped grads (nothing runs) and keeps the state
-  leaves :meth:`ShardBlocks.run` receives as stacks: Kron's and Shampoo's factors.
+  blocks: ShardBlocks
+  leaves: tuple[int, ...]
+  offset: int | None
+
+
+def stack_runs(tx, params, state) -> list[StackedRun]:
+  """Each :class:`BlockRun` of ``tx.update`` (in the order its update makes them) as a
+  :class:`StackedRun` of ``state``.
+
+  Traces ``tx.update`` on ``params``-shaped grads (nothing runs). Two layouts of one
+  optimizer give the same runs, one per blocked param, in the same order.
+
+  Example:
+      >>> from trainers.optimizers.shampoo import scale_by_shampoo
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+      >>> tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
+      >>> [(r.blocks.count, r.leaves, r.offset) for r in stack_runs(tx, params,
+      ...     jax.eval_shape(tx.init, params))]
+      [(2, (1, 2, 3, 4), None)]
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  # Traced in float32, a state stored narrower (state_dtype.py) reaches run_all uncast, as
+  # the very leaves passed in.
+  leaves = [jax.ShapeDtypeStruct(x.shape, compute_dtype(x.dtype)) for x in leaves]
+  # Shapes alone (no shardings): what is traced is which leaves are stacks, on any mesh.
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  found = []
+
+  def update(grads, leaves):
+    records = []
+    token = _RUNS.set(records)
+    try:
+      tx.update(grads, treedef.unflatten(leaves), grads)
+    finally:
+      _RUNS.reset(token)
+    index = {id(x): i for i, x in enumerate(leaves)}
+    for blocks, stacks, offset in records:
+      ids = [index.get(id(x)) for x in jax.tree.leaves(stacks)]
+      found.append(StackedRun(blocks, tuple(i for i in ids if i is not None), offset))
+
+  jax.eval_shape(update, params, leaves)
+  return found
+
+
+def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
+  """Per leaf of ``state`` (flattened), the blocks it stacks along dim 0, else None (a stored
+  pool's leaves: its first member's blocks).
 
   Example:
       >>> from trainers.optimizers.shampoo import scale_by_shampoo
@@ -734,27 +918,11 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
       >>> [b and b.count for b in stack_blocks(tx, params, jax.eval_shape(tx.init, params))]
       [None, 2, 2, 2, 2]
   """
-  leaves, treedef = jax.tree.flatten(state)
-  # Traced in float32, a state stored narrower (state_dtype.py) reaches ShardBlocks.run
-  # uncast, as the very leaves passed in.
-  leaves = [jax.ShapeDtypeStruct(x.shape, compute_dtype(x.dtype)) for x in leaves]
-  # Shapes alone (no shardings): what is traced is which leaves are stacks, on any mesh.
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  found = {}
-
-  def update(grads, leaves):
-    runs = []
-    token = _RUNS.set(runs)
-    try:
-      tx.update(grads, treedef.unflatten(leaves), grads)
-    finally:
-      _RUNS.reset(token)
-    index = {id(x): i for i, x in enumerate(leaves)}
-    for blocks, stacks in runs:
-      found.update({index[id(x)]: blocks for x in jax.tree.leaves(stacks) if id(x) in index})
-
-  jax.eval_shape(update, params, leaves)
-  return [found.get(i) for i in range(len(leaves))]
+  found = [None] * len(jax.tree.leaves(state))
+  for run in stack_runs(tx, params, state):
+    for i in run.leaves:
+      found[i] = found[i] or run.blocks
+  return found
 
 
 def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]:

@@ -64,9 +64,12 @@ from trainers.optimizers.layout import (
     BLOCKINGS,
     BlockRun,
     ParamLayout,
+    Pool,
     ShardBlocks,
+    pack,
     run_all,
     shard_blocks,
+    stored_pools,
 )
 from trainers.optimizers.tensor_ops import gram_along, matmul_along
 
@@ -84,8 +87,12 @@ class ShampooParamState(NamedTuple):
 
 
 class ShampooState(NamedTuple):
+  """``count``, the per-param states, and the stored pools' ``(stats, roots)``
+  (:func:`~trainers.optimizers.layout.stored_pools`; their members' lists hold None)."""
+
   count: jax.Array
   per_param: Any
+  pools: tuple = ()
 
 
 def _factor_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -217,12 +224,29 @@ def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamS
   )
 
 
+def _stored_pools(params, blocks, settings: _Settings) -> tuple[Pool, ...]:
+  """The pools whose statistics and roots are stored as one, over ``params``' leaves
+  (:func:`~trainers.optimizers.layout.stored_pools`)."""
+  shapes = [
+      jax.eval_shape(
+          lambda p, b=b: _init_leaf(p, b, settings), jax.ShapeDtypeStruct(p.shape, p.dtype)
+      )
+      for p, b in zip(params, blocks)
+  ]
+  run_blocks = [b if s.stats else None for b, s in zip(blocks, shapes)]
+  return stored_pools(run_blocks, [(s.stats, s.roots) for s in shapes])
+
+
 def _shampoo_init(params, settings: _Settings) -> ShampooState:
   """``scale_by_shampoo``'s state for ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   blocks = _blocks_per_leaf(params, settings)
   per_param = [_init_leaf(p, b, settings) for p, b in zip(leaves, blocks)]
-  return ShampooState(count=jnp.zeros([], jnp.int32), per_param=treedef.unflatten(per_param))
+  kept, pools = pack(
+      [(s.stats, s.roots) for s in per_param], _stored_pools(leaves, blocks, settings)
+  )
+  per_param = [s._replace(stats=k[0], roots=k[1]) for s, k in zip(per_param, kept)]
+  return ShampooState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param), pools)
 
 
 def _graft(
@@ -292,21 +316,21 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
   fn = functools.partial(_shampoo_run, step=step)
   runs = [
-      BlockRun(b, fn, [g.reshape(b.shape)], (s.stats, s.roots), [refresh])
+      BlockRun(b, fn, [g.reshape(b.shape)], (s.stats, s.roots), [refresh]) if s.stats else None
       for g, s, b in zip(grads, per_param, blocks)
-      if s.stats
   ]
-  ran = iter(run_all(runs))
+  pools = zip(_stored_pools(grads, blocks, settings), state.pools, strict=True)
+  ran, new_pools = run_all(runs, list(pools))
   results = []
-  for g, s in zip(grads, per_param):
+  for g, s, result in zip(grads, per_param, ran):
     factors = None
-    if s.stats:
-      (direction,), (stats, roots) = next(ran)
+    if result is not None:
+      (direction,), (stats, roots) = result
       factors = (stats, roots, direction.reshape(g.shape))
     results.append(_finish_leaf(g, s, state.count, factors, settings))
   new_updates = treedef.unflatten([r[0] for r in results])
   new_per_param = treedef.unflatten([r[1] for r in results])
-  return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
+  return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param, new_pools)
 
 
 def scale_by_shampoo(
