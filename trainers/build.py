@@ -88,8 +88,10 @@ def build(config, mesh) -> Run:
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)
   plan = stacks_placed(plan, tx)
   rebuild = lambda other: optimizer(config, other)[0]
-  params = plan.abstract()["params"]
-  migration = optimizers.BuiltOptimizer(config.optax_name, params, layout, rebuild)
+  abstract = plan.abstract()
+  migration = optimizers.BuiltOptimizer(
+      config.optax_name, abstract["params"], layout, rebuild, abstract["opt"]
+  )
   loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
 

@@ -53,8 +53,13 @@ def checkpoint_meta(built: BuiltOptimizer) -> dict:
   return json.loads(json.dumps({"step": 3, "opt_start": 0, **built.record()}))
 
 
-def never():
+def never(targets=None):
   raise AssertionError("the saved state was read, but it is re-initialised")
+
+
+def same(tree=None):
+  """``differs`` of a checkpoint whose leaves are the state's: no difference."""
+  return None
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +68,17 @@ def on_4():
 
 
 def test_same_optimizer_and_layout_keeps_the_state_as_saved(on_4):
-  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(4), None, lambda: on_4)
+  state, reason = migrate_state(
+      checkpoint_meta(built_on(4)), built_on(4), same, lambda targets=None: on_4
+  )
   assert state is on_4 and reason == "shampoo's, as saved"
 
 
 def test_same_tiles_in_another_order_reorders_each_stack_to_its_blocks(on_4):
   # w's 16 columns in 4 shards of 4 or 2 shards of 8: the same 4x4 tiles, stacked otherwise.
-  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(2), None, lambda: on_4)
+  state, reason = migrate_state(
+      checkpoint_meta(built_on(4)), built_on(2), same, lambda targets=None: on_4
+  )
   assert "block stacks reordered" in reason and " 0 of " not in reason, reason
   assert "saved on mesh {'data': 4}, restored on mesh {'data': 2}" in reason
   on_2 = trained(2)
@@ -85,22 +94,26 @@ def test_other_tiles_reinitialise_without_reading_the_state(on_4):
   # On 8 devices w's shards are 2 columns wide: shard-local 4x2 blocks, which 4x4 factors do
   # not fit; the param's own 4x4 tiles ("tiles", the default) are those of 4 devices.
   local = built_on(4, blocking="local")
-  state, reason = migrate_state(checkpoint_meta(local), built_on(8, blocking="local"), None, never)
+  state, reason = migrate_state(checkpoint_meta(local), built_on(8, blocking="local"), same, never)
   assert state is None
   assert reason.startswith("its blocks differ on this mesh: opt/"), reason
-  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(8), None, lambda: on_4)
+  state, reason = migrate_state(
+      checkpoint_meta(built_on(4)), built_on(8), same, lambda targets=None: on_4
+  )
   assert "block stacks reordered" in reason, reason
 
 
 def test_another_optimizer_reinitialises_without_reading_the_state():
   kron = built_on(4, name="kron")
-  state, reason = migrate_state(checkpoint_meta(built_on(4)), kron, None, never)
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), kron, same, never)
   assert (state, reason) == (None, "config.optax_name changed from 'shampoo' to 'kron'")
 
 
 def test_another_tree_reinitialises_without_reading_the_state():
   mismatch = "opt/0/w is missing (expected shape (8, 16), float32)"
-  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(4), mismatch, never)
+  state, reason = migrate_state(
+      checkpoint_meta(built_on(4)), built_on(4), lambda tree=None: mismatch, never
+  )
   assert (state, reason) == (None, f"its state differs: {mismatch}")
 
 
@@ -115,17 +128,19 @@ def test_a_meta_written_before_the_record_is_read_as_data(on_4):
   """Older checkpoints: ``optax_name`` and ``layout`` keys at the top of the meta."""
   old = {"step": 3, "optax_name": "shampoo", "opt_start": 0, "layout": layout_on(4).record()}
   old = json.loads(json.dumps(old))
-  state, reason = migrate_state(old, built_on(2), None, lambda: on_4)
-  new, _ = migrate_state(checkpoint_meta(built_on(4)), built_on(2), None, lambda: on_4)
+  state, reason = migrate_state(old, built_on(2), same, lambda targets=None: on_4)
+  new, _ = migrate_state(checkpoint_meta(built_on(4)), built_on(2), same, lambda targets=None: on_4)
   assert "block stacks reordered" in reason, reason
   assert all(jax.tree.leaves(jax.tree.map(np.array_equal, state, new)))
   no_layout = {k: v for k, v in old.items() if k != "layout"}
-  state, reason = migrate_state(no_layout, built_on(2), None, lambda: on_4)
+  state, reason = migrate_state(no_layout, built_on(2), same, lambda targets=None: on_4)
   assert state is on_4 and reason == "shampoo's, as saved"
-  assert migrate_state(old, built_on(2, name="adamw"), None, never)[0] is None
+  assert migrate_state(old, built_on(2, name="adamw"), same, never)[0] is None
 
 
 def test_no_layout_here_never_moves_stacks(on_4):
   unlaid = BuiltOptimizer("shampoo", jax.eval_shape(lambda: PARAMS))
-  state, reason = migrate_state(checkpoint_meta(built_on(4)), unlaid, None, lambda: on_4)
+  state, reason = migrate_state(
+      checkpoint_meta(built_on(4)), unlaid, same, lambda targets=None: on_4
+  )
   assert state is on_4 and reason == "shampoo's, as saved"

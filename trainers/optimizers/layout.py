@@ -593,7 +593,7 @@ def pack(stacks: Sequence, pools: Sequence[Pool]) -> tuple[list, tuple]:
   for pool in pools:
     parts = [stacks[i] for i in pool.members]
     join = functools.partial(
-        lambda *xs, length: _padded(jnp.concatenate(xs), length), length=pool.length
+        lambda *xs, length: padded(jnp.concatenate(xs), length), length=pool.length
     )
     pooled.append(jax.tree.map(join, *parts))
     for i in pool.members:
@@ -606,8 +606,13 @@ def placeholder(stacks) -> Any:
   return jax.tree.map(lambda _: None, stacks)
 
 
-def _padded(stack: jax.Array, length: int) -> jax.Array:
-  """``stack`` padded to ``length`` along dim 0 with copies of its last block."""
+def padded(stack: jax.Array, length: int) -> jax.Array:
+  """``stack`` padded to ``length`` along dim 0 with copies of its last block.
+
+  Example:
+      >>> padded(jnp.arange(2.0), 4).tolist()
+      [0.0, 1.0, 1.0, 1.0]
+  """
   return jnp.concatenate([stack, jnp.repeat(stack[-1:], length - stack.shape[0], axis=0)])
 
 
@@ -701,7 +706,7 @@ def _run_pool(runs: Sequence[BlockRun], stored: tuple[Pool, Any] | None = None):
 
   def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
     stack = jnp.concatenate([place(x, along) for x in parts])
-    return place(place(_padded(stack, total), along), dealt)
+    return place(place(padded(stack, total), along), dealt)
 
   tile_specs = [None if mesh is None else _tile_spec(run.blocks, sizes) for run in runs]
   at = lambda x, spec: x if spec is None else place(x, spec)
@@ -973,34 +978,21 @@ def _spread(shape, axes, sizes: dict[str, int]) -> tuple:
   return tuple(_entry(p) for p in placed)
 
 
-def stack_moves(
-    old: Sequence, new: Sequence, names: Sequence[str] = ()
-) -> list[tuple[ShardBlocks, ShardBlocks] | None]:
-  """Per state leaf: ``(old, new)`` blocks where its stack must be reordered, else None.
-
-  ``old``/``new``: :func:`stack_blocks` of one optimizer under two layouts; ``names``:
-  the leaves' names, for the error. Raises ``OptimizerError`` naming the first stack
-  whose blocks differ (not the same tiles: :func:`reorder` cannot move it).
+def spread_sharding(shape, mesh) -> NamedSharding:
+  """A block stack of ``shape`` spread over every axis of ``mesh`` as :func:`stack_specs`
+  stores stacks (on dim 0 where the device count divides it, else on other dims).
 
   Example:
-      >>> mesh = lambda n: jax.sharding.AbstractMesh((n,), ("data",))
-      >>> on = lambda n: shard_blocks((8, 4), P("data"), mesh(n), 2)
-      >>> [m and m[1].shards for m in stack_moves([None, on(4), on(2)], [None, on(2), on(2)])]
-      [None, (2, 1), None]
+      >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> spread_sharding((8, 4, 4), mesh).spec
+      PartitionSpec('data', None, None)
   """
-  moves = []
-  names = list(names) or [f"state leaf {i}" for i in range(len(old))]
-  for name, a, b in zip(names, old, new, strict=True):
-    if a is None and b is None or a == b:
-      moves.append(None)
-    elif a is None or b is None or not same_blocking(a, b):
-      raise OptimizerError(f"{name}: {_tiles_text(a)} before, {_tiles_text(b)} now")
-    else:
-      moves.append(None if a.shards == b.shards else (a, b))
-  return moves
+  sizes = dict(mesh.shape)
+  return NamedSharding(mesh, P(*_spread(shape, stack_axes((), sizes), sizes)))
 
 
-def _tiles_text(blocks: ShardBlocks | None) -> str:
+def tiles_text(blocks: ShardBlocks | None) -> str:
+  """A one-line description of a stack's blocks, for errors."""
   if blocks is None:
     return "no blocks"
   return f"{blocks.sizes} blocks of a {blocks.shape} param in {blocks.shards} shards"

@@ -6,8 +6,9 @@ checkpoints: ``config.optax_name`` and the params' layout its blocks were cut un
 :func:`migrate_state` what to do with the saved state:
 
 * same optimizer, same layout (or none recorded): the saved state as it is;
-* same optimizer on another layout: Kron's and Shampoo's block stacks reordered to
-  this layout's order when the blocks are the same tiles (each factor still
+* same optimizer on another layout: the state read as the saving layout made it, and
+  Kron's and Shampoo's block stacks moved to this layout's order and pools
+  (:func:`restack`) when the blocks are the same tiles (each factor still
   preconditions its own block), else re-initialised;
 * another optimizer, or a state tree that differs: re-initialised.
 
@@ -18,9 +19,10 @@ Example:
   >>> params = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
   >>> adam = BuiltOptimizer("adam", params)
   >>> meta = {"step": 8, **adam.record()}  # A checkpoint's meta.
-  >>> migrate_state(meta, adam, None, load=lambda: "the saved state")
+  >>> same = lambda tree=None: None  # The saved leaves are the state's.
+  >>> migrate_state(meta, adam, same, load=lambda targets=None: "the saved state")
   ('the saved state', "adam's, as saved")
-  >>> migrate_state(meta, BuiltOptimizer("lion", params), "opt/0/nu is missing", load=None)
+  >>> migrate_state(meta, BuiltOptimizer("lion", params), same, load=None)
   (None, "config.optax_name changed from 'adam' to 'lion'")
 """
 
@@ -31,11 +33,20 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from trainers.errors import OptimizerError
 from trainers.optimizers import rebirth
-from trainers.optimizers.layout import ParamLayout, reorder, stack_blocks, stack_moves
+from trainers.optimizers.layout import (
+    ParamLayout,
+    padded,
+    reorder,
+    same_blocking,
+    spread_sharding,
+    stack_runs,
+    tiles_text,
+)
 
 RECORD = "optimizer"  # The key of the record in a checkpoint's meta.
 
@@ -48,13 +59,15 @@ class BuiltOptimizer:
   ``layout``: the :class:`~trainers.optimizers.ParamLayout` its blocks are cut under
   (None: none is recorded and saved block stacks are never moved); ``optimizer_for``
   (given with a layout): the same optimizer built for another layout, so the blocks a
-  saving run stacked are known.
+  saving run stacked are known; ``state``: its abstract state in the run's shardings
+  (None: unsharded), where a restore onto another layout puts the moved stacks.
   """
 
   name: str
   params: Any
   layout: ParamLayout | None = None
   optimizer_for: Callable[[ParamLayout], optax.GradientTransformation] | None = None
+  state: Any = None
 
   def record(self) -> dict:
     """What a checkpoint stores in its meta, JSON-able; :func:`migrate_state` reads it back.
@@ -66,9 +79,9 @@ class BuiltOptimizer:
     layout = None if self.layout is None else self.layout.record()
     return {RECORD: {"name": self.name, "layout": layout}}
 
-  def migrate(self, saved_meta: dict, mismatch: str | None, load: Callable[[], Any]) -> tuple:
+  def migrate(self, saved_meta: dict, differs: Callable, load: Callable) -> tuple:
     """:func:`migrate_state` of this run's optimizer."""
-    return migrate_state(saved_meta, self, mismatch, load)
+    return migrate_state(saved_meta, self, differs, load)
 
   def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
     """:func:`~trainers.optimizers.rebirth.reborn` of this run's state, born at ``step``."""
@@ -78,35 +91,40 @@ class BuiltOptimizer:
 
 
 def migrate_state(
-    saved_meta: dict, built: BuiltOptimizer, mismatch: str | None, load: Callable[[], Any]
+    saved_meta: dict, built: BuiltOptimizer, differs: Callable, load: Callable
 ) -> tuple[Any | None, str]:
   """``(state, reason)``: the saved optimizer state for ``built`` (None: re-initialise it), and why.
 
   ``saved_meta``: the checkpoint's meta, holding the saving run's :meth:`~BuiltOptimizer.record`
   (or, written before that record existed, its ``optax_name`` and ``layout`` keys);
-  ``mismatch``: None when the saved state's tree (names, shapes, dtypes) is the one
-  ``built`` has, else its first difference, described; ``load``: reads the saved state
-  in this run's shardings, called only when the state is kept. The reason completes
-  "optimizer state re-initialised (...)" or "... with its optimizer state (...)".
+  ``differs(tree=None)``: None when the saved state's leaves (names, shapes, dtypes) are
+  ``tree``'s (default: the state ``built`` has), else their first difference, described;
+  ``load(targets=None)``: reads the saved state onto ``targets`` (abstract arrays; default:
+  this run's shardings), called only when the state is kept. Saved on another layout, the
+  state is read as that layout made it and its block stacks moved to this layout's
+  (:func:`restack`). The reason completes "optimizer state re-initialised (...)" or "...
+  with its optimizer state (...)".
   """
   saved = saved_record(saved_meta)
   if saved["name"] != built.name:
     return None, f"config.optax_name changed from {saved['name']!r} to {built.name!r}"
-  moves, stacks = None, 0
-  if built.layout is not None and saved["layout"] is not None:
-    try:
-      moves, stacks = block_moves(saved["layout"], built)
-    except OptimizerError as e:
-      return None, f"its blocks differ on this mesh: {e}"
-  if mismatch:
-    return None, f"its state differs: {mismatch}"
-  if moves is None:
+  moved = built.layout is not None and saved["layout"] not in (None, built.layout.record())
+  if not moved:
+    if mismatch := differs():
+      return None, f"its state differs: {mismatch}"
     return load(), f"{built.name}'s, as saved"
-  return reorder_stacks(load(), moves), (
+  try:
+    saved_state, runs = stacks_between(saved["layout"], built)
+  except OptimizerError as e:
+    return None, f"its blocks differ on this mesh: {e}"
+  if mismatch := differs(saved_state):
+    return None, f"its state differs: {mismatch}"
+  state, moves = restack(load(saved_targets(saved_state, built.state)), saved_state, built, runs)
+  return state, (
       f"{built.name}'s, saved on mesh {dict(saved['layout']['mesh'])}, restored on mesh "
       f"{dict(built.layout.record()['mesh'])}: every factor, statistic and moment carried over, "
-      f"{sum(m is not None for m in moves)} of {stacks} block stacks reordered; same tiles, so "
-      "each factor still preconditions its own block"
+      f"{moves} of {len(runs[1])} block stacks reordered or repooled; same tiles, so each factor "
+      "still preconditions its own block"
   )
 
 
@@ -122,48 +140,91 @@ def saved_record(saved_meta: dict) -> dict:
   return {"name": saved_meta["optax_name"], "layout": saved_meta.get("layout")}
 
 
-def block_moves(saved_layout: dict, built: BuiltOptimizer) -> tuple[list | None, int]:
-  """``(moves, stacks)``: per optimizer state leaf, how its block stack moves from the saving
-  run's layout to ``built.layout`` (:func:`~trainers.optimizers.layout.stack_moves`; None:
-  it stays), and how many leaves are block stacks now. ``moves`` is None when the layouts
-  are equal.
+def stacks_between(saved_layout: dict, built: BuiltOptimizer) -> tuple[Any, tuple]:
+  """``(saved_state, (saved_runs, runs))``: the abstract state the saving run's layout makes,
+  and both layouts' :func:`~trainers.optimizers.layout.stack_runs`.
 
   ``saved_layout``: a :meth:`~trainers.optimizers.ParamLayout.record`. Raises
   ``OptimizerError`` naming the first stack whose blocks are not the same tiles.
   """
-  now = built.layout.record()
-  if saved_layout == now:
-    return None, 0
-  stacks = []
-  for record in (saved_layout, now):
+  states, runs = [], []
+  for record in (saved_layout, built.layout.record()):
     tx = built.optimizer_for(ParamLayout.from_record(record, built.params))
-    state = jax.eval_shape(tx.init, built.params)
-    stacks.append(stack_blocks(tx, built.params, state))
+    states.append(jax.eval_shape(tx.init, built.params))
+    runs.append(stack_runs(tx, built.params, states[-1]))
+  names = _names(states[1])
+  for old, new in zip(*runs, strict=True):
+    if not same_blocking(old.blocks, new.blocks):
+      name = names[new.leaves[0]] if new.leaves else "a block stack"
+      raise OptimizerError(f"{name}: {tiles_text(old.blocks)} before, {tiles_text(new.blocks)} now")
+  return states[0], tuple(runs)
+
+
+def _names(state) -> list[str]:
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-  names = [f"opt/{jax.tree_util.keystr(p, simple=True, separator='/')}" for p in paths]
-  return stack_moves(*stacks, names), sum(b is not None for b in stacks[1])
+  return [f"opt/{jax.tree_util.keystr(p, simple=True, separator='/')}" for p in paths]
 
 
-def reorder_stacks(state, moves: list):
-  """``state`` with each moved block stack (``moves``: per leaf, from :func:`block_moves`) in
-  its new order, in the shardings it has.
+def saved_targets(saved_state, targets):
+  """Where to read the saved state: each leaf this run has alike (name, shape) in its
+  sharding, the others (block stacks of the saving layout) spread over this run's mesh.
 
-  Example:
-      >>> import jax.numpy as jnp
-      >>> from jax.sharding import PartitionSpec as P
-      >>> from trainers.optimizers.layout import shard_blocks
-      >>> on = lambda n: shard_blocks((4, 4), P(None, "data"),
-      ...     jax.sharding.AbstractMesh((n,), ("data",)), 2)
-      >>> stack = on(2).split(jnp.arange(16.0).reshape(4, 4))
-      >>> moved = reorder_stacks([stack, jnp.zeros(1)], [(on(2), on(1)), None])
-      >>> [float(b[0, 0]) for b in moved[0]]
-      [0.0, 2.0, 8.0, 10.0]
+  ``targets``: this run's abstract state in its shardings, or None (no shardings).
   """
-  leaves, treedef = jax.tree.flatten(state)
-  moved = [
-      x
-      if move is None
-      else jax.jit(lambda x, move=move: reorder(x, *move), out_shardings=x.sharding)(x)
-      for x, move in zip(leaves, moves, strict=True)
+  if targets is None:
+    return saved_state
+  here = dict(zip(_names(targets), jax.tree.leaves(targets)))
+  mesh = jax.tree.leaves(targets)[0].sharding.mesh
+  leaves, treedef = jax.tree.flatten(saved_state)
+  placed = []
+  for name, x in zip(_names(saved_state), leaves):
+    same = here.get(name)
+    if same is not None and same.shape == x.shape:
+      placed.append(same)
+    else:
+      placed.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spread_sharding(x.shape, mesh)))
+  return treedef.unflatten(placed)
+
+
+def restack(saved, saved_state, built: BuiltOptimizer, runs: tuple) -> tuple[Any, int]:
+  """``(state, moves)``: ``saved`` (arrays of ``saved_state``'s tree) as ``built``'s state,
+  in its shardings: each block stack in this layout's order and pools, the other leaves by
+  name; ``moves``: the stacks that changed.
+
+  Example: ``restack(load(saved_targets(saved_state, built.state)), saved_state, built, runs)``
+  with ``stacks_between``'s ``saved_state, runs``.
+  """
+  target = built.state if built.state is not None else _abstract_state(built)
+  names, old_names = _names(target), _names(saved_state)
+  changed = [
+      not (old.blocks == new.blocks and old.offset == new.offset and old.leaves == new.leaves)
+      for old, new in zip(*runs)
   ]
-  return treedef.unflatten(moved)
+
+  def convert(old_leaves):
+    by_name = dict(zip(old_names, old_leaves))
+    new = [by_name.get(name) for name in names]
+    pools: dict[tuple, list] = {}
+    for old, run in zip(*runs):
+      parts = [old_leaves[i] for i in old.leaves]
+      if old.offset is not None:
+        parts = [x[old.offset : old.offset + old.blocks.count] for x in parts]
+      if old.blocks != run.blocks:
+        parts = [reorder(x, old.blocks, run.blocks) for x in parts]
+      if run.offset is None:
+        for i, x in zip(run.leaves, parts):
+          new[i] = x
+      else:
+        pools.setdefault(run.leaves, []).append((run.offset, parts))
+    for leaves, members in pools.items():
+      joined = zip(*(parts for _, parts in sorted(members, key=lambda m: m[0])))
+      for i, xs in zip(leaves, joined):
+        new[i] = padded(jnp.concatenate(xs), jax.tree.leaves(target)[i].shape[0])
+    return jax.tree.structure(target).unflatten(new)
+
+  shardings = None if built.state is None else jax.tree.map(lambda x: x.sharding, target)
+  return jax.jit(convert, out_shardings=shardings)(jax.tree.leaves(saved)), sum(changed)
+
+
+def _abstract_state(built: BuiltOptimizer):
+  return jax.eval_shape(built.optimizer_for(built.layout).init, built.params)

@@ -73,11 +73,12 @@ class Migration(Protocol):
   """The run's optimizer, as its checkpoints need it (the optimizer package's ``BuiltOptimizer``).
 
   ``record()``: JSON-able entries each checkpoint's ``meta`` carries for it.
-  ``migrate(saved_meta, mismatch, load)``: ``(state, reason)``, the saved optimizer state
+  ``migrate(saved_meta, differs, load)``: ``(state, reason)``, the saved optimizer state
   for this run (None: re-initialise it) and why, in words. ``saved_meta``: the
-  checkpoint's meta; ``mismatch``: None when the saved state's tree is the one this run
-  builds, else the first differing leaf (:func:`first_difference`); ``load()``: the saved
-  state in the plan's shardings (read only if kept).
+  checkpoint's meta; ``differs(tree=None)``: None when the saved state's leaves are
+  ``tree``'s (default: the state this run builds), else the first differing leaf
+  (:func:`first_difference`); ``load(targets=None)``: the saved state read onto
+  ``targets`` (default: the plan's shardings; read only if kept).
   ``reborn(state, step, saved_meta, saved_table, read)``: ``(state, carried)``, a state just
   born at ``step`` continuing the schedule there, with the saved leaves it carries over
   (``{new leaf: saved leaf}``; ``read({saved leaf: target})`` reads them).
@@ -86,7 +87,7 @@ class Migration(Protocol):
   def record(self) -> dict:
     ...
 
-  def migrate(self, saved_meta: dict, mismatch: str | None, load: Callable[[], Any]) -> tuple:
+  def migrate(self, saved_meta: dict, differs: Callable, load: Callable) -> tuple:
     ...
 
   def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
@@ -407,9 +408,15 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   target = plan.abstract()
   meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
   saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
-  mismatch = first_difference(leaf_table(target[OPT]), saved_opt)
-  load = lambda: restore_item(manager, step, OPT, target[OPT])
-  opt, why = migration.migrate(meta, mismatch and f"{OPT}/{mismatch}", load)
+
+  def differs(tree=None):
+    mismatch = first_difference(leaf_table(target[OPT] if tree is None else tree), saved_opt)
+    return mismatch and f"{OPT}/{mismatch}"
+
+  load = lambda targets=None: restore_item(
+      manager, step, OPT, target[OPT] if targets is None else targets
+  )
+  opt, why = migration.migrate(meta, differs, load)
   params = restore_item(manager, step, PARAMS, target[PARAMS])
   source = str(manager.directory / str(step))
   opt_casts = casts(leaf_table(target[OPT]), saved_opt) if opt is not None else {}
