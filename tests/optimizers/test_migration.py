@@ -20,8 +20,11 @@ from trainers.optimizers import BuiltOptimizer, ParamLayout, migrate_state, sham
 PARAMS = {
     "w": jax.random.normal(jax.random.key(0), (8, 16)),
     "b": jnp.ones(16),
+    # Never sharded: on 4 devices dealt in pieces of 4 rows (one row of 4x4 tiles each), on
+    # 8 its pieces would cut its 8 tiles: pooled, and stored as one stack over the devices.
+    "c": jnp.cos(jnp.arange(128.0)).reshape(16, 8),
 }
-SPECS = {"w": P(None, "data"), "b": P()}
+SPECS = {"w": P(None, "data"), "b": P(), "c": P()}
 
 
 def layout_on(devices: int) -> ParamLayout:
@@ -101,6 +104,21 @@ def test_other_tiles_reinitialise_without_reading_the_state(on_4):
       checkpoint_meta(built_on(4)), built_on(8), same, lambda targets=None: on_4
   )
   assert "block stacks reordered" in reason, reason
+
+
+def test_a_pool_stored_as_one_moves_to_and_from_another_layout(on_4):
+  on_8 = trained(8)
+  pools = lambda state: [
+      k for k, _ in jax.tree_util.tree_flatten_with_path(state)[0] if "pools" in str(k)
+  ]
+  assert pools(on_8) and not pools(on_4)
+  for saved, devices, want in ((on_4, 8, on_8), (on_8, 4, on_4)):
+    meta = checkpoint_meta(built_on(12 - devices))
+    state, reason = migrate_state(meta, built_on(devices), same, lambda targets=None: saved)
+    assert "every factor, statistic and moment carried over" in reason, reason
+    assert jax.tree.structure(state) == jax.tree.structure(want)
+    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_another_optimizer_reinitialises_without_reading_the_state():
