@@ -114,7 +114,9 @@ def test_a_pool_stored_as_one_moves_to_and_from_another_layout(on_4):
   assert pools(on_8) and not pools(on_4)
   for saved, devices, want in ((on_4, 8, on_8), (on_8, 4, on_4)):
     meta = checkpoint_meta(built_on(12 - devices))
-    state, reason = migrate_state(meta, built_on(devices), same, lambda targets=None: saved)
+    state, reason = migrate_state(
+        meta, built_on(devices), same, lambda targets=None, saved=saved: saved
+    )
     assert "every factor, statistic and moment carried over" in reason, reason
     assert jax.tree.structure(state) == jax.tree.structure(want)
     for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):

@@ -23,8 +23,10 @@ block where its data is:
 Same math on any mesh (``blocking="tiles"``, the default): the blocks are the param's own
 grid of ``block_size`` tiles whatever the device count; where a tile spans several shards
 its holders exchange what it needs (:attr:`ShardBlocks.owners`) or it is pooled with other
-params' tiles and dealt over the mesh (:attr:`ShardBlocks.pooled`, :func:`run_all`),
-and only the order of the stack differs between meshes (:func:`reorder`).
+params' tiles and dealt over the mesh (:attr:`ShardBlocks.pooled`, :func:`run_all`); a pool
+whose padding to the device count is small has its stacks stored as one, where they are
+fitted (:func:`stored_pools`, :func:`pack`). Between meshes only the order of the stacks and
+which pools are stored as one differ (:func:`reorder`, :func:`stack_runs`).
 ``blocking="local"`` keeps blocks cut shard by shard: ``min(block_size, e_k)`` long, so
 another mesh may give other tiles. :func:`same_blocking` tells whether two layouts give
 the same tiles; when they do not, the factors of one layout do not fit the other's blocks
@@ -271,8 +273,10 @@ class ShardBlocks:
   one-device order) and :func:`run_all` pools them with the other pooled params' tiles of
   the same shape into one stack split over every mesh axis: each device fits and applies
   its ``1/N`` of all those tiles. XLA moves each array (a device's shard to its tiles'
-  owners, and back) with all-to-alls and collective permutes of about a shard's bytes;
-  the stacks are stored per param at the ideal (:func:`stack_specs`) and move the same way.
+  owners, and back) with all-to-alls and collective permutes of about a shard's bytes. The
+  stacks of a pool :func:`stored_pools` keeps are stored as one, each device's slice the
+  factors it fits (nothing moves); the others per param at the ideal (:func:`stack_specs`),
+  moving the same way as the arrays.
   On an ``AbstractMesh`` (``mesh`` None) the same tiles are computed on global arrays, and
   the stacks are placed as on the concrete mesh.
   """
@@ -548,8 +552,8 @@ def stored_pools(blocks: Sequence[ShardBlocks | None], stacks: Sequence) -> tupl
       >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
       >>> b = shard_blocks((8, 8), P("data"), mesh, 8)  # one 8-tile over 2-row shards
       >>> q = jax.ShapeDtypeStruct((1, 8, 8), jnp.float32)
-      >>> stored_pools([b] * 19 + [None], [q] * 20)  # 19 tiles: padded to 20
-      (Pool(members=(0, 1, ..., 18), counts=(1, 1, ..., 1), length=20),)
+      >>> stored_pools([b] * 39 + [None], [q] * 40)  # 39 tiles: padded to 40
+      (Pool(members=(0, 1, ..., 38), counts=(1, 1, ..., 1), length=40),)
       >>> stored_pools([b] * 2, [q] * 2)  # 2 tiles padded to 4: kept per param
       ()
   """
@@ -934,10 +938,11 @@ def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]
   """Per leaf of ``state`` (flattened): the spec to store its block stack in, else None.
 
   All the param's axes (``mesh_sizes``: the mesh's axis sizes), on dim 0 while they divide
-  it: each device the stack slice of its own tiles. A stack of tiles its holders gather
-  (:attr:`ShardBlocks.pooled`: its tiles are dealt over the whole mesh) takes every mesh
-  axis, and puts those dim 0 cannot take on the tiles' rows, then columns: stored at
-  the ideal, moved to the tiles' owners for the step.
+  it: each device the stack slice of its own tiles. A stack of pooled tiles
+  (:attr:`ShardBlocks.pooled`: dealt over the whole mesh) takes every mesh axis: a pool
+  stored as one on dim 0 (its length is a multiple of the device count), where each
+  device's slice is fitted; a member's own stack puts those dim 0 cannot take on the tiles'
+  rows, then columns: stored at the ideal, moved to the tiles' owners for the step.
 
   Example:
       >>> from trainers.optimizers.kron import scale_by_kron
@@ -983,9 +988,9 @@ def spread_sharding(shape, mesh) -> NamedSharding:
   stores stacks (on dim 0 where the device count divides it, else on other dims).
 
   Example:
-      >>> mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-      >>> spread_sharding((8, 4, 4), mesh).spec
-      PartitionSpec('data', None, None)
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> spread_sharding((8, 4, 4), mesh).spec, spread_sharding((2, 4, 4), mesh).spec
+      (P('data', None, None), P(None, 'data', None))
   """
   sizes = dict(mesh.shape)
   return NamedSharding(mesh, P(*_spread(shape, stack_axes((), sizes), sizes)))
