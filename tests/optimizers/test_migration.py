@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from trainers.errors import OptimizerError
 from trainers.optimizers import BuiltOptimizer, ParamLayout, migrate_state, shampoo
 
 PARAMS = {
@@ -121,6 +122,25 @@ def test_a_pool_stored_as_one_moves_to_and_from_another_layout(on_4):
     assert jax.tree.structure(state) == jax.tree.structure(want)
     for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pool_padding_stores_more_pools_as_one_and_keeps_the_math():
+  # On 8 devices b's 4 tiles pad to 8 (100%): a pool stored as one only under pool_padding=1.
+  def run(padding):
+    tx = shampoo(1e-2, block_size=4, graft_type="adam", layout=layout_on(8), pool_padding=padding)
+    state, update, directions = tx.init(PARAMS), jax.jit(tx.update), []
+    for i in range(3):
+      grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1.0)), PARAMS)
+      direction, state = update(grads, state, PARAMS)
+      directions.append(direction)
+    return len(state[0].pools), directions
+
+  (default, want), (padded, got) = run(0.05), run(1.0)
+  assert (default, padded) == (1, 2)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  with pytest.raises(OptimizerError, match="pool_padding=-1"):
+    shampoo(1e-2, pool_padding=-1)
 
 
 def test_another_optimizer_reinitialises_without_reading_the_state():

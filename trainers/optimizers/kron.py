@@ -76,6 +76,7 @@ from optax import tree_utils as otu
 from trainers.errors import OptimizerError
 from trainers.optimizers.layout import (
     BLOCKINGS,
+    STORED_POOL_PADDING,
     BlockRun,
     ParamLayout,
     Pool,
@@ -380,6 +381,7 @@ class _Settings:
   block_size: int | None
   layout: ParamLayout | None
   blocking: str
+  pool_padding: float
 
 
 def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, stacked, settings):
@@ -480,7 +482,7 @@ def _stored_pools(params, scanned, blocks, settings) -> tuple[Pool, ...]:
       )
       for p, s, b in zip(params, scanned, blocks)
   ]
-  return stored_pools(blocks, shapes)
+  return stored_pools(blocks, shapes, settings.pool_padding)
 
 
 def _kron_init(params, settings: _Settings) -> dict[str, Any]:
@@ -599,6 +601,7 @@ def scale_by_kron(
     block_size: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
@@ -627,6 +630,10 @@ def scale_by_kron(
       mesh: the same math on any device count) or "local" (each device's shard
       cut into blocks of ``min(block_size, local extent)``: no collective, the
       math depends on the mesh).
+    pool_padding: a pool of tiles that span shards has its Qs stored as one, where
+      they are fitted, when padding it to the device count adds at most this share
+      of its tiles; other pools' Qs move there and back each step
+      (:func:`~trainers.optimizers.layout.stored_pools`: memory for bytes, the same math).
 
   Example:
       >>> tx = scale_by_kron(preconditioner_update_probability=1.0)
@@ -642,6 +649,8 @@ def scale_by_kron(
     raise OptimizerError(f"block_size={block_size}; expected None or >= 1")
   if blocking not in BLOCKINGS:
     raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
+  if not pool_padding >= 0:
+    raise OptimizerError(f"pool_padding={pool_padding!r}; expected a share >= 0 (e.g. 0.05)")
   return optax.GradientTransformation(
       functools.partial(_kron_init, settings=settings),
       functools.partial(_kron_update, settings=settings),
@@ -668,6 +677,7 @@ def kron(
     block_size: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """PSGD Kron with decoupled weight decay and a learning rate.
 
@@ -697,6 +707,7 @@ def kron(
           block_size=block_size,
           layout=layout,
           blocking=blocking,
+          pool_padding=pool_padding,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

@@ -532,11 +532,14 @@ class Pool(NamedTuple):
   length: int
 
 
-# A pool is stored as one when padding it to the device count adds at most this share.
-STORED_POOL_PADDING = 1 / 20
+# A pool is stored as one when padding it to the device count adds at most this share of it
+# (the state then stays within 5% of the ideal).
+STORED_POOL_PADDING = 0.05
 
 
-def stored_pools(blocks: Sequence[ShardBlocks | None], stacks: Sequence) -> tuple[Pool, ...]:
+def stored_pools(
+    blocks: Sequence[ShardBlocks | None], stacks: Sequence, max_padding: float = STORED_POOL_PADDING
+) -> tuple[Pool, ...]:
   """The :class:`Pool`s whose stacks an optimizer stores as one, in its pool layout.
 
   ``blocks[i]``/``stacks[i]``: run ``i``'s blocks (None: not blocked) and stacks (arrays or
@@ -544,8 +547,9 @@ def stored_pools(blocks: Sequence[ShardBlocks | None], stacks: Sequence) -> tupl
   (:attr:`ShardBlocks.pooled`) of one tile shape and one stacks structure (shapes past dim 0,
   dtypes) form a pool; it is stored as one stack split over every mesh axis on dim 0 (each
   device the factors of the tiles it fits, so nothing moves for them in a step) when padding
-  its tile count to a multiple of the device count adds at most ``STORED_POOL_PADDING`` of it;
-  other pools keep each member's stacks, at the ideal, and move them to the pool each step.
+  its tile count to a multiple of the device count adds at most ``max_padding`` of it (the
+  optimizers' ``pool_padding``: memory for bytes); other pools keep each member's stacks, at
+  the ideal, and move them to the pool each step.
   Depends on the mesh's device count only: the same on a ``Mesh`` and an ``AbstractMesh``.
 
   Example:
@@ -566,7 +570,7 @@ def stored_pools(blocks: Sequence[ShardBlocks | None], stacks: Sequence) -> tupl
     counts = tuple(blocks[i].count for i in members)
     devices = blocks[members[0]].devices
     padding = -sum(counts) % devices
-    if padding <= STORED_POOL_PADDING * sum(counts):
+    if padding <= max_padding * sum(counts):
       pools.append(Pool(tuple(members), counts, sum(counts) + padding))
   return tuple(pools)
 

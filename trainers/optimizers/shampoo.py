@@ -62,6 +62,7 @@ import optax
 from trainers.errors import OptimizerError
 from trainers.optimizers.layout import (
     BLOCKINGS,
+    STORED_POOL_PADDING,
     BlockRun,
     ParamLayout,
     Pool,
@@ -195,6 +196,7 @@ class _Settings:
   exponent_override: int | None
   layout: ParamLayout | None
   blocking: str
+  pool_padding: float
 
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
@@ -234,7 +236,7 @@ def _stored_pools(params, blocks, settings: _Settings) -> tuple[Pool, ...]:
       for p, b in zip(params, blocks)
   ]
   run_blocks = [b if s.stats else None for b, s in zip(blocks, shapes)]
-  return stored_pools(run_blocks, [(s.stats, s.roots) for s in shapes])
+  return stored_pools(run_blocks, [(s.stats, s.roots) for s in shapes], settings.pool_padding)
 
 
 def _shampoo_init(params, settings: _Settings) -> ShampooState:
@@ -346,6 +348,7 @@ def scale_by_shampoo(
     exponent_override: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -370,6 +373,10 @@ def scale_by_shampoo(
     blocking: "tiles" (the param's fixed grid of ``block_size`` tiles on any mesh)
       or "local" (each shard's own blocks, mesh-dependent math; see
       :func:`~trainers.optimizers.layout.shard_blocks`).
+    pool_padding: a pool of tiles that span shards keeps its statistics and roots
+      stored as one, where they are updated, when padding it to the device count adds
+      at most this share of its tiles; other pools' move there and back each step
+      (:func:`~trainers.optimizers.layout.stored_pools`: memory for bytes, the same math).
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
@@ -384,6 +391,8 @@ def scale_by_shampoo(
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
   if blocking not in BLOCKINGS:
     raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
+  if not pool_padding >= 0:
+    raise OptimizerError(f"pool_padding={pool_padding!r}; expected a share >= 0 (e.g. 0.05)")
   return optax.GradientTransformation(
       functools.partial(_shampoo_init, settings=settings),
       functools.partial(_shampoo_update, settings=settings),
@@ -406,6 +415,7 @@ def shampoo(
     mask: Any | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -431,6 +441,7 @@ def shampoo(
           exponent_override=exponent_override,
           layout=layout,
           blocking=blocking,
+          pool_padding=pool_padding,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
