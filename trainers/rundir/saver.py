@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 HOST = "pinned_host"
-WRITE_FRACTION = 0.25  # Of the tree's local bytes, encoded and in flight at once during a write.
+WRITE_FRACTION = 0.25  # Of the tree's local bytes, being written at once during a save.
 
 
 def host_copy(tree) -> Any:
