@@ -15,7 +15,9 @@ median time from the save's start until its write is complete; "extra host memor
 of the process's resident memory during a save and its write above the memory in use at its
 start (free heap pages are released before the copy and before the save, so neither reuses the
 pages of the one before unseen; sampled every millisecond), as a multiple of the state's bytes
-this process holds. Prints a markdown table.
+this process holds; "of which bookkeeping" the same for the trainer's save of the state's
+skeleton (the same leaves, shardings and shards, one element each: what orbax and TensorStore
+keep per leaf and per shard whatever the bytes). Prints a markdown table.
 """
 
 import os
@@ -31,6 +33,7 @@ import time
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.throughput import init_state, lm_config, setup
@@ -90,6 +93,33 @@ class PeakMemory:
     self.extra = max(self.peak, rss()) - self.base
 
 
+def skeleton(state):
+  """``state`` with every shard cut to one element, in the same shardings: the same leaves
+  and shards to save, next to no bytes.
+
+  Example:
+    >>> rows = jax.NamedSharding(jax.make_mesh((8,), ("data",)), jax.P("data"))
+    >>> bare = skeleton({"w": jax.device_put(jnp.ones((64, 3)), rows)})["w"]
+    >>> bare.shape, bare.sharding == rows, len(bare.addressable_shards)
+    ((8, 1), True, 8)
+  """
+
+  def cut(x):
+    shards = zip(x.shape, x.sharding.shard_shape(x.shape))
+    return jnp.zeros(tuple(n // shard for n, shard in shards), x.dtype, device=x.sharding)
+
+  return jax.tree.map(cut, state)
+
+
+def save_memory(ckpt, step: int, state) -> int:
+  """Peak extra host bytes of ``ckpt``'s save of ``state`` at ``step`` and its write."""
+  with PeakMemory() as memory:
+    ckpt.step_done(step, state)
+    ckpt.saver.wait()
+    ckpt.manager.wait_until_finished()
+  return memory.extra
+
+
 def measure(config, saves: int) -> dict:
   """State MiB, step s, copy s, and per way of saving: blocked s and peak extra host bytes."""
   config.ckpt_steps, config.total_steps = 1, 10**6
@@ -127,12 +157,15 @@ def measure(config, saves: int) -> dict:
         timed[way][0].append(blocked)
         timed[way][1].append(memory.extra)
         timed[way][2].append(written)
+    bare, step = skeleton(state), len(batches)
+    bookkeeping = [save_memory(ckpt, step + i, bare) for i in range(FIRST_SAVES + saves)]
     manager.close()
     ckpt.close(state)
   found = {"mib": local_bytes(state) / 2**20, "step": step_s, "copy": np.median(copies)}
   for way, (blocked, extra, written) in timed.items():
     found[way], found[f"{way} write"] = np.median(blocked), np.median(written)
     found[f"{way} memory"] = max(extra)
+  found["bookkeeping"] = max(bookkeeping[FIRST_SAVES:])
   return found
 
 
@@ -156,16 +189,17 @@ def main(argv=None):
   print(
       "| size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy "
       "| written s | extra host memory / state | trainer: blocked s | blocked - copy ms "
-      "| written s | extra host memory / state |"
+      "| written s | extra host memory / state | of which bookkeeping |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for size in args.sizes.split(","):
     m = measure(lm_config(size, "adamw"), args.saves)
     print(
         f"| {size} | {m['mib']:.1f} | {m['step']:.3f} | {m['copy']:.3f} | {m['orbax']:.3f} | "
         f"{m['orbax'] / m['copy']:.1f} | {m['orbax write']:.2f} | {multiple(m['orbax memory'], m['mib'])} | "
         f"{m['trainer']:.3f} | {1000 * (m['trainer'] - m['copy']):+.0f} | "
-        f"{m['trainer write']:.2f} | {multiple(m['trainer memory'], m['mib'])} |",
+        f"{m['trainer write']:.2f} | {multiple(m['trainer memory'], m['mib'])} | "
+        f"{multiple(m['bookkeeping'], m['mib'])} |",
         flush=True,
     )
 

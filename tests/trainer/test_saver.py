@@ -1,9 +1,10 @@
 """Saves off the loop: a save's write holds at most its budget of bytes in flight, in real orbax
-checkpoints that restore exactly (in-process, 8 CPU devices, no training)."""
+checkpoints, uncompressed, that restore exactly (in-process, 8 CPU devices, no training)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint._src.serialization import limits
@@ -89,3 +90,26 @@ def test_a_save_holds_at_most_its_budget_in_flight_and_restores_exactly(tmp_path
       np.testing.assert_array_equal(x, tree[item][name])
   unlimited.close()
   budgeted.close()
+
+
+def test_saves_write_the_copy_uncompressed_and_compressed_checkpoints_still_restore(tmp_path):
+  mesh = bvs.make_mesh([("data", 8)])
+  tree = {item: {"w": jnp.ones((64, 1024))} for item in ITEMS}  # 256 KiB each, compressible.
+  plan = bvs.plan(tree, [(".*", 'fsdp(axis="data", min_size_to_shard_mb=0)')], mesh)
+  state = jax.device_put(tree, plan.shardings)
+  ours = checkpoint.open_manager(str(tmp_path / "ours"))
+  checkpoint.save(ours, 1, saver.host_copy(state), {"step": 1}, force=True)
+  ours.close()
+  handlers = {item: ocp.PyTreeCheckpointHandler() for item in ITEMS}  # orbax's default: zstd.
+  before = ocp.CheckpointManager(
+      tmp_path / "before", item_handlers={**handlers, checkpoint.META: ocp.JsonCheckpointHandler()}
+  )
+  checkpoint.save(before, 1, state, {"step": 1}, force=True)
+  before.close()
+  written = lambda run: sum(f.stat().st_size for f in (tmp_path / run / "1").rglob("*"))
+  assert written("before") < 2 * 256 * 1024 / 10 < 2 * 256 * 1024 < written("ours")
+  reader = checkpoint.open_manager(str(tmp_path / "before"), read_only=True)
+  for item in ITEMS:
+    restored = checkpoint.restore_item(reader, 1, item, plan.abstract()[item])
+    np.testing.assert_array_equal(restored["w"], tree[item]["w"])
+  reader.close()

@@ -15,10 +15,12 @@ device collectives, which would have to keep their order against the train steps
 (trainers/rundir/checkpoint.py).
 
 The copy is the one full copy of the state a save holds: orbax serializes it in place (on the
-CPU backend; from ``pinned_host`` memory on accelerators) and TensorStore references it, but
-encodes (zstd) every array it writes into a buffer of its own. :func:`write_budget` caps the
-bytes being encoded and written at once (orbax's in-flight byte limit), so a save's peak extra
-host memory is the copy plus that budget instead of the copy plus an encoded second copy.
+CPU backend; from ``pinned_host`` memory on accelerators) and TensorStore, writing it
+uncompressed (``checkpoint.tree_handler``), references it rather than encoding a second copy.
+:func:`write_budget` caps the bytes being written at once (orbax's in-flight byte limit), so
+that a write's in-flight buffers, whatever the kvstore, stay within a quarter of the state: a
+save's peak extra host memory is the copy, orbax's per-leaf and per-shard bookkeeping
+(a few KiB a shard) and at most that budget.
 
 Example:
   >>> import jax.numpy as jnp
@@ -45,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 HOST = "pinned_host"
-WRITE_FRACTION = 0.25  # Of the tree's local bytes, encoded and in flight at once during a write.
+WRITE_FRACTION = 0.25  # Of the tree's local bytes, being written at once during a save.
 
 
 def host_copy(tree) -> Any:
