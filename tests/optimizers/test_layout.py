@@ -209,3 +209,42 @@ def test_tiles_spanning_shards_are_fitted_by_their_owners(name):
   assert ("all-to-all", 2 * piece("b")) in found or ("all-to-all", piece("b")) in found, found
   assert ("collective-permute", piece("a") // 2) in found, found
   assert not [b for op, b in found if op == "all-gather"], found  # Nothing is gathered whole.
+
+
+@pytest.mark.timeout(600)
+def test_a_pool_stored_as_one_keeps_its_factors_where_they_are_fitted():
+  """Three params of 4 tiles in 2-row shards: one pool of 12 tiles for 8 devices. Padded to 16
+  (33%) it is stored only under ``pool_padding=0.5``: then its Qs stay on the devices that fit
+  them, and the step moves only the arrays; by default each param's Qs go to the pool and
+  back. The same trajectory either way."""
+  params = {k: jax.random.normal(jax.random.key(i), (16, 64)) for i, k in enumerate("xyz")}
+  specs = {k: P("data") for k in params}
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  found = {}
+  for padding in (0.05, 0.5):
+    tx = kron(
+        1e-2,
+        preconditioner_update_probability=1.0,
+        block_size=16,
+        pool_padding=padding,
+        layout=ParamLayout(specs, mesh),
+    )
+    state = jax.eval_shape(tx.init, params)
+    leaves, treedef = jax.tree.flatten(state)
+    stacks = stack_specs(tx, params, state, {"data": 8})
+    param_spec = lambda x: P("data") if x.shape == (16, 64) else P()
+    shardings = treedef.unflatten(
+        [NamedSharding(mesh, param_spec(x) if s is None else s) for x, s in zip(leaves, stacks)]
+    )
+    hlo = []
+    on_mesh = _run(
+        tx, params, ({k: NamedSharding(mesh, P("data")) for k in params}, shardings), hlo
+    )
+    found[padding] = (on_mesh, traffic.wire_bytes(hlo[0]), len(state[0].get("pools", ())))
+  (default, default_bytes, none), (padded, stored_bytes, one) = found[0.05], found[0.5]
+  assert (none, one) == (0, 1)
+  for k in params:
+    np.testing.assert_allclose(padded[0][k], default[0][k], rtol=1e-5, atol=1e-6)
+  # The 12 tiles' two 16 x 16 f32 Qs, there and back, per device: (N-1)/N of 2 x 2 x 12 KiB / 8.
+  qs_round_trip = 2 * 2 * 12 * 16 * 16 * 4 * 7 // 64
+  assert default_bytes - stored_bytes >= 0.8 * STEPS * qs_round_trip, (default_bytes, stored_bytes)
