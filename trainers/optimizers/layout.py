@@ -605,11 +605,11 @@ def pack(stacks: Sequence, pools: Sequence[Pool]) -> tuple[list, tuple]:
     )
     pooled.append(jax.tree.map(join, *parts))
     for i in pool.members:
-      kept[i] = placeholder(stacks[i])
+      kept[i] = _placeholder(stacks[i])
   return kept, tuple(pooled)
 
 
-def placeholder(stacks) -> Any:
+def _placeholder(stacks) -> Any:
   """``stacks``' structure with None for every array: a stored pool member's own stacks."""
   return jax.tree.map(lambda _: None, stacks)
 

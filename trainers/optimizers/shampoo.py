@@ -19,7 +19,9 @@ State layout (tearfree-like)::
             roots=[(n_blocks, b_i, b_i) per factor],  # inverse p-th roots
                                                       # (both in the params' dtype)
             graft_nu=<like param> or None,            # None for graft "sgd"
-            momentum=<like param> or None))           # None when beta1 == 0
+            momentum=<like param> or None),           # None when beta1 == 0
+        pools=(([stats], [roots]) per pool stored as one, ...))  # on a mesh; its
+                                                  # members' stats/roots hold None
 
 Params whose dims are all 1 (scalars) have empty ``stats``/``roots`` lists and
 use the graft direction only; unit dims of other params are dropped before
