@@ -87,13 +87,30 @@ def build(config, mesh) -> Run:
   tx, learning_rates = optimizer(config, layout)
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)
   plan = stacks_placed(plan, tx)
-  rebuild = lambda other: optimizer(config, other)[0]
+  rebuild = lambda other, storage: optimizer(storing(config, storage), other)[0]
   abstract = plan.abstract()
+  storage = {k: config.optax[k] for k in optimizers.STORAGE_OPTIONS if k in config.optax}
   migration = optimizers.BuiltOptimizer(
-      config.optax_name, abstract["params"], layout, rebuild, abstract["opt"]
+      config.optax_name, abstract["params"], layout, rebuild, abstract["opt"], storage
   )
   loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
+
+
+def storing(config, storage: dict):
+  """``config`` with ``storage`` as its optimizer's storage options
+  (``optimizers.STORAGE_OPTIONS``: where its stacks are stored), the others as they are.
+
+  Example:
+    >>> from configs import lm
+    >>> dict(storing(lm.get_config(), {"pool_padding": 1.0}).optax)
+    {'pool_padding': 1.0}
+  """
+  config = config.copy_and_resolve_references()
+  kept = {k: v for k, v in config.optax.items() if k not in optimizers.STORAGE_OPTIONS}
+  with config.unlocked():
+    config.optax = {**kept, **storage}
+  return config
 
 
 def stacks_placed(plan: bvs.Plan, tx) -> bvs.Plan:

@@ -32,19 +32,19 @@ def layout_on(devices: int) -> ParamLayout:
   return ParamLayout(SPECS, AbstractMesh((devices,), ("data",)))
 
 
-def optimizer_for(layout, blocking="tiles"):
-  return shampoo(1e-2, block_size=4, graft_type="adam", layout=layout, blocking=blocking)
+def optimizer_for(layout, blocking="tiles", **storage):
+  return shampoo(1e-2, block_size=4, graft_type="adam", layout=layout, blocking=blocking, **storage)
 
 
-def built_on(devices: int, name: str = "shampoo", blocking="tiles") -> BuiltOptimizer:
+def built_on(devices: int, name: str = "shampoo", blocking="tiles", **storage) -> BuiltOptimizer:
   abstract = jax.eval_shape(lambda: PARAMS)
-  rebuild = lambda layout: optimizer_for(layout, blocking)
-  return BuiltOptimizer(name, abstract, layout_on(devices), rebuild)
+  rebuild = lambda layout, storage: optimizer_for(layout, blocking, **storage)
+  return BuiltOptimizer(name, abstract, layout_on(devices), rebuild, storage=storage)
 
 
-def trained(devices: int, steps: int = 3):
+def trained(devices: int, steps: int = 3, **storage):
   """Shampoo's state after ``steps`` updates under the layout on ``devices``."""
-  tx = optimizer_for(layout_on(devices))
+  tx = optimizer_for(layout_on(devices), **storage)
   state, update = tx.init(PARAMS), jax.jit(tx.update)
   for i in range(steps):
     grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1.0)), PARAMS)
@@ -118,6 +118,21 @@ def test_a_pool_stored_as_one_moves_to_and_from_another_layout(on_4):
     state, reason = migrate_state(
         meta, built_on(devices), same, lambda targets=None, saved=saved: saved
     )
+    assert "every factor, statistic and moment carried over" in reason, reason
+    assert jax.tree.structure(state) == jax.tree.structure(want)
+    for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_another_pool_padding_moves_the_stacks_as_another_layout_does():
+  # On 8 devices pool_padding=1.0 also stores b's 4 tiles as one pool (padded to 8).
+  default, padded = trained(8), trained(8, pool_padding=1.0)
+  for saved, built, want in (
+      (default, built_on(8, pool_padding=1.0), padded),
+      (padded, built_on(8), default),
+  ):
+    meta = checkpoint_meta(built_on(8) if saved is default else built_on(8, pool_padding=1.0))
+    state, reason = migrate_state(meta, built, same, lambda targets=None, saved=saved: saved)
     assert "every factor, statistic and moment carried over" in reason, reason
     assert jax.tree.structure(state) == jax.tree.structure(want)
     for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):

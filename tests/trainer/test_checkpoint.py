@@ -451,7 +451,7 @@ def blocked_lm(optax_name: str, block_size: int, devices: int):
 def stacks_of(optax_name: str, block_size: int, devices: int) -> list:
   """``layout.stack_blocks`` of the optimizer ``blocked_lm`` builds."""
   _, built = blocked_lm(optax_name, block_size, devices)
-  tx = built.optimizer_for(built.layout)
+  tx = built.optimizer_for(built.layout, built.storage)
   return layout.stack_blocks(tx, built.params, jax.eval_shape(tx.init, built.params))
 
 
@@ -465,7 +465,7 @@ def assert_same_blocks_after_restore(workdir, optax_name, block_size, devices, s
   """The checkpoint written on 8 devices, restored onto ``devices``: every factor is that of
   the same param block (found by the block's first element), and some stacks moved."""
   plan, built = blocked_lm(optax_name, block_size, devices)
-  tx = built.optimizer_for(built.layout)
+  tx = built.optimizer_for(built.layout, built.storage)
   manager = checkpoint.open_manager(str(workdir / "checkpoints"), read_only=True)
   state, _ = checkpoint.restore(manager, step, plan, tx, built)
   got = [np.asarray(x) for x in jax.tree.leaves(state["opt"])]

@@ -9,7 +9,7 @@ from trainers.errors import OptimizerError
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
 from trainers.optimizers.layout import ParamLayout, same_blocking, stack_specs
-from trainers.optimizers.migration import BuiltOptimizer, migrate_state
+from trainers.optimizers.migration import STORAGE_OPTIONS, BuiltOptimizer, migrate_state
 from trainers.optimizers.muon import muon, scale_by_muon
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
 from trainers.optimizers.schedules import make_schedule
@@ -17,6 +17,7 @@ from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_b
 
 __all__ = [
     "OPTIMIZERS",
+    "STORAGE_OPTIONS",
     "BuiltOptimizer",
     "OptimizerError",
     "ParamLayout",

@@ -49,6 +49,8 @@ from trainers.optimizers.layout import (
 )
 
 RECORD = "optimizer"  # The key of the record in a checkpoint's meta.
+# Options that decide where an optimizer's block stacks are stored, not what they hold.
+STORAGE_OPTIONS = ("pool_padding",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +61,19 @@ class BuiltOptimizer:
   ``layout``: the :class:`~trainers.optimizers.ParamLayout` its blocks are cut under
   (None: none is recorded and saved block stacks are never moved); ``optimizer_for``
   (given with a layout): the same optimizer built for another layout, so the blocks a
-  saving run stacked are known; ``state``: its abstract state in the run's shardings
-  (None: unsharded), where a restore onto another layout puts the moved stacks.
+  saving run stacked are known, called ``optimizer_for(layout, storage)``; ``state``: its
+  abstract state in the run's shardings (None: unsharded), where a restore onto another
+  layout puts the moved stacks; ``storage``: its :data:`STORAGE_OPTIONS` that are set
+  (e.g. ``{"pool_padding": 1.0}``), recorded, so that a restore under other ones moves the
+  stacks as for another layout.
   """
 
   name: str
   params: Any
   layout: ParamLayout | None = None
-  optimizer_for: Callable[[ParamLayout], optax.GradientTransformation] | None = None
+  optimizer_for: Callable[[ParamLayout, dict], optax.GradientTransformation] | None = None
   state: Any = None
+  storage: dict = dataclasses.field(default_factory=dict)
 
   def record(self) -> dict:
     """What a checkpoint stores in its meta, JSON-able; :func:`migrate_state` reads it back.
@@ -77,7 +83,8 @@ class BuiltOptimizer:
         {'optimizer': {'name': 'adamw', 'layout': None}}
     """
     layout = None if self.layout is None else self.layout.record()
-    return {RECORD: {"name": self.name, "layout": layout}}
+    storage = {"storage": self.storage} if self.storage else {}
+    return {RECORD: {"name": self.name, "layout": layout, **storage}}
 
   def migrate(self, saved_meta: dict, differs: Callable, load: Callable) -> tuple:
     """:func:`migrate_state` of this run's optimizer."""
@@ -108,23 +115,25 @@ def migrate_state(
   saved = saved_record(saved_meta)
   if saved["name"] != built.name:
     return None, f"config.optax_name changed from {saved['name']!r} to {built.name!r}"
-  moved = built.layout is not None and saved["layout"] not in (None, built.layout.record())
-  if not moved:
+  storage = saved.get("storage", {})
+  laid = built.layout is not None and saved["layout"] is not None
+  if not laid or (saved["layout"], storage) == (built.layout.record(), built.storage):
     if mismatch := differs():
       return None, f"its state differs: {mismatch}"
     return load(), f"{built.name}'s, as saved"
   try:
-    saved_state, runs = stacks_between(saved["layout"], built)
+    saved_state, runs = stacks_between(saved["layout"], storage, built)
   except OptimizerError as e:
     return None, f"its blocks differ on this mesh: {e}"
   if mismatch := differs(saved_state):
     return None, f"its state differs: {mismatch}"
   state, moves = restack(load(saved_targets(saved_state, built.state)), saved_state, built, runs)
+  stored = lambda options: f" under {options}" if storage != built.storage else ""
   return state, (
-      f"{built.name}'s, saved on mesh {dict(saved['layout']['mesh'])}, restored on mesh "
-      f"{dict(built.layout.record()['mesh'])}: every factor, statistic and moment carried over, "
-      f"{moves} of {len(runs[1])} block stacks reordered or repooled; same tiles, so each factor "
-      "still preconditions its own block"
+      f"{built.name}'s, saved on mesh {dict(saved['layout']['mesh'])}{stored(storage)}, restored "
+      f"on mesh {dict(built.layout.record()['mesh'])}{stored(built.storage)}: every factor, "
+      f"statistic and moment carried over, {moves} of {len(runs[1])} block stacks reordered or "
+      "repooled; same tiles, so each factor still preconditions its own block"
   )
 
 
@@ -140,16 +149,16 @@ def saved_record(saved_meta: dict) -> dict:
   return {"name": saved_meta["optax_name"], "layout": saved_meta.get("layout")}
 
 
-def stacks_between(saved_layout: dict, built: BuiltOptimizer) -> tuple[Any, tuple]:
-  """``(saved_state, (saved_runs, runs))``: the abstract state the saving run's layout makes,
-  and both layouts' :func:`~trainers.optimizers.layout.stack_runs`.
+def stacks_between(saved_layout: dict, storage: dict, built: BuiltOptimizer) -> tuple[Any, tuple]:
+  """``(saved_state, (saved_runs, runs))``: the abstract state the saving run's layout and
+  ``storage`` options make, and both runs' :func:`~trainers.optimizers.layout.stack_runs`.
 
   ``saved_layout``: a :meth:`~trainers.optimizers.ParamLayout.record`. Raises
   ``OptimizerError`` naming the first stack whose blocks are not the same tiles.
   """
   states, runs = [], []
-  for record in (saved_layout, built.layout.record()):
-    tx = built.optimizer_for(ParamLayout.from_record(record, built.params))
+  for record, options in ((saved_layout, storage), (built.layout.record(), built.storage)):
+    tx = built.optimizer_for(ParamLayout.from_record(record, built.params), options)
     states.append(jax.eval_shape(tx.init, built.params))
     runs.append(stack_runs(tx, built.params, states[-1]))
   names = _names(states[1])
@@ -196,10 +205,7 @@ def restack(saved, saved_state, built: BuiltOptimizer, runs: tuple) -> tuple[Any
   """
   target = built.state if built.state is not None else _abstract_state(built)
   names, old_names = _names(target), _names(saved_state)
-  changed = [
-      not (old.blocks == new.blocks and old.offset == new.offset and old.leaves == new.leaves)
-      for old, new in zip(*runs)
-  ]
+  changed = [old.blocks != new.blocks or old.offset != new.offset for old, new in zip(*runs)]
 
   def convert(old_leaves):
     by_name = dict(zip(old_names, old_leaves))
@@ -227,4 +233,4 @@ def restack(saved, saved_state, built: BuiltOptimizer, runs: tuple) -> tuple[Any
 
 
 def _abstract_state(built: BuiltOptimizer):
-  return jax.eval_shape(built.optimizer_for(built.layout).init, built.params)
+  return jax.eval_shape(built.optimizer_for(built.layout, built.storage).init, built.params)
