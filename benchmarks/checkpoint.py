@@ -39,22 +39,12 @@ import numpy as np
 from benchmarks.throughput import init_state, lm_config, setup
 from benchmarks.timing import WARMUP, seconds_per_step
 from trainers import cli
-from trainers.rundir import checkpoint
+from trainers.rundir import checkpoint, saver
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # Untimed saves each way first: they compile the trainer's copy and start orbax's threads, once
 # a run (as the first steps compile the train step).
 FIRST_SAVES = 1
-
-
-def local_bytes(state) -> int:
-  """Bytes of the state's shards this process holds, each distinct shard once."""
-  return sum(
-      s.data.nbytes
-      for x in jax.tree.leaves(state)
-      for s in x.addressable_shards
-      if s.replica_id == 0
-  )
 
 
 def rss() -> int:
@@ -161,7 +151,7 @@ def measure(config, saves: int) -> dict:
     bookkeeping = [save_memory(ckpt, step + i, bare) for i in range(FIRST_SAVES + saves)]
     manager.close()
     ckpt.close(state)
-  found = {"mib": local_bytes(state) / 2**20, "step": step_s, "copy": np.median(copies)}
+  found = {"mib": saver.local_bytes(state) / 2**20, "step": step_s, "copy": np.median(copies)}
   for way, (blocked, extra, written) in timed.items():
     found[way], found[f"{way} write"] = np.median(blocked), np.median(written)
     found[f"{way} memory"] = max(extra)

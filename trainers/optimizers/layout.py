@@ -647,7 +647,7 @@ def run_all(
       32.0
   """
   results: list = [None] * len(runs)
-  stored = {i: k for k, (pool, _) in enumerate(pools) for i in pool.members}
+  stored = {i for pool, _ in pools for i in pool.members}
   _record(runs, pools)
   groups: dict[tuple, list[int]] = {}
   for i, run in enumerate(runs):

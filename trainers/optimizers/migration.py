@@ -122,12 +122,12 @@ def migrate_state(
       return None, f"its state differs: {mismatch}"
     return load(), f"{built.name}'s, as saved"
   try:
-    saved_state, runs = stacks_between(saved["layout"], storage, built)
+    states, runs = stacks_between(saved["layout"], storage, built)
   except OptimizerError as e:
     return None, f"its blocks differ on this mesh: {e}"
-  if mismatch := differs(saved_state):
+  if mismatch := differs(states[0]):
     return None, f"its state differs: {mismatch}"
-  state, moves = restack(load(saved_targets(saved_state, built.state)), saved_state, built, runs)
+  state, moves = restack(load(saved_targets(states[0], built.state)), states, built.state, runs)
   stored = lambda options: f" under {options}" if storage != built.storage else ""
   return state, (
       f"{built.name}'s, saved on mesh {dict(saved['layout']['mesh'])}{stored(storage)}, restored "
@@ -149,9 +149,10 @@ def saved_record(saved_meta: dict) -> dict:
   return {"name": saved_meta["optax_name"], "layout": saved_meta.get("layout")}
 
 
-def stacks_between(saved_layout: dict, storage: dict, built: BuiltOptimizer) -> tuple[Any, tuple]:
-  """``(saved_state, (saved_runs, runs))``: the abstract state the saving run's layout and
-  ``storage`` options make, and both runs' :func:`~trainers.optimizers.layout.stack_runs`.
+def stacks_between(saved_layout: dict, storage: dict, built: BuiltOptimizer) -> tuple[tuple, tuple]:
+  """``((saved_state, state), (saved_runs, runs))``: the abstract states the saving run's
+  layout and ``storage`` options and ``built``'s make, and both runs'
+  :func:`~trainers.optimizers.layout.stack_runs`.
 
   ``saved_layout``: a :meth:`~trainers.optimizers.ParamLayout.record`. Raises
   ``OptimizerError`` naming the first stack whose blocks are not the same tiles.
@@ -166,7 +167,7 @@ def stacks_between(saved_layout: dict, storage: dict, built: BuiltOptimizer) -> 
     if not same_blocking(old.blocks, new.blocks):
       name = names[new.leaves[0]] if new.leaves else "a block stack"
       raise OptimizerError(f"{name}: {tiles_text(old.blocks)} before, {tiles_text(new.blocks)} now")
-  return states[0], tuple(runs)
+  return tuple(states), tuple(runs)
 
 
 def _names(state) -> list[str]:
@@ -195,16 +196,17 @@ def saved_targets(saved_state, targets):
   return treedef.unflatten(placed)
 
 
-def restack(saved, saved_state, built: BuiltOptimizer, runs: tuple) -> tuple[Any, int]:
-  """``(state, moves)``: ``saved`` (arrays of ``saved_state``'s tree) as ``built``'s state,
-  in its shardings: each block stack in this layout's order and pools, the other leaves by
-  name; ``moves``: the stacks that changed.
+def restack(saved, states: tuple, targets, runs: tuple) -> tuple[Any, int]:
+  """``(state, moves)``: ``saved`` (arrays of the saved state's tree) as this run's state, in
+  ``targets``' shardings (None: unsharded): each block stack in this layout's order and
+  pools, the other leaves by name; ``moves``: the stacks that changed.
 
-  Example: ``restack(load(saved_targets(saved_state, built.state)), saved_state, built, runs)``
-  with ``stacks_between``'s ``saved_state, runs``.
+  Example: ``restack(load(saved_targets(states[0], built.state)), states, built.state, runs)``
+  with :func:`stacks_between`'s ``states, runs``.
   """
-  target = built.state if built.state is not None else _abstract_state(built)
+  saved_state, target = states
   names, old_names = _names(target), _names(saved_state)
+  lengths = [x.shape[0] if x.shape else 0 for x in jax.tree.leaves(target)]
   changed = [old.blocks != new.blocks or old.offset != new.offset for old, new in zip(*runs)]
 
   def convert(old_leaves):
@@ -225,12 +227,8 @@ def restack(saved, saved_state, built: BuiltOptimizer, runs: tuple) -> tuple[Any
     for leaves, members in pools.items():
       joined = zip(*(parts for _, parts in sorted(members, key=lambda m: m[0])))
       for i, xs in zip(leaves, joined):
-        new[i] = padded(jnp.concatenate(xs), jax.tree.leaves(target)[i].shape[0])
+        new[i] = padded(jnp.concatenate(xs), lengths[i])
     return jax.tree.structure(target).unflatten(new)
 
-  shardings = None if built.state is None else jax.tree.map(lambda x: x.sharding, target)
+  shardings = None if targets is None else jax.tree.map(lambda x: x.sharding, targets)
   return jax.jit(convert, out_shardings=shardings)(jax.tree.leaves(saved)), sum(changed)
-
-
-def _abstract_state(built: BuiltOptimizer):
-  return jax.eval_shape(built.optimizer_for(built.layout, built.storage).init, built.params)

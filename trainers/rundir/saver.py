@@ -93,6 +93,14 @@ def write_budget(tree) -> int:
   return max(int(WRITE_FRACTION * sum(shards)), max(shards, default=0) + 1)
 
 
+def local_bytes(tree) -> int:
+  """Bytes of the distinct shards of ``tree``'s arrays this process holds, each once.
+
+  Example: ``local_bytes([jax.ShapeDtypeStruct((4,), jnp.float32)])`` == 16.
+  """
+  return sum(size for x in jax.tree.leaves(tree) for size in _local_shard_bytes(x))
+
+
 def _local_shard_bytes(x) -> list[int]:
   """Bytes of each distinct shard of ``x`` on this process's devices (one if unsharded)."""
   shape, itemsize = tuple(x.shape), x.dtype.itemsize
