@@ -4,11 +4,13 @@
 
 For each model size and optimizer, the trainer's run of ``configs/lm.py``
 (``trainers/build.py``: the config's whole optimizer section, its plan, the train step
-of ``trainers/steps.py``) runs twice: as configured, and with
-``config.sharding_strategy = [(".*", "replicate()")]``, every param and state leaf
-replicated and so the params' layout too (plain data parallelism: Kron, Shampoo and
-Muon do every block's work on every device). The batch is split over "data" in both.
-Compilation and two warm-up steps are excluded. Prints a markdown table.
+of ``trainers/steps.py``) runs twice: as configured, and as plain data parallelism
+(:func:`replicated_run`): ``config.sharding_strategy = [(".*", "replicate()")]`` for every
+param and state leaf, and the optimizer built without the params' layout, so no device
+owns a matrix (Muon), a dealt block or a pool of tiles (Kron, Shampoo): every device does
+every block's work on the whole state. The tiles, and so the math, are the same in both
+(they do not depend on the mesh). The batch is split over "data" in both. Compilation
+and two warm-up steps are excluded. Prints a markdown table.
 """
 
 import os
@@ -17,6 +19,7 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
 
+import dataclasses
 import itertools
 
 import flax.linen as nn
@@ -31,13 +34,30 @@ from trainers.input import batching
 REPLICATED = ((".*", "replicate()"),)
 
 
-def setup(config, num_batches: int) -> tuple:
+def replicated_run(config, mesh) -> build.Run:
+  """``config``'s run as plain data parallelism on ``mesh``: every param and state leaf
+  replicated, the optimizer built without a layout (every device computes every block).
+
+  Example: ``replicated_run(lm_config("tiny", "muon"), mesh).plan.specs["opt"]`` (all ``P()``).
+  """
+  config = config.copy_and_resolve_references()
+  config.sharding_strategy = REPLICATED
+  run = build.build(config, mesh)
+  tx, _ = build.optimizer(config)
+  rules = config.sharding_rules
+  params = bvs.plan({"params": jax.eval_shape(run.init)}, REPLICATED, mesh, rules=rules)
+  plan = bvs.plan(steps.abstract_state(run.init, tx), REPLICATED, mesh, rules=rules, params=params)
+  return dataclasses.replace(run, tx=tx, plan=plan, layout=None)
+
+
+def setup(config, num_batches: int, replicated: bool = False) -> tuple:
   """``(mesh, run, train_step, batches)`` of ``config``'s run on this host's devices.
 
-  ``run`` is the :class:`trainers.build.Run`; ``batches`` are ``num_batches`` global batches.
+  ``run`` is the :class:`trainers.build.Run` (:func:`replicated_run` if ``replicated``);
+  ``batches`` are ``num_batches`` global batches.
   """
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
-  run = build.build(config, mesh)
+  run = replicated_run(config, mesh) if replicated else build.build(config, mesh)
   sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
   local = run.task.batches(run.task.train, global_batch=config.batch_size, seed=0)
   batches = [batching.to_global(b, sharding) for b in itertools.islice(local, num_batches)]
@@ -50,21 +70,22 @@ def init_state(run) -> dict:
   return steps.init_state(run.init, run.tx, run.plan)
 
 
-def steps_per_sec(config, num_steps: int) -> float:
-  """Steps per second of ``config``'s train step."""
-  mesh, run, train_step, batches = setup(config, WARMUP + num_steps)
+def steps_per_sec(config, num_steps: int, replicated: bool = False) -> tuple[float, float]:
+  """``(steps per second, FLOPs per device per step)`` of ``config``'s train step
+  (:func:`setup`'s ``replicated``); the FLOPs are XLA's count of the compiled step, which
+  is the one timed."""
+  mesh, run, train_step, batches = setup(config, WARMUP + num_steps, replicated)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    _, seconds = seconds_per_step(train_step, init_state(run), batches, num_steps)
-  return 1 / seconds
+    state = init_state(run)
+    compiled = train_step.lower(state, batches[0]).compile()
+    _, seconds = seconds_per_step(compiled, state, batches, num_steps)
+  return 1 / seconds, float(compiled.cost_analysis().get("flops", 0.0))
 
 
-def lm_config(size: str, optimizer: str, replicated: bool = False):
-  """configs/lm.py of ``size`` with ``optimizer``, batch 16; ``replicated``: every param and
-  state leaf replicated, so the optimizer's layout is too (plain data parallelism)."""
+def lm_config(size: str, optimizer: str):
+  """configs/lm.py of ``size`` with ``optimizer``, batch 16."""
   config = lm.get_config(f"size={size}")
   config.batch_size, config.optax_name = 16, optimizer
-  if replicated:
-    config.sharding_strategy = REPLICATED
   return config
 
 
@@ -80,14 +101,19 @@ def main(argv=None):
       f"{jax.device_count()} {jax.devices()[0].platform} devices, {args.steps} timed steps "
       f"after {WARMUP} warm-up; batch split over 'data' in both columns\n"
   )
-  print("| size | optimizer | plan steps/s | replicated steps/s | plan / replicated |")
-  print("|---|---|---|---|---|")
+  print(
+      "| size | optimizer | plan steps/s | replicated steps/s | plan / replicated "
+      "| GFLOP/device plan | GFLOP/device replicated |"
+  )
+  print("|---|---|---|---|---|---|---|")
   for size, optimizer in itertools.product(args.sizes.split(","), args.optimizers.split(",")):
-    planned_rate = steps_per_sec(lm_config(size, optimizer), args.steps)
-    replicated_rate = steps_per_sec(lm_config(size, optimizer, replicated=True), args.steps)
+    planned, planned_flops = steps_per_sec(lm_config(size, optimizer), args.steps)
+    replicated, replicated_flops = steps_per_sec(
+        lm_config(size, optimizer), args.steps, replicated=True
+    )
     print(
-        f"| {size} | {optimizer} | {planned_rate:.2f} | {replicated_rate:.2f} | "
-        f"{planned_rate / replicated_rate:.2f} |",
+        f"| {size} | {optimizer} | {planned:.2f} | {replicated:.2f} | {planned / replicated:.2f} "
+        f"| {planned_flops / 1e9:.3f} | {replicated_flops / 1e9:.3f} |",
         flush=True,
     )
 
