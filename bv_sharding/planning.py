@@ -77,13 +77,16 @@ class Entry:
 class Plan:
   """Per-leaf specs for a tree on a mesh (a ``Mesh`` or an ``AbstractMesh``).
 
-  ``strategy``: the ``(regex, op_chain)`` pairs it was planned with, as parsed.
+  ``strategy``: the ``(regex, op_chain)`` pairs it was planned with, as parsed; ``rules``:
+  the ``(logical_name, mesh_axes)`` rules it resolved logical names with (the explicit
+  ``rules=``, else the enclosing ``nn.logical_axis_rules``), as parsed.
   """
 
   entries: tuple[Entry, ...]
   treedef: Any
   mesh: Any
   strategy: tuple[tuple[str, str], ...] = ()
+  rules: tuple = ()
 
   @property
   def specs(self):
@@ -303,7 +306,7 @@ def plan(
   has_params = any(_is_param(leaf) for leaf in leaves)
   planned = {leaf.name: leaf for leaf in leaves if _is_param(leaf) or not has_params}
   pairs = tuple((p.regex, p.chain_text) for p in pats)
-  decided = _earlier(params, planned, pairs, mesh) or {
+  decided = _earlier(params, planned, (pairs, explicit or context), mesh) or {
       name: _entry(leaf, sizes, *_decide_param(leaf, pats)) for name, leaf in planned.items()
   }
   by_path = {_relative(name): name for name in planned} if has_params else {}
@@ -314,7 +317,7 @@ def plan(
     else:
       leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, planned, decided)
       entries.append(_entry(leaf, sizes, *_decide_state(leaf, pats)))
-  return Plan(tuple(entries), treedef, mesh, pairs)
+  return Plan(tuple(entries), treedef, mesh, pairs, explicit or context)
 
 
 def infer_sharding(tree, strategy, mesh, rules: Sequence | None = None, strict: bool = False):
@@ -376,17 +379,21 @@ def _relative(name: str) -> tuple[str, ...]:
   return tuple(name.split("/"))[1:]
 
 
-def _earlier(params: Plan | None, planned: dict, pairs, mesh) -> dict[str, Entry] | None:
+def _earlier(params: Plan | None, planned: dict, how: tuple, mesh) -> dict[str, Entry] | None:
   """``params``' entries by name, checked to be those of the ``planned`` leaves on ``mesh``
-  under the strategy ``pairs``; ``None`` without ``params``."""
+  under ``how``, this plan's ``(strategy pairs, rules)``; ``None`` without ``params``."""
   if params is None:
     return None
   earlier = params.by_name()
-  if params.strategy != pairs or params.mesh != mesh:
+  (pairs, rules), same_rules = how, params.rules == how[1]
+  if params.strategy != pairs or params.mesh != mesh or not same_rules:
+    given = f"strategy {list(params.strategy)} on mesh {dict(params.mesh.shape)}"
+    mine = f"{list(pairs)} on {dict(mesh.shape)}"
+    if not same_rules:
+      given, mine = f"{given} under rules {list(params.rules)}", f"{mine} under {list(rules)}"
     raise ShardingError(
-        f"params= was planned with strategy {list(params.strategy)} on mesh "
-        f"{dict(params.mesh.shape)}, this plan uses {list(pairs)} on {dict(mesh.shape)}; plan "
-        "both with the same strategy, mesh and rules"
+        f"params= was planned with {given}, this plan uses {mine}; plan both with the same "
+        "strategy, mesh and rules"
     )
   mine = {name: leaf.shape for name, leaf in planned.items()}
   if {e.name: tuple(e.shape) for e in params.entries} != mine:

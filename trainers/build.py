@@ -71,8 +71,8 @@ def build(config, mesh) -> Run:
   """The :class:`Run` of ``config`` on ``mesh`` (``Mesh`` or ``AbstractMesh``); no arrays.
 
   The params are planned once: their plan gives the layout the optimizer follows (Kron
-  and Shampoo cut blocks inside each device's shard, Muon orthogonalises each matrix on
-  an owner device; ``trainers/optimizers/layout.py``), and the state's plan reuses its
+  and Shampoo fit each fixed tile of a param where its shards are, Muon orthogonalises each
+  matrix on an owner device; ``trainers/optimizers/layout.py``), and the state's plan reuses its
   entries.
 
   Example: ``build(config, bvs.make_mesh(config.mesh)).plan.report()``.

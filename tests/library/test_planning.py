@@ -188,6 +188,15 @@ def test_a_state_plan_reuses_the_params_plan_it_is_given():
     bvs.plan(tree, 'fsdp(axis="data")', mesh, params=alone)
   with pytest.raises(bvs.ShardingError, match="not this tree's 2 params"):
     bvs.plan({"params": {"up": params["up"]}}, strategy, mesh, params=alone)
+  with pytest.raises(
+      bvs.ShardingError, match=r"under rules \[\], .* under \[\('batch', 'data'\)\]"
+  ):
+    bvs.plan(tree, strategy, mesh, rules=[("batch", "data")], params=alone)
+  with nn.logical_axis_rules([("batch", "data")]):  # The enclosing rules count as well.
+    with pytest.raises(bvs.ShardingError, match="same strategy, mesh and rules"):
+      bvs.plan(tree, strategy, mesh, params=alone)
+    ruled = bvs.plan({"params": params}, strategy, mesh)
+    assert bvs.plan(tree, strategy, mesh, params=ruled).rules == (("batch", "data"),)
 
 
 @pytest.mark.parametrize(

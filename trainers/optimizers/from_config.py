@@ -63,8 +63,9 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   ``(regex, schedule)`` entries) to ``step -> learning rate``: the very
   schedules the optimizer applies, for logging (a registry optimizer's ``lr_scale``
   included). ``layout``: the params' :class:`~trainers.optimizers.layout.ParamLayout`, for
-  the project's optimizers that follow the params' layout: Kron and Shampoo cut
-  shard-local blocks, Muon orthogonalises each matrix on an owner device.
+  the project's optimizers that follow the params' layout: Kron and Shampoo fit each of a
+  param's fixed tiles where its shards are (or cut shard-local blocks with
+  ``blocking="local"``), Muon orthogonalises each matrix on an owner device.
   The state is stored in ``config.state_dtype`` (see the module docstring).
   """
   name = config.optax_name

@@ -179,7 +179,8 @@ def make_optimizer(
       ``scale``/``bias`` leaves and leaves with ndim < 2.
     clip_norm: clip gradients to this global norm first (None: no clipping).
     layout: the params' :class:`~trainers.optimizers.layout.ParamLayout`, given to
-      optimizers that take a ``layout`` (Kron, Shampoo: shard-local blocks; Muon: each
+      optimizers that take a ``layout`` (Kron, Shampoo: where each fixed tile is fitted and
+      its factors stored, or shard-local blocks with ``blocking="local"``; Muon: each
       matrix orthogonalised by its owner device); the others ignore it.
     **optimizer_kwargs: passed to the optimizer's own constructor.
 
