@@ -215,7 +215,7 @@ def abstract_batch(batch_shapes: Any, batch_sharding: NamedSharding) -> Any:
     >>> from jax.sharding import AbstractMesh
     >>> sharding = NamedSharding(AbstractMesh((8,), ("data",)), P("data"))
     >>> abstract_batch({"tokens": jnp.zeros((16, 4))}, sharding)["tokens"].sharding.spec
-    PartitionSpec('data',)
+    P('data',)
   """
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), batch_shapes
