@@ -22,8 +22,8 @@ Dtype "float32" is the configs' default; "bfloat16" sets ``config.compute_dtype`
 steps/s and tokens/s of the training loop; TFLOP/s and MFU from the step's model FLOPs
 (``trainers/utilization.py``: the traced matmuls, every scanned layer counted, 3 x the forward
 pass plus the optimizer's update, rematerialised forward passes not counted; MFU "n/a" where
-the device's bf16 peak is unknown, e.g. on CPU); the compiled
-step's memory (``memory_analysis()``: arguments + temporaries + outputs - aliased, in GiB);
+the device's bf16 peak is unknown, e.g. on CPU); the compiled step's memory
+(``memory_analysis()``: arguments + temporaries + outputs - aliased, in GiB);
 and the sync overhead, the training loop's seconds per step over the bare loop's. Prints a
 markdown table, a row as soon as it is measured.
 """

@@ -26,8 +26,8 @@ inputs and prints XLA's figures per device (arguments, temporaries, outputs, ali
 against each device's memory (``config.device_memory_gib`` or the devices';
 ``trainers/memory.py``), the check the trainer makes before init, and the step's model FLOPs
 as the trainer logs them (``trainers/utilization.py``; the same scanned or not); JSON: the
-``compiled`` key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn``
-long).
+``compiled`` key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis
+``ici * dcn`` long).
 ``--format json`` prints the same as JSON; ``--png FILE`` draws per-device memory by
 component and the largest leaves (``pip install -e ".[plot]"``); ``--diff OVERRIDE``
 (repeatable) plans a second time with the overrides added (e.g. ``config.optax_name=kron``
