@@ -19,10 +19,11 @@ The two take turns ``--repeats`` times; each keeps its fastest turn.
 
 Dtype "float32" is the configs' default; "bfloat16" sets ``config.compute_dtype`` and
 ``config.state_dtype`` to bfloat16 (params stay float32: mixed precision). Columns, per device:
-steps/s and tokens/s of the training loop; TFLOP/s and MFU from the compiled step's FLOPs
-(``trainers/utilization.py``: XLA's count, rematerialised forward passes and the optimizer's
-update included; MFU "n/a" where the device's bf16 peak is unknown, e.g. on CPU); the compiled
-step's memory (``memory_analysis()``: arguments + temporaries + outputs - aliased, in GiB);
+steps/s and tokens/s of the training loop; TFLOP/s and MFU from the step's model FLOPs
+(``trainers/utilization.py``: the traced matmuls, every scanned layer counted, 3 x the forward
+pass plus the optimizer's update, rematerialised forward passes not counted; MFU "n/a" where
+the device's bf16 peak is unknown, e.g. on CPU); the compiled step's memory
+(``memory_analysis()``: arguments + temporaries + outputs - aliased, in GiB);
 and the sync overhead, the training loop's seconds per step over the bare loop's. Prints a
 markdown table, a row as soon as it is measured.
 """
@@ -117,7 +118,7 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
   )
   bare, loop = math.inf, math.inf
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    cost = train.step_cost(compiled, run, config)
+    cost = train.step_cost(run, config, batches[0].sharding, batches[0])
     state = throughput.init_state(run)
     for batch in batches[:WARMUP]:
       state, _ = compiled(state, batch)

@@ -24,9 +24,10 @@ traced with ``jax.eval_shape``. It prints:
 CPU the trainer's simulated ones: ``$BV_DEVICES_PER_PROCESS``, default 8) from abstract
 inputs and prints XLA's figures per device (arguments, temporaries, outputs, aliased)
 against each device's memory (``config.device_memory_gib`` or the devices';
-``trainers/memory.py``), the check the trainer makes before init; JSON: the ``compiled``
-key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis ``ici * dcn``
-long).
+``trainers/memory.py``), the check the trainer makes before init, and the step's model FLOPs
+as the trainer logs them (``trainers/utilization.py``; the same scanned or not); JSON: the
+``compiled`` key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis
+``ici * dcn`` long).
 ``--format json`` prints the same as JSON; ``--png FILE`` draws per-device memory by
 component and the largest leaves (``pip install -e ".[plot]"``); ``--diff OVERRIDE``
 (repeatable) plans a second time with the overrides added (e.g. ``config.optax_name=kron``
@@ -47,7 +48,7 @@ import jax
 import numpy as np
 
 import bv_sharding as bvs
-from trainers import MiB, build, cli, distributed, memory, steps
+from trainers import MiB, build, cli, distributed, memory, steps, utilization
 from trainers.errors import ConfigError
 from trainers.input import batching, records
 
@@ -130,7 +131,8 @@ def make_plan(s: Setup) -> bvs.Plan:
 
 def compiled(s: Setup) -> dict:
   """The compiled train step's memory per device on this host's devices, against each
-  device's memory (``trainers/memory.py``): what the trainer checks before init.
+  device's memory (``trainers/memory.py``): what the trainer checks before init; and its
+  model FLOPs as the trainer counts them (``trainers/utilization.py``).
 
   The devices must exist: ``s.num_devices`` of them (on CPU, the simulated ones).
   """
@@ -156,9 +158,12 @@ def compiled(s: Setup) -> dict:
   shapes = batching.global_shapes(next(held_out), config.batch_size)
   _, step = memory.compile_step(config, run.plan, train_step, batch_sharding, shapes)
   have = memory.budget(devices, config.get("device_memory_gib"))
+  cost = utilization.step_cost(run, config, batch_sharding, shapes)
   return {
       "devices": f"{len(devices)} {devices[0].device_kind}",
       "grad_accum_steps": config.grad_accum_steps,
+      "flops_per_step": cost.flops,
+      "flops_source": cost.source,
       **memory.report(step, have),
   }
 
@@ -233,7 +238,12 @@ def text(rep: dict, rows: int | None = None) -> str:
 
 
 def compiled_text(c: dict) -> str:
-  """The compiled step's line: its figures per device, and whether it fits."""
+  """The compiled step's lines: its model FLOPs; its figures per device, and whether it fits."""
+  flops = f"model FLOPs per step: {c['flops_per_step']:.6g} ({c['flops_source']})\n"
+  return flops + _memory_text(c)
+
+
+def _memory_text(c: dict) -> str:
   head = f"compiled train step on {c['devices']} (grad_accum_steps={c['grad_accum_steps']}): "
   if c["per_device"] is None:
     return head + "the backend gives no memory figures"

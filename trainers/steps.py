@@ -204,10 +204,22 @@ def compile_train_step(
     >>> compiled.memory_analysis().argument_size_in_bytes  # a device's row of w, 2 rows of x
     80
   """
-  batch = jax.tree.map(
+  return train_step.lower(plan.abstract(), abstract_batch(batch_shapes, batch_sharding)).compile()
+
+
+def abstract_batch(batch_shapes: Any, batch_sharding: NamedSharding) -> Any:
+  """``batch_shapes`` (a tree of anything with a ``shape`` and ``dtype``) as
+  ``jax.ShapeDtypeStruct``s in ``batch_sharding``: a batch to trace or compile with.
+
+  Example:
+    >>> from jax.sharding import AbstractMesh
+    >>> sharding = NamedSharding(AbstractMesh((8,), ("data",)), P("data"))
+    >>> abstract_batch({"tokens": jnp.zeros((16, 4))}, sharding)["tokens"].sharding.spec
+    P('data',)
+  """
+  return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), batch_shapes
   )
-  return train_step.lower(plan.abstract(), batch).compile()
 
 
 def accumulate(

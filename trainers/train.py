@@ -19,8 +19,9 @@ checkpoints (every ``config.ckpt_steps``, at the end, on SIGTERM); a workdir hol
 resumes from it exactly (trainers/rundir/checkpoint.py). A NaN or infinite loss stops the run
 (``config.on_nonfinite="stop"``) or skips the update ("skip"; trainers/divergence.py).
 
-The train step is compiled once, ahead of time, from the plan's abstract state; XLA's count
-of its FLOPs gives TFLOP/s and MFU per device (trainers/utilization.py). The loop never waits
+The train step is compiled once, ahead of time, from the plan's abstract state; its model
+FLOPs, counted from its traced program (every scanned layer and microbatch), give TFLOP/s and
+MFU per device (trainers/utilization.py). The loop never waits
 for the device between log steps: step k+1 is dispatched before anything of step k is read,
 and the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
 at log, eval and checkpoint steps, on SIGTERM and at the end, then checked in step order.
@@ -130,8 +131,9 @@ def main(argv):
   eval_batches = held_out_batches(run.task, config)
   train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps)
   # Compiled once, from abstract inputs: its memory (activations too) checked before init.
-  train_step = check_compiled(config, plan, train_step, batch_sharding, eval_batches[0])
-  cost = step_cost(train_step, run, config)
+  shapes = batching.global_shapes(eval_batches[0], config.batch_size)
+  train_step = check_compiled(config, plan, train_step, batch_sharding, shapes)
+  cost = step_cost(run, config, batch_sharding, shapes)
   eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
@@ -208,36 +210,24 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   return plan
 
 
-def check_compiled(config, plan: bvs.Plan, train_step, batch_sharding, local_batch):
-  """``train_step`` compiled for the planned state and a batch like ``local_batch`` (this
-  process's rows), once XLA's figure for it fits each device (trainers/memory.py)."""
-  shapes = batching.global_shapes(local_batch, config.batch_size)
+def check_compiled(config, plan: bvs.Plan, train_step, batch_sharding, shapes):
+  """``train_step`` compiled for the planned state and a global batch of ``shapes``, once XLA's
+  figure for it fits each device (trainers/memory.py)."""
   compiled, step = memory.compile_step(config, plan, train_step, batch_sharding, shapes)
   have = memory.budget(jax.local_devices(), config.get("device_memory_gib"))
   logging.info("%s", memory.check_step(step, have, plan, config, batch_sharding))
   return compiled
 
 
-def step_cost(compiled, run: build.Run, config) -> utilization.StepCost:
-  """The compiled step's FLOPs (else the 6·N·tokens + attention formula) and this device's peak."""
-  dims = getattr(run.model, "config", None)  # Llama's sizes; the formula's attention term.
-  formula = utilization.formula_flops(
-      sum(math.prod(e.shape) for e in run.plan.entries if e.name.startswith("params/")),
-      config.batch_size * run.task.per_example,
-      getattr(dims, "n_layers", 0),
-      config.get("seq_len", 0),
-      getattr(dims, "d_model", 0),
-  )
-  flops, source = utilization.step_flops(
-      compiled, jax.device_count(), formula, config.grad_accum_steps
-  )
-  device = jax.devices()[0].device_kind
-  cost = utilization.StepCost(flops, source, jax.device_count(), utilization.peak_flops(device))
+def step_cost(run: build.Run, config, batch_sharding, shapes) -> utilization.StepCost:
+  """The step's model FLOPs, traced (else the 6·N·tokens + attention formula), and this
+  device's peak (:func:`utilization.step_cost`), logged."""
+  cost = utilization.step_cost(run, config, batch_sharding, shapes)
   logging.info(
-      "train step: %.4g FLOPs (%s), %s peak bf16 FLOP/s %s",
-      flops,
-      source,
-      device,
+      "train step: %.4g model FLOPs (%s), %s peak bf16 FLOP/s %s",
+      cost.flops,
+      cost.source,
+      jax.devices()[0].device_kind,
       "unknown (MFU null)" if cost.peak is None else f"{cost.peak:.4g}",
   )
   return cost

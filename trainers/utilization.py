@@ -1,9 +1,11 @@
 """How much of its hardware a run uses: model FLOPs per step, TFLOP/s per device and MFU.
 
 MFU (model FLOPs utilization, PaLM appendix B) is the model FLOP/s a device achieves over its
-dense bf16 peak. The FLOPs of a step come from the compiled train step's
-``cost_analysis()`` (XLA's count: forward, backward and the optimizer's update, as compiled),
-else from the formula of :func:`formula_flops`; ``flops_source`` says which.
+dense bf16 peak. The FLOPs of a step are its matmul FLOPs as traced (``trainers/flops.py``:
+every scanned layer and microbatch counted): 3 x the forward pass's plus the optimizer's
+update once (:func:`step_flops`), else the formula of :func:`formula_flops`;
+``flops_source`` says which. Causal attention counts its full score and value matmuls, as
+the traced model computes them.
 
 Example:
   >>> peak_flops("NVIDIA H100 80GB HBM3"), peak_flops("TPU v5 lite"), peak_flops("cpu")
@@ -13,6 +15,12 @@ Example:
 """
 
 import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+
+from trainers import flops, steps
 
 # Dense (no sparsity) bf16 peak FLOP/s per chip, keyed by ``jax.Device.device_kind``; a kind
 # matches the longest key it starts with (case-insensitive). Figures from the vendors' spec
@@ -75,31 +83,67 @@ def formula_flops(
   return float(tokens * (6 * num_params + 12 * layers * seq_len * d_model))
 
 
-def step_flops(
-    compiled, num_devices: int, formula: float, microbatches: int = 1
-) -> tuple[float, str]:
-  """(model FLOPs of one step over all devices, ``flops_source``): "compiled" or "formula".
+def step_flops(loss, tx, state, batch, formula: float) -> tuple[float, str]:
+  """(model FLOPs of one step over all devices, ``flops_source``): "jaxpr" or "formula".
 
-  ``compiled`` is the AOT-compiled train step (``jit(...).lower(...).compile()``); under
-  SPMD its ``cost_analysis()["flops"]`` counts one device's program, so it is multiplied by
-  ``num_devices``. XLA counts a loop's body once, so the step of ``microbatches``
-  (``config.grad_accum_steps``, a ``lax.scan``) is counted that many times over (the
-  optimizer's update, outside the loop and small beside the model's, with it). Where XLA
-  gives no count (missing, or 0), ``formula`` (:func:`formula_flops`) is returned with
-  source "formula".
+  Traced, not compiled (``trainers/flops.py``): 3 x the matmul FLOPs of ``loss(params,
+  batch)`` over the whole global batch (the forward pass; the backward's two matmuls per
+  forward one make the 3, and rematerialised forward passes are not counted) plus those of
+  one ``tx.update(grads, opt, params)``. Every scanned layer counts, and the microbatches of
+  ``config.grad_accum_steps`` too: they share the batch's rows, and a matmul's FLOPs are
+  linear in them. ``state`` is ``{"params", "opt"}`` (arrays or ``ShapeDtypeStruct``s, e.g.
+  ``plan.abstract()``; the grads are traced as the params), ``batch`` the global batch's
+  (shardings kept). Where the loss holds no matmul a jaxpr shows (0, e.g. a custom kernel's),
+  ``formula`` (:func:`formula_flops`) is returned with source "formula". Call it under the
+  mesh and logical rules the step runs under.
 
-  Example: ``step_flops(train_step.lower(state, batch).compile(), 8, formula_flops(n, t))``.
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> w, x = jnp.ones((8, 4)), jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    >>> loss = lambda w, x: jnp.mean(x @ w)
+    >>> state = {"params": w, "opt": optax.sgd(0.1).init(w)}
+    >>> step_flops(loss, optax.sgd(0.1), state, x, formula=1.0)  # 3 x 2*16*8*4, sgd: none
+    (3072.0, 'jaxpr')
   """
-  try:
-    analysis = compiled.cost_analysis()
-  except Exception:  # Some backends do not implement it.
-    analysis = None
-  if isinstance(analysis, list | tuple):  # Older jax: one dict per program.
-    analysis = analysis[0] if analysis else None
-  flops = float((analysis or {}).get("flops", 0.0))
-  if flops > 0:
-    return flops * num_devices * microbatches, "compiled"
-  return float(formula), "formula"
+  params = state["params"]
+  forward = flops.traced_flops(loss, params, batch)
+  if forward == 0:
+    return float(formula), "formula"
+  return 3 * forward + flops.traced_flops(tx.update, params, state["opt"], params), "jaxpr"
+
+
+def run_formula_flops(run, config) -> float:
+  """:func:`formula_flops` of a ``trainers.build.Run``'s step: ``N`` every param (the input
+  embedding's too, which does no matmul), attention from the model's ``n_layers`` and
+  ``d_model`` (Llama's; 0 for a model without them) and ``config.seq_len``.
+
+  Example: ``run_formula_flops(build.build(config, mesh), config)``.
+  """
+  dims = getattr(run.model, "config", None)
+  return formula_flops(
+      sum(math.prod(e.shape) for e in run.plan.entries if e.name.startswith("params/")),
+      config.batch_size * run.task.per_example,
+      getattr(dims, "n_layers", 0),
+      config.get("seq_len", 0),
+      getattr(dims, "d_model", 0),
+  )
+
+
+def step_cost(run, config, batch_sharding, batch_shapes) -> "StepCost":
+  """The :class:`StepCost` of a run's train step: :func:`step_flops` of its loss and optimizer
+  on its planned state and a global batch of ``batch_shapes`` in ``batch_sharding`` (traced
+  under the run's mesh and ``config.sharding_rules``), this host's devices and their peak.
+
+  ``run`` is a ``trainers.build.Run``; the fallback is :func:`run_formula_flops`.
+
+  Example: ``step_cost(run, config, batch_sharding, shapes).flops``.
+  """
+  batch = steps.abstract_batch(batch_shapes, batch_sharding)
+  formula = run_formula_flops(run, config)
+  with jax.set_mesh(run.mesh), nn.logical_axis_rules(config.sharding_rules):
+    total, source = step_flops(run.loss, run.tx, run.plan.abstract(), batch, formula)
+  peak = peak_flops(jax.devices()[0].device_kind)
+  return StepCost(total, source, jax.device_count(), peak)
 
 
 def rates(
@@ -128,7 +172,7 @@ class StepCost:
   """A run's FLOPs per step (and where they come from), device count and peak FLOP/s per device.
 
   Example:
-    >>> cost = StepCost(flops=8e12, source="compiled", num_devices=8, peak=None)
+    >>> cost = StepCost(flops=8e12, source="jaxpr", num_devices=8, peak=None)
     >>> cost.record(steps_per_sec=2.0, per_step=1024, unit="tokens")["tflops_per_device"]
     2.0
   """

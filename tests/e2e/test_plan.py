@@ -221,7 +221,7 @@ def test_compile_prints_the_steps_memory_falling_with_microbatches():
   """configs/lm.py's tiny Llama compiled on the 8 simulated devices: XLA's figures per device,
   the arguments the plan's state and a device's rows of the batch, the temporaries (the
   activations) falling with 4 microbatches, each checked against config.device_memory_gib
-  as the trainer checks it (tests/trainer/test_validation.py)."""
+  as the trainer checks it (tests/trainer/test_validation.py); the model FLOPs the same."""
   reports = {}
   for count in (1, 4):
     args = ("--compile", "--format=json", f"--config.grad_accum_steps={count}")
@@ -241,7 +241,13 @@ def test_compile_prints_the_steps_memory_falling_with_microbatches():
     assert c["devices"] == "8 cpu" and c["device_memory"] == round(0.008 * 2**30)
     assert c["where"] == "config.device_memory_gib=0.008"
   assert (one["fits"], four["fits"]) == (False, True)
-  line = command.text(reports[1]).splitlines()[-1]
+  # Model FLOPs, by hand: 2 layers of 4 d^2 + 3 d d_ff, the lm head d x 256, and attention
+  # 4 T d a layer (scores and values) per token, 3 x forward, once per microbatch.
+  d, tokens = 128, 32 * 64
+  per_token = 2 * (2 * (4 * d * d + 3 * d * 384) + d * 256) + 2 * 4 * 64 * d
+  assert one["flops_per_step"] == four["flops_per_step"] == 3 * per_token * tokens
+  flops_line, line = command.text(reports[1]).splitlines()[-2:]
+  assert flops_line == f"model FLOPs per step: {3 * per_token * tokens:.6g} (jaxpr)"
   assert line.startswith("compiled train step on 8 cpu (grad_accum_steps=1): arguments 0.7 MiB, ")
   assert line.endswith(
       f"total {one['per_device']['total'] / MiB:.1f} MiB per device of 8.2 MiB "

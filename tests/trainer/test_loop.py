@@ -40,7 +40,7 @@ class Run:
         checkpoint.Start(0, "scratch"),
         evaluate=lambda params: float(params),
         write=self.records.append,
-        cost=utilization.StepCost(1e9, "compiled", 8, None),
+        cost=utilization.StepCost(1e9, "jaxpr", 8, None),
     )
     watch = divergence.LossWatch(policy, lr=1e-3, write=self.records.append)
     plan = types.SimpleNamespace(mismatches=lambda state: [])

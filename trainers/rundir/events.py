@@ -12,7 +12,7 @@ Example:
   >>> events = EventWriter(run)
   >>> os.path.exists(os.path.join(run, TENSORBOARD))  # nothing until the first record
   False
-  >>> events.write({"step": 1, "loss": 2.5, "flops_source": "compiled", "mfu": None})
+  >>> events.write({"step": 1, "loss": 2.5, "flops_source": "jaxpr", "mfu": None})
   >>> events.close()
   >>> read_scalars(os.path.join(run, TENSORBOARD))
   {'loss': [(1, 2.5)]}
