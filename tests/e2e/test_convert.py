@@ -4,13 +4,17 @@ documents, the records' counts, and each bad input one line, exit status 1, noth
 """
 
 import json
+import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pytest
 from pyarrow import parquet
 
-from tests.helpers import assert_snake_case_help, help_text
+from tests.helpers import ROOT, assert_snake_case_help, environment, help_text
 from trainers import convert
 from trainers.input import documents, sources
 from trainers.input import tokenizer as tokenizers_lib
@@ -122,11 +126,25 @@ def test_workers_write_what_one_process_writes(tmp_path, given_tokenizer, monkey
     assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
 
 
+def visible(out) -> dict:
+  """The output as a reader sees it: each file by its name (hidden and temporary ones left
+  out), its record parsed."""
+  files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name[0] != "."}
+  files = {n: data for n, data in files.items() if ".partial-" not in n}
+  return {n: json.loads(b) if n.endswith(".json") else b for n, b in files.items()}
+
+
+def committed_listing(out) -> list[str]:
+  """What ``out`` holds after a commit and nothing else: the files, .current, its directory."""
+  current = (out / ".current").readlink().name
+  return sorted([".current", current, *visible(out)])
+
+
 def test_an_interrupted_run_leaves_the_last_output(tmp_path, given_tokenizer, monkeypatch):
   corpus = documents.Corpus.of(write_corpus(tmp_path / "corpus", "text"))
   out = tmp_path / "out"
   convert.convert(corpus, str(out), 0.2)
-  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  before, listing = visible(out), sorted(p.name for p in out.iterdir())
   calls = []
 
   def interrupted(*args):
@@ -139,7 +157,106 @@ def test_an_interrupted_run_leaves_the_last_output(tmp_path, given_tokenizer, mo
   monkeypatch.setattr(tokenizers_lib, "encode", interrupted)
   with pytest.raises(KeyboardInterrupt):
     convert.convert(corpus, str(out), 0.2, given_tokenizer)
-  assert calls and {p.name: p.read_bytes() for p in out.iterdir()} == before
+  assert calls and visible(out) == before
+  assert sorted(p.name for p in out.iterdir()) == listing  # Its staging directory removed.
+
+
+# Converts in a forked child killed by SIGKILL at its k-th filesystem change (k = 1, 2, ...),
+# one output directory each; prints the children's exit codes.
+KILLED_AT_EACH_CHANGE = r"""
+import json, os, signal, sys
+from trainers import convert
+from trainers.input import documents
+
+def convert_killed_at(k, corpus, out, tokenizer):
+  if os.fork():
+    return os.waitstatus_to_exitcode(os.wait()[1])
+  calls = [0]
+  def killing(change):
+    def counted(*args, **kwargs):
+      calls[0] += 1
+      if calls[0] == k:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return change(*args, **kwargs)
+    return counted
+  for name in ("mkdir", "link", "symlink", "replace", "rename", "unlink", "remove", "rmdir"):
+    setattr(os, name, killing(getattr(os, name)))
+  sys.stderr = open(os.devnull, "w")
+  try:
+    convert.convert(corpus, out, 0.2, tokenizer)
+  finally:
+    os._exit(0 if calls[0] else 1)
+
+corpus, tokenizer, outs = documents.Corpus.of(sys.argv[1]), sys.argv[2], sys.argv[3:]
+print(json.dumps([convert_killed_at(k, corpus, out, tokenizer) for k, out in enumerate(outs, 1)]))
+"""
+
+
+def dead_pid() -> int:
+  child = subprocess.Popen(["true"])
+  child.wait()
+  return child.pid
+
+
+@pytest.mark.parametrize("earlier", ["committed", "plain files"])
+def test_a_kill_at_any_step_leaves_the_old_or_the_new_output_whole(
+    tmp_path, capsys, given_tokenizer, earlier
+):
+  """A real SIGKILL at each filesystem change of a conversion (staging, the plain files'
+  adoption, the commit, the clean-up) leaves the earlier output or the new one, whole; the
+  next run removes what the killed one left, says so, and commits."""
+  corpus_path = write_corpus(tmp_path / "corpus", "text")
+  corpus = documents.Corpus.of(corpus_path)
+  outs = [tmp_path / f"out-{k:02}" for k in range(1, 31)]  # It makes 9 or 25 changes.
+  for out in outs:
+    convert.convert(corpus, str(out), 0.2)  # The old output: bytes.
+    if earlier == "plain files":  # As the earlier converter left it, a cut temporary file too.
+      for name, data in {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}.items():
+        (out / name).unlink()
+        (out / name).write_bytes(data)
+      for hidden in out.glob(".*"):
+        shutil.rmtree(hidden) if not hidden.is_symlink() else hidden.unlink()
+      (out / f"train.bin.partial-{dead_pid()}").write_bytes(b"cut")
+  old = visible(outs[0])
+  new_out = tmp_path / "new"
+  convert.convert(corpus, str(new_out), 0.2, given_tokenizer)
+  new = visible(new_out)
+  command = [sys.executable, "-c", KILLED_AT_EACH_CHANGE, corpus_path, given_tokenizer]
+  done = subprocess.run(
+      [*command, *map(str, outs)], cwd=ROOT, env=environment(), capture_output=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  codes = json.loads(done.stdout)
+  completed = codes.index(0)  # The first run that got through: every change killed before.
+  assert codes == [-signal.SIGKILL] * completed + [0] * (len(outs) - completed)
+  seen = []
+  for out in outs[: completed + 1]:
+    seen.append("old" if visible(out) == old else "new" if visible(out) == new else "mixed")
+    left = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    convert.convert(corpus, str(out), 0.2, given_tokenizer)  # The next run.
+    err = capsys.readouterr().err
+    assert visible(out) == new and sorted(p.name for p in out.iterdir()) == committed_listing(out)
+    killed_left = [n for n in left if n.startswith(".convert-") or ".partial-" in n]
+    if len(killed_left) > (out / ".current").exists():
+      assert f"removed what interrupted runs left in {out}: " in err
+  assert seen[0] == "old" and seen[-1] == "new" and "mixed" not in seen, seen
+  assert seen == sorted(seen, reverse=True)  # Old, then new: one step commits.
+
+
+def test_the_files_of_a_conversion_go_together(tmp_path, given_tokenizer):
+  """A trained tokenizer is one of the committed files: a later run without one leaves no
+  tokenizer.json, and a run given the directory's own keeps it."""
+  corpus = documents.Corpus.of(write_corpus(tmp_path / "corpus", "text"))
+  out = tmp_path / "out"
+  convert.convert(corpus, str(out), 0.2, vocab_size=300)
+  trained = visible(out)
+  assert trained["train.bin.json"]["tokenizer"] == str(out / "tokenizer.json")
+  convert.convert(corpus, str(out), 0.2, str(out / "tokenizer.json"))  # Its own tokenizer.
+  assert visible(out) == trained
+  convert.convert(corpus, str(out), 0.2)
+  assert sorted(visible(out)) == ["train.bin", "train.bin.json", "val.bin", "val.bin.json"]
+  assert sorted(p.name for p in out.iterdir()) == committed_listing(out)
 
 
 @pytest.mark.parametrize(
