@@ -5,6 +5,7 @@ serving gcsfs (the run's files, through etils.epath) and TensorStore (orbax's ar
 every client is pointed at it or given a token, so nothing leaves this machine.
 """
 
+import importlib
 import os
 import pathlib
 import signal
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 from etils import epath
 from gcp_storage_emulator import server as emulator_server
+from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.server import GET
 
@@ -123,6 +125,7 @@ def test_the_run_files_in_a_bucket(emulator):
     record = {"step": step, "loss": 4.0 - step}
     metrics.write(record)
     curves.write(record)
+  metrics.close()
   curves.close()
   assert [r["step"] for r in workdir.read_records(metrics.path)] == [1, 2, 3]
   assert events.read_scalars(f"{run}/tensorboard")["loss"] == [(1, 3.0), (2, 2.0), (3, 1.0)]
@@ -141,7 +144,55 @@ def test_the_run_files_in_a_bucket(emulator):
   assert "into gs://bucket/files/attempt-2" in note
   assert sorted(p.name for p in epath.Path(run, "attempt-2").iterdir()) == [
       "config.json",
-      "metrics.jsonl",
+      "metrics",
+  ]
+  assert [r["step"] for r in workdir.read_records(f"{run}/attempt-2/metrics.jsonl")] == [1, 2]
+
+
+DELAY = 0.4  # Seconds the emulator takes for each object write, in this test.
+
+
+def test_records_in_a_bucket_cost_the_same_bytes_each_and_never_wait(emulator, monkeypatch):
+  """Each record is sent once, as a new object of its own size, from the writers' threads:
+  ``write`` returns at once while each object write takes the emulator DELAY seconds, and
+  only ``flush`` (before a checkpoint) waits."""
+  received = []  # (object name, bytes) of each object the emulator stores.
+  store = storage.Storage.create_file
+
+  def slow_store(self, bucket, name, content, *args, **kwargs):
+    time.sleep(DELAY)
+    received.append((name, len(content)))
+    return store(self, bucket, name, content, *args, **kwargs)
+
+  monkeypatch.setattr(storage.Storage, "create_file", slow_store)
+  importlib.import_module("tensorboardX")  # What the first record imports (1-2 s), not timed.
+  run = f"gs://{BUCKET}/paced"
+  metrics, curves = workdir.MetricsWriter(run), events.EventWriter(run)
+  records = [{"step": 100 + step, "loss": 1.0 + step} for step in range(1, 6)]
+  waited, flushed, sent = [], [], []
+  for record in records:
+    began = time.perf_counter()
+    metrics.write(record)
+    curves.write(record)
+    waited.append(time.perf_counter() - began)
+    metrics.flush()
+    curves.flush()
+    flushed.append(time.perf_counter() - began)
+    sent.append(sum(size for _, size in received) - sum(sent))
+  metrics.close()
+  curves.close()
+  assert max(waited) < DELAY / 4 < DELAY <= min(flushed), (waited, flushed)
+  lines = [len(workdir.json_line(r)) for r in records]
+  parts = [(name.rsplit("/", 2)[-2], size) for name, size in received]
+  assert [size for where, size in parts if where == "metrics"] == lines  # Each line once.
+  events_sent = [size for where, size in parts if where == "tensorboard"]
+  # The file's header event goes with the first record or alone; then one object per record.
+  assert len(events_sent) in (len(records), len(records) + 1)
+  assert len(set(events_sent[-(len(records) - 1) :])) == 1
+  assert len(set(sent[1:])) == 1 and sent[-1] < 200  # Bytes per record: the same at record 5.
+  assert workdir.read_records(metrics.path) == records
+  assert events.read_scalars(f"{run}/tensorboard")["loss"] == [
+      (r["step"], r["loss"]) for r in records
   ]
 
 

@@ -28,8 +28,8 @@ def test_used_workdir_moves_each_earlier_run_to_its_own_attempt(tmp_path):
     fill(tmp_path, f"run {attempt}: ".encode())
     note = workdir.prepare(str(tmp_path), resuming=False)
     assert note == (
-        f"workdir {tmp_path} held an earlier run: moved config.json, metrics.jsonl, tensorboard "
-        "into "
+        f"workdir {tmp_path} held an earlier run: moved config.json, metrics.jsonl, metrics, "
+        "tensorboard into "
         f"{tmp_path}/attempt-{attempt} (nothing deleted); starting fresh"
     )
     for name in workdir.RUN_FILES:
