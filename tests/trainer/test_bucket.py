@@ -24,7 +24,7 @@ from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.server import GET
 
-from tests.helpers import ROOT, environment, quick_lm
+from tests.helpers import ROOT, environment, quick_lm, run_module
 from trainers.errors import ConfigError
 from trainers.launch import free_port
 from trainers.rundir import events, paths, profiling, provenance, workdir
@@ -231,10 +231,12 @@ def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
   deadline = time.monotonic() + 400
   # SIGKILL once step 20's checkpoint is committed (orbax's commit file: a bucket has no
-  # rename), while later steps run, so the resumed run recomputes some logged steps.
-  while not epath.Path(run, "checkpoints", "20", "commit_success.txt").exists():
+  # rename) and a later step's record is in the bucket, so the resumed run recomputes some
+  # logged steps.
+  committed = epath.Path(run, "checkpoints", "20", "commit_success.txt")
+  while not (committed.exists() and max(_steps(f"{run}/metrics.jsonl"), default=0) > 20):
     assert first.poll() is None and time.monotonic() < deadline, "the run ended first"
-    time.sleep(0.02)
+    time.sleep(0.05)
   first.send_signal(signal.SIGKILL)
   first.wait()
   killed = _steps(f"{run}/metrics.jsonl")
@@ -248,4 +250,16 @@ def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   assert again and all(resumed[s] == killed[s] for s in again)  # Bit for bit.
   moved = _steps(f"{run}/attempt-1/metrics.jsonl")
   assert moved and all(resumed[s] == loss for s, loss in moved.items())
+  sampled = run_module(
+      "trainers.sample",
+      f"--workdir={run}",
+      "--prompt=ab",
+      "--max_new_tokens=4",
+      "--temperature=0",
+      timeout=300,
+      env=emulator,
+  )
+  assert sampled.returncode == 0, sampled.stderr[-3000:]
+  assert f"sampling from {run}/checkpoints/{total} " in sampled.stderr
+  assert sampled.stdout.startswith("ab")
   assert not pathlib.Path(ROOT, "gs:").exists()
