@@ -125,14 +125,20 @@ def test_the_run_files_in_a_bucket(emulator):
     record = {"step": step, "loss": 4.0 - step}
     metrics.write(record)
     curves.write(record)
+    metrics.flush()  # One part each.
   metrics.close()
   curves.close()
   assert [r["step"] for r in workdir.read_records(metrics.path)] == [1, 2, 3]
+  assert not epath.Path(metrics.path).exists()  # Only parts: metrics/00000001.jsonl, ...
   assert events.read_scalars(f"{run}/tensorboard")["loss"] == [(1, 3.0), (2, 2.0), (3, 1.0)]
   # A resume at step 2: step 3's line and the curves move to attempt-1.
   moved = workdir.keep_metrics_until(metrics.path, 2)
   assert moved == f"{run}/attempt-1/metrics.jsonl"
   assert [r["step"] for r in workdir.read_records(metrics.path)] == [1, 2]
+  assert [p.name for p in workdir.record_files(metrics.path)] == [
+      "00000001.jsonl",
+      "00000002.jsonl",
+  ]
   assert [r["step"] for r in workdir.read_records(moved)] == [3]
   assert not epath.Path(run, "tensorboard").exists()
   assert events.read_scalars(f"{run}/attempt-1/tensorboard")["loss"][-1] == (3, 1.0)

@@ -5,7 +5,7 @@ bytes, and waits on the network each time. :class:`Parts` takes each chunk of by
 caller at once (a queue) and a thread writes what is queued as the next object,
 ``directory/pattern.format(n)`` with n = 1, 2, ... after the highest already there: each byte is
 sent once, and the caller waits only in :meth:`flush` and :meth:`close` (or when ``limit``
-chunks are pending). A write error is raised to the caller at its next call. Readers take the
+chunks are pending). A failed write's error is raised to the caller at each later call. Readers take the
 parts in order of n (:func:`part_names`).
 
 Example:
@@ -51,14 +51,15 @@ class Parts:
   def __init__(self, directory: epath.Path, pattern: str, limit: int = 1024):
     self.directory, self.pattern = directory, pattern
     self.queue = queue.Queue(limit)
-    self.thread, self.error = None, None
+    self.thread, self.error, self.starting = None, None, threading.Lock()
 
   def put(self, data: bytes) -> None:
-    """Queues ``data`` for the next object; returns at once (raises an earlier write's error)."""
+    """Queues ``data`` for the next object; returns at once (raises a failed write's error)."""
     self._raise()
-    if self.thread is None:
-      self.thread = threading.Thread(target=self._write, name="parts", daemon=True)
-      self.thread.start()
+    with self.starting:  # Callers on two threads (tensorboardX's, the loop's) start one.
+      if self.thread is None:
+        self.thread = threading.Thread(target=self._write, name="parts", daemon=True)
+        self.thread.start()
     self.queue.put(data)
 
   def flush(self) -> None:
@@ -77,8 +78,7 @@ class Parts:
 
   def _raise(self) -> None:
     if self.error is not None:
-      error, self.error = self.error, None
-      raise error
+      raise self.error
 
   def _write(self) -> None:
     """The thread: each time, what is queued becomes the next part."""
