@@ -24,7 +24,9 @@ of its FLOPs gives TFLOP/s and MFU per device (trainers/utilization.py). The loo
 for the device between log steps: step k+1 is dispatched before anything of step k is read,
 and the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
 at log, eval and checkpoint steps, on SIGTERM and at the end, then checked in step order.
-Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``;
+Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``. In a
+``gs://`` workdir both go to the bucket from background threads, as new objects, and the loop
+waits for them only before a checkpoint save and at the end (trainers/rundir/parts.py);
 ``config.profile_steps`` traces steps into ``workdir/profile/`` (trainers/rundir/profiling.py).
 
 On CPU every process simulates ``--devices_per_process`` devices (default 8);
