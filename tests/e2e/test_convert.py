@@ -161,10 +161,10 @@ def test_an_interrupted_run_leaves_the_last_output(tmp_path, given_tokenizer, mo
   assert sorted(p.name for p in out.iterdir()) == listing  # Its staging directory removed.
 
 
-# Converts in a forked child killed by SIGKILL at its k-th filesystem change (k = 1, 2, ...),
-# one output directory each; prints the children's exit codes.
+# Converts into directories SERIES-k, k = 1, 2, ..., each in a forked child killed by SIGKILL
+# at its k-th filesystem change, until one gets through; prints each series' exit codes.
 KILLED_AT_EACH_CHANGE = r"""
-import json, os, signal, sys
+import collections, json, os, signal, sys
 from trainers import convert
 from trainers.input import documents
 
@@ -187,9 +187,16 @@ def convert_killed_at(k, corpus, out, tokenizer):
   finally:
     os._exit(0 if calls[0] else 1)
 
-corpus, tokenizer, outs = documents.Corpus.of(sys.argv[1]), sys.argv[2], sys.argv[3:]
-print(json.dumps([convert_killed_at(k, corpus, out, tokenizer) for k, out in enumerate(outs, 1)]))
+corpus, tokenizer = documents.Corpus.of(sys.argv[1]), sys.argv[2]
+codes = collections.defaultdict(list)
+for out in sys.argv[3:]:
+  series, k = out.rsplit("-", 1)
+  if 0 not in codes[series]:
+    codes[series].append(convert_killed_at(int(k), corpus, out, tokenizer))
+print(json.dumps(list(codes.values())))
 """
+EARLIER = ("committed", "plain")  # An output of this version; plain files, an earlier one's.
+CHANGES = 30  # More than a conversion makes: 9 over a committed output, 25 over plain files.
 
 
 def dead_pid() -> int:
@@ -198,50 +205,57 @@ def dead_pid() -> int:
   return child.pid
 
 
-@pytest.mark.parametrize("earlier", ["committed", "plain files"])
+def make_plain(out) -> None:
+  """``out`` as the earlier converter left it: plain files, and a killed run's temporary one."""
+  for name, data in {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}.items():
+    (out / name).unlink()
+    (out / name).write_bytes(data)
+  for hidden in out.glob(".*"):
+    shutil.rmtree(hidden) if not hidden.is_symlink() else hidden.unlink()
+  (out / f"train.bin.partial-{dead_pid()}").write_bytes(b"cut")
+
+
 def test_a_kill_at_any_step_leaves_the_old_or_the_new_output_whole(
-    tmp_path, capsys, given_tokenizer, earlier
+    tmp_path, capsys, given_tokenizer
 ):
   """A real SIGKILL at each filesystem change of a conversion (staging, the plain files'
   adoption, the commit, the clean-up) leaves the earlier output or the new one, whole; the
   next run removes what the killed one left, says so, and commits."""
   corpus_path = write_corpus(tmp_path / "corpus", "text")
   corpus = documents.Corpus.of(corpus_path)
-  outs = [tmp_path / f"out-{k:02}" for k in range(1, 31)]  # It makes 9 or 25 changes.
-  for out in outs:
-    convert.convert(corpus, str(out), 0.2)  # The old output: bytes.
-    if earlier == "plain files":  # As the earlier converter left it, a cut temporary file too.
-      for name, data in {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}.items():
-        (out / name).unlink()
-        (out / name).write_bytes(data)
-      for hidden in out.glob(".*"):
-        shutil.rmtree(hidden) if not hidden.is_symlink() else hidden.unlink()
-      (out / f"train.bin.partial-{dead_pid()}").write_bytes(b"cut")
-  old = visible(outs[0])
-  new_out = tmp_path / "new"
-  convert.convert(corpus, str(new_out), 0.2, given_tokenizer)
-  new = visible(new_out)
+  outs = {e: [tmp_path / f"{e}-{k:02}" for k in range(1, CHANGES + 1)] for e in EARLIER}
+  for earlier, series in outs.items():
+    for out in series:
+      convert.convert(corpus, str(out), 0.2)  # The old output: bytes.
+      if earlier == "plain":
+        make_plain(out)
+  old = visible(outs["committed"][0])
+  convert.convert(corpus, str(tmp_path / "new"), 0.2, given_tokenizer)
+  new = visible(tmp_path / "new")
   command = [sys.executable, "-c", KILLED_AT_EACH_CHANGE, corpus_path, given_tokenizer]
+  every = [str(out) for series in outs.values() for out in series]
   done = subprocess.run(
-      [*command, *map(str, outs)], cwd=ROOT, env=environment(), capture_output=True, timeout=120
+      [*command, *every], cwd=ROOT, env=environment(), capture_output=True, timeout=120
   )
   assert done.returncode == 0, done.stderr[-3000:]
-  codes = json.loads(done.stdout)
-  completed = codes.index(0)  # The first run that got through: every change killed before.
-  assert codes == [-signal.SIGKILL] * completed + [0] * (len(outs) - completed)
-  seen = []
-  for out in outs[: completed + 1]:
-    seen.append("old" if visible(out) == old else "new" if visible(out) == new else "mixed")
-    left = sorted(p.name for p in out.iterdir())
-    capsys.readouterr()
-    convert.convert(corpus, str(out), 0.2, given_tokenizer)  # The next run.
-    err = capsys.readouterr().err
-    assert visible(out) == new and sorted(p.name for p in out.iterdir()) == committed_listing(out)
-    killed_left = [n for n in left if n.startswith(".convert-") or ".partial-" in n]
-    if len(killed_left) > (out / ".current").exists():
-      assert f"removed what interrupted runs left in {out}: " in err
-  assert seen[0] == "old" and seen[-1] == "new" and "mixed" not in seen, seen
-  assert seen == sorted(seen, reverse=True)  # Old, then new: one step commits.
+  codes = dict(zip(EARLIER, json.loads(done.stdout)))
+  for earlier, series in outs.items():
+    completed = len(codes[earlier]) - 1  # Killed at each change, until the last got through.
+    assert codes[earlier] == [-signal.SIGKILL] * completed + [0]
+    seen = []
+    for out in series[: completed + 1]:
+      seen.append("old" if visible(out) == old else "new" if visible(out) == new else "mixed")
+      current = (out / ".current").readlink().name if (out / ".current").is_symlink() else None
+      left = [p.name for p in out.glob(".convert-*") if p.name != current]
+      left += [p.name for p in out.glob("*.partial-*")]
+      capsys.readouterr()
+      convert.convert(corpus, str(out), 0.2, given_tokenizer)  # The next run.
+      err = capsys.readouterr().err
+      assert visible(out) == new and sorted(p.name for p in out.iterdir()) == committed_listing(out)
+      assert (f"removed what interrupted runs left in {out}: " in err) == bool(left), (left, err)
+    assert seen[0] == "old" and seen[-1] == "new" and "mixed" not in seen, (earlier, seen)
+    assert seen == sorted(seen, reverse=True)  # Old, then new: one step commits.
+    assert completed == {"committed": 9, "plain": 25}[earlier]
 
 
 def test_the_files_of_a_conversion_go_together(tmp_path, given_tokenizer):
