@@ -28,8 +28,11 @@ Documents stream in pieces (at most 16 MiB of a long file at a time) and are enc
 batches by ``--workers`` processes (default: every core, one tokenizer thread each; 1: here,
 with the library's threads; bytes need none), written in input order, so the output does not
 depend on the worker count. Progress (MiB, rate, ETA)
-goes to stderr. Outputs are written under temporary names and renamed at the end, so an
-interrupted run leaves the last complete output (or none), and running again redoes it.
+goes to stderr. The outputs are written into a directory of this run's inside ``OUT_DIR`` and
+committed together by one rename (trainers/input/committed.py): ``OUT_DIR/train.bin`` and
+the others are symlinks through ``OUT_DIR/.current``, so a run killed at any moment leaves the
+last complete output whole (or none), never one file of each; the next run removes what it
+left, says so, and redoes it.
 A bad input (a path that names no file, a non-UTF-8 file named explicitly, a missing text
 field, an empty corpus, a tokenizer that cannot be read, an ``out_dir`` that cannot be
 made) ends as one line, ``ConfigError: ...``, exit status 1 (``--debug``: the traceback).
@@ -49,6 +52,7 @@ import collections
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -57,11 +61,12 @@ import numpy as np
 
 from trainers import cli
 from trainers.errors import ConfigError
-from trainers.input import documents, sources
+from trainers.input import committed, documents, sources
 from trainers.input import tokenizer as tokenizers_lib
 
 BATCH = 2**20  # Bytes of text per batch a worker encodes.
 SPLITS = ("train", "val")
+TOKENIZER = "tokenizer.json"  # A trained tokenizer, in the output directory.
 
 
 class Progress:
@@ -88,12 +93,11 @@ class Progress:
 
 
 class TokenFile:
-  """One output (``path`` and its record), written under a temporary name until :meth:`commit`."""
+  """One output at ``path`` (in the run's staging directory) and its record, ``path.json``."""
 
   def __init__(self, path: str, dtype: str, about: dict):
     self.path, self.dtype, self.about = path, dtype, about
-    self.partial = f"{path}.partial-{os.getpid()}"
-    self.file = open(self.partial, "wb")
+    self.file = open(path, "wb")
     self.tokens = self.documents = self.text_bytes = self.max_token = 0
 
   def write(self, ids: np.ndarray, documents: int, text_bytes: int) -> None:
@@ -108,18 +112,10 @@ class TokenFile:
     counts = dict(tokens=self.tokens, documents=self.documents, text_bytes=self.text_bytes)
     return {"dtype": self.dtype, **counts, "max_token": self.max_token, **self.about}
 
-  def commit(self) -> None:
-    """Closes the file, then puts it and its record in place (each a rename)."""
-    self.file.close()
-    os.replace(self.partial, self.path)
-    with open(self.partial, "w") as f:
+  def write_record(self) -> None:
+    """Writes the record, once the file is complete."""
+    with open(self.path + ".json", "w") as f:
       json.dump(self.record(), f, indent=1)
-    os.replace(self.partial, self.path + ".json")
-
-  def discard(self) -> None:
-    self.file.close()
-    if os.path.exists(self.partial):
-      os.remove(self.partial)
 
 
 def batches(pieces: Iterator[documents.Piece], cut: int) -> Iterator[tuple[str, list]]:
@@ -182,12 +178,12 @@ def encoded(work: Iterator[tuple[str, list]], workers: int, path, eot) -> Iterat
       yield split, pieces, ids.get()
 
 
-def describe(path: str | None, tok, eot: int | None) -> dict:
-  """The tokenizer's part of each record."""
+def describe(path: str | None, tok, eot: int | None, recorded: str | None) -> dict:
+  """The tokenizer's part of each record: ``path``'s, named ``recorded``."""
   return {
       "vocab_size": tokenizers_lib.vocab_size(tok),
       "eot_id": eot,
-      "tokenizer": None if path is None else os.path.abspath(path),
+      "tokenizer": recorded,
       "tokenizer_sha256": None if path is None else tokenizers_lib.sha256(path),
   }
 
@@ -198,34 +194,65 @@ def convert(
     val_fraction: float = 0.01,
     tokenizer: str | None = None,
     *,
+    vocab_size: int = 0,
     workers: int = 1,
     eot_token: str = "",
     dtype: str = "",
 ) -> dict:
-  """Writes ``out_dir``/train.bin and val.bin with their records; returns their token counts.
+  """Writes ``out_dir``/train.bin and val.bin with their records (``vocab_size``: and the BPE
+  trained first, tokenizer.json), committed together; returns their token counts.
 
   Example: ``convert(Corpus.of("a.txt"), "/data/a", 0.1, "t.json")`` -> {"train": 90, "val": 9}.
   """
-  tok = tokenizers_lib.load(tokenizer)
-  eot = tokenizers_lib.end_of_text(tok, tokenizer, eot_token)
-  about = describe(tokenizer, tok, eot)
-  dtype = checked_dtype(dtype, about["vocab_size"])
   make_dir(out_dir, "out_dir")
-  outputs = {s: TokenFile(os.path.join(out_dir, f"{s}.bin"), dtype, about) for s in SPLITS}
+  output = committed.Output(out_dir)
+  if output.note:
+    print(output.note, file=sys.stderr)
+  try:
+    path, recorded = output_tokenizer(corpus, output, tokenizer, vocab_size)
+    tok = tokenizers_lib.load(path)
+    eot = tokenizers_lib.end_of_text(tok, path, eot_token)
+    about = describe(path, tok, eot, recorded)
+    dtype = checked_dtype(dtype, about["vocab_size"])
+    counts = write_tokens(corpus, output, val_fraction, (path, tok, eot), workers, dtype, about)
+    output.commit()
+  finally:
+    output.close()
+  return counts
+
+
+def output_tokenizer(corpus, output: committed.Output, given: str | None, vocab_size: int):
+  """(the tokenizer to encode with, the path the records name): a BPE trained on ``corpus``
+  (``vocab_size``), else ``given``; the output directory's own (an earlier run's) is copied
+  into this run's, as it goes with that run's files."""
+  own = os.path.join(os.path.abspath(output.out_dir), TOKENIZER)
+  if vocab_size:
+    return train_tokenizer(corpus, output.path(TOKENIZER), vocab_size), own
+  if given and os.path.isfile(given) and os.path.realpath(given) == os.path.realpath(own):
+    shutil.copyfile(given, output.path(TOKENIZER))
+    return output.path(TOKENIZER), own
+  return given, given and os.path.abspath(given)
+
+
+def write_tokens(corpus, output, val_fraction, tokenizer, workers, dtype, about) -> dict:
+  """Encodes ``corpus`` into ``output``'s train.bin and val.bin and their records; their
+  token counts. ``tokenizer``: (path, loaded or None for bytes, end-of-text id)."""
+  path, tok, eot = tokenizer
+  files = {s: TokenFile(output.path(f"{s}.bin"), dtype, about) for s in SPLITS}
   progress = Progress(corpus.size)
   cut = corpus.size - round(corpus.size * val_fraction)
   work = batches(corpus.pieces(), cut)
   try:
-    for split, pieces, ids in encoded(work, workers if tok else 1, tokenizer, eot):
+    for split, pieces, ids in encoded(work, workers if tok else 1, path, eot):
       text_bytes = sum(len(p.text.encode()) for p in pieces)
-      outputs[split].write(ids, sum(p.last for p in pieces), text_bytes)
+      files[split].write(ids, sum(p.last for p in pieces), text_bytes)
       progress.advance(sum(p.size for p in pieces))
-    for output in outputs.values():
-      output.commit()
   finally:
-    for output in outputs.values():
-      output.discard()
-  return {s: o.tokens for s, o in outputs.items()}
+    for file in files.values():
+      file.file.close()
+  for file in files.values():
+    file.write_record()
+  return {s: f.tokens for s, f in files.items()}
 
 
 def checked_dtype(dtype: str, vocab: int) -> str:
@@ -242,21 +269,13 @@ def checked_dtype(dtype: str, vocab: int) -> str:
   return dtype
 
 
-def train_tokenizer(corpus: documents.Corpus, out_dir: str, vocab_size: int) -> str:
-  """Trains a BPE of ``vocab_size`` ids on ``corpus``; returns ``out_dir``/tokenizer.json."""
-  make_dir(out_dir, "out_dir")
-  path = os.path.join(out_dir, "tokenizer.json")
-  partial = f"{path}.partial-{os.getpid()}"
+def train_tokenizer(corpus: documents.Corpus, path: str, vocab_size: int) -> str:
+  """Trains a BPE of ``vocab_size`` ids on ``corpus`` into ``path``; returns ``path``."""
   began = time.monotonic()
-  try:
-    tokenizers_lib.train_bpe(corpus.texts(), vocab_size, partial)
-    os.replace(partial, path)
-  finally:
-    if os.path.exists(partial):
-      os.remove(partial)
+  tokenizers_lib.train_bpe(corpus.texts(), vocab_size, path)
   print(
       f"trained a {vocab_size}-id BPE tokenizer on {corpus.size / 2**20:.1f} MiB in "
-      f"{time.monotonic() - began:.0f} s: {path}",
+      f"{time.monotonic() - began:.0f} s",
       file=sys.stderr,
   )
   return path
@@ -306,14 +325,12 @@ def main(argv=None) -> None:
     )
   separator = args.separator.replace("\\n", "\n")
   corpus = documents.Corpus.of(args.text, args.text_field, separator)
-  path = args.tokenizer
-  if args.train_tokenizer:
-    path = train_tokenizer(corpus, args.out_dir, args.vocab_size)
   counts = convert(
       corpus,
       args.out_dir,
       args.val_fraction,
-      path,
+      args.tokenizer,
+      vocab_size=args.vocab_size if args.train_tokenizer else 0,
       workers=args.workers,
       eot_token=args.eot_token,
       dtype=args.dtype,

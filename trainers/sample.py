@@ -3,6 +3,7 @@ r"""Samples text from a run's latest checkpoint: what the trained language model
   python -m trainers.sample --workdir runs/own --prompt "Once upon a time"
   python -m trainers.sample --workdir runs/own --prompt "def " --max_new_tokens 200 \
       --temperature 0.8 --top_k 40 --devices_per_process 2
+  python -m trainers.sample --workdir gs://my-bucket/runs/lm --prompt "Once"
 
 The run is built from ``W/config.json`` exactly as the trainer builds it (trainers/build.py:
 task, model, one plan) on this host's devices, which need not be the ones it trained on (on
@@ -39,16 +40,16 @@ from trainers import build, cli, distributed
 from trainers.errors import ConfigError
 from trainers.input import records, sources
 from trainers.input import tokenizer as tokenizers_lib
-from trainers.rundir import checkpoint, workdir
+from trainers.rundir import checkpoint, paths, workdir
 
 
 def run_config(path: str) -> ml_collections.ConfigDict:
-  """The config a trainer wrote into workdir ``path`` (``config.json``), its lists as tuples."""
-  name = os.path.join(path, workdir.CONFIG)
-  if not os.path.isfile(name):
+  """The config a trainer wrote into workdir ``path`` (``config.json``; a local path or a
+  ``gs://`` URL, trainers/rundir/paths.py), its lists as tuples."""
+  name = paths.path(path) / workdir.CONFIG
+  if not name.is_file():
     raise ConfigError(f"--workdir={path} has no {workdir.CONFIG}; name a trainer's workdir")
-  with open(name) as f:
-    return ml_collections.ConfigDict(_tuples(json.load(f)))
+  return ml_collections.ConfigDict(_tuples(json.loads(name.read_text())))
 
 
 def _tuples(value):
@@ -153,8 +154,10 @@ def main(argv=None) -> None:
       help="simulated CPU devices (GPU/TPU backends ignore it)",
   )
   args = parser.parse_args(argv)
+  if paths.is_url(args.workdir):
+    paths.check(args.workdir)
   config = records.resolve(run_config(args.workdir))
-  if not os.path.isdir(os.path.join(args.workdir, checkpoint.CHECKPOINTS)):
+  if not (paths.path(args.workdir) / checkpoint.CHECKPOINTS).is_dir():
     raise ConfigError(f"--workdir={args.workdir} has no checkpoints/; train it first")
   tok, eot, vocab = run_tokenizer(config)
   prompt = tokenizers_lib.encode(tok, [args.prompt], [False], None).tolist()

@@ -25,7 +25,9 @@ MFU per device (trainers/utilization.py). The loop never waits
 for the device between log steps: step k+1 is dispatched before anything of step k is read,
 and the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
 at log, eval and checkpoint steps, on SIGTERM and at the end, then checked in step order.
-Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``;
+Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``. In a
+``gs://`` workdir both go to the bucket from background threads, as new objects, and the loop
+waits for them only before a checkpoint save and at the end (trainers/rundir/parts.py);
 ``config.profile_steps`` traces steps into ``workdir/profile/`` (trainers/rundir/profiling.py).
 
 On CPU every process simulates ``--devices_per_process`` devices (default 8);
@@ -143,6 +145,7 @@ def main(argv):
   scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
   write = fan_out(metrics, curves) if is_main_process else None
+  written = lambda: (metrics.flush(), curves.flush())  # A bucket's queued records.
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     state, start = restore_or_init(ckpt, plan, tx, run.init)
@@ -156,10 +159,12 @@ def main(argv):
     todo = range(start.step + 1, config.total_steps + 1)
     trace = profiling.StepTrace(config.get("profile_steps"), _WORKDIR.value)
     try:
-      train(state, zip(todo, train_batches), train_step, (plan, Pending(watch, log), ckpt, trace))
+      pending = Pending(watch, log, written)
+      train(state, zip(todo, train_batches), train_step, (plan, pending, ckpt, trace))
     finally:
       trace.close()
       curves.close()
+      metrics.close()
 
 
 def start_backend() -> None:
@@ -310,7 +315,7 @@ def train(state, numbered_batches, train_step, run) -> None:
     if is_eval:
       pending.read(state["params"])
     read_next = logged and not is_eval
-    if ckpt.step_done(step, state, before_save=pending.read):
+    if ckpt.step_done(step, state, before_save=pending.settle):
       return  # SIGTERM: every process saved this step.
   pending.read()
   ckpt.close(state)
@@ -322,10 +327,12 @@ class Pending:
   :meth:`read` fetches every pending step's metrics in one ``jax.device_get``, then gives
   each loss to ``watch`` (which raises at the first non-finite one under "stop", before
   any later step is logged or saved) and each step to ``log`` (a :class:`StepLog`).
+  :meth:`settle`, before a save, also waits on ``written()``: a bucket's writers send the
+  records they queued, so a resume from that checkpoint finds every record up to it.
   """
 
-  def __init__(self, watch: divergence.LossWatch, log: "StepLog"):
-    self.watch, self.log = watch, log
+  def __init__(self, watch: divergence.LossWatch, log: "StepLog", written=lambda: None):
+    self.watch, self.log, self.written = watch, log, written
     self.queue: list[tuple[int, dict]] = []
 
   def add(self, step: int, metrics: dict) -> None:
@@ -341,6 +348,11 @@ class Pending:
       if not self.watch.observe(step, metrics["loss"]):  # Raises under "stop".
         logging.warning("step %d: loss %s, update skipped", step, metrics["loss"])
       self.log(step, metrics, params)
+
+  def settle(self) -> None:
+    """Reads every queued step, then waits until their records are written."""
+    self.read()
+    self.written()
 
 
 def logs_step(step: int, config) -> tuple[bool, bool]:

@@ -4,13 +4,17 @@ documents, the records' counts, and each bad input one line, exit status 1, noth
 """
 
 import json
+import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
 import pytest
 from pyarrow import parquet
 
-from tests.helpers import assert_snake_case_help, help_text
+from tests.helpers import ROOT, assert_snake_case_help, environment, help_text
 from trainers import convert
 from trainers.input import documents, sources
 from trainers.input import tokenizer as tokenizers_lib
@@ -122,11 +126,25 @@ def test_workers_write_what_one_process_writes(tmp_path, given_tokenizer, monkey
     assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
 
 
+def visible(out) -> dict:
+  """The output as a reader sees it: each file by its name (hidden and temporary ones left
+  out), its record parsed."""
+  files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name[0] != "."}
+  files = {n: data for n, data in files.items() if ".partial-" not in n}
+  return {n: json.loads(b) if n.endswith(".json") else b for n, b in files.items()}
+
+
+def committed_listing(out) -> list[str]:
+  """What ``out`` holds after a commit and nothing else: the files, .current, its directory."""
+  current = (out / ".current").readlink().name
+  return sorted([".current", current, *visible(out)])
+
+
 def test_an_interrupted_run_leaves_the_last_output(tmp_path, given_tokenizer, monkeypatch):
   corpus = documents.Corpus.of(write_corpus(tmp_path / "corpus", "text"))
   out = tmp_path / "out"
   convert.convert(corpus, str(out), 0.2)
-  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  before, listing = visible(out), sorted(p.name for p in out.iterdir())
   calls = []
 
   def interrupted(*args):
@@ -139,7 +157,120 @@ def test_an_interrupted_run_leaves_the_last_output(tmp_path, given_tokenizer, mo
   monkeypatch.setattr(tokenizers_lib, "encode", interrupted)
   with pytest.raises(KeyboardInterrupt):
     convert.convert(corpus, str(out), 0.2, given_tokenizer)
-  assert calls and {p.name: p.read_bytes() for p in out.iterdir()} == before
+  assert calls and visible(out) == before
+  assert sorted(p.name for p in out.iterdir()) == listing  # Its staging directory removed.
+
+
+# Converts into directories SERIES-k, k = 1, 2, ..., each in a forked child killed by SIGKILL
+# at its k-th filesystem change, until one gets through; prints each series' exit codes.
+KILLED_AT_EACH_CHANGE = r"""
+import collections, json, os, signal, sys
+from trainers import convert
+from trainers.input import documents
+
+def convert_killed_at(k, corpus, out, tokenizer):
+  if os.fork():
+    return os.waitstatus_to_exitcode(os.wait()[1])
+  calls = [0]
+  def killing(change):
+    def counted(*args, **kwargs):
+      calls[0] += 1
+      if calls[0] == k:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return change(*args, **kwargs)
+    return counted
+  for name in ("mkdir", "link", "symlink", "replace", "rename", "unlink", "remove", "rmdir"):
+    setattr(os, name, killing(getattr(os, name)))
+  sys.stderr = open(os.devnull, "w")
+  try:
+    convert.convert(corpus, out, 0.2, tokenizer)
+  finally:
+    os._exit(0 if calls[0] else 1)
+
+corpus, tokenizer = documents.Corpus.of(sys.argv[1]), sys.argv[2]
+codes = collections.defaultdict(list)
+for out in sys.argv[3:]:
+  series, k = out.rsplit("-", 1)
+  if 0 not in codes[series]:
+    codes[series].append(convert_killed_at(int(k), corpus, out, tokenizer))
+print(json.dumps(list(codes.values())))
+"""
+EARLIER = ("committed", "plain")  # An output of this version; plain files, an earlier one's.
+CHANGES = 30  # More than a conversion makes: 9 over a committed output, 25 over plain files.
+
+
+def dead_pid() -> int:
+  child = subprocess.Popen(["true"])
+  child.wait()
+  return child.pid
+
+
+def make_plain(out) -> None:
+  """``out`` as the earlier converter left it: plain files, and a killed run's temporary one."""
+  for name, data in {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}.items():
+    (out / name).unlink()
+    (out / name).write_bytes(data)
+  for hidden in out.glob(".*"):
+    shutil.rmtree(hidden) if not hidden.is_symlink() else hidden.unlink()
+  (out / f"train.bin.partial-{dead_pid()}").write_bytes(b"cut")
+
+
+def test_a_kill_at_any_step_leaves_the_old_or_the_new_output_whole(
+    tmp_path, capsys, given_tokenizer
+):
+  """A real SIGKILL at each filesystem change of a conversion (staging, the plain files'
+  adoption, the commit, the clean-up) leaves the earlier output or the new one, whole; the
+  next run removes what the killed one left, says so, and commits."""
+  corpus_path = write_corpus(tmp_path / "corpus", "text")
+  corpus = documents.Corpus.of(corpus_path)
+  outs = {e: [tmp_path / f"{e}-{k:02}" for k in range(1, CHANGES + 1)] for e in EARLIER}
+  for earlier, series in outs.items():
+    for out in series:
+      convert.convert(corpus, str(out), 0.2)  # The old output: bytes.
+      if earlier == "plain":
+        make_plain(out)
+  old = visible(outs["committed"][0])
+  convert.convert(corpus, str(tmp_path / "new"), 0.2, given_tokenizer)
+  new = visible(tmp_path / "new")
+  command = [sys.executable, "-c", KILLED_AT_EACH_CHANGE, corpus_path, given_tokenizer]
+  every = [str(out) for series in outs.values() for out in series]
+  done = subprocess.run(
+      [*command, *every], cwd=ROOT, env=environment(), capture_output=True, timeout=120
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  codes = dict(zip(EARLIER, json.loads(done.stdout)))
+  for earlier, series in outs.items():
+    completed = len(codes[earlier]) - 1  # Killed at each change, until the last got through.
+    assert codes[earlier] == [-signal.SIGKILL] * completed + [0]
+    seen = []
+    for out in series[: completed + 1]:
+      seen.append("old" if visible(out) == old else "new" if visible(out) == new else "mixed")
+      current = (out / ".current").readlink().name if (out / ".current").is_symlink() else None
+      left = [p.name for p in out.glob(".convert-*") if p.name != current]
+      left += [p.name for p in out.glob("*.partial-*")]
+      capsys.readouterr()
+      convert.convert(corpus, str(out), 0.2, given_tokenizer)  # The next run.
+      err = capsys.readouterr().err
+      assert visible(out) == new and sorted(p.name for p in out.iterdir()) == committed_listing(out)
+      assert (f"removed what interrupted runs left in {out}: " in err) == bool(left), (left, err)
+    assert seen[0] == "old" and seen[-1] == "new" and "mixed" not in seen, (earlier, seen)
+    assert seen == sorted(seen, reverse=True)  # Old, then new: one step commits.
+    assert completed == {"committed": 9, "plain": 25}[earlier]
+
+
+def test_the_files_of_a_conversion_go_together(tmp_path, given_tokenizer):
+  """A trained tokenizer is one of the committed files: a later run without one leaves no
+  tokenizer.json, and a run given the directory's own keeps it."""
+  corpus = documents.Corpus.of(write_corpus(tmp_path / "corpus", "text"))
+  out = tmp_path / "out"
+  convert.convert(corpus, str(out), 0.2, vocab_size=300)
+  trained = visible(out)
+  assert trained["train.bin.json"]["tokenizer"] == str(out / "tokenizer.json")
+  convert.convert(corpus, str(out), 0.2, str(out / "tokenizer.json"))  # Its own tokenizer.
+  assert visible(out) == trained
+  convert.convert(corpus, str(out), 0.2)
+  assert sorted(visible(out)) == ["train.bin", "train.bin.json", "val.bin", "val.bin.json"]
+  assert sorted(p.name for p in out.iterdir()) == committed_listing(out)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ serving gcsfs (the run's files, through etils.epath) and TensorStore (orbax's ar
 every client is pointed at it or given a token, so nothing leaves this machine.
 """
 
+import importlib
 import os
 import pathlib
 import signal
@@ -19,10 +20,11 @@ import jax.numpy as jnp
 import pytest
 from etils import epath
 from gcp_storage_emulator import server as emulator_server
+from gcp_storage_emulator import storage
 from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.server import GET
 
-from tests.helpers import ROOT, environment, quick_lm
+from tests.helpers import ROOT, environment, quick_lm, run_module
 from trainers.errors import ConfigError
 from trainers.launch import free_port
 from trainers.rundir import events, paths, profiling, provenance, workdir
@@ -123,13 +125,20 @@ def test_the_run_files_in_a_bucket(emulator):
     record = {"step": step, "loss": 4.0 - step}
     metrics.write(record)
     curves.write(record)
+    metrics.flush()  # One part each.
+  metrics.close()
   curves.close()
   assert [r["step"] for r in workdir.read_records(metrics.path)] == [1, 2, 3]
+  assert not epath.Path(metrics.path).exists()  # Only parts: metrics/00000001.jsonl, ...
   assert events.read_scalars(f"{run}/tensorboard")["loss"] == [(1, 3.0), (2, 2.0), (3, 1.0)]
   # A resume at step 2: step 3's line and the curves move to attempt-1.
   moved = workdir.keep_metrics_until(metrics.path, 2)
   assert moved == f"{run}/attempt-1/metrics.jsonl"
   assert [r["step"] for r in workdir.read_records(metrics.path)] == [1, 2]
+  assert [p.name for p in workdir.record_files(metrics.path)] == [
+      "00000001.jsonl",
+      "00000002.jsonl",
+  ]
   assert [r["step"] for r in workdir.read_records(moved)] == [3]
   assert not epath.Path(run, "tensorboard").exists()
   assert events.read_scalars(f"{run}/attempt-1/tensorboard")["loss"][-1] == (3, 1.0)
@@ -141,7 +150,55 @@ def test_the_run_files_in_a_bucket(emulator):
   assert "into gs://bucket/files/attempt-2" in note
   assert sorted(p.name for p in epath.Path(run, "attempt-2").iterdir()) == [
       "config.json",
-      "metrics.jsonl",
+      "metrics",
+  ]
+  assert [r["step"] for r in workdir.read_records(f"{run}/attempt-2/metrics.jsonl")] == [1, 2]
+
+
+DELAY = 0.4  # Seconds the emulator takes for each object write, in this test.
+
+
+def test_records_in_a_bucket_cost_the_same_bytes_each_and_never_wait(emulator, monkeypatch):
+  """Each record is sent once, as a new object of its own size, from the writers' threads:
+  ``write`` returns at once while each object write takes the emulator DELAY seconds, and
+  only ``flush`` (before a checkpoint) waits."""
+  received = []  # (object name, bytes) of each object the emulator stores.
+  store = storage.Storage.create_file
+
+  def slow_store(self, bucket, name, content, *args, **kwargs):
+    time.sleep(DELAY)
+    received.append((name, len(content)))
+    return store(self, bucket, name, content, *args, **kwargs)
+
+  monkeypatch.setattr(storage.Storage, "create_file", slow_store)
+  importlib.import_module("tensorboardX")  # What the first record imports (1-2 s), not timed.
+  run = f"gs://{BUCKET}/paced"
+  metrics, curves = workdir.MetricsWriter(run), events.EventWriter(run)
+  records = [{"step": 100 + step, "loss": 1.0 + step} for step in range(1, 6)]
+  waited, flushed, sent = [], [], []
+  for record in records:
+    began = time.perf_counter()
+    metrics.write(record)
+    curves.write(record)
+    waited.append(time.perf_counter() - began)
+    metrics.flush()
+    curves.flush()
+    flushed.append(time.perf_counter() - began)
+    sent.append(sum(size for _, size in received) - sum(sent))
+  metrics.close()
+  curves.close()
+  assert max(waited) < DELAY / 4 < DELAY <= min(flushed), (waited, flushed)
+  lines = [len(workdir.json_line(r)) for r in records]
+  parts = [(name.rsplit("/", 2)[-2], size) for name, size in received]
+  assert [size for where, size in parts if where == "metrics"] == lines  # Each line once.
+  events_sent = [size for where, size in parts if where == "tensorboard"]
+  # The file's header event goes with the first record or alone; then one object per record.
+  assert len(events_sent) in (len(records), len(records) + 1)
+  assert len(set(events_sent[-(len(records) - 1) :])) == 1
+  assert len(set(sent[1:])) == 1 and sent[-1] < 200  # Bytes per record: the same at record 5.
+  assert workdir.read_records(metrics.path) == records
+  assert events.read_scalars(f"{run}/tensorboard")["loss"] == [
+      (r["step"], r["loss"]) for r in records
   ]
 
 
@@ -180,10 +237,12 @@ def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
   deadline = time.monotonic() + 400
   # SIGKILL once step 20's checkpoint is committed (orbax's commit file: a bucket has no
-  # rename), while later steps run, so the resumed run recomputes some logged steps.
-  while not epath.Path(run, "checkpoints", "20", "commit_success.txt").exists():
+  # rename) and a later step's record is in the bucket, so the resumed run recomputes some
+  # logged steps.
+  committed = epath.Path(run, "checkpoints", "20", "commit_success.txt")
+  while not (committed.exists() and max(_steps(f"{run}/metrics.jsonl"), default=0) > 20):
     assert first.poll() is None and time.monotonic() < deadline, "the run ended first"
-    time.sleep(0.02)
+    time.sleep(0.05)
   first.send_signal(signal.SIGKILL)
   first.wait()
   killed = _steps(f"{run}/metrics.jsonl")
@@ -197,4 +256,16 @@ def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   assert again and all(resumed[s] == killed[s] for s in again)  # Bit for bit.
   moved = _steps(f"{run}/attempt-1/metrics.jsonl")
   assert moved and all(resumed[s] == loss for s, loss in moved.items())
+  sampled = run_module(
+      "trainers.sample",
+      f"--workdir={run}",
+      "--prompt=ab",
+      "--max_new_tokens=4",
+      "--temperature=0",
+      timeout=300,
+      env=emulator,
+  )
+  assert sampled.returncode == 0, sampled.stderr[-3000:]
+  assert f"sampling from {run}/checkpoints/{total} " in sampled.stderr
+  assert sampled.stdout.startswith("ab")
   assert not pathlib.Path(ROOT, "gs:").exists()

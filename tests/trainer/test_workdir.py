@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from etils import epath
 
 from trainers.errors import ConfigError
-from trainers.rundir import events, workdir
+from trainers.rundir import events, parts, workdir
 
 
 def fill(path, content):
@@ -28,8 +29,8 @@ def test_used_workdir_moves_each_earlier_run_to_its_own_attempt(tmp_path):
     fill(tmp_path, f"run {attempt}: ".encode())
     note = workdir.prepare(str(tmp_path), resuming=False)
     assert note == (
-        f"workdir {tmp_path} held an earlier run: moved config.json, metrics.jsonl, tensorboard "
-        "into "
+        f"workdir {tmp_path} held an earlier run: moved config.json, metrics.jsonl, metrics, "
+        "tensorboard into "
         f"{tmp_path}/attempt-{attempt} (nothing deleted); starting fresh"
     )
     for name in workdir.RUN_FILES:
@@ -129,3 +130,12 @@ def test_resume_moves_the_event_files_with_the_metrics_and_replays_the_kept(tmp_
   fresh.write({"step": 3, "loss": 0.25})
   fresh.close()
   assert events.read_scalars(tmp_path / "tensorboard") == {"loss": [(1, 1.0), (2, 0.5), (3, 0.25)]}
+
+
+def test_a_failed_background_write_is_raised_to_the_caller(tmp_path):
+  log = parts.Parts(epath.Path(tmp_path / "missing"), "{:08d}.jsonl")
+  log.put(b"one\n")  # Returns: the thread writes it.
+  with pytest.raises(FileNotFoundError):
+    log.flush()
+  with pytest.raises(FileNotFoundError):
+    log.put(b"two\n")

@@ -4,7 +4,9 @@
 (no TensorFlow); its file is opened at the first record, so a resuming run can first move an
 earlier attempt's ``tensorboard/`` aside (``workdir.keep_metrics_until``) and replay the
 records it keeps. Records are flushed as written: a killed run loses none. In a ``gs://``
-workdir the event file goes through ``etils.epath``, written whole at each flush.
+workdir (no append) each flush's bytes become a new object through ``etils.epath``, from a
+background thread (trainers/rundir/parts.py): ``events.out.tfevents.<time>.<host>.00000001``,
+``...00000002``, ...; TensorBoard reads every event file of a directory, in name order.
 
 Example:
   >>> import os, tempfile
@@ -18,12 +20,14 @@ Example:
   {'loss': [(1, 2.5)]}
 """
 
-import io
 import math
 import os
 import struct
+import threading
 
 from etils import epath
+
+from trainers.rundir import parts
 
 TENSORBOARD = "tensorboard"
 
@@ -48,7 +52,7 @@ class EventWriter:
 
   def __init__(self, path: str):
     self.directory = os.path.join(path, TENSORBOARD)
-    self.writer = None
+    self.writer, self.objects = None, _PartFiles()
 
   def write(self, record: dict) -> None:
     """Adds one scalar per number of ``record`` at ``record["step"]`` and flushes.
@@ -58,14 +62,19 @@ class EventWriter:
     if self.writer is None:
       from tensorboardX import SummaryWriter, record_writer
 
-      record_writer.register_writer_factory("gs", _WholeObjects())  # Not tensorboardX's own.
+      record_writer.register_writer_factory("gs", self.objects)  # Not tensorboardX's own.
       self.writer = SummaryWriter(self.directory)
     for key, value in scalars(record).items():
       self.writer.add_scalar(key, value, record["step"])
     self.writer.flush()
 
+  def flush(self) -> None:
+    """Waits until the records written so far are in the bucket (local: written already)."""
+    for file in self.objects.opened:
+      file.parts.flush()
+
   def close(self) -> None:
-    """Closes the event file (if one was opened)."""
+    """Closes the event file (if one was opened); a bucket's: once its parts are written."""
     if self.writer is not None:
       self.writer.close()
       self.writer = None
@@ -96,28 +105,39 @@ def _records(name: str):
       f.read(4)
 
 
-class _WholeObjects:
-  """tensorboardX's writer factory for ``gs://`` event files through ``etils.epath``: the file
-  is kept here and written whole at each flush (one object write: no append in a bucket)."""
+class _PartFiles:
+  """tensorboardX's writer factory for ``gs://`` event files through ``etils.epath``: each
+  flush's bytes a new object, written in the background (no append in a bucket)."""
+
+  def __init__(self):
+    self.opened = []
 
   def open(self, path: str):
-    return _WholeObject(path)
+    self.opened.append(_PartFile(path))
+    return self.opened[-1]
 
   def directory_check(self, path: str) -> None:
     del path  # A bucket has no directories to create.
 
 
-class _WholeObject:
-  """An event file written whole, as one object, at each ``flush`` and at ``close``."""
+class _PartFile:
+  """An event file as numbered objects ``<path>.00000001``, ...: one per ``flush``."""
 
   def __init__(self, path: str):
-    self.target, self.data = epath.Path(path), io.BytesIO()
+    target = epath.Path(path)
+    self.parts, self.data = parts.Parts(target.parent, target.name + ".{:08d}"), b""
+    self.lock = threading.Lock()  # tensorboardX's thread writes, flushes every 2 minutes too.
 
   def write(self, data: bytes) -> None:
-    self.data.write(data)
+    with self.lock:
+      self.data += data
 
   def flush(self) -> None:
-    self.target.write_bytes(self.data.getvalue())
+    with self.lock:
+      data, self.data = self.data, b""
+    if data:
+      self.parts.put(data)
 
   def close(self) -> None:
     self.flush()
+    self.parts.close()

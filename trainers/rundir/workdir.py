@@ -6,7 +6,10 @@ says so; a resuming run (see the checkpoint module) keeps them. ``MetricsWriter`
 each record as one complete JSON line in one write, so a killed run never leaves half a
 line, and non-finite numbers are written as ``null``, never as bare ``NaN``. The workdir may
 be a ``gs://`` URL: every file goes through ``etils.epath`` (trainers/rundir/paths.py), and
-what needs append or rename on a disk is one whole-object write or a copy there.
+what needs rename on a disk is one whole-object write or a copy there. A bucket has no append
+either: there the records go into ``metrics/00000001.jsonl``, ``00000002.jsonl``, ... (one new
+object per write of what is queued, from a background thread: trainers/rundir/parts.py), and
+:func:`read_records` reads ``metrics.jsonl`` and then those parts as one file.
 
 Example:
   >>> import os, tempfile
@@ -30,12 +33,14 @@ import math
 import os
 
 from trainers.errors import ConfigError
-from trainers.rundir import paths
+from trainers.rundir import parts, paths
 from trainers.rundir.events import TENSORBOARD
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
-RUN_FILES = (CONFIG, METRICS, TENSORBOARD)
+METRIC_PARTS = "metrics"  # A bucket's records: metrics/00000001.jsonl, ... (after metrics.jsonl).
+PART = "{:08d}.jsonl"
+RUN_FILES = (CONFIG, METRICS, METRIC_PARTS, TENSORBOARD)
 ATTEMPT = "attempt-{}"
 
 
@@ -104,43 +109,59 @@ def new_attempt(path: str) -> str:
 
 
 def keep_metrics_until(path: str, step: int) -> str | None:
-  """Keeps the lines of ``path`` (``metrics.jsonl``) up to ``step``; moves the rest to an attempt.
+  """Keeps the lines of ``path`` (``metrics.jsonl``, and its parts) up to ``step``; moves the
+  rest to an attempt.
 
   Lines after ``step`` (from an attempt that died before its next checkpoint) and
   any cut-off line go to ``<workdir>/attempt-N/metrics.jsonl`` (N the first free), and
   the workdir's ``tensorboard/`` with them (its curves then go past ``step``; the caller
-  replays the kept records into a fresh one); the file is replaced whole
-  (:func:`paths.write_whole`), so it holds each step at most once. Returns the attempt file,
-  or None when nothing moved.
+  replays the kept records into a fresh one); each file that loses lines is replaced whole
+  (:func:`paths.write_whole`; a bucket's part left with none is deleted), so the records hold
+  each step at most once. Returns the attempt file, or None when nothing moved.
 
   Example: ``keep_metrics_until("runs/lm/metrics.jsonl", 200)``.
   """
+  lines = {piece: piece.read_text().splitlines(keepends=True) for piece in record_files(path)}
+  dropped = [line for held in lines.values() for line in held if _line_step(line) > step]
+  if not dropped:
+    return None
   metrics = paths.path(path)
-  if not metrics.exists():
-    return None
-  lines = metrics.read_text().splitlines(keepends=True)
-  kept = [_line_step(line) <= step for line in lines]
-  if all(kept):
-    return None
   attempt = paths.path(new_attempt(os.fspath(metrics.parent)))
   moved_to = attempt / metrics.name
-  moved_to.write_text("".join(line for line, keep in zip(lines, kept) if not keep))
-  paths.write_whole(metrics, "".join(line for line, keep in zip(lines, kept) if keep))
+  moved_to.write_text("".join(dropped))
+  for piece, held in lines.items():
+    kept = [line for line in held if _line_step(line) <= step]
+    if len(kept) == len(held):
+      continue
+    if kept or piece == metrics:
+      paths.write_whole(piece, "".join(kept))
+    else:
+      piece.unlink()
   events = metrics.parent / TENSORBOARD
   if events.is_dir():
     paths.move(events, attempt / TENSORBOARD)
   return os.fspath(moved_to)
 
 
+def record_files(path: str) -> list:
+  """The files holding the records of ``path`` (a ``metrics.jsonl``), in order: itself, then a
+  bucket's parts (``metrics/00000001.jsonl``, ...), those that exist.
+
+  Example: ``record_files("gs://b/run/metrics.jsonl")`` -> [".../metrics/00000001.jsonl", ...].
+  """
+  metrics = paths.path(path)
+  whole = [metrics] if metrics.exists() else []
+  return whole + parts.part_names(metrics.parent / METRIC_PARTS, PART)
+
+
 def read_records(path: str) -> list[dict]:
-  """The records of ``path`` (a ``metrics.jsonl``), in order; none when it does not exist.
+  """The records of ``path`` (a ``metrics.jsonl``, and its parts), in order; none when there
+  are none.
 
   Example: ``read_records("runs/lm/metrics.jsonl")[0]["step"]`` == 1.
   """
-  metrics = paths.path(path)
-  if not metrics.exists():
-    return []
-  return [json.loads(line) for line in metrics.read_text().splitlines()]
+  texts = [piece.read_text() for piece in record_files(path)]
+  return [json.loads(line) for text in texts for line in text.splitlines()]
 
 
 def _line_step(line: str) -> float:
@@ -175,28 +196,27 @@ class MetricsWriter:
 
   Local: each line appended in a single ``os.write`` of the whole line; only a process killed
   inside that write (Linux ends a write at a page boundary on SIGKILL) can leave a cut-off
-  last line, which the resuming run moves out (:func:`keep_metrics_until`). A bucket (no append):
-  the file is kept here and written whole at each record, one object write each.
+  last line, which the resuming run moves out (:func:`keep_metrics_until`). A bucket (no
+  append): the lines are queued, and a thread writes what is queued as the next part,
+  ``metrics/NNNNNNNN.jsonl`` (:class:`parts.Parts`): :meth:`write` does not wait on the
+  bucket, and each line is sent once. :meth:`flush` waits for the queued lines (the trainer
+  calls it before each checkpoint, so the records a resume keeps are all written).
   """
 
   def __init__(self, path: str):
     self.path = os.fspath(paths.path(path) / METRICS)
-    self.text = None  # A bucket's file as written so far (read at the first record).
+    bucket = paths.is_url(self.path)
+    self.parts = parts.Parts(paths.path(path) / METRIC_PARTS, PART) if bucket else None
 
   def write(self, record: dict) -> None:
     """Adds ``record`` as one complete line.
 
     Example: ``MetricsWriter(workdir).write({"step": 10, "loss": 2.3})``.
     """
-    line = json_line(record)
-    if paths.is_url(self.path):
-      metrics = paths.path(self.path)
-      if self.text is None:
-        self.text = metrics.read_text() if metrics.exists() else ""
-      self.text += line
-      metrics.write_text(self.text)
+    data = json_line(record).encode()
+    if self.parts is not None:
+      self.parts.put(data)
       return
-    data = line.encode()
     fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
       written = os.write(fd, data)
@@ -204,3 +224,13 @@ class MetricsWriter:
       os.close(fd)
     if written != len(data):
       raise OSError(f"{self.path}: wrote {written} of {len(data)} bytes (disk full?)")
+
+  def flush(self) -> None:
+    """Waits until every record written so far is in the bucket (local: written already)."""
+    if self.parts is not None:
+      self.parts.flush()
+
+  def close(self) -> None:
+    """Flushes; ends a bucket's writer thread."""
+    if self.parts is not None:
+      self.parts.close()
