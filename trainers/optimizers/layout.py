@@ -696,7 +696,8 @@ def _run_pool(runs: Sequence[BlockRun], stored: tuple[Pool, Any] | None = None):
   Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
   split over the mesh axes along a tile dim (as unstored stacks are, :func:`stack_specs`),
   so that joining them is local and the pool's move to dim 0 (and back) is one all-to-all
-  per array.
+  per array. Each stack is split along a block dim of its own: a 3-D or 4-D param's tile
+  stack ``(n, *sizes)`` and its factor stacks (``(n, b, b)``, ``(n, b)``) differ in rank.
   """
   mesh = runs[0].blocks.mesh
   sizes = {} if mesh is None else dict(mesh.shape)
