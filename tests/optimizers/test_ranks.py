@@ -117,13 +117,14 @@ def _run(name: str, mesh_shape: tuple[int, ...]):
   return plan, tx, {"params": params, "opt": opt}, jax.device_get(updates)
 
 
-def _stacks_misplaced(plan, tx, state) -> list[str]:
-  """The block stacks of ``state`` that the update leaves off the plan's spec."""
+def _stacks(plan, tx, state) -> tuple[set[str], list[str]]:
+  """The block stacks of ``state`` (Kron's, Shampoo's), and those the update left off the plan's
+  spec."""
   abstract = plan.abstract()
   blocks = stack_blocks(tx, abstract["params"], abstract["opt"])
   names = [name for name, _ in bvs.names.flatten({"opt": state["opt"]})[0]]
   stacks = {n for n, b in zip(names, blocks, strict=True) if b is not None}
-  return [m for m in plan.mismatches(state) if m.split(":")[0] in stacks]
+  return stacks, [m for m in plan.mismatches(state) if m.split(":")[0] in stacks]
 
 
 @pytest.mark.parametrize("mesh", SPECS, ids=["8", "4x2"])
@@ -134,7 +135,11 @@ def test_every_rank_sharded_on_every_dim_steps(name, mesh):
     planned = plan.shardings["params"][key]  # On the dims asked.
     assert planned.is_equivalent_to(NamedSharding(planned.mesh, spec), len(SHAPES[key])), key
     assert np.isfinite(updates[key]).all() and np.abs(updates[key]).max() > 0, key
-  assert _stacks_misplaced(plan, tx, state) == []
+  stacks, misplaced = _stacks(plan, tx, state)
+  assert misplaced == []
+  if name != "muon":  # Each param of 2+ dims has its block stacks (Muon keeps none).
+    blocked = {k for k, shape in SHAPES.items() if len(shape) >= 2}
+    assert {k for k in blocked if any(f"/{k}/" in n for n in stacks)} == blocked, stacks
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
