@@ -222,9 +222,9 @@ def scale_by_muon(
     beta: float = 0.95,
     eps: float = 1e-8,
     nesterov: bool = True,
+    layout: ParamLayout | None = None,
     adam_b1: float = 0.9,
     adam_b2: float = 0.999,
-    layout: ParamLayout | None = None,
 ) -> optax.GradientTransformation:
   """Muon's direction for every matrix (:func:`matrix_dims`), Adam's for the other leaves.
 
