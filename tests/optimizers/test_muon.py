@@ -8,9 +8,10 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
 
-from trainers.optimizers import ParamLayout, make_optimizer
-from trainers.optimizers.muon import muon
+from trainers.optimizers import OptimizerError, ParamLayout, make_optimizer
+from trainers.optimizers.muon import muon, orthogonalize, scale_by_muon
 
 STEPS = 3
 
@@ -75,3 +76,36 @@ def test_owner_computed_orthogonalisation_equals_the_replicated_one():
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
   owned = _run(muon(0.02, layout=ParamLayout(specs, mesh)), params, shardings)
   _close(owned, _run(muon(0.02), params))
+
+
+def test_scale_by_muon_gives_the_leaves_muon_does_not_orthogonalise_adam():
+  """big_vision's form (no lr) on every rank: muon's updates, its lr applied after. The matrices'
+  fan-in is at least their fan-out, where muon's shape scaling is 1."""
+  keys = iter(jax.random.split(jax.random.PRNGKey(1), 6))
+  params = {
+      "conv": jax.random.normal(next(keys), (2, 2, 8, 4)),
+      "kernel": jax.random.normal(next(keys), (6, 4, 2)),
+      "w": jax.random.normal(next(keys), (8, 4)),
+      "norm": {"scale": jax.random.normal(next(keys), (4,))},
+      "bias": jax.random.normal(next(keys), (3, 4)),
+      "t": jax.random.normal(next(keys), ()),
+  }
+  chained = optax.chain(scale_by_muon(), optax.scale_by_learning_rate(0.02))
+  _close(_run(chained, params), _run(muon(0.02), params))
+  mu = chained.init(params)[0].inner_states["muon"].inner_state.mu
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  orthogonalised = jax.tree.map(lambda x: not masked(x), mu, is_leaf=masked)
+  assert orthogonalised == {
+      "conv": True,
+      "kernel": True,
+      "w": True,
+      "norm": {"scale": False},
+      "bias": False,  # (3, 4), but a "bias"
+      "t": False,
+  }
+
+
+def test_a_vector_given_to_newton_schulz_is_refused_with_the_fix():
+  ns = lambda x: x
+  with pytest.raises(OptimizerError, match=r"shape \(4,\) \(1 dims\).*scale_by_muon"):
+    orthogonalize({"b": jnp.ones(4)}, {"b": MuonDimensionNumbers(0, 0)}, ns)

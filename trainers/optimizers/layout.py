@@ -696,25 +696,27 @@ def _run_pool(runs: Sequence[BlockRun], stored: tuple[Pool, Any] | None = None):
   Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
   split over the mesh axes along a tile dim (as unstored stacks are, :func:`stack_specs`),
   so that joining them is local and the pool's move to dim 0 (and back) is one all-to-all
-  per array.
+  per array. Each stack is split along a block dim of its own: a 3-D or 4-D param's tile
+  stack ``(n, *sizes)`` and its factor stacks (``(n, b, b)``, ``(n, b)``) differ in rank.
   """
   mesh = runs[0].blocks.mesh
   sizes = {} if mesh is None else dict(mesh.shape)
   axes = stack_axes((), sizes)
   dealt = P(_entry(axes))
-  along = P(None, *_spread(runs[0].blocks.sizes, axes, sizes))  # Split along a tile dim.
   place = (
       lambda x, spec: x
       if mesh is None
       else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   )
+  # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
+  along = lambda x: place(x, P(None, *_spread(x.shape[1:], axes, sizes)))
   counts = [run.blocks.count for run in runs]
   devices = 1 if mesh is None else mesh.size
   total = stored[0].length if stored else sum(counts) + -sum(counts) % devices
 
   def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
-    stack = jnp.concatenate([place(x, along) for x in parts])
-    return place(place(padded(stack, total), along), dealt)
+    stack = jnp.concatenate([along(x) for x in parts])
+    return place(along(padded(stack, total)), dealt)
 
   tile_specs = [None if mesh is None else _tile_spec(run.blocks, sizes) for run in runs]
   at = lambda x, spec: x if spec is None else place(x, spec)
@@ -748,11 +750,11 @@ def _run_pool(runs: Sequence[BlockRun], stored: tuple[Pool, Any] | None = None):
         body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
     )
   outs, new_stacks = body(arrays, stacks, per_block)
-  outs = [place(o, along) for o in outs]
+  outs = [along(o) for o in outs]
   if stored:
     new_stacks = [jax.tree.map(lambda x: place(x, dealt), new_stacks)]
   else:
-    new_stacks = jax.tree.map(lambda x: place(x, along), new_stacks)
+    new_stacks = jax.tree.map(along, new_stacks)
   merged, cuts, start = [], [], 0
   for run, n, tile_spec in zip(runs, counts, tile_specs):
     cut = lambda x, start=start, n=n: x[start : start + n]

@@ -4,7 +4,12 @@
 stacked ``(L, m, n)`` kernels of ``scan_layers=True`` silently train with its Adam
 branch. Here every leaf with at least 2 dims that is not a norm ``scale`` or a
 ``bias`` is a batch of matrices over its last two dims (leading axes are batch
-axes, one matrix per layer), scanned or not; the rest train with AdamW, as in optax.
+axes, one matrix per layer), scanned or not; the rest (vectors, scalars, norm scales
+and biases of any rank) train with Adam, in :func:`muon` and in :func:`scale_by_muon`
+alike. On a ViT that reads: a 4-D conv kernel ``(kh, kw, in, out)`` is ``kh * kw``
+matrices ``(in, out)``, one per filter tap; a 3-D attention kernel ``(in, heads,
+head_dim)`` is ``in`` matrices ``(heads, head_dim)`` and ``(heads, head_dim, out)`` one
+``(head_dim, out)`` matrix per head; a scanned ``(L, m, n)`` stack one matrix per layer.
 
 Newton-Schulz needs whole matrices. Without a layout every device orthogonalises
 every matrix (GSPMD gathers them). With ``layout`` (the params' specs and mesh, see
@@ -44,6 +49,7 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
 from bv_sharding.ops import axes_of
+from trainers.errors import OptimizerError
 from trainers.optimizers.layout import ParamLayout
 
 _NOT_MATRICES = ("scale", "bias")
@@ -51,9 +57,14 @@ _NS_COEFFS = (3.4445, -4.775, 2.0315)
 
 
 def matrix_dims(params) -> Any:
-  """Per leaf: its matrix dims (the last two; leading dims are batch), or None for AdamW.
+  """Per leaf: its matrix dims (the last two; leading dims are batch), or None for Adam.
 
   Leaves with fewer than 2 dims and leaves named ``scale`` or ``bias`` are not matrices.
+
+  Example:
+      >>> dims = matrix_dims({"conv": jnp.ones((2, 2, 3, 8)), "b": jnp.ones(8), "s": jnp.ones(())})
+      >>> dims["conv"], dims["b"], dims["s"]
+      (MuonDimensionNumbers(reduction_axis=2, output_axis=3), None, None)
   """
 
   def dims(path, leaf):
@@ -76,6 +87,12 @@ class MuonState(NamedTuple):
 
 def _as_matrices(x: jax.Array) -> jax.Array:
   """``(..., m, n)`` as ``(batch, m, n)`` with ``m <= n`` (Newton-Schulz's cheap side)."""
+  if x.ndim < 2:
+    raise OptimizerError(
+        f"Muon orthogonalises matrices; got a leaf of shape {x.shape} ({x.ndim} dims). Mask it "
+        "out (matrix_dims gives None for it) or use muon / scale_by_muon, which give such "
+        "leaves Adam"
+    )
   x = x.reshape(-1, *x.shape[-2:])
   return x if x.shape[1] <= x.shape[2] else x.transpose(0, 2, 1)
 
@@ -206,8 +223,44 @@ def scale_by_muon(
     eps: float = 1e-8,
     nesterov: bool = True,
     layout: ParamLayout | None = None,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
 ) -> optax.GradientTransformation:
-  """Momentum, then Newton-Schulz orthogonalisation of every matrix (optax's iteration).
+  """Muon's direction for every matrix (:func:`matrix_dims`), Adam's for the other leaves.
+
+  The form big_vision's chains take (no learning rate, no weight decay): on any tree, the
+  leaves :func:`muon` orthogonalises get the same orthogonalised momentum, and the others
+  (vectors, scalars, norm scales, biases) ``optax.scale_by_adam`` with ``adam_b1``,
+  ``adam_b2``, ``eps`` and ``nesterov``, as :func:`muon`'s Adam branch before its learning
+  rate. ``layout``: each matrix orthogonalised by one owner device (module docstring).
+
+  Example:
+      >>> tx = scale_by_muon()
+      >>> params = {"w": jnp.ones((4, 4)), "ln": {"scale": jnp.ones(4)}, "t": jnp.ones(())}
+      >>> updates, _ = tx.update(params, tx.init(params), params)
+      >>> [u.shape for u in jax.tree.leaves(updates)]
+      [(4,), (), (4, 4)]
+  """
+  return optax.partition(
+      {
+          "muon": _orthogonalised_momentum(ns_coeffs, ns_steps, beta, eps, nesterov, layout),
+          "adam": optax.scale_by_adam(adam_b1, adam_b2, eps, nesterov=nesterov),
+      },
+      _labels,
+  )
+
+
+def _labels(params) -> Any:
+  """``"muon"`` for the leaves :func:`matrix_dims` calls matrices, else ``"adam"``."""
+  return jax.tree.map(
+      lambda d: "adam" if d is None else "muon", matrix_dims(params), is_leaf=_is_dims
+  )
+
+
+def _orthogonalised_momentum(
+    ns_coeffs, ns_steps: int, beta: float, eps: float, nesterov: bool, layout
+) -> optax.GradientTransformation:
+  """Momentum, then Newton-Schulz orthogonalisation of every leaf (optax's iteration).
 
   Same momentum and bias correction as ``optax.contrib.scale_by_muon``; every leaf
   is treated as a batch of matrices over its last two dims.
@@ -262,15 +315,10 @@ def muon(
       >>> updates, _ = tx.update(params, tx.init(params), params)
   """
 
-  def labels(params):
-    return jax.tree.map(
-        lambda d: "adam" if d is None else "muon", matrix_dims(params), is_leaf=_is_dims
-    )
-
   return optax.partition(
       {
           "muon": optax.chain(
-              scale_by_muon(ns_coeffs, ns_steps, beta, eps, nesterov, layout),
+              _orthogonalised_momentum(ns_coeffs, ns_steps, beta, eps, nesterov, layout),
               scale_by_shape(
                   lambda u: jax.tree.map(_last_two, u, is_leaf=_is_masked), consistent_rms
               ),
@@ -286,7 +334,7 @@ def muon(
               nesterov=nesterov,
           ),
       },
-      labels,
+      _labels,
   )
 
 
