@@ -1,11 +1,11 @@
 """The trainer's real train step with Kron/Shampoo and owner-computed Muon on a 2-D mesh (8
-simulated devices): XLA compiles it without "Involuntary full rematerialization" and, with
-shard-local blocks, it moves about what adamw moves (Muon: at most twice, one all-to-all of the
-momentum to the owners and an all-gather of the update). With the default tiles, which span
-shards on the tiny model, every param's tiles are pooled and dealt over the mesh: the arrays,
-and the factor stacks of pools not stored as one, reach their owners by all-to-alls and come
-back the same way
-(docs/optimizers.md): at most ``BOUND[name]`` times adamw's bytes."""
+simulated devices): XLA compiles it without "Involuntary full rematerialization" and moves at
+most its goal in adamw's bytes (docs/optimizers.md): shard-local blocks 1.10x, the default
+tiles 1.25x, Muon 2x (one all-to-all of the momentum to the owners, an all-gather of the
+update). Each row is also held to the figure measured on this tiny config, so a regression
+shows even under its goal; a row whose measured figure misses its goal is an xfail that says
+so, with the figure.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -24,18 +24,26 @@ def adamw_bytes():
   return traffic.wire_bytes(hlo)
 
 
-# Measured: 1.00x local; kron's pooled tiles 1.31x (1.85x when they were gathered), shampoo's
-# 1.98x (the tiny model's pools are too small to store as one: their factors of whole small
-# params move both ways); muon 1.35x.
-BOUND = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.4, "shampoo": 2.1, "muon": 2.0}
+GOAL = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.25, "shampoo": 1.25, "muon": 2.0}
+# Measured on configs/lm_tp_fsdp.py (tiny), 2026-12-01. The default tiles miss their goal on
+# this tiny model: its params have fewer tiles than the 8 devices, so every tile is pooled, and
+# the factors of pools not stored as one make the round trip to their owners each step. On
+# size=small kron meets it (1.17x) and shampoo does not (1.67x): docs/optimizers.md says why.
+MEASURED = {"kron:local": 1.00, "shampoo:local": 1.00, "kron": 1.32, "shampoo": 1.99, "muon": 1.21}
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("optimizer", list(BOUND))
+@pytest.mark.parametrize("optimizer", list(GOAL))
 def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimizer, adamw_bytes):
   hlo, log, _, _ = step_traffic.compile_step(config_with("lm_tp_fsdp", optimizer))
   assert step_traffic.REMAT not in log
-  assert traffic.wire_bytes(hlo) <= BOUND[optimizer] * adamw_bytes
+  ratio = traffic.wire_bytes(hlo) / adamw_bytes
+  assert ratio <= MEASURED[optimizer] + 0.02, f"{optimizer}: {ratio:.3f}x adamw's bytes"
+  if ratio > GOAL[optimizer]:
+    pytest.xfail(
+        f"{optimizer} on lm_tp_fsdp (tiny) moves {ratio:.2f}x adamw's step bytes, above its "
+        f"{GOAL[optimizer]}x goal (pools too small to store as one)"
+    )
 
 
 def test_xla_cpu_reduces_by_all_reduce_and_slice():
