@@ -5,6 +5,9 @@ Every ordered pair of the nine registry optimizers: 20 steps of the first on fix
 (a signal, noise and a pull towards zero), the state reborn for the second at step 20 as
 the trainer's restore does it (``BuiltOptimizer.reborn``), 5 steps of the second; their
 updates' RMS against the second's own updates at steps 21..25 of a run that never changed.
+The first update's ratio for every pair (docs/durability.md's table)::
+
+  python -c "from tests.optimizers.test_rebirth import *; print(first_ratios(trained()))"
 """
 
 import itertools
@@ -29,7 +32,9 @@ HEAVY_BALL = ("sgd", "shampoo")
 
 def grads(t, params):
   keys = {"w": jax.random.key(1), "b": jax.random.key(2)}
-  noise = jax.tree.map(lambda k, p: jax.random.normal(jax.random.fold_in(k, t), p.shape), keys, params)
+  noise = jax.tree.map(
+      lambda k, p: jax.random.normal(jax.random.fold_in(k, t), p.shape), keys, params
+  )
   return jax.tree.map(lambda s, n, p: s + 0.5 * n + 0.1 * p, SIGNAL, noise, params)
 
 
@@ -49,8 +54,7 @@ def five_steps(tx):
   return jax.jit(run)
 
 
-@pytest.fixture(scope="module")
-def runs():
+def trained() -> dict:
   """``{name: (tx, run, state at 20, params at 20, own RMS at 21..25)}``."""
   out = {}
   for name in registry.OPTIMIZERS:
@@ -61,6 +65,11 @@ def runs():
       state, params, _ = run(state, params, start)
     out[name] = (tx, run, state, params, np.asarray(run(state, params, 20)[2]))
   return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+  return trained()
 
 
 def changed(runs, before: str, after: str):
@@ -76,19 +85,29 @@ def changed(runs, before: str, after: str):
   return np.asarray(run(reborn, params, 20)[2]), carried, renewed
 
 
+def ratios(runs) -> dict[tuple[str, str], np.ndarray]:
+  """``{(before, after): RMS at 21..25 / after's own}`` of every ordered pair."""
+  pairs = itertools.permutations(registry.OPTIMIZERS, 2)
+  return {(a, b): changed(runs, a, b)[0] / runs[b][4] for a, b in pairs}
+
+
+def first_ratios(runs) -> dict[str, float]:
+  """``{"before -> after": the first update's ratio}``, rounded."""
+  return {f"{a} -> {b}": round(float(r[0]), 2) for (a, b), r in ratios(runs).items()}
+
+
 def test_every_optimizer_change_starts_at_the_new_optimizers_own_scale(runs):
-  ratios = {}
-  for before, after in itertools.permutations(registry.OPTIMIZERS, 2):
-    rms, _, _ = changed(runs, before, after)
-    assert np.all(np.isfinite(rms)), (before, after, rms)
-    ratios[before, after] = rms / runs[after][4]
-  too_big = {pair: r.round(2) for pair, r in ratios.items() if r.max() > 2.0}
+  measured = ratios(runs)
+  assert all(np.all(np.isfinite(r)) for r in measured.values())
+  too_big = {pair: r.round(2) for pair, r in measured.items() if r.max() > 2.0}
   assert not too_big, too_big
   too_small = {
-      pair: r.round(2) for pair, r in ratios.items() if r.min() < 0.5 and pair[1] not in HEAVY_BALL
+      pair: r.round(2)
+      for pair, r in measured.items()
+      if r.min() < 0.5 and pair[1] not in HEAVY_BALL
   }
   assert not too_small, too_small
-  for pair, r in ratios.items():
+  for pair, r in measured.items():
     if pair[1] in HEAVY_BALL:  # Filling from a tenth of the run's own, as a fresh run does.
       assert r.min() > 0.1 and np.all(np.diff(r) > 0), (pair, r)
 

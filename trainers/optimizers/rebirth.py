@@ -7,16 +7,19 @@ from the plan at step ``s`` with three differences from a fresh one:
 * **The schedule continues.** Every learning-rate schedule the trainer builds is applied
   by an ``optax.ScaleByScheduleState``; :func:`at_step` sets each one's count to ``s``, so
   the update of step ``s + 1`` applies ``lr(s)``, as the run that never changed would: the
-  run still ends at ``linear_end`` at ``total_steps``.
+  run still ends at ``linear_end`` at ``total_steps``. schedule_free's step count continues
+  there too, its average born holding the params with one step's weight.
 * **A ramp** (``config.rewarmup_steps`` = R > 0, :func:`ramp_in` chained last) scales the
   new optimizer's updates by ``min(1, n / R)``, ``n`` the steps since its birth (0 at the
   first one, as big_vision's warmup). A fresh run's ramp is born saturated (count R).
-* **First moments are carried** (:func:`carried_leaves`) between optimizers whose ``mu`` is
-  an EMA of the grads bias-corrected by the ``count`` beside it (``FIRST_MOMENT``): Adam's
-  ``mu`` becomes Kron's ``mu`` and Adam's ``count`` Kron's ``count``, so Kron's bias
-  correction ``mu / (1 - b1^count)`` sees the moment as Adam left it. Kron also anneals its
-  preconditioner update probability by that count: the fresh preconditioner is fitted at
-  ``prob(count)``, the annealed probability, not at the flat start's 1.0.
+* **Moments are carried with the count that corrects them** (:func:`carried_leaves`), per
+  group of ``mu`` (and ``nu``) leaves beside a ``count``, decided from the two state tables:
+  a new group takes its moments and its count from one saved group holding every moment it
+  has, or is born afresh. Adam's ``count`` bias-corrects ``mu`` and ``nu``, so Kron's ``mu``
+  alone never fills it (Kron -> Adam: Adam born afresh, not a zero ``nu`` corrected as at
+  step ``s``); Kron's corrects ``mu`` only (Adam -> Kron: ``mu`` and ``count`` carried, and
+  Kron anneals its preconditioner update probability by that count). Heavy-ball sums (SGD's
+  ``trace``, Shampoo's ``momentum``), factors and statistics are born afresh.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -222,5 +225,11 @@ def reborn(state, step: int, saved: dict, read, params, learning_rate=None) -> t
   table = {n: (tuple(x.shape), str(x.dtype)) for n, x in zip(names, jax.tree.leaves(state))}
   carried = carried_leaves(saved, table)
   stepped = at_step(state, step, learning_rate)
-  moved = {n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b}
-  return carry(stepped, carried, read), carried, renewed(names, set(carried) | moved, leaf_names(params))
+  moved = {
+      n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b
+  }
+  return (
+      carry(stepped, carried, read),
+      carried,
+      renewed(names, set(carried) | moved, leaf_names(params)),
+  )
