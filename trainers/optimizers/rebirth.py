@@ -148,7 +148,7 @@ def carried_leaves(saved: dict, new: dict) -> dict[str, str]:
 
   Example:
     >>> adam = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/nu/w": ((2,), "f32")}
-    >>> kron = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/Qs/w/0": ((2,), "f32")}
+    >>> kron = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/update_counter": ((), "int32")}
     >>> carried_leaves(adam, kron)
     {'0/mu/w': '0/mu/w', '0/count': '0/count'}
     >>> carried_leaves(kron, adam)  # Kron has no second moment: Adam's group is born afresh.
