@@ -21,7 +21,7 @@ import pytest
 from trainers.optimizers import BuiltOptimizer, make_schedule, registry
 from trainers.optimizers.rebirth import leaf_names
 
-PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jnp.full(6, 0.5)}
+PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jnp.full(6, 0.5, jnp.float32)}
 SIGNAL = jax.tree.map(lambda p: jnp.cos(3.0 * p), PARAMS)
 SCHEDULE = {"total_steps": 40, "warmup_steps": 2}
 LR = 1e-2
