@@ -91,7 +91,13 @@ def build(config, mesh) -> Run:
   abstract = plan.abstract()
   storage = {k: config.optax[k] for k in optimizers.STORAGE_OPTIONS if k in config.optax}
   migration = optimizers.BuiltOptimizer(
-      config.optax_name, abstract["params"], layout, rebuild, abstract["opt"], storage
+      config.optax_name,
+      abstract["params"],
+      layout,
+      rebuild,
+      abstract["opt"],
+      storage,
+      learning_rates.get("lr"),
   )
   loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)

@@ -65,7 +65,8 @@ class BuiltOptimizer:
   abstract state in the run's shardings (None: unsharded), where a restore onto another
   layout puts the moved stacks; ``storage``: its :data:`STORAGE_OPTIONS` that are set
   (e.g. ``{"pool_padding": 1.0}``), recorded, so that a restore under other ones moves the
-  stacks as for another layout.
+  stacks as for another layout; ``learning_rate``: the schedule it applies (``step -> lr``),
+  for a state born mid-run (:func:`~trainers.optimizers.rebirth.at_step`).
   """
 
   name: str
@@ -74,6 +75,7 @@ class BuiltOptimizer:
   optimizer_for: Callable[[ParamLayout, dict], optax.GradientTransformation] | None = None
   state: Any = None
   storage: dict = dataclasses.field(default_factory=dict)
+  learning_rate: Callable | None = None
 
   def record(self) -> dict:
     """What a checkpoint stores in its meta, JSON-able; :func:`migrate_state` reads it back.
@@ -91,10 +93,10 @@ class BuiltOptimizer:
     return migrate_state(saved_meta, self, differs, load)
 
   def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
-    """:func:`~trainers.optimizers.rebirth.reborn` of this run's state, born at ``step``."""
-    return rebirth.reborn(
-        state, step, (saved_record(saved_meta)["name"], saved_table), self.name, read
-    )
+    """:func:`~trainers.optimizers.rebirth.reborn` of this run's state, born at ``step``
+    (``saved_meta`` is not needed: what is carried is decided from the state tables)."""
+    del saved_meta
+    return rebirth.reborn(state, step, saved_table, read, self.params, self.learning_rate)
 
 
 def migrate_state(

@@ -7,16 +7,19 @@ from the plan at step ``s`` with three differences from a fresh one:
 * **The schedule continues.** Every learning-rate schedule the trainer builds is applied
   by an ``optax.ScaleByScheduleState``; :func:`at_step` sets each one's count to ``s``, so
   the update of step ``s + 1`` applies ``lr(s)``, as the run that never changed would: the
-  run still ends at ``linear_end`` at ``total_steps``.
+  run still ends at ``linear_end`` at ``total_steps``. schedule_free's step count continues
+  there too, its average born holding the params with one step's weight.
 * **A ramp** (``config.rewarmup_steps`` = R > 0, :func:`ramp_in` chained last) scales the
   new optimizer's updates by ``min(1, n / R)``, ``n`` the steps since its birth (0 at the
   first one, as big_vision's warmup). A fresh run's ramp is born saturated (count R).
-* **First moments are carried** (:func:`carried_leaves`) between optimizers whose ``mu`` is
-  an EMA of the grads bias-corrected by the ``count`` beside it (``FIRST_MOMENT``): Adam's
-  ``mu`` becomes Kron's ``mu`` and Adam's ``count`` Kron's ``count``, so Kron's bias
-  correction ``mu / (1 - b1^count)`` sees the moment as Adam left it. Kron also anneals its
-  preconditioner update probability by that count: the fresh preconditioner is fitted at
-  ``prob(count)``, the annealed probability, not at the flat start's 1.0.
+* **Moments are carried with the count that corrects them** (:func:`carried_leaves`), per
+  group of ``mu`` (and ``nu``) leaves beside a ``count``, decided from the two state tables:
+  a new group takes its moments and its count from one saved group holding every moment it
+  has, or is born afresh. Adam's ``count`` bias-corrects ``mu`` and ``nu``, so Kron's ``mu``
+  alone never fills it (Kron -> Adam: Adam born afresh, not a zero ``nu`` corrected as at
+  step ``s``); Kron's corrects ``mu`` only (Adam -> Kron: ``mu`` and ``count`` carried, and
+  Kron anneals its preconditioner update probability by that count). Heavy-ball sums (SGD's
+  ``trace``, Shampoo's ``momentum``), factors and statistics are born afresh.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -37,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-# Optimizers whose "mu" is an EMA of the grads (b1) bias-corrected by the "count" beside it.
-FIRST_MOMENT = ("adamw", "lamb", "kron")
-_MU = "/mu/"
+# The moments a count beside them bias-corrects: EMAs of the grads and of their squares.
+_MOMENTS = ("mu", "nu")
+# Leaves whose presence beside a "count" and a "mu" shows that the count bias-corrects the mu.
+_CORRECTED = ("nu", "Qs_preconditioners")
 
 
 class RampState(NamedTuple):
@@ -69,21 +73,40 @@ def ramp_in(steps: int) -> optax.GradientTransformation:
   return optax.GradientTransformation(init, update)
 
 
-def at_step(state, step: int):
-  """``state`` with every schedule count at ``step`` and every ramp count at 0 (same shardings)."""
+def at_step(state, step: int, learning_rate: Callable | None = None):
+  """``state`` with every schedule count at ``step`` and every ramp count at 0 (same shardings).
+
+  schedule_free's own step count continues at ``step`` too, and with ``learning_rate`` (the
+  schedule its averaging weights follow, ``step -> lr``) its average is born holding the
+  params with one step's weight (``lr(step + 1) ** 2``, the registry's ``weight_lr_power``
+  2), where a fresh run gives its initial params none: the first update then moves the
+  params by half the base optimizer's step, as a run averaging all along does (within 2x).
+  """
 
   def reborn(x):
     if isinstance(x, optax.ScaleByScheduleState):
       return x._replace(count=_filled(x.count, step))
     if isinstance(x, RampState):
       return x._replace(count=_filled(x.count, 0))
+    if isinstance(x, optax.contrib.ScheduleFreeState):
+      x = x._replace(
+          step_count=_filled(x.step_count, step + 1),
+          base_optimizer_state=at_step(x.base_optimizer_state, step, learning_rate),
+      )
+      if learning_rate is None:
+        return x
+      return x._replace(weight_sum=_filled(x.weight_sum, float(learning_rate(step + 1)) ** 2))
     return x
 
-  is_count = lambda x: isinstance(x, (optax.ScaleByScheduleState, RampState))
-  return jax.tree.map(reborn, state, is_leaf=is_count)
+  return jax.tree.map(reborn, state, is_leaf=_is_count)
 
 
-def _filled(x: jax.Array, value: int) -> jax.Array:
+def _is_count(x) -> bool:
+  counted = (optax.ScaleByScheduleState, RampState, optax.contrib.ScheduleFreeState)
+  return isinstance(x, counted)
+
+
+def _filled(x: jax.Array, value) -> jax.Array:
   return jax.device_put(jnp.full(x.shape, value, x.dtype), x.sharding)
 
 
@@ -93,50 +116,69 @@ def leaf_names(tree) -> list[str]:
   return [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat]
 
 
-def first_moments(table: dict) -> tuple[str, dict[str, str]] | None:
-  """``(count leaf, {param path: mu leaf})`` of a ``{name: (shape, dtype)}`` state table with
-  exactly one ``.../mu/...`` group and a ``count`` beside it; None otherwise.
+def moment_groups(table: dict) -> dict[str, dict[str, dict[str, str]]]:
+  """``{prefix: {moment: {param path: leaf}}}``: every ``prefix/mu/...`` (and ``prefix/nu/...``)
+  of a ``{name: (shape, dtype)}`` state table with the ``prefix/count`` that corrects them.
 
   Example:
-    >>> first_moments({"0/count": ((), "int32"), "0/mu/w": ((2,), "float32")})
-    ('0/count', {'w': '0/mu/w'})
+    >>> moment_groups({"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/nu/w": ((2,), "f32")})
+    {'0': {'mu': {'w': '0/mu/w'}, 'nu': {'w': '0/nu/w'}}}
   """
-  groups: dict[str, dict[str, str]] = {}
+  groups: dict[str, dict[str, dict[str, str]]] = {}
   for name in table:
-    prefix, found, param = name.partition(_MU)
-    if found:
-      groups.setdefault(prefix, {})[param] = name
-  if len(groups) != 1:
-    return None
-  ((prefix, moments),) = groups.items()
-  count = f"{prefix}/count"
-  return (count, moments) if count in table else None
+    parts = name.split("/")
+    at = next((i for i, part in enumerate(parts[:-1]) if part in _MOMENTS), None)
+    if at is not None and _count("/".join(parts[:at])) in table:
+      moments = groups.setdefault("/".join(parts[:at]), {})
+      moments.setdefault(parts[at], {})["/".join(parts[at + 1 :])] = name
+  return groups
 
 
-def carried_leaves(saved: tuple[str, dict], new: tuple[str, dict]) -> dict[str, str]:
-  """``{new leaf: saved leaf}`` to carry: every first moment and its count, or nothing.
+def _count(prefix: str) -> str:
+  return f"{prefix}/count" if prefix else "count"
 
-  ``saved``, ``new``: ``(optax_name, {leaf name: (shape, dtype)})``. Both optimizers must be
-  in ``FIRST_MOMENT`` and every new moment must have a saved one of its param and shape.
+
+def carried_leaves(saved: dict, new: dict) -> dict[str, str]:
+  """``{new leaf: saved leaf}`` to carry between two state tables (``{name: (shape, dtype)}``).
+
+  Each new :func:`moment_groups` group takes its moments and its count from one saved group
+  that holds every moment it has (a count is carried only with every moment it corrects:
+  Adam's ``count`` needs ``mu`` and ``nu``, Kron's, Lion's and Muon's only ``mu``) for each of
+  its params, in the same shapes; a group no saved one fills is left as born (count 0).
 
   Example:
-    >>> adam = {"0/0/count": ((), "int32"), "0/0/mu/w": ((2,), "f32"), "0/0/nu/w": ((2,), "f32")}
-    >>> kron = {"0/0/count": ((), "int32"), "0/0/mu/w": ((2,), "f32"), "0/0/Qs/w/0": ((2,), "f32")}
-    >>> carried_leaves(("adamw", adam), ("kron", kron))
-    {'0/0/mu/w': '0/0/mu/w', '0/0/count': '0/0/count'}
+    >>> adam = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/nu/w": ((2,), "f32")}
+    >>> kron = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/update_counter": ((), "int32")}
+    >>> carried_leaves(adam, kron)
+    {'0/mu/w': '0/mu/w', '0/count': '0/count'}
+    >>> carried_leaves(kron, adam)  # Kron has no second moment: Adam's group is born afresh.
+    {}
   """
-  (saved_name, saved_table), (new_name, new_table) = saved, new
-  if saved_name not in FIRST_MOMENT or new_name not in FIRST_MOMENT:
-    return {}
-  have, want = first_moments(saved_table), first_moments(new_table)
-  if have is None or want is None:
-    return {}
-  fits = lambda param: param in have[1] and (
-      saved_table[have[1][param]][0] == new_table[want[1][param]][0]
-  )
-  if not all(fits(param) for param in want[1]):
-    return {}
-  return {**{leaf: have[1][param] for param, leaf in want[1].items()}, want[0]: have[0]}
+  have = {p: g for p, g in moment_groups(saved).items() if _corrected(p, saved)}
+  carried: dict[str, str] = {}
+  for prefix, want in moment_groups(new).items():
+    fits = lambda group, want=want: all(
+        moment in group
+        and all(
+            param in group[moment] and saved[group[moment][param]][0] == new[leaf][0]
+            for param, leaf in leaves.items()
+        )
+        for moment, leaves in want.items()
+    )
+    source = next((p for p, group in have.items() if fits(group)), None)
+    if source is not None:
+      for moment, leaves in want.items():
+        carried.update({leaf: have[source][moment][param] for param, leaf in leaves.items()})
+      carried[_count(prefix)] = _count(source)
+  return carried
+
+
+def _corrected(prefix: str, table: dict) -> bool:
+  """Whether the count at ``prefix`` is known to bias-correct the ``mu`` beside it: a second
+  moment (Adam's) or preconditioner factors (Kron's) lie beside them. Lion's count does not
+  correct its ``mu`` (at step 20 it is 18% of the grads' mean), and Lion's and Muon's groups
+  (``count`` and ``mu`` alone) cannot be told apart: neither is carried."""
+  return any(name.startswith(f"{prefix}/{field}/") for name in table for field in _CORRECTED)
 
 
 def carry(state, carried: dict[str, str], read: Callable[[dict], dict]) -> Any:
@@ -153,15 +195,41 @@ def carry(state, carried: dict[str, str], read: Callable[[dict], dict]) -> Any:
   )
 
 
-def reborn(state, step: int, saved: tuple[str, dict], name: str, read) -> tuple[Any, dict]:
-  """``(state, carried)``: a state just born at ``step`` for optimizer ``name``, its schedule
-  and ramp reborn there (:func:`at_step`) and the saved first moments in it (:func:`carry`).
+def renewed(names: list[str], kept: set[str], params: list[str]) -> list[str]:
+  """The leaves of ``names`` not in ``kept``, each param path in them written ``*``, once each.
 
-  ``saved``: the saving run's ``(optax_name, {leaf: (shape, dtype)})``; ``read``: as for
-  :func:`carry`; ``carried``: ``{new leaf: saved leaf}``.
+  Example:
+    >>> renewed(["0/count", "0/nu/a/b", "0/nu/c", "1/count"], {"1/count"}, ["a/b", "c"])
+    ['0/count', '0/nu/*']
   """
-  table = {
-      n: (tuple(x.shape), str(x.dtype)) for n, x in zip(leaf_names(state), jax.tree.leaves(state))
+  longest_first = sorted(params, key=len, reverse=True)
+
+  def starred(name):
+    padded = f"/{name}/"
+    param = next((p for p in longest_first if f"/{p}/" in padded), None)
+    return name if param is None else padded.replace(f"/{param}/", "/*/", 1)[1:-1]
+
+  return list(dict.fromkeys(starred(n) for n in names if n not in kept))
+
+
+def reborn(state, step: int, saved: dict, read, params, learning_rate=None) -> tuple:
+  """``(state, carried, renewed)``: a state just born at ``step``, its schedules and ramp
+  reborn there (:func:`at_step`) and the saved moments that fit it carried (:func:`carried_leaves`).
+
+  ``saved``: the saving run's state table ``{leaf: (shape, dtype)}``; ``read``: as for
+  :func:`carry`; ``params``: the params' tree (its paths name the params); ``learning_rate``:
+  as for :func:`at_step`; ``carried``: ``{new leaf: saved leaf}``; ``renewed``: the leaves
+  left as born (:func:`renewed`), neither carried nor set by :func:`at_step`.
+  """
+  names = leaf_names(state)
+  table = {n: (tuple(x.shape), str(x.dtype)) for n, x in zip(names, jax.tree.leaves(state))}
+  carried = carried_leaves(saved, table)
+  stepped = at_step(state, step, learning_rate)
+  moved = {
+      n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b
   }
-  carried = carried_leaves(saved, (name, table))
-  return carry(at_step(state, step), carried, read), carried
+  return (
+      carry(stepped, carried, read),
+      carried,
+      renewed(names, set(carried) | moved, leaf_names(params)),
+  )

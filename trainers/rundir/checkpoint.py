@@ -11,8 +11,9 @@ current config's plan, so a checkpoint moves between meshes and process counts.
 Params and step are always restored; what becomes of the optimizer state is the
 optimizer's to say (:meth:`Migration.migrate`: kept, moved, or None). When None, the
 new optimizer's state is born sharded from the plan, its schedule continuing at the global
-step, with the saved leaves that mean the same in it (a first moment) carried over
-(:meth:`Migration.reborn`, trainers/optimizers/rebirth.py). A floating-point array saved in another dtype (another ``config.param_dtype``
+step, with the saved leaves that mean the same in it (moments with the count that corrects
+them) carried over and the rest born afresh, both logged (:meth:`Migration.reborn`,
+trainers/optimizers/rebirth.py). A floating-point array saved in another dtype (another ``config.param_dtype``
 or ``config.state_dtype``) is cast to the plan's as orbax reads its shards, and the log
 says so (e.g. "restored params cast float32 -> bfloat16 (12 leaves); opt state cast
 float32 -> bfloat16 (30 leaves)"); a leaf of another name or shape is a difference.
@@ -79,9 +80,10 @@ class Migration(Protocol):
   ``tree``'s (default: the state this run builds), else the first differing leaf
   (:func:`first_difference`); ``load(targets=None)``: the saved state read onto
   ``targets`` (default: the plan's shardings; read only if kept).
-  ``reborn(state, step, saved_meta, saved_table, read)``: ``(state, carried)``, a state just
-  born at ``step`` continuing the schedule there, with the saved leaves it carries over
-  (``{new leaf: saved leaf}``; ``read({saved leaf: target})`` reads them).
+  ``reborn(state, step, saved_meta, saved_table, read)``: ``(state, carried, renewed)``, a
+  state just born at ``step`` continuing the schedule there, with the saved leaves it carries
+  over (``{new leaf: saved leaf}``; ``read({saved leaf: target})`` reads them) and the
+  names of the leaves it leaves as born (each param path written ``*``).
   """
 
   def record(self) -> dict:
@@ -434,15 +436,18 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
     logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
     return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
   read = lambda targets: restore_leaves(manager, step, OPT, targets)
-  opt, carried = migration.reborn(steps.init_opt(tx, plan, params), step, meta, saved_opt, read)
+  born = steps.init_opt(tx, plan, params)
+  opt, carried, renewed = migration.reborn(born, step, meta, saved_opt, read)
   logging.info(
       "resumed at step %d from %s with params and step only: optimizer state re-initialised (%s), "
-      "the new state born sharded from the plan, its schedule at step %d; carried over: %s",
+      "the new state born sharded from the plan, its schedule at step %d; carried over: %s; "
+      "born afresh: %s",
       step,
       source,
       why,
       step,
       ", ".join(f"opt/{saved} -> opt/{new}" for new, saved in carried.items()) or "nothing",
+      ", ".join(f"opt/{name}" for name in renewed) or "nothing",
   )
   return {"params": params, "opt": opt}, Start(step, source, step)
 

@@ -1,0 +1,128 @@
+"""An optimizer change mid-run (trainers/optimizers/rebirth.py): the new optimizer's first
+updates at the scale of its own run.
+
+Every ordered pair of the nine registry optimizers: 20 steps of the first on fixed grads
+(a signal, noise and a pull towards zero), the state reborn for the second at step 20 as
+the trainer's restore does it (``BuiltOptimizer.reborn``), 5 steps of the second; their
+updates' RMS against the second's own updates at steps 21..25 of a run that never changed.
+The first update's ratio for every pair (docs/durability.md's table)::
+
+  python -c "from tests.optimizers.test_rebirth import *; print(first_ratios(trained()))"
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from trainers.optimizers import BuiltOptimizer, make_schedule, registry
+from trainers.optimizers.rebirth import leaf_names
+
+PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jnp.full(6, 0.5, jnp.float32)}
+SIGNAL = jax.tree.map(lambda p: jnp.cos(3.0 * p), PARAMS)
+SCHEDULE = {"total_steps": 40, "warmup_steps": 2}
+LR = 1e-2
+# The heavy-ball sums (Shampoo's momentum, SGD's trace) are born at zero: no saved state is
+# in their units, so they fill as in a fresh run's first steps (below the run's own).
+HEAVY_BALL = ("sgd", "shampoo")
+
+
+def grads(t, params):
+  keys = {"w": jax.random.key(1), "b": jax.random.key(2)}
+  noise = jax.tree.map(
+      lambda k, p: jax.random.normal(jax.random.fold_in(k, t), p.shape), keys, params
+  )
+  return jax.tree.map(lambda s, n, p: s + 0.5 * n + 0.1 * p, SIGNAL, noise, params)
+
+
+def five_steps(tx):
+  """``(state, params, start) -> (state, params, rms)``: 5 steps from ``start``, jitted once."""
+
+  def step(carry, t):
+    state, params = carry
+    updates, state = tx.update(grads(t, params), state, params)
+    rms = jnp.sqrt(optax.tree.norm(updates, squared=True) / optax.tree.size(updates))
+    return (state, optax.apply_updates(params, updates)), rms
+
+  def run(state, params, start):
+    (state, params), rms = jax.lax.scan(step, (state, params), start + jnp.arange(5))
+    return state, params, rms
+
+  return jax.jit(run)
+
+
+def trained() -> dict:
+  """``{name: (init, run, state at 20, params at 20, own RMS at 21..25)}``, jitted once each."""
+  out = {}
+  for name in registry.OPTIMIZERS:
+    tx = registry.make_optimizer(name, LR, schedule=SCHEDULE, weight_decay=1e-4)
+    init, run, params = jax.jit(tx.init), five_steps(tx), jax.device_put(PARAMS)
+    state = init(params)
+    for start in range(0, 20, 5):
+      state, params, _ = run(state, params, start)
+    out[name] = (init, run, state, params, np.asarray(run(state, params, 20)[2]))
+  return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+  return trained()
+
+
+def changed(runs, before: str, after: str):
+  """``(RMS at 21..25, carried, renewed)`` of ``before`` changed to ``after`` at step 20."""
+  state, params = runs[before][2:4]
+  init, run = runs[after][:2]
+  saved = dict(zip(leaf_names(state), jax.tree.leaves(state)))
+  table = {n: (tuple(x.shape), str(x.dtype)) for n, x in saved.items()}
+  built = BuiltOptimizer(after, PARAMS, learning_rate=make_schedule(LR, **SCHEDULE))
+  meta = {"optimizer": {"name": before, "layout": None}}
+  born = init(params)
+  reborn, carried, renewed = built.reborn(born, 20, meta, table, lambda t: {n: saved[n] for n in t})
+  return np.asarray(run(reborn, params, 20)[2]), carried, renewed
+
+
+def ratios(runs) -> dict[tuple[str, str], np.ndarray]:
+  """``{(before, after): RMS at 21..25 / after's own}`` of every ordered pair."""
+  pairs = itertools.permutations(registry.OPTIMIZERS, 2)
+  return {(a, b): changed(runs, a, b)[0] / runs[b][4] for a, b in pairs}
+
+
+def first_ratios(runs) -> dict[str, float]:
+  """``{"before -> after": the first update's ratio}``, rounded."""
+  return {f"{a} -> {b}": round(float(r[0]), 2) for (a, b), r in ratios(runs).items()}
+
+
+def test_every_optimizer_change_starts_at_the_new_optimizers_own_scale(runs):
+  measured = ratios(runs)
+  assert all(np.all(np.isfinite(r)) for r in measured.values())
+  too_big = {pair: r.round(2) for pair, r in measured.items() if r.max() > 2.0}
+  assert not too_big, too_big
+  too_small = {
+      pair: r.round(2)
+      for pair, r in measured.items()
+      if r.min() < 0.5 and pair[1] not in HEAVY_BALL
+  }
+  assert not too_small, too_small
+  for pair, r in measured.items():
+    if pair[1] in HEAVY_BALL:  # Filling from a tenth of the run's own, as a fresh run does.
+      assert r.min() > 0.1 and np.all(np.diff(r) > 0), (pair, r)
+
+
+def test_a_count_is_carried_only_with_every_moment_it_corrects(runs):
+  # Kron has no second moment: Adam's group (count, mu, nu) is born afresh, as logged.
+  rms, carried, renewed = changed(runs, "kron", "adamw")
+  assert carried == {} and renewed == ["0/0/count", "0/0/mu/*", "0/0/nu/*"]
+  # LAMB's are Adam's moments: all three carried, the update as Adam's own run makes it.
+  rms, carried, renewed = changed(runs, "lamb", "adamw")
+  assert sorted(carried) == ["0/0/count", "0/0/mu/b", "0/0/mu/w", "0/0/nu/b", "0/0/nu/w"]
+  assert renewed == [] and rms == pytest.approx(runs["adamw"][4], rel=0.05)
+  # Adam's mu and count into Kron, whose count corrects only mu: carried, the factors born.
+  _, carried, renewed = changed(runs, "adamw", "kron")
+  assert carried == {"0/0/mu/b": "0/0/mu/b", "0/0/mu/w": "0/0/mu/w", "0/0/count": "0/0/count"}
+  assert "0/0/update_counter" in renewed and "0/0/Qs_preconditioners/*/0" in renewed
+  # Lion's count does not correct its mu: not carried into Kron's bias correction.
+  assert changed(runs, "lion", "kron")[1] == {}
