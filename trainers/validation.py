@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
+from bv_sharding.big_vision import schedules
 from trainers import memory, precision
 from trainers.errors import ConfigError, closest
-from trainers.optimizers import schedules
 
 COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
 POLICIES = ("stop", "skip")

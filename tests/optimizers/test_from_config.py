@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+import bv_sharding as bvs
 from configs import lm
 from tests.helpers import ROOT, load_tool
 from trainers.optimizers import OptimizerError, from_config, make_schedule
@@ -94,7 +95,7 @@ def test_per_regex_schedules_are_each_logged():
 
 def test_uncovered_params_and_project_names_with_regex_schedules_raise():
   tx, _ = from_config(section(optax_name="scale_by_adam", lr=1.0, schedule=[("a/.*", {})]))
-  with pytest.raises(OptimizerError, match="'b/w' matches no regex of config.schedule"):
+  with pytest.raises(bvs.Error, match="'b/w' matches no regex of config.schedule"):
     tx.init({"a": {"w": jnp.ones(2)}, "b": {"w": jnp.ones(2)}})
   with pytest.raises(OptimizerError, match="takes one schedule.*scale_by_adam"):
     from_config(section(optax_name="adamw", lr=1.0, schedule=[("a/.*", {}), (".*", None)]))
@@ -105,14 +106,15 @@ def test_uncovered_params_and_project_names_with_regex_schedules_raise():
     [
         (dict(schedule=dict(decay="cosine")), ["schedule.decay was renamed", "decay_type"]),
         (dict(schedule=dict(end_value=1e-4)), ["schedule.end_value was renamed", "linear_end"]),
-        (dict(schedule=dict(decay_typ="cosine")), ["Did you mean 'decay_type'"]),
+        (dict(schedule=dict(decay_typ="cosine")), ["did you mean 'decay_type'"]),
         (dict(schedule=dict(decay_type="exp")), ["decay_type='exp'", "cosine"]),
         (dict(schedule=dict(warmup_steps=1, warmup_percent=0.1)), ["keep only one"]),
         (dict(schedule=dict(warmup_epochs=1)), ["warmup_epochs needs", "warmup_steps"]),
         (dict(schedule=dict(warmup_steps=10)), ["must end before total_steps"]),
-        (dict(optax_name="scale_by_adamm"), ["neither", "Did you mean 'scale_by_adam'"]),
+        (dict(optax_name="scale_by_adamm"), ["neither", "did you mean 'scale_by_adam'"]),
+        (dict(optax_name="kronn"), ["project's optimizers", "did you mean 'kron'"]),
         (dict(optax_name="scale_by_adam", optax=dict(beta2=0.9)), ["Signature: scale_by_adam("]),
-        (dict(optax_name="big_vision.momentum_hp"), ["big_vision's own", "'trace'"]),
+        (dict(optax_name="big_vision.momentum_hpp"), ["library's", "'big_vision.momentum_hp'"]),
         (dict(schedule=None), ["config.schedule is None"]),
     ],
 )
