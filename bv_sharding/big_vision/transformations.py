@@ -7,8 +7,9 @@ Any other name is an optax attribute, dotted or not, with or without ``optax.``
 (``"scale_by_adam"``, ``"contrib.scale_by_muon"``).
 
 Example:
-  >>> transformation("big_vision.momentum_hp", {"momentum": 0.8})
-  GradientTransformationExtraArgs(init=..., update=...)
+  >>> import optax
+  >>> factory("big_vision.sgd") is optax.identity, factory("optax.scale_by_adam") is optax.scale_by_adam
+  (True, True)
   >>> transformation("bv_sharding.scale_by_kronn", {})
   Traceback (most recent call last):
   ...
