@@ -247,9 +247,16 @@ def _first_match(patterns: Sequence[str], where: str, cover: bool, pick=None) ->
   """``tree -> bool tree``: per leaf, ``pick[i]`` for the first pattern ``i`` it fullmatches
   (``False`` for none); ``pick=None`` marks every matched leaf. Boxes count as leaves.
 
-  Raises (when the mask is computed):
-    ConfigError: with ``cover``, a leaf that no pattern matches.
+  Raises:
+    ConfigError: a pattern starting with ``/``; when the mask is computed, with ``cover``, a
+      leaf that no pattern matches.
   """
+  for pattern in patterns:
+    if pattern.startswith("/"):
+      raise ConfigError(
+          f"{where} regex {pattern!r} starts with '/', which no param name does; write "
+          f"{pattern.lstrip('/')!r}"
+      )
   compiled = [re.compile(p) for p in patterns]
   pick = [True] * len(compiled) if pick is None else list(pick)
 

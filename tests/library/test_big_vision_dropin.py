@@ -242,6 +242,7 @@ def test_big_visions_own_optimizer_names_build_and_train():
         (dict(optim=dict(name="adam")), ["config.optim was retired", "config.optax"]),
         (dict(weight_decay=0.1), ["config.weight_decay was retired", "config.wd"]),
         (dict(lr_mults=[(".*", 0.0)]), ["must be > 0", "(regex, None)"]),
+        (dict(wd=0.1, wd_mults=[("/.*", 1.0)]), ["config.wd_mults regex '/.*'", "write '.*'"]),
         (dict(schedule=dict(decay_typ="cosine")), ["did you mean 'decay_type'"]),
     ],
 )
