@@ -199,6 +199,20 @@ OPTIMIZER_SECTIONS = {
         lr=0.1,
         schedule=[(".*", dict(decay_type="stair", steps=[3], mults=[0.1]))],
     ),
+    # big_vision's own optimizers (optax.big_vision.*), bfloat16 momentum included.
+    "bv_adafactor": dict(
+        optax_name="big_vision.scale_by_adafactor",
+        optax=dict(min_dim_size_to_factor=3, clipping_threshold=1.0),
+        lr=0.1,
+        wd=0.01,
+        schedule=dict(decay_type="cosine", warmup_steps=2),
+    ),
+    "bv_momentum_hp": dict(
+        optax_name="big_vision.momentum_hp",
+        optax=dict(momentum=0.8, nesterov=True),
+        lr=0.1,
+        grad_clip_norm=1.0,
+    ),
 }
 OPTIMIZER_STEPS = 6
 OPTIMIZER_TOTAL_STEPS = 10

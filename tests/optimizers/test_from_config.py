@@ -46,7 +46,11 @@ def test_schedules_match_big_vision_at_every_step(name):
 def test_optimizer_sections_update_params_as_big_vision(name):
   """Decoupled wd after the lr scaling on wd_mults' leaves, per-regex schedules, frozen
   leaves, lr_mults and clipping: params after each step equal big_vision's."""
-  tx, _ = from_config(section(**record.OPTIMIZER_SECTIONS[name]))
+  values = record.OPTIMIZER_SECTIONS[name]
+  tx, _ = from_config(section(**values))
+  # big_vision's own optimizers keep bfloat16 momentum, which the trainer updates in float32
+  # (state_dtype.py) where big_vision rounds each step: equal to bfloat16's precision.
+  rtol, atol = (2e-3, 2e-3) if values["optax_name"].startswith("big_vision.") else (2e-5, 2e-6)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), record.small_params())
   state, update = tx.init(params), jax.jit(tx.update)
   for step, expected in enumerate(recorded()["optimizers"][name]):
@@ -56,7 +60,7 @@ def test_optimizer_sections_update_params_as_big_vision(name):
       leaf = params
       for key in leaf_name.split("/"):
         leaf = leaf[key]
-      np.testing.assert_allclose(leaf, value, rtol=2e-5, atol=2e-6, err_msg=f"{name} {leaf_name}")
+      np.testing.assert_allclose(leaf, value, rtol=rtol, atol=atol, err_msg=f"{name} {leaf_name}")
 
 
 @pytest.mark.parametrize(
