@@ -66,7 +66,7 @@ RUNS = {
 }
 
 
-def _stub_missing_imports():
+def stub_missing_imports():
   for name in ("tensorflow", "tensorflow.io", "tensorflow.io.gfile"):
     try:
       __import__(name)
@@ -124,7 +124,7 @@ def _spec_list(spec):
 
 
 def record() -> dict:
-  _stub_missing_imports()
+  stub_missing_imports()
   import flax.linen as nn
   from big_vision import sharding, utils
 
