@@ -8,7 +8,8 @@ tool imports it from a checkout and stores
   ``sharding.infer_sharding`` gives every leaf. The trees are big_vision's own
   models (ViT-B/16, ViT-L/16, So400m/14, PaliGemma with Gemma 2B), shaped with
   ``jax.eval_shape``, and this project's Llama (125m, 7b scanned);
-- ``tests/data/big_vision_optax.json`` (``tests/optimizers/test_from_config.py``):
+- ``tests/data/big_vision_optax.json`` (``tests/optimizers/test_from_config.py``,
+  ``tests/library/test_big_vision_dropin.py``):
   ``utils.create_learning_rate_schedule`` at every step for a set of
   ``config.schedule`` dicts, and the params after each step of
   ``optax.make(config, ...)`` on a small tree for a few optimizer sections.
