@@ -118,6 +118,7 @@ def test_uncovered_params_and_project_names_with_regex_schedules_raise():
         (dict(optax_name="scale_by_adamm"), ["neither", "did you mean 'scale_by_adam'"]),
         (dict(optax_name="kronn"), ["project's optimizers", "did you mean 'kron'"]),
         (dict(optax_name="scale_by_adam", optax=dict(beta2=0.9)), ["Signature: scale_by_adam("]),
+        (dict(lr_mults=[(".*", 0.0)]), ["config.lr_mults", "must be > 0"]),
         (dict(optax_name="big_vision.momentum_hpp"), ["library's", "'big_vision.momentum_hp'"]),
         (dict(schedule=None), ["config.schedule is None"]),
     ],

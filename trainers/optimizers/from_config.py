@@ -34,7 +34,7 @@ import optax
 from bv_sharding.big_vision import ConfigError
 from bv_sharding.big_vision import optax as bv_optax
 from bv_sharding.big_vision.schedules import make_schedule
-from bv_sharding.big_vision.transformations import transformation
+from bv_sharding.big_vision.transformations import factory, transformation
 from trainers import precision
 from trainers.errors import OptimizerError, closest
 from trainers.optimizers import rebirth, registry
@@ -98,12 +98,16 @@ def _registry_optimizer(config, name, kwargs, entries, schedules, layout):
 
 def _big_vision_chain(config, name: str, kwargs: dict, schedules) -> optax.GradientTransformation:
   try:
-    return bv_optax.chain(config, transformation(name, kwargs), schedules)
+    factory(name)
   except ConfigError as e:
     raise OptimizerError(
         f"{e}; nor one of the project's optimizers ({', '.join(registry.OPTIMIZERS)})"
         f"{closest(name, registry.OPTIMIZERS)}"
     ) from None
+  try:
+    return bv_optax.chain(config, transformation(name, kwargs), schedules)
+  except ConfigError as e:
+    raise OptimizerError(str(e)) from None
 
 
 def _schedule(config, schedule: dict) -> Callable:
