@@ -18,10 +18,11 @@ Example:
 
 The names below are the whole API; the modules behind them are internal. Extending the
 library (an op of your own, an optimizer whose state the plan places) needs
-:mod:`bv_sharding.ops`.
+:mod:`bv_sharding.ops`; :mod:`bv_sharding.big_vision` stands in for big_vision's
+``sharding`` and ``optax`` modules.
 """
 
-from bv_sharding import ops
+from bv_sharding import big_vision, ops
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
 from bv_sharding.aliases import deprecated as _deprecated
 from bv_sharding.compute import gather_for_compute, save_anything_but_gathers
@@ -42,6 +43,7 @@ from bv_sharding.registry import (
 
 __all__ = [
     "Entry",
+    "big_vision",
     "Error",
     "Op",
     "OpInfo",

@@ -2,8 +2,9 @@
 
 Every mistake in a strategy, rule, mesh or input raises :class:`ShardingError`
 (an :class:`Error`, itself a ``ValueError``) whose message names the offending
-value and the fix. A program built on the library can root its own errors at
-:class:`Error`, so that ``except bvs.Error`` catches every user mistake.
+value and the fix; a big_vision optimizer section the library cannot build raises
+:class:`ConfigError` (an :class:`Error` too). A program built on the library can root
+its own errors at :class:`Error`, so that ``except bvs.Error`` catches every user mistake.
 
 Example:
   >>> import bv_sharding as bvs
@@ -23,6 +24,11 @@ class Error(ValueError):
 
 class ShardingError(Error):
   """A strategy, rule, mesh or plan the library cannot use; the message names it and the fix."""
+
+
+class ConfigError(Error):
+  """A big_vision config section (optimizer, schedule) the library cannot use; the message
+  names ``config.<key>`` and the fix."""
 
 
 class ShardingWarning(UserWarning):

@@ -8,7 +8,8 @@ tool imports it from a checkout and stores
   ``sharding.infer_sharding`` gives every leaf. The trees are big_vision's own
   models (ViT-B/16, ViT-L/16, So400m/14, PaliGemma with Gemma 2B), shaped with
   ``jax.eval_shape``, and this project's Llama (125m, 7b scanned);
-- ``tests/data/big_vision_optax.json`` (``tests/optimizers/test_from_config.py``):
+- ``tests/data/big_vision_optax.json`` (``tests/optimizers/test_from_config.py``,
+  ``tests/library/test_big_vision_dropin.py``):
   ``utils.create_learning_rate_schedule`` at every step for a set of
   ``config.schedule`` dicts, and the params after each step of
   ``optax.make(config, ...)`` on a small tree for a few optimizer sections.
@@ -66,7 +67,7 @@ RUNS = {
 }
 
 
-def _stub_missing_imports():
+def stub_missing_imports():
   for name in ("tensorflow", "tensorflow.io", "tensorflow.io.gfile"):
     try:
       __import__(name)
@@ -124,7 +125,7 @@ def _spec_list(spec):
 
 
 def record() -> dict:
-  _stub_missing_imports()
+  stub_missing_imports()
   import flax.linen as nn
   from big_vision import sharding, utils
 
@@ -198,6 +199,20 @@ OPTIMIZER_SECTIONS = {
         optax=dict(decay=0.9),
         lr=0.1,
         schedule=[(".*", dict(decay_type="stair", steps=[3], mults=[0.1]))],
+    ),
+    # big_vision's own optimizers (optax.big_vision.*), bfloat16 momentum included.
+    "bv_adafactor": dict(
+        optax_name="big_vision.scale_by_adafactor",
+        optax=dict(min_dim_size_to_factor=3, clipping_threshold=1.0),
+        lr=0.1,
+        wd=0.01,
+        schedule=dict(decay_type="cosine", warmup_steps=2),
+    ),
+    "bv_momentum_hp": dict(
+        optax_name="big_vision.momentum_hp",
+        optax=dict(momentum=0.8, nesterov=True),
+        lr=0.1,
+        grad_clip_norm=1.0,
     ),
 }
 OPTIMIZER_STEPS = 6

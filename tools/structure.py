@@ -99,7 +99,8 @@ LAYERS = (
         packages("trainers.input", "trainers.models", "trainers.optimizers"),
         "What a run is built from, each knowing nothing of the others: `input/` (sources, "
         "deterministic batches, prefetch, tasks), `models/` (Llama and ViT), `optimizers/` "
-        "(the registry, schedules, Kron, Shampoo and Muon on the params' layout).",
+        "(the registry, Kron, Shampoo and Muon on the params' layout; big_vision's optimizer "
+        "section through the library's `bv_sharding.big_vision`).",
     ),
     Layer(
         "Trainer basics",
@@ -111,10 +112,13 @@ LAYERS = (
     ),
     Layer(
         "Library",
-        packages("bv_sharding"),
+        # The drop-in is the library's: bv_sharding exports it, so it cannot be a node above.
+        (Node("bv_sharding", ("bv_sharding", "bv_sharding.big_vision")),),
         "`bv_sharding/`: sharding plans for params and optimizer state, from a config's "
         "strategy, before any array exists. It imports nothing of the project; everything "
-        "above uses it through its public names (`bv_sharding.__all__` and `bv_sharding.ops`).",
+        "above uses it through its public names (`bv_sharding.__all__`, `bv_sharding.ops` and "
+        "`bv_sharding.big_vision`, the drop-in for big_vision's `sharding` and `optax` modules "
+        "with big_vision's schedules and optimizer chain).",
     ),
 )
 

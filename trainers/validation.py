@@ -24,9 +24,10 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
+from bv_sharding import big_vision
+from bv_sharding.big_vision import schedules
 from trainers import memory, precision
 from trainers.errors import ConfigError, closest
-from trainers.optimizers import schedules
 
 COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
 POLICIES = ("stop", "skip")
@@ -227,7 +228,10 @@ def _check_schedule(schedule) -> None:
   for where, entry in entries:
     if not _is_dict(entry):
       raise ConfigError(f"{where}={entry!r}: must be a dict like dict(decay_type='cosine')")
-    schedules.check_keys(entry)
+    try:
+      schedules.check_keys(entry)
+    except big_vision.ConfigError as e:
+      raise ConfigError(str(e)) from None
     _check_choice(f"{where}.decay_type", entry.get("decay_type", "stair"), schedules.DECAY_TYPES)
     for key, value in entry.items():
       if key.endswith("_steps"):

@@ -52,6 +52,7 @@ def test_readme_and_every_docs_page_with_code_are_found():
   names = {p.relative_to(ROOT).as_posix() for p in PAGES if python_blocks(p)}
   assert names == {
       "README.md",
+      "docs/big_vision.md",
       "docs/data.md",
       "docs/durability.md",
       "docs/explicit.md",

@@ -37,6 +37,7 @@ API = {
     "ShardingError",
     "ShardingWarning",
     "ops",
+    "big_vision",
 }
 # The names ``bv_sharding`` exported before the surface was narrowed.
 BEFORE = [
@@ -70,7 +71,16 @@ MOVED = {
     ("bv_sharding.coverage", "claims"): ("bv_sharding.Plan", "claims"),
 }
 OUTSIDE = ("trainers", "benchmarks", "configs", "examples", "tools")
-PUBLIC_MODULES = {"bv_sharding": bvs.__all__, "bv_sharding.ops": ops.__all__}
+PUBLIC_MODULES = {
+    "bv_sharding": bvs.__all__,
+    "bv_sharding.ops": ops.__all__,
+    "bv_sharding.big_vision": bvs.big_vision.__all__,
+    **{
+        f"bv_sharding.big_vision.{name}": getattr(bvs.big_vision, name).__all__
+        for name in bvs.big_vision.__all__
+        if name != "ConfigError"
+    },
+}
 
 
 def test_all_is_exactly_the_api_each_name_once():
@@ -209,7 +219,7 @@ def test_the_library_text_speaks_of_the_library_only():
   )
   found = [
       f"{path.name}:{number}: {line.strip()}"
-      for path in sorted((ROOT / "bv_sharding").glob("*.py"))
+      for path in sorted((ROOT / "bv_sharding").rglob("*.py"))
       for number, line in enumerate(path.read_text().splitlines(), 1)
       if words.search(line)
   ]

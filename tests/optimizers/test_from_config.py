@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 
+import bv_sharding as bvs
 from configs import lm
 from tests.helpers import ROOT, load_tool
 from trainers.optimizers import OptimizerError, from_config, make_schedule
@@ -45,7 +46,11 @@ def test_schedules_match_big_vision_at_every_step(name):
 def test_optimizer_sections_update_params_as_big_vision(name):
   """Decoupled wd after the lr scaling on wd_mults' leaves, per-regex schedules, frozen
   leaves, lr_mults and clipping: params after each step equal big_vision's."""
-  tx, _ = from_config(section(**record.OPTIMIZER_SECTIONS[name]))
+  values = record.OPTIMIZER_SECTIONS[name]
+  tx, _ = from_config(section(**values))
+  # big_vision's own optimizers keep bfloat16 momentum, which the trainer updates in float32
+  # (state_dtype.py) where big_vision rounds each step: equal to bfloat16's precision.
+  rtol, atol = (2e-3, 2e-3) if values["optax_name"].startswith("big_vision.") else (2e-5, 2e-6)
   params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), record.small_params())
   state, update = tx.init(params), jax.jit(tx.update)
   for step, expected in enumerate(recorded()["optimizers"][name]):
@@ -55,7 +60,7 @@ def test_optimizer_sections_update_params_as_big_vision(name):
       leaf = params
       for key in leaf_name.split("/"):
         leaf = leaf[key]
-      np.testing.assert_allclose(leaf, value, rtol=2e-5, atol=2e-6, err_msg=f"{name} {leaf_name}")
+      np.testing.assert_allclose(leaf, value, rtol=rtol, atol=atol, err_msg=f"{name} {leaf_name}")
 
 
 @pytest.mark.parametrize(
@@ -94,7 +99,7 @@ def test_per_regex_schedules_are_each_logged():
 
 def test_uncovered_params_and_project_names_with_regex_schedules_raise():
   tx, _ = from_config(section(optax_name="scale_by_adam", lr=1.0, schedule=[("a/.*", {})]))
-  with pytest.raises(OptimizerError, match="'b/w' matches no regex of config.schedule"):
+  with pytest.raises(bvs.Error, match="'b/w' matches no regex of config.schedule"):
     tx.init({"a": {"w": jnp.ones(2)}, "b": {"w": jnp.ones(2)}})
   with pytest.raises(OptimizerError, match="takes one schedule.*scale_by_adam"):
     from_config(section(optax_name="adamw", lr=1.0, schedule=[("a/.*", {}), (".*", None)]))
@@ -105,14 +110,16 @@ def test_uncovered_params_and_project_names_with_regex_schedules_raise():
     [
         (dict(schedule=dict(decay="cosine")), ["schedule.decay was renamed", "decay_type"]),
         (dict(schedule=dict(end_value=1e-4)), ["schedule.end_value was renamed", "linear_end"]),
-        (dict(schedule=dict(decay_typ="cosine")), ["Did you mean 'decay_type'"]),
+        (dict(schedule=dict(decay_typ="cosine")), ["did you mean 'decay_type'"]),
         (dict(schedule=dict(decay_type="exp")), ["decay_type='exp'", "cosine"]),
         (dict(schedule=dict(warmup_steps=1, warmup_percent=0.1)), ["keep only one"]),
         (dict(schedule=dict(warmup_epochs=1)), ["warmup_epochs needs", "warmup_steps"]),
         (dict(schedule=dict(warmup_steps=10)), ["must end before total_steps"]),
-        (dict(optax_name="scale_by_adamm"), ["neither", "Did you mean 'scale_by_adam'"]),
+        (dict(optax_name="scale_by_adamm"), ["neither", "did you mean 'scale_by_adam'"]),
+        (dict(optax_name="kronn"), ["project's optimizers", "did you mean 'kron'"]),
         (dict(optax_name="scale_by_adam", optax=dict(beta2=0.9)), ["Signature: scale_by_adam("]),
-        (dict(optax_name="big_vision.momentum_hp"), ["big_vision's own", "'trace'"]),
+        (dict(lr_mults=[(".*", 0.0)]), ["config.lr_mults", "must be > 0"]),
+        (dict(optax_name="big_vision.momentum_hpp"), ["library's", "'big_vision.momentum_hp'"]),
         (dict(schedule=None), ["config.schedule is None"]),
     ],
 )

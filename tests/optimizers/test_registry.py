@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import bv_sharding as bvs
 from tests.helpers import final_loss, ill_conditioned_regression
 from trainers.optimizers import (
     OPTIMIZERS,
@@ -68,7 +69,7 @@ def test_weight_decay_goes_through_make_optimizer_arguments():
 
 
 def test_bad_decay_name():
-  with pytest.raises(OptimizerError, match="cosine"):
+  with pytest.raises(bvs.Error, match="cosine"):
     make_schedule(1.0, 10, decay_type="exp")
 
 

@@ -5,6 +5,7 @@ Example:
   >>> tx = make_optimizer("shampoo", 1e-3, block_size=256, clip_norm=1.0)
 """
 
+from bv_sharding.big_vision.schedules import make_schedule
 from trainers.errors import OptimizerError
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
@@ -12,7 +13,6 @@ from trainers.optimizers.layout import ParamLayout, same_blocking, stack_specs
 from trainers.optimizers.migration import STORAGE_OPTIONS, BuiltOptimizer, migrate_state
 from trainers.optimizers.muon import muon, scale_by_muon
 from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
-from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
 
 __all__ = [

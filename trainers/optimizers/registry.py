@@ -22,11 +22,11 @@ from typing import Any
 import jax
 import optax
 
+from bv_sharding.big_vision.schedules import make_schedule
 from trainers.errors import OptimizerError, closest
 from trainers.optimizers.axes import auto_axes_update
 from trainers.optimizers.kron import kron
 from trainers.optimizers.muon import muon
-from trainers.optimizers.schedules import make_schedule
 from trainers.optimizers.shampoo import shampoo
 
 # Last path components of norm scales and biases: small vectors that get no weight decay.

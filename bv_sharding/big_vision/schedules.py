@@ -20,7 +20,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from trainers.errors import OptimizerError, nearest
+from bv_sharding.errors import ConfigError, closest
+
+__all__ = ["DECAY_TYPES", "FRACTIONS", "KEYS", "check_keys", "make_schedule"]
 
 DECAY_TYPES = ("stair", "cosine", "linear", "polynomial", "rsqrt")
 _DURATIONS = ("warmup", "cooldown", "timescale", "shift")
@@ -62,22 +64,20 @@ def make_schedule(
   steps (and scale the peak under ``scale_with_batchsize``).
 
   Raises:
-    OptimizerError: an unknown or renamed key (with the key to use), an unknown
+    ConfigError: an unknown or renamed key (with the key to use), an unknown
       ``decay_type``, a duration that cannot be converted, or a warmup that
       does not end before ``total_steps``.
   """
   check_keys(schedule)
   decay_type = schedule.get("decay_type", "stair")
   if decay_type not in DECAY_TYPES:
-    raise OptimizerError(
-        f"config.schedule.decay_type={decay_type!r}; expected one of {DECAY_TYPES}"
-    )
+    raise ConfigError(f"config.schedule.decay_type={decay_type!r}; expected one of {DECAY_TYPES}")
   to_steps = lambda name, default=0: _steps(
       name, schedule, total_steps, batch_size, data_size, default
   )
   warmup, cooldown = to_steps("warmup"), to_steps("cooldown")
   if total_steps > 1 and warmup >= total_steps:
-    raise OptimizerError(
+    raise ConfigError(
         f"config.schedule warmup ({warmup} steps) must end before total_steps ({total_steps})"
     )
   base = schedule.get("mult", 1.0)
@@ -126,7 +126,7 @@ def _steps(prefix, schedule, total_steps, batch_size, data_size, default) -> int
   given = {u: v for u, v in given.items() if v >= 0}
   if len(given) > 1:
     keys = ", ".join(f"{prefix}_{u}" for u in given)
-    raise OptimizerError(f"config.schedule sets {keys}; keep only one of them")
+    raise ConfigError(f"config.schedule sets {keys}; keep only one of them")
   if not given:
     return default
   ((unit, value),) = given.items()
@@ -134,7 +134,7 @@ def _steps(prefix, schedule, total_steps, batch_size, data_size, default) -> int
     return int(value)
   if unit == "percent":
     if not 0.0 <= value <= 1.0:
-      raise OptimizerError(
+      raise ConfigError(
           f"config.schedule.{prefix}_percent={value} must lie in [0, 1] (a fraction of total_steps)"
       )
     return _round(value * total_steps)
@@ -153,8 +153,8 @@ def _round(x: float) -> int:
 
 def _need(value, key: str, what: str):
   if not value:
-    raise OptimizerError(
-        f"config.schedule.{key} needs {what}, which the trainer does not know here; "
+    raise ConfigError(
+        f"config.schedule.{key} needs {what}, which was not given (sched_kw); "
         f"give the duration as {key.rsplit('_', 1)[0]}_steps or _percent"
     )
   return value
@@ -168,10 +168,9 @@ def check_keys(schedule) -> None:
   """
   for key in schedule:
     if key in RENAMED:
-      raise OptimizerError(f"config.schedule.{key} was renamed: use {RENAMED[key]}")
+      raise ConfigError(f"config.schedule.{key} was renamed: use {RENAMED[key]}")
     if key not in KEYS:
-      close = nearest(key, KEYS)
-      hint = f" Did you mean {close!r}?" if close else ""
-      raise OptimizerError(
-          f"config.schedule.{key} is not a schedule key.{hint} Keys: {', '.join(KEYS)}"
+      raise ConfigError(
+          f"config.schedule.{key} is not a schedule key (keys: {', '.join(KEYS)})"
+          f"{closest(key, KEYS)}"
       )
