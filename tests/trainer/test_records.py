@@ -29,8 +29,7 @@ def converted(tmp_path_factory):
     (root / "text" / f"{i}.txt").write_text(f"document {i} " + "words and more words " * 80)
   corpus = documents.Corpus.of(str(root / "text"))
   convert.convert(corpus, str(root / "bytes"), 0.2)
-  tokenizer = convert.train_tokenizer(corpus, str(root / "bpe"), 300)
-  convert.convert(corpus, str(root / "bpe"), 0.2, tokenizer)
+  convert.convert(corpus, str(root / "bpe"), 0.2, vocab_size=300)  # Trains the BPE first.
   return root
 
 

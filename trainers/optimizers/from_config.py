@@ -34,7 +34,12 @@ import optax
 from bv_sharding.big_vision import ConfigError
 from bv_sharding.big_vision import optax as bv_optax
 from bv_sharding.big_vision.schedules import make_schedule
-from bv_sharding.big_vision.transformations import factory, transformation
+from bv_sharding.big_vision.transformations import (
+    OWN_PREFIXES,
+    TRANSFORMATIONS,
+    factory,
+    transformation,
+)
 from trainers import precision
 from trainers.errors import OptimizerError, closest
 from trainers.optimizers import rebirth, registry
@@ -100,9 +105,14 @@ def _big_vision_chain(config, name: str, kwargs: dict, schedules) -> optax.Gradi
   try:
     factory(name)
   except ConfigError as e:
+    if name.startswith(OWN_PREFIXES):  # A library name: the library's message says it all.
+      raise OptimizerError(str(e)) from None
+    known = [*registry.OPTIMIZERS, *TRANSFORMATIONS, *dir(optax)]
     raise OptimizerError(
-        f"{e}; nor one of the project's optimizers ({', '.join(registry.OPTIMIZERS)})"
-        f"{closest(name, registry.OPTIMIZERS)}"
+        f"config.optax_name={name!r} is neither one of the project's optimizers "
+        f"({', '.join(registry.OPTIMIZERS)}) nor an optax attribute (e.g. 'scale_by_adam') nor "
+        f"one of the library's transformations ({', '.join(TRANSFORMATIONS)})"
+        f"{closest(name.removeprefix('optax.'), known)}"
     ) from None
   try:
     return bv_optax.chain(config, transformation(name, kwargs), schedules)
