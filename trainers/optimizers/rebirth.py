@@ -42,6 +42,9 @@ import optax
 
 # The moments a count beside them bias-corrects: EMAs of the grads and of their squares.
 _MOMENTS = ("mu", "nu")
+# Heavy-ball sums ``m = beta m + d`` by the field their leaves lie under, and what they sum:
+# SGD's trace sums grads, Shampoo's momentum its grafted directions (entries about 1).
+_HEAVY_BALLS = {"trace": "grads", "momentum": "directions"}
 # Leaves whose presence beside a "count" and a "mu" shows that the count bias-corrects the mu.
 _CORRECTED = ("nu", "Qs_preconditioners")
 
@@ -203,33 +206,108 @@ def renewed(names: list[str], kept: set[str], params: list[str]) -> list[str]:
     ['0/count', '0/nu/*']
   """
   longest_first = sorted(params, key=len, reverse=True)
-
-  def starred(name):
-    padded = f"/{name}/"
-    param = next((p for p in longest_first if f"/{p}/" in padded), None)
-    return name if param is None else padded.replace(f"/{param}/", "/*/", 1)[1:-1]
-
-  return list(dict.fromkeys(starred(n) for n in names if n not in kept))
+  return list(dict.fromkeys(_starred(n, longest_first)[0] for n in names if n not in kept))
 
 
-def reborn(state, step: int, saved: dict, read, params, learning_rate=None) -> tuple:
+def _starred(name: str, longest_first: list[str]) -> tuple[str, str | None]:
+  """``(name with its param path written *, that param path)``; ``(name, None)`` if none."""
+  padded = f"/{name}/"
+  param = next((p for p in longest_first if f"/{p}/" in padded), None)
+  return (name, None) if param is None else (padded.replace(f"/{param}/", "/*/", 1)[1:-1], param)
+
+
+def _heavy_ball(template: str) -> str | None:
+  """What the heavy-ball sum a leaf's name (its param written ``*``) is part of sums, or None."""
+  return next((_HEAVY_BALLS[f] for f in template.split("/") if f in _HEAVY_BALLS), None)
+
+
+def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, str]:
+  """``{new leaf: saved leaf}``: each heavy-ball sum of a param in ``new`` (SGD's ``trace``,
+  Shampoo's ``momentum``) and a saved first moment of that param, in the same shape, that it
+  is born from (:func:`born_sum`); both ``{name: (shape, dtype)}`` tables.
+
+  A sum of grads (``trace``) is born from a ``mu`` (an EMA of the grads, in their units); a
+  sum of unit-scaled directions (``momentum``: Shampoo's grafted ones) from a ``mu`` or a
+  saved heavy-ball sum, whose scale it does not take.
+
+  Example:
+    >>> adam = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/nu/w": ((2,), "f32")}
+    >>> heavy_ball_sources(adam, {"1/0/trace/w": ((2,), "f32")}, ["w"])
+    {'1/0/trace/w': '0/mu/w'}
+    >>> sgd, shampoo = {"1/0/trace/w": ((2,), "f32")}, {"0/per_param/w/momentum": ((2,), "f32")}
+    >>> heavy_ball_sources(sgd, shampoo, ["w"]), heavy_ball_sources(shampoo, sgd, ["w"])
+    ({'0/per_param/w/momentum': '1/0/trace/w'}, {})
+  """
+  longest_first = sorted(params, key=len, reverse=True)
+  moments: dict[tuple[str | None, str], list[str]] = {}  # (param, what it sums) -> saved leaves
+  for name in saved:
+    template, param = _starred(name, longest_first)
+    kind = "mu" if "mu" in template.split("/") else _heavy_ball(template)
+    moments.setdefault((param, kind), []).append(name)
+  sources = {}
+  for name, (shape, _) in new.items():
+    template, param = _starred(name, longest_first)
+    kind = _heavy_ball(template)
+    kinds = ("mu",) if kind == "grads" else ("mu", *set(_HEAVY_BALLS.values()))
+    found = [s for k in kinds for s in moments.get((param, k), []) if saved[s][0] == shape]
+    if kind is not None and param is not None and found:
+      sources[name] = found[0]
+  return sources
+
+
+def born_sum(moment: jax.Array, kind: str, decay: float) -> jax.Array:
+  """A heavy-ball sum ``m = decay m + d`` as a run summing all along holds it, from a saved
+  first moment: ``mu / (1 - decay)`` for a sum of grads (its steady state for grads of mean
+  ``mu``), and for a sum of unit-scaled directions the moment scaled to RMS 1 first.
+
+  Example:
+    >>> born_sum(jnp.array([1.0, -1.0]), "grads", 0.5).tolist()
+    [2.0, -2.0]
+    >>> born_sum(jnp.array([3.0, -3.0]), "directions", 0.5).tolist()
+    [2.0, -2.0]
+  """
+  moment = moment.astype(jnp.float32)
+  if kind == "directions":
+    rms = jnp.sqrt(jnp.mean(jnp.square(moment)))
+    moment = moment / jnp.where(rms > 0, rms, 1.0)
+  return moment / (1.0 - decay)
+
+
+def heavy_balls(state, sources: dict[str, str], read: Callable[[dict], dict], decay: float):
+  """``state`` with each heavy-ball leaf ``sources`` names (new -> saved) :func:`born_sum`
+  of its saved first moment (``read`` as for :func:`carry`), in the leaf's dtype and sharding."""
+  names = leaf_names(state)
+  leaves, treedef = jax.tree.flatten(state)
+  new = dict(zip(names, leaves))
+  values = read({saved: new[leaf] for leaf, saved in sources.items()}) if sources else {}
+
+  def born(name, x):
+    summed = born_sum(values[sources[name]], _heavy_ball(name), decay)
+    return jax.device_put(summed.astype(x.dtype), x.sharding)
+
+  return treedef.unflatten([born(n, x) if n in sources else x for n, x in zip(names, leaves)])
+
+
+def reborn(state, step: int, saved: dict, read, params, learning_rate=None, momentum=None) -> tuple:
   """``(state, carried, renewed)``: a state just born at ``step``, its schedules and ramp
   reborn there (:func:`at_step`) and the saved moments that fit it carried (:func:`carried_leaves`).
 
   ``saved``: the saving run's state table ``{leaf: (shape, dtype)}``; ``read``: as for
   :func:`carry`; ``params``: the params' tree (its paths name the params); ``learning_rate``:
-  as for :func:`at_step`; ``carried``: ``{new leaf: saved leaf}``; ``renewed``: the leaves
-  left as born (:func:`renewed`), neither carried nor set by :func:`at_step`.
+  as for :func:`at_step`; ``momentum``: the decay of the state's heavy-ball sums, each then
+  born from a saved first moment (:func:`heavy_ball_sources`; None: born at zero);
+  ``carried``: ``{new leaf: saved leaf}``, the heavy-ball leaves' sources included;
+  ``renewed``: the leaves left as born (:func:`renewed`), neither carried nor set by
+  :func:`at_step`.
   """
   names = leaf_names(state)
   table = {n: (tuple(x.shape), str(x.dtype)) for n, x in zip(names, jax.tree.leaves(state))}
   carried = carried_leaves(saved, table)
+  summed = {} if momentum is None else heavy_ball_sources(saved, table, leaf_names(params))
   stepped = at_step(state, step, learning_rate)
   moved = {
       n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b
   }
-  return (
-      carry(stepped, carried, read),
-      carried,
-      renewed(names, set(carried) | moved, leaf_names(params)),
-  )
+  state = heavy_balls(carry(stepped, carried, read), summed, read, momentum)
+  carried = {**carried, **summed}
+  return state, carried, renewed(names, set(carried) | moved, leaf_names(params))

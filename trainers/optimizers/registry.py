@@ -77,19 +77,22 @@ class _Entry:
   defaults: keyword defaults that differ from the factory's.
   lr_scale: the learning rate (or schedule) given is multiplied by this, so one
     ``config.lr`` suits every optimizer (documented per entry below).
+  heavy_ball: the name of its argument that is the decay ``beta`` of a heavy-ball sum
+    ``m = beta m + d`` in its state (None: it has none), for a state born mid-run.
   """
 
   factory: Callable[..., optax.GradientTransformation]
   decay_args: tuple[str, str] | None = ("weight_decay", "mask")
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   lr_scale: float = 1.0
+  heavy_ball: str | None = None
 
 
 _REGISTRY: dict[str, _Entry] = {
     "adamw": _Entry(optax.adamw),
     "adafactor": _Entry(optax.adafactor, ("weight_decay_rate", "weight_decay_mask")),
     "lion": _Entry(optax.lion),
-    "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}),
+    "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}, heavy_ball="momentum"),
     "lamb": _Entry(optax.lamb),
     # The project's Muon: scanned (L, m, n) kernels orthogonalised per layer, and with the
     # trainer's layout each matrix orthogonalised once, by its owner device (muon.py).
@@ -115,6 +118,7 @@ _REGISTRY: dict[str, _Entry] = {
         shampoo,
         defaults={"graft_type": "adam", "start_preconditioning_step": 10},
         lr_scale=0.1,
+        heavy_ball="beta1",
     ),
 }
 OPTIMIZERS = tuple(_REGISTRY)
@@ -128,6 +132,23 @@ def lr_scale(name: str) -> float:
     (1.0, 0.1)
   """
   return _lookup(name).lr_scale
+
+
+def heavy_ball_decay(name: str, kwargs: Mapping[str, Any]) -> float | None:
+  """The decay of the heavy-ball sum in the state of ``name`` built with ``kwargs`` (its
+  ``config.optax``), or None: an optimizer outside the registry, or one without such a sum.
+
+  Example:
+    >>> heavy_ball_decay("sgd", {}), heavy_ball_decay("shampoo", {"beta1": 0.8})
+    (0.9, 0.8)
+    >>> heavy_ball_decay("adamw", {}), heavy_ball_decay("scale_by_adam", {})
+    (None, None)
+  """
+  entry = _REGISTRY.get(name)
+  if entry is None or entry.heavy_ball is None:
+    return None
+  default = inspect.signature(entry.factory).parameters[entry.heavy_ball].default
+  return {entry.heavy_ball: default, **entry.defaults, **kwargs}[entry.heavy_ball]
 
 
 def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:
