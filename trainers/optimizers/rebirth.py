@@ -18,8 +18,12 @@ from the plan at step ``s`` with three differences from a fresh one:
   has, or is born afresh. Adam's ``count`` bias-corrects ``mu`` and ``nu``, so Kron's ``mu``
   alone never fills it (Kron -> Adam: Adam born afresh, not a zero ``nu`` corrected as at
   step ``s``); Kron's corrects ``mu`` only (Adam -> Kron: ``mu`` and ``count`` carried, and
-  Kron anneals its preconditioner update probability by that count). Heavy-ball sums (SGD's
-  ``trace``, Shampoo's ``momentum``), factors and statistics are born afresh.
+  Kron anneals its preconditioner update probability by that count). Factors and
+  statistics are born afresh.
+* **A heavy-ball sum is born full** (:func:`heavy_ball_sources`, :func:`born_sum`): SGD's
+  ``trace`` and Shampoo's ``momentum`` (``m = beta m + d``, with the new optimizer's
+  ``beta``) start as a run summing all along holds them, ``mu / (1 - beta)`` from a saved
+  first moment of each param, not at zero (a tenth of the run's own, at ``beta`` 0.9).
 
 Example:
   >>> import jax.numpy as jnp, optax
