@@ -14,7 +14,7 @@ from trainers.optimizers.muon import muon, scale_by_muon
 from trainers.optimizers.registry import (
     OPTIMIZERS,
     decay_mask,
-    heavy_ball_decay,
+    heavy_ball_decays,
     make_optimizer,
 )
 from trainers.optimizers.schedules import make_schedule
@@ -30,7 +30,7 @@ __all__ = [
     "ShampooState",
     "decay_mask",
     "from_config",
-    "heavy_ball_decay",
+    "heavy_ball_decays",
     "kron",
     "make_optimizer",
     "make_schedule",
