@@ -395,6 +395,7 @@ def test_optimizer_change_continues_the_schedule_and_carries_the_moment(tmp_path
         ("adamw", "lamb", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
         ("lamb", "adamw", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
         ("muon", "shampoo", "/momentum; born afresh: opt/1/0/count,"),
+        ("adamw", "sgd", "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding"),
     ],
 )
 def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(tmp_path, before, after, logged):
@@ -403,7 +404,7 @@ def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(tmp_path, befo
   corrected Adam's zero nu, logged a train loss of 23.8 at step 22 (5.4 at step 20). The eval
   loss (the same held-out batch at every step) is the yardstick: the train batches' own
   difficulty moves their loss by up to 0.35 (an unchanged adamw run: 3.10 at 20, 3.41 at 23).
-  Checkpoints only at steps 20 and 40, the ones the change needs."""
+  adamw -> sgd: SGD's trace born from Adam's mu. Checkpoints only at steps 20 and 40."""
   flags = ("--config.eval_every=1", "--config.ckpt_steps=20")
   train(tmp_path, f"--config.optax_name={before}", *flags, total=20, timeout=600)
   out = train(tmp_path, f"--config.optax_name={after}", *flags, total=40, timeout=600)
