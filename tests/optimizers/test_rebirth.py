@@ -25,9 +25,20 @@ PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jnp.full(6, 0.
 SIGNAL = jax.tree.map(lambda p: jnp.cos(3.0 * p), PARAMS)
 SCHEDULE = {"total_steps": 40, "warmup_steps": 2}
 LR = 1e-2
-# The heavy-ball sums (Shampoo's momentum, SGD's trace) are born at zero: no saved state is
-# in their units, so they fill as in a fresh run's first steps (below the run's own).
-HEAVY_BALL = ("sgd", "shampoo")
+# The pairs whose new heavy-ball sum no saved leaf fills in its units (born at zero, it fills
+# as in a fresh run's first steps), with their ratios at steps 21 and 25 as measured.
+NO_FIRST_MOMENT = "keeps no first moment: 0.15x at step 21, 0.48x at 25"
+NO_ADAM_GROUP = "keeps no mu with nu beside it (Shampoo's momentum sums Adam-scaled steps)"
+UNFILLED = {
+    ("adafactor", "sgd"): f"Adafactor {NO_FIRST_MOMENT}",
+    ("lion", "sgd"): "Lion's mu, its EMA bias (0.99^20) uncorrected: 0.32x at step 21, 0.60x at 25",
+    ("shampoo", "sgd"): "Shampoo's momentum sums directions, not grads: 0.15x at 21, 0.48x at 25",
+    ("adafactor", "shampoo"): f"Adafactor {NO_ADAM_GROUP}: 0.29x at step 21, 0.57x at 25",
+    ("kron", "shampoo"): f"Kron {NO_ADAM_GROUP}: 0.29x at step 21, 0.57x at 25",
+    ("lion", "shampoo"): f"Lion {NO_ADAM_GROUP}: 0.29x at step 21, 0.57x at 25",
+    ("sgd", "shampoo"): f"SGD {NO_ADAM_GROUP}: 0.29x at step 21, 0.55x at 25",
+    ("muon", "shampoo"): f"Muon's matrices' group {NO_ADAM_GROUP}: 0.30x at 21, 0.59x at 25",
+}
 
 
 def grads(t, params):
@@ -78,38 +89,34 @@ def changed(runs, before: str, after: str):
   init, run = runs[after][:2]
   saved = dict(zip(leaf_names(state), jax.tree.leaves(state)))
   table = {n: (tuple(x.shape), str(x.dtype)) for n, x in saved.items()}
-  built = BuiltOptimizer(after, PARAMS, learning_rate=make_schedule(LR, **SCHEDULE))
+  schedule = make_schedule(LR, **SCHEDULE)
+  decays = registry.heavy_ball_decays(after, {})
+  built = BuiltOptimizer(after, PARAMS, learning_rate=schedule, heavy_ball=decays)
   meta = {"optimizer": {"name": before, "layout": None}}
   born = init(params)
   reborn, carried, renewed = built.reborn(born, 20, meta, table, lambda t: {n: saved[n] for n in t})
   return np.asarray(run(reborn, params, 20)[2]), carried, renewed
 
 
-def ratios(runs) -> dict[tuple[str, str], np.ndarray]:
-  """``{(before, after): RMS at 21..25 / after's own}`` of every ordered pair."""
-  pairs = itertools.permutations(registry.OPTIMIZERS, 2)
-  return {(a, b): changed(runs, a, b)[0] / runs[b][4] for a, b in pairs}
+def ratio(runs, before: str, after: str) -> np.ndarray:
+  """RMS of ``before`` changed to ``after`` at step 20, at 21..25, over ``after``'s own."""
+  return changed(runs, before, after)[0] / runs[after][4]
 
 
 def first_ratios(runs) -> dict[str, float]:
-  """``{"before -> after": the first update's ratio}``, rounded."""
-  return {f"{a} -> {b}": round(float(r[0]), 2) for (a, b), r in ratios(runs).items()}
+  """``{"before -> after": the first update's ratio}`` of every ordered pair, rounded."""
+  pairs = itertools.permutations(registry.OPTIMIZERS, 2)
+  return {f"{a} -> {b}": round(float(ratio(runs, a, b)[0]), 2) for a, b in pairs}
 
 
-def test_every_optimizer_change_starts_at_the_new_optimizers_own_scale(runs):
-  measured = ratios(runs)
-  assert all(np.all(np.isfinite(r)) for r in measured.values())
-  too_big = {pair: r.round(2) for pair, r in measured.items() if r.max() > 2.0}
-  assert not too_big, too_big
-  too_small = {
-      pair: r.round(2)
-      for pair, r in measured.items()
-      if r.min() < 0.5 and pair[1] not in HEAVY_BALL
-  }
-  assert not too_small, too_small
-  for pair, r in measured.items():
-    if pair[1] in HEAVY_BALL:  # Filling from a tenth of the run's own, as a fresh run does.
-      assert r.min() > 0.1 and np.all(np.diff(r) > 0), (pair, r)
+@pytest.mark.parametrize(("before", "after"), itertools.permutations(registry.OPTIMIZERS, 2))
+def test_an_optimizer_change_starts_at_the_new_optimizers_own_scale(runs, before, after):
+  r = ratio(runs, before, after)
+  assert np.all(np.isfinite(r)) and r.max() <= 2.0, r.round(2)
+  if (before, after) in UNFILLED:
+    assert r.min() < 0.5, f"{before} -> {after} meets the bound now: drop it from UNFILLED"
+    pytest.xfail(UNFILLED[before, after])
+  assert r.min() >= 0.5, r.round(2)
 
 
 def test_a_count_is_carried_only_with_every_moment_it_corrects(runs):
@@ -126,3 +133,17 @@ def test_a_count_is_carried_only_with_every_moment_it_corrects(runs):
   assert "0/0/update_counter" in renewed and "0/0/Qs_preconditioners/*/0" in renewed
   # Lion's count does not correct its mu: not carried into Kron's bias correction.
   assert changed(runs, "lion", "kron")[1] == {}
+
+
+def test_a_heavy_ball_sum_is_born_from_a_saved_first_moment(runs):
+  # SGD's trace, a sum of grads: Adam's mu / (1 - momentum), not Kron's or Adam's count.
+  _, carried, renewed = changed(runs, "adamw", "sgd")
+  assert carried == {"1/0/trace/b": "0/0/mu/b", "1/0/trace/w": "0/0/mu/w"} and renewed == []
+  # Shampoo's momentum, a sum of Adam-scaled steps: Adam's direction (mu, nu, count).
+  _, carried, renewed = changed(runs, "lamb", "shampoo")
+  assert carried["0/0/per_param/w/momentum"] == "0/0/mu/w"
+  assert "0/0/count" in renewed and "0/0/per_param/*/graft_nu" in renewed
+  assert "0/0/per_param/*/momentum" not in renewed
+  # Kron's mu has no nu beside it, and Shampoo's momentum is not in grads' units: born at zero.
+  assert changed(runs, "kron", "shampoo")[1] == {}
+  assert changed(runs, "shampoo", "sgd")[1:] == ({}, ["1/0/trace/*"])

@@ -12,7 +12,12 @@ from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_b
 from trainers.optimizers.layout import ParamLayout, same_blocking, stack_specs
 from trainers.optimizers.migration import STORAGE_OPTIONS, BuiltOptimizer, migrate_state
 from trainers.optimizers.muon import muon, scale_by_muon
-from trainers.optimizers.registry import OPTIMIZERS, decay_mask, make_optimizer
+from trainers.optimizers.registry import (
+    OPTIMIZERS,
+    decay_mask,
+    heavy_ball_decays,
+    make_optimizer,
+)
 from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "ShampooState",
     "decay_mask",
     "from_config",
+    "heavy_ball_decays",
     "kron",
     "make_optimizer",
     "make_schedule",

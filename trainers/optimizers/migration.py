@@ -66,7 +66,9 @@ class BuiltOptimizer:
   layout puts the moved stacks; ``storage``: its :data:`STORAGE_OPTIONS` that are set
   (e.g. ``{"pool_padding": 1.0}``), recorded, so that a restore under other ones moves the
   stacks as for another layout; ``learning_rate``: the schedule it applies (``step -> lr``),
-  for a state born mid-run (:func:`~trainers.optimizers.rebirth.at_step`).
+  for a state born mid-run (:func:`~trainers.optimizers.rebirth.at_step`); ``heavy_ball``: the
+  decays of its state's heavy-ball sum (``registry.heavy_ball_decays``; None: none), for the
+  sum born mid-run from saved moments (:func:`~trainers.optimizers.rebirth.heavy_balls`).
   """
 
   name: str
@@ -76,6 +78,7 @@ class BuiltOptimizer:
   state: Any = None
   storage: dict = dataclasses.field(default_factory=dict)
   learning_rate: Callable | None = None
+  heavy_ball: tuple[float, ...] | None = None
 
   def record(self) -> dict:
     """What a checkpoint stores in its meta, JSON-able; :func:`migrate_state` reads it back.
@@ -96,7 +99,9 @@ class BuiltOptimizer:
     """:func:`~trainers.optimizers.rebirth.reborn` of this run's state, born at ``step``
     (``saved_meta`` is not needed: what is carried is decided from the state tables)."""
     del saved_meta
-    return rebirth.reborn(state, step, saved_table, read, self.params, self.learning_rate)
+    return rebirth.reborn(
+        state, step, saved_table, read, self.params, self.learning_rate, self.heavy_ball
+    )
 
 
 def migrate_state(

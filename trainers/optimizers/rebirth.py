@@ -18,8 +18,14 @@ from the plan at step ``s`` with three differences from a fresh one:
   has, or is born afresh. Adam's ``count`` bias-corrects ``mu`` and ``nu``, so Kron's ``mu``
   alone never fills it (Kron -> Adam: Adam born afresh, not a zero ``nu`` corrected as at
   step ``s``); Kron's corrects ``mu`` only (Adam -> Kron: ``mu`` and ``count`` carried, and
-  Kron anneals its preconditioner update probability by that count). Heavy-ball sums (SGD's
-  ``trace``, Shampoo's ``momentum``), factors and statistics are born afresh.
+  Kron anneals its preconditioner update probability by that count). Factors and
+  statistics are born afresh.
+* **A heavy-ball sum is born full** (:func:`heavy_ball_sources`, :func:`born_sum`): SGD's
+  ``trace`` and Shampoo's ``momentum`` (``m = beta m + d``, with the new optimizer's
+  ``beta``) start as a run summing all along holds them, ``E[d] / (1 - beta)``, not at zero
+  (a tenth of the run's own, at ``beta`` 0.9): SGD's from any saved ``mu`` of each param,
+  Shampoo's (a sum of Adam-grafted steps) from Adam's direction in a saved ``mu``, ``nu``,
+  ``count`` group; with neither saved they are born at zero.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -42,6 +48,9 @@ import optax
 
 # The moments a count beside them bias-corrects: EMAs of the grads and of their squares.
 _MOMENTS = ("mu", "nu")
+# Heavy-ball sums ``m = beta m + d`` by the field their leaves lie under, and what they sum:
+# SGD's trace sums grads, Shampoo's momentum its Adam-grafted directions.
+_HEAVY_BALLS = {"trace": "grads", "momentum": "directions"}
 # Leaves whose presence beside a "count" and a "mu" shows that the count bias-corrects the mu.
 _CORRECTED = ("nu", "Qs_preconditioners")
 
@@ -203,33 +212,131 @@ def renewed(names: list[str], kept: set[str], params: list[str]) -> list[str]:
     ['0/count', '0/nu/*']
   """
   longest_first = sorted(params, key=len, reverse=True)
-
-  def starred(name):
-    padded = f"/{name}/"
-    param = next((p for p in longest_first if f"/{p}/" in padded), None)
-    return name if param is None else padded.replace(f"/{param}/", "/*/", 1)[1:-1]
-
-  return list(dict.fromkeys(starred(n) for n in names if n not in kept))
+  return list(dict.fromkeys(_starred(n, longest_first)[0] for n in names if n not in kept))
 
 
-def reborn(state, step: int, saved: dict, read, params, learning_rate=None) -> tuple:
+def _starred(name: str, longest_first: list[str]) -> tuple[str, str | None]:
+  """``(name with its param path written *, that param path)``; ``(name, None)`` if none."""
+  padded = f"/{name}/"
+  param = next((p for p in longest_first if f"/{p}/" in padded), None)
+  return (name, None) if param is None else (padded.replace(f"/{param}/", "/*/", 1)[1:-1], param)
+
+
+def _heavy_ball(template: str) -> str | None:
+  """What the heavy-ball sum a leaf's name (its param written ``*``) is part of sums, or None."""
+  return next((_HEAVY_BALLS[f] for f in template.split("/") if f in _HEAVY_BALLS), None)
+
+
+def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, str]:
+  """``{new leaf: saved leaf}``: each heavy-ball sum of a param in ``new`` (SGD's ``trace``,
+  Shampoo's ``momentum``) and the saved ``mu`` of that param, in the same shape, that it is
+  born from (:func:`born_sum`); both ``{name: (shape, dtype)}`` tables.
+
+  A sum of grads (``trace``) is born from any ``mu`` (an EMA of the grads, in their units);
+  a sum of Adam-scaled directions (Shampoo's ``momentum`` of its grafted steps) from a ``mu``
+  with the ``nu`` and the ``count`` beside it (an Adam group: the direction is its update).
+
+  Example:
+    >>> adam = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/nu/w": ((2,), "f32")}
+    >>> heavy_ball_sources(adam, {"1/0/trace/w": ((2,), "f32")}, ["w"])
+    {'1/0/trace/w': '0/mu/w'}
+    >>> lion = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32")}
+    >>> heavy_ball_sources(lion, {"0/per_param/w/momentum": ((2,), "f32")}, ["w"])
+    {}
+  """
+  longest_first = sorted(params, key=len, reverse=True)
+  groups = moment_groups(saved)
+  sources = {}
+  for name, (shape, _) in new.items():
+    template, param = _starred(name, longest_first)
+    kind = _heavy_ball(template)
+    wanted = ("mu",) if kind == "grads" else ("mu", "nu")
+    found = [
+        group["mu"][param]
+        for group in groups.values()
+        if all(param in group.get(m, {}) and saved[group[m][param]][0] == shape for m in wanted)
+    ]
+    if kind is not None and found:
+      sources[name] = found[0]
+  return sources
+
+
+def _beside(mu: str) -> tuple[str, str]:
+  """The ``nu`` and the ``count`` in the group of the saved ``mu`` leaf ``mu``."""
+  parts = mu.split("/")
+  at = parts.index("mu")
+  return "/".join([*parts[:at], "nu", *parts[at + 1 :]]), _count("/".join(parts[:at]))
+
+
+def born_sum(mu, decays: tuple[float, ...], nu=None, count=None) -> jax.Array:
+  """A heavy-ball sum ``m = beta m + d`` as a run summing all along holds it, from saved
+  moments: its steady state ``E[d] / (1 - beta)``. With ``decays = (beta,)`` (a sum of grads)
+  ``E[d]`` is ``mu``; with ``(beta, beta2)`` (a sum of Adam-scaled directions) it is Adam's
+  direction ``mu_hat / sqrt(nu_hat)``, both moments bias-corrected by ``count`` with ``beta``
+  and ``beta2`` (the new optimizer's decays, taken for the saved ones').
+
+  Example:
+    >>> born_sum(jnp.array([1.0, -1.0]), (0.5,)).tolist()
+    [2.0, -2.0]
+    >>> born_sum(jnp.array([0.5, 0.0]), (0.5, 0.5), nu=jnp.array([0.5, 0.0]), count=1).tolist()
+    [2.0, 0.0]
+  """
+  beta, mu = decays[0], mu.astype(jnp.float32)
+  if len(decays) > 1:
+    mu_hat = mu / (1.0 - beta**count)
+    nu_hat = nu.astype(jnp.float32) / (1.0 - decays[1] ** count)
+    mu = jnp.where(nu_hat > 0, mu_hat / jnp.sqrt(jnp.where(nu_hat > 0, nu_hat, 1.0)), 0.0)
+  return mu / (1.0 - beta)
+
+
+def heavy_balls(state, sources: dict[str, str], read: Callable[[dict], dict], decays: tuple):
+  """``state`` with each heavy-ball leaf ``sources`` names (new -> saved ``mu``)
+  :func:`born_sum` of its saved moments (``read`` as for :func:`carry`), in its dtype and
+  sharding."""
+  if not sources:
+    return state
+  names = leaf_names(state)
+  leaves, treedef = jax.tree.flatten(state)
+  new = dict(zip(names, leaves))
+  scalar = next(x for x in leaves if x.ndim == 0)  # A target for the counts: replicated.
+  targets = {mu: new[leaf] for leaf, mu in sources.items()}
+  if len(decays) > 1:
+    for leaf, mu in sources.items():
+      nu, count = _beside(mu)
+      targets.update({nu: new[leaf], count: scalar})
+  values = read(targets)
+
+  def born(name, x):
+    mu = sources[name]
+    nu, count = _beside(mu) if len(decays) > 1 else (None, None)
+    summed = born_sum(values[mu], decays, values.get(nu), values.get(count))
+    return jax.device_put(summed.astype(x.dtype), x.sharding)
+
+  return treedef.unflatten([born(n, x) if n in sources else x for n, x in zip(names, leaves)])
+
+
+def reborn(
+    state, step: int, saved: dict, read, params, learning_rate=None, heavy_ball=None
+) -> tuple:
   """``(state, carried, renewed)``: a state just born at ``step``, its schedules and ramp
   reborn there (:func:`at_step`) and the saved moments that fit it carried (:func:`carried_leaves`).
 
   ``saved``: the saving run's state table ``{leaf: (shape, dtype)}``; ``read``: as for
   :func:`carry`; ``params``: the params' tree (its paths name the params); ``learning_rate``:
-  as for :func:`at_step`; ``carried``: ``{new leaf: saved leaf}``; ``renewed``: the leaves
-  left as born (:func:`renewed`), neither carried nor set by :func:`at_step`.
+  as for :func:`at_step`; ``heavy_ball``: the decays of the state's heavy-ball sums, each then
+  born from saved moments (:func:`heavy_ball_sources`; None: born at zero);
+  ``carried``: ``{new leaf: saved leaf}``, the heavy-ball leaves' sources included;
+  ``renewed``: the leaves left as born (:func:`renewed`), neither carried nor set by
+  :func:`at_step`.
   """
   names = leaf_names(state)
   table = {n: (tuple(x.shape), str(x.dtype)) for n, x in zip(names, jax.tree.leaves(state))}
   carried = carried_leaves(saved, table)
+  summed = {} if heavy_ball is None else heavy_ball_sources(saved, table, leaf_names(params))
   stepped = at_step(state, step, learning_rate)
   moved = {
       n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b
   }
-  return (
-      carry(stepped, carried, read),
-      carried,
-      renewed(names, set(carried) | moved, leaf_names(params)),
-  )
+  state = heavy_balls(carry(stepped, carried, read), summed, read, heavy_ball)
+  carried = {**carried, **summed}
+  return state, carried, renewed(names, set(carried) | moved, leaf_names(params))

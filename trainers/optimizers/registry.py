@@ -77,19 +77,23 @@ class _Entry:
   defaults: keyword defaults that differ from the factory's.
   lr_scale: the learning rate (or schedule) given is multiplied by this, so one
     ``config.lr`` suits every optimizer (documented per entry below).
+  heavy_ball: the names of its arguments that are the decay ``beta`` of a heavy-ball sum
+    ``m = beta m + d`` in its state and, for a sum of Adam-scaled directions, the decay of
+    the second moment they are scaled by (empty: none), for a state born mid-run.
   """
 
   factory: Callable[..., optax.GradientTransformation]
   decay_args: tuple[str, str] | None = ("weight_decay", "mask")
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   lr_scale: float = 1.0
+  heavy_ball: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, _Entry] = {
     "adamw": _Entry(optax.adamw),
     "adafactor": _Entry(optax.adafactor, ("weight_decay_rate", "weight_decay_mask")),
     "lion": _Entry(optax.lion),
-    "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}),
+    "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}, heavy_ball=("momentum",)),
     "lamb": _Entry(optax.lamb),
     # The project's Muon: scanned (L, m, n) kernels orthogonalised per layer, and with the
     # trainer's layout each matrix orthogonalised once, by its owner device (muon.py).
@@ -115,6 +119,7 @@ _REGISTRY: dict[str, _Entry] = {
         shampoo,
         defaults={"graft_type": "adam", "start_preconditioning_step": 10},
         lr_scale=0.1,
+        heavy_ball=("beta1", "beta2"),
     ),
 }
 OPTIMIZERS = tuple(_REGISTRY)
@@ -128,6 +133,25 @@ def lr_scale(name: str) -> float:
     (1.0, 0.1)
   """
   return _lookup(name).lr_scale
+
+
+def heavy_ball_decays(name: str, kwargs: Mapping[str, Any]) -> tuple[float, ...] | None:
+  """The decays of the heavy-ball sum in the state of ``name`` built with ``kwargs`` (its
+  ``config.optax``): ``(beta,)`` for a sum of grads, ``(beta, beta2)`` for a sum of Adam-scaled
+  directions; None for an optimizer outside the registry or without such a sum.
+
+  Example:
+    >>> heavy_ball_decays("sgd", {}), heavy_ball_decays("shampoo", {"beta1": 0.8})
+    ((0.9,), (0.8, 0.999))
+    >>> heavy_ball_decays("adamw", {}), heavy_ball_decays("scale_by_adam", {})
+    (None, None)
+  """
+  entry = _REGISTRY.get(name)
+  if entry is None or not entry.heavy_ball:
+    return None
+  signature = inspect.signature(entry.factory).parameters
+  values = {**{arg: signature[arg].default for arg in entry.heavy_ball}, **entry.defaults, **kwargs}
+  return None if values[entry.heavy_ball[0]] is None else tuple(values[a] for a in entry.heavy_ball)
 
 
 def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:
