@@ -34,12 +34,7 @@ import optax
 from bv_sharding.big_vision import ConfigError
 from bv_sharding.big_vision import optax as bv_optax
 from bv_sharding.big_vision.schedules import make_schedule
-from bv_sharding.big_vision.transformations import (
-    OWN_PREFIXES,
-    TRANSFORMATIONS,
-    factory,
-    transformation,
-)
+from bv_sharding.big_vision.transformations import TRANSFORMATIONS, factory, transformation
 from trainers import precision
 from trainers.errors import OptimizerError, closest
 from trainers.optimizers import rebirth, registry
@@ -104,9 +99,7 @@ def _registry_optimizer(config, name, kwargs, entries, schedules, layout):
 def _big_vision_chain(config, name: str, kwargs: dict, schedules) -> optax.GradientTransformation:
   try:
     factory(name)
-  except ConfigError as e:
-    if name.startswith(OWN_PREFIXES):  # A library name: the library's message says it all.
-      raise OptimizerError(str(e)) from None
+  except ConfigError:
     known = [*registry.OPTIMIZERS, *TRANSFORMATIONS, *dir(optax)]
     raise OptimizerError(
         f"config.optax_name={name!r} is neither one of the project's optimizers "
