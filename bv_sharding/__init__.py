@@ -18,11 +18,12 @@ Example:
 
 The names below are the whole API; the modules behind them are internal. Extending the
 library (an op of your own, an optimizer whose state the plan places) needs
-:mod:`bv_sharding.ops`; :mod:`bv_sharding.big_vision` stands in for big_vision's
+:mod:`bv_sharding.ops`; :mod:`bv_sharding.optimizers` holds the sharding-aware optimizers
+(PSGD Kron, Shampoo, Muon); :mod:`bv_sharding.big_vision` stands in for big_vision's
 ``sharding`` and ``optax`` modules.
 """
 
-from bv_sharding import big_vision, ops
+from bv_sharding import big_vision, ops, optimizers
 from bv_sharding import strategies as _builtin_ops  # noqa: F401  (registers the built-in ops)
 from bv_sharding.aliases import deprecated as _deprecated
 from bv_sharding.compute import gather_for_compute, save_anything_but_gathers
@@ -60,6 +61,7 @@ __all__ = [
     "make_abstract_mesh",
     "make_mesh",
     "ops",
+    "optimizers",
     "parse_chain",
     "plan",
     "register",

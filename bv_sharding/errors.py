@@ -3,7 +3,8 @@
 Every mistake in a strategy, rule, mesh or input raises :class:`ShardingError`
 (an :class:`Error`, itself a ``ValueError``) whose message names the offending
 value and the fix; a big_vision optimizer section the library cannot build raises
-:class:`ConfigError` (an :class:`Error` too). A program built on the library can root
+:class:`ConfigError` (an :class:`Error` too), and a bad optimizer argument or state its
+:class:`OptimizerError` subclass. A program built on the library can root
 its own errors at :class:`Error`, so that ``except bvs.Error`` catches every user mistake.
 
 Example:
@@ -27,8 +28,13 @@ class ShardingError(Error):
 
 
 class ConfigError(Error):
-  """A big_vision config section (optimizer, schedule) the library cannot use; the message
+  """A config value (an optimizer section, a schedule, a key) that cannot be used; the message
   names ``config.<key>`` and the fix."""
+
+
+class OptimizerError(ConfigError):
+  """An optimizer's arguments, layout or state the library's optimizers cannot use; the
+  message names the value and the fix."""
 
 
 class ShardingWarning(UserWarning):

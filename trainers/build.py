@@ -72,7 +72,7 @@ def build(config, mesh) -> Run:
 
   The params are planned once: their plan gives the layout the optimizer follows (Kron
   and Shampoo fit each fixed tile of a param where its shards are, Muon orthogonalises each
-  matrix on an owner device; ``trainers/optimizers/layout.py``), and the state's plan reuses its
+  matrix on an owner device; ``bv_sharding/optimizers/layout.py``), and the state's plan reuses its
   entries.
 
   Example: ``build(config, bvs.make_mesh(config.mesh)).plan.report()``.

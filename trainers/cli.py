@@ -38,7 +38,7 @@ Example:
   >>> check_overrides(config, {"lrr": 1.0}, path)
   Traceback (most recent call last):
   ...
-  trainers.errors.ConfigError: --config.lrr: ... has no key config.lrr; did you mean 'lr'? ...
+  bv_sharding.errors.ConfigError: --config.lrr: ... has no key config.lrr; did you mean 'lr'? ...
   >>> parser = Parser("python -m tool", "A tool.")
   >>> _ = parser.add_argument("--num_devices", type=int)
   >>> parser.parse_args(["--num_devices=8"]).num_devices
@@ -46,7 +46,7 @@ Example:
   >>> parser.parse_args(["--num_device=8"])
   Traceback (most recent call last):
   ...
-  trainers.errors.ConfigError: unrecognized arguments: --num_device=8; see python -m tool --help
+  bv_sharding.errors.ConfigError: unrecognized arguments: --num_device=8; see python -m tool --help
 """
 
 import argparse

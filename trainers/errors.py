@@ -1,6 +1,6 @@
 """Errors of the trainer: config mistakes, by kind, under the project's one root.
 
-``ConfigError`` covers anything wrong in a training config (an unknown model,
+``ConfigError`` (the library's, shared with the trainer) covers anything wrong in a training config (an unknown model,
 task, optimizer, config key or argument, a value out of range);
 ``OptimizerError`` narrows it to the optimizer's name and arguments;
 ``NonFiniteLossError`` stops a run whose loss diverged. All are
@@ -16,14 +16,10 @@ Example:
 import difflib
 
 from bv_sharding import Error
+from bv_sharding.big_vision import ConfigError
+from bv_sharding.optimizers import OptimizerError
 
-
-class ConfigError(Error):
-  """A training config value the trainer cannot use; the message names ``config.<key>`` and a fix."""
-
-
-class OptimizerError(ConfigError):
-  """An unknown optimizer or arguments its constructor does not take."""
+__all__ = ["ConfigError", "NonFiniteLossError", "OptimizerError", "closest", "nearest"]
 
 
 class NonFiniteLossError(Error):

@@ -2,7 +2,7 @@
 
 ``compute_dtype`` is the models' activations and matmuls; ``param_dtype`` the stored
 params (and so their gradients); ``state_dtype`` every floating-point optimizer state
-array (``trainers/optimizers/state_dtype.py``), None meaning the params' dtype.
+array (``bv_sharding/optimizers/state_dtype.py``), None meaning the params' dtype.
 Whatever they say, the models return float32 logits (the loss and its softmax reduce in
 float32), attention's softmax and the norms' statistics run in float32, and the
 optimizers update in float32.

@@ -39,10 +39,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding import Plan, ShardingError
+from bv_sharding.optimizers import compute_dtype
 from trainers.errors import ConfigError
 from trainers.input import batching
 from trainers.models.axes import ACT_BATCH
-from trainers.optimizers.state_dtype import compute_dtype
 
 
 def data_axes(mesh, rules: Sequence, axes: Sequence[str] = ()) -> tuple[str, ...]:

@@ -57,6 +57,7 @@ from absl import flags, logging
 from jax.experimental import multihost_utils
 
 import bv_sharding as bvs
+from bv_sharding.optimizers import ramp
 from trainers import (
     build,
     cli,
@@ -69,7 +70,6 @@ from trainers import (
     validation,
 )
 from trainers.input import batching, prefetch, records
-from trainers.optimizers import rebirth
 from trainers.rundir import checkpoint, events, profiling, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
@@ -400,9 +400,9 @@ class StepLog:
       return
     record = {"step": step, **metrics}  # metrics start with the loss.
     # The schedules count global steps; an optimizer born mid-run is ramped in (rebirth.py).
-    ramp = rebirth.ramp(self.config.get("rewarmup_steps", 0), step - 1 - self.opt_start)
-    ramp = ramp if self.opt_start else 1.0
-    record.update({k: float(lr(step - 1)) * ramp for k, lr in self.learning_rates.items()})
+    scale = ramp(self.config.get("rewarmup_steps", 0), step - 1 - self.opt_start)
+    scale = scale if self.opt_start else 1.0
+    record.update({k: float(lr(step - 1)) * scale for k, lr in self.learning_rates.items()})
     record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)
     per_step = self.config.batch_size * self.task.per_example
     record.update(self.cost.record(record["steps_per_sec"], per_step, self.task.unit))

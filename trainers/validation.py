@@ -16,7 +16,7 @@ Example:
   >>> check_config(config)
   Traceback (most recent call last):
   ...
-  trainers.errors.ConfigError: config.lr=-1.0: must be a finite number > 0, e.g. --config.lr=0.003
+  bv_sharding.errors.ConfigError: config.lr=-1.0: must be a finite number > 0, e.g. --config.lr=0.003
 """
 
 import math

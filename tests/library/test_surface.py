@@ -15,6 +15,7 @@ from bv_sharding import ops
 from tests.helpers import ROOT
 
 API = {
+    "optimizers",
     "plan",
     "Plan",
     "Entry",
@@ -75,6 +76,7 @@ PUBLIC_MODULES = {
     "bv_sharding": bvs.__all__,
     "bv_sharding.ops": ops.__all__,
     "bv_sharding.big_vision": bvs.big_vision.__all__,
+    "bv_sharding.optimizers": bvs.optimizers.__all__,
     **{
         f"bv_sharding.big_vision.{name}": getattr(bvs.big_vision, name).__all__
         for name in bvs.big_vision.__all__

@@ -1,4 +1,4 @@
-"""Shard-local Kron and Shampoo blocks (trainers/optimizers/layout.py) on 8 simulated devices.
+"""Shard-local Kron and Shampoo blocks (bv_sharding/optimizers/layout.py) on 8 simulated devices.
 
 The sharded update (``shard_map`` over each param's spec) must equal the unsharded
 computation of the same blocking, move nothing but scalars between devices, and give
@@ -13,9 +13,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import traffic
+from bv_sharding.optimizers.layout import reorder, shard_blocks, stack_specs
+from bv_sharding.optimizers.shampoo import ShampooState, factor_blocks
 from trainers.optimizers import ParamLayout, kron, same_blocking, shampoo
-from trainers.optimizers.layout import reorder, shard_blocks, stack_specs
-from trainers.optimizers.shampoo import ShampooState, factor_blocks
 
 STEPS = 4
 

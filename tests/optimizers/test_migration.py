@@ -1,4 +1,4 @@
-"""What becomes of saved optimizer state on a restore (trainers/optimizers/migration.py).
+"""What becomes of saved optimizer state on a restore (bv_sharding/optimizers/migration.py).
 
 Shampoo's state trained under one params' layout, migrated to another, must equal the
 state trained under the other from the start when the blocks are the same tiles (the

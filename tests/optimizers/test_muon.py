@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from bv_sharding.optimizers.muon import muon, orthogonalize, scale_by_muon
 from trainers.optimizers import OptimizerError, ParamLayout, make_optimizer
-from trainers.optimizers.muon import muon, orthogonalize, scale_by_muon
 
 STEPS = 3
 

@@ -6,7 +6,7 @@ divides on a mesh of 8, and over both axes of a 4x2 mesh, and planned as the tra
 (``trainers/build.py``): the steps run, their updates are finite, the block stacks stay where the
 plan stores them, and the params take the same steps as on one device. At the defaults
 (256-tiles for Kron, 1024 for Shampoo) each of these tiny params is one tile that spans shards,
-so its tiles are pooled over the mesh (``trainers/optimizers/layout.py``).
+so its tiles are pooled over the mesh (``bv_sharding/optimizers/layout.py``).
 """
 
 import functools
@@ -20,9 +20,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
+from bv_sharding.optimizers.layout import stack_blocks
 from trainers import build, steps
 from trainers.optimizers import ParamLayout, make_optimizer
-from trainers.optimizers.layout import stack_blocks
 
 # A ViT's ranks, tiny: a 4-D conv embedding (kh, kw, in, out), 3-D attention kernels (in, heads,
 # head dim), 2-D MLP kernels, a 1-D bias and a 0-D scalar (Muon's Adam branch takes the last two).

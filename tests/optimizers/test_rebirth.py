@@ -1,4 +1,4 @@
-"""An optimizer change mid-run (trainers/optimizers/rebirth.py): the new optimizer's first
+"""An optimizer change mid-run (bv_sharding/optimizers/rebirth.py): the new optimizer's first
 updates at the scale of its own run.
 
 Every ordered pair of the nine registry optimizers: 20 steps of the first on fixed grads
@@ -18,8 +18,8 @@ import numpy as np
 import optax
 import pytest
 
+from bv_sharding.optimizers.rebirth import leaf_names
 from trainers.optimizers import BuiltOptimizer, make_schedule, registry
-from trainers.optimizers.rebirth import leaf_names
 
 PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jnp.full(6, 0.5, jnp.float32)}
 SIGNAL = jax.tree.map(lambda p: jnp.cos(3.0 * p), PARAMS)

@@ -10,12 +10,12 @@ import optax
 import pytest
 
 import bv_sharding as bvs
+from bv_sharding.optimizers.layout import stack_blocks
+from bv_sharding.optimizers.shampoo import scale_by_shampoo
+from bv_sharding.optimizers.state_dtype import with_state_dtype
 from configs import lm
 from trainers import build
 from trainers.optimizers import from_config
-from trainers.optimizers.layout import stack_blocks
-from trainers.optimizers.shampoo import scale_by_shampoo
-from trainers.optimizers.state_dtype import with_state_dtype
 
 FOUR = ("adamw", "kron", "shampoo", "muon")
 

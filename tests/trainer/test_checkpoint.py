@@ -25,10 +25,10 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 import bv_sharding as bvs
+from bv_sharding.optimizers import layout
 from configs import lm
 from tests.helpers import ROOT, environment, metrics, run_module
 from trainers import build, models, optimizers, steps
-from trainers.optimizers import layout
 from trainers.rundir import checkpoint, events
 
 STEPS = 8
@@ -399,7 +399,7 @@ def test_optimizer_change_continues_the_schedule_and_carries_the_moment(tmp_path
     ],
 )
 def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(tmp_path, before, after, logged):
-  """The new optimizer's moments and counts consistent (trainers/optimizers/rebirth.py): no
+  """The new optimizer's moments and counts consistent (bv_sharding/optimizers/rebirth.py): no
   eval loss after the change above the step-20 one + 0.1. kron -> adamw, when Kron's count
   corrected Adam's zero nu, logged a train loss of 23.8 at step 22 (5.4 at step 20). The eval
   loss (the same held-out batch at every step) is the yardstick: the train batches' own

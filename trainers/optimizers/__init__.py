@@ -1,4 +1,5 @@
-"""Optimizers for the trainers: a name-based registry plus PSGD Kron, Shampoo and Muon.
+"""Optimizers for the trainers: a name-based registry and config glue over the library's
+PSGD Kron, Shampoo and Muon (:mod:`bv_sharding.optimizers`).
 
 Example:
   >>> from trainers.optimizers import make_optimizer
@@ -6,19 +7,31 @@ Example:
 """
 
 from bv_sharding.big_vision.schedules import make_schedule
-from trainers.errors import OptimizerError
+from bv_sharding.optimizers import (
+    STORAGE_OPTIONS,
+    BuiltOptimizer,
+    OptimizerError,
+    ParamLayout,
+    ShampooParamState,
+    ShampooState,
+    kron,
+    migrate_state,
+    muon,
+    precond_update_prob_schedule,
+    same_blocking,
+    scale_by_kron,
+    scale_by_muon,
+    scale_by_shampoo,
+    shampoo,
+    stack_specs,
+)
 from trainers.optimizers.from_config import from_config
-from trainers.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
-from trainers.optimizers.layout import ParamLayout, same_blocking, stack_specs
-from trainers.optimizers.migration import STORAGE_OPTIONS, BuiltOptimizer, migrate_state
-from trainers.optimizers.muon import muon, scale_by_muon
 from trainers.optimizers.registry import (
     OPTIMIZERS,
     decay_mask,
     heavy_ball_decays,
     make_optimizer,
 )
-from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
 
 __all__ = [
     "OPTIMIZERS",

@@ -12,7 +12,7 @@ the leaves it takes.
 
 Either way the optimizer's floating-point state is stored in ``config.state_dtype``
 (default: ``config.param_dtype``) and updated in float32
-(:func:`~trainers.optimizers.state_dtype.with_state_dtype`); a dtype argument in
+(:func:`~bv_sharding.optimizers.state_dtype.with_state_dtype`); a dtype argument in
 ``config.optax`` (``mu_dtype``, Kron's ``precond_dtype``) wins for what it names.
 
 Example:
@@ -35,10 +35,10 @@ from bv_sharding.big_vision import ConfigError
 from bv_sharding.big_vision import optax as bv_optax
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.big_vision.transformations import TRANSFORMATIONS, factory, transformation
+from bv_sharding.optimizers import ramp_in, with_state_dtype
 from trainers import precision
 from trainers.errors import OptimizerError, closest
-from trainers.optimizers import rebirth, registry
-from trainers.optimizers.state_dtype import with_state_dtype
+from trainers.optimizers import registry
 
 
 def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict[str, Callable]]:
@@ -48,7 +48,7 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   ``learning_rates`` maps ``"lr"`` (and ``"lr1"``, ``"lr2"``, ... for further
   ``(regex, schedule)`` entries) to ``step -> learning rate``: the very
   schedules the optimizer applies, for logging (a registry optimizer's ``lr_scale``
-  included). ``layout``: the params' :class:`~trainers.optimizers.layout.ParamLayout`, for
+  included). ``layout``: the params' :class:`~bv_sharding.optimizers.layout.ParamLayout`, for
   the project's optimizers that follow the params' layout: Kron and Shampoo fit each of a
   param's fixed tiles where its shards are (or cut shard-local blocks with
   ``blocking="local"``), Muon orthogonalises each matrix on an owner device.
@@ -72,7 +72,7 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
     tx = _big_vision_chain(config, name, kwargs, schedules)
   tx = with_state_dtype(tx, precision.of_config(config).state)
   if config.get("rewarmup_steps"):  # Ramps in an optimizer born mid-run (rebirth.py).
-    tx = optax.chain(tx, rebirth.ramp_in(config.rewarmup_steps))
+    tx = optax.chain(tx, ramp_in(config.rewarmup_steps))
   return tx, learning_rates
 
 

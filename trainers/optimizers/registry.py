@@ -23,11 +23,8 @@ import jax
 import optax
 
 from bv_sharding.big_vision.schedules import make_schedule
+from bv_sharding.optimizers import auto_axes_update, kron, muon, shampoo
 from trainers.errors import OptimizerError, closest
-from trainers.optimizers.axes import auto_axes_update
-from trainers.optimizers.kron import kron
-from trainers.optimizers.muon import muon
-from trainers.optimizers.shampoo import shampoo
 
 # Last path components of norm scales and biases: small vectors that get no weight decay.
 _NO_DECAY_NAMES = frozenset({"scale", "bias"})
@@ -202,7 +199,7 @@ def make_optimizer(
     weight_decay_mask: pytree of bools or callable; default skips
       ``scale``/``bias`` leaves and leaves with ndim < 2.
     clip_norm: clip gradients to this global norm first (None: no clipping).
-    layout: the params' :class:`~trainers.optimizers.layout.ParamLayout`, given to
+    layout: the params' :class:`~bv_sharding.optimizers.layout.ParamLayout`, given to
       optimizers that take a ``layout`` (Kron, Shampoo: where each fixed tile is fitted and
       its factors stored, or shard-local blocks with ``blocking="local"``; Muon: each
       matrix orthogonalised by its owner device); the others ignore it.
@@ -220,7 +217,7 @@ def make_optimizer(
       >>> make_optimizer("adamww", 1e-3)
       Traceback (most recent call last):
       ...
-      trainers.errors.OptimizerError: Unknown optimizer 'adamww'; did you mean 'adamw'? ...
+      bv_sharding.errors.OptimizerError: Unknown optimizer 'adamww'; did you mean 'adamw'? ...
   """
   entry = _lookup(name)
   reserved = set(entry.decay_args or ()) & set(optimizer_kwargs)

@@ -13,7 +13,7 @@ optimizer's to say (:meth:`Migration.migrate`: kept, moved, or None). When None,
 new optimizer's state is born sharded from the plan, its schedule continuing at the global
 step, with the saved leaves that mean the same in it (moments with the count that corrects
 them) carried over and the rest born afresh, both logged (:meth:`Migration.reborn`,
-trainers/optimizers/rebirth.py). A floating-point array saved in another dtype (another ``config.param_dtype``
+bv_sharding/optimizers/rebirth.py). A floating-point array saved in another dtype (another ``config.param_dtype``
 or ``config.state_dtype``) is cast to the plan's as orbax reads its shards, and the log
 says so (e.g. "restored params cast float32 -> bfloat16 (12 leaves); opt state cast
 float32 -> bfloat16 (30 leaves)"); a leaf of another name or shape is a difference.

@@ -19,7 +19,7 @@ Example:
   >>> check("memory://run")
   Traceback (most recent call last):
   ...
-  trainers.errors.ConfigError: --workdir=memory://run: the scheme memory:// is not supported; use a local path or a gs:// URL
+  bv_sharding.errors.ConfigError: --workdir=memory://run: the scheme memory:// is not supported; use a local path or a gs:// URL
 """
 
 import importlib.util

@@ -13,7 +13,7 @@ head_dim)`` is ``in`` matrices ``(heads, head_dim)`` and ``(heads, head_dim, out
 
 Newton-Schulz needs whole matrices. Without a layout every device orthogonalises
 every matrix (GSPMD gathers them). With ``layout`` (the params' specs and mesh, see
-:mod:`trainers.optimizers.layout`) the matrices of one shape are stacked, padded to
+:mod:`bv_sharding.optimizers.layout`) the matrices of one shape are stacked, padded to
 a multiple of the device count and split over all mesh axes: each matrix has one
 owner, which receives it whole (one all-to-all of the momentum per mesh axis, moved to
 the stack's dim 0 one axis at a time), orthogonalises it, and the results are
@@ -21,9 +21,9 @@ all-gathered and cut back into the params' shards (an all-gather of the update; 
 scatter straight to the shards trips XLA's SPMD partitioner). Per-device
 Newton-Schulz FLOPs are ``ceil(K / N) / K`` of the total for K matrices of a shape.
 
-The momentum (and the AdamW branch's moments) are stored in the params' dtype; under the
-trainer in ``config.state_dtype``, with Newton-Schulz and the moment updates run in
-float32 (:mod:`trainers.optimizers.state_dtype`).
+The momentum (and the AdamW branch's moments) are stored in the params' dtype; under a config-built
+loop in ``config.state_dtype``, with Newton-Schulz and the moment updates run in
+float32 (:mod:`bv_sharding.optimizers.state_dtype`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -48,9 +48,9 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
+from bv_sharding.errors import OptimizerError
 from bv_sharding.ops import axes_of
-from trainers.errors import OptimizerError
-from trainers.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.layout import ParamLayout
 
 _NOT_MATRICES = ("scale", "bias")
 _NS_COEFFS = (3.4445, -4.775, 2.0315)

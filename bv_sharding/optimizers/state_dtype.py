@@ -17,7 +17,7 @@ the new state back to the dtypes it was stored in. The casts are elementwise and
 them into their consumers; an array already in its dtype is passed through untouched, so a
 float32 run is bit-identical with or without the wrapper. An EMA step smaller than the
 storage's resolution (``2**-8`` relative in bfloat16, e.g. ``beta2=0.999``'s) is rounded
-away: that is the price of bfloat16 second moments, as in every trainer that offers them.
+away: that is the price of bfloat16 second moments, as in every implementation that offers them.
 
 Example:
   >>> import jax.numpy as jnp

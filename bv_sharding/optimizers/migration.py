@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainers.errors import OptimizerError
-from trainers.optimizers import rebirth
-from trainers.optimizers.layout import (
+from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers import rebirth
+from bv_sharding.optimizers.layout import (
     ParamLayout,
     padded,
     reorder,
@@ -58,7 +58,7 @@ class BuiltOptimizer:
   """The optimizer a run built, as its state's migration sees it.
 
   ``name``: ``config.optax_name``; ``params``: the abstract params (``ShapeDtypeStruct``s);
-  ``layout``: the :class:`~trainers.optimizers.ParamLayout` its blocks are cut under
+  ``layout``: the :class:`~bv_sharding.optimizers.ParamLayout` its blocks are cut under
   (None: none is recorded and saved block stacks are never moved); ``optimizer_for``
   (given with a layout): the same optimizer built for another layout, so the blocks a
   saving run stacked are known, called ``optimizer_for(layout, storage)``; ``state``: its
@@ -66,9 +66,9 @@ class BuiltOptimizer:
   layout puts the moved stacks; ``storage``: its :data:`STORAGE_OPTIONS` that are set
   (e.g. ``{"pool_padding": 1.0}``), recorded, so that a restore under other ones moves the
   stacks as for another layout; ``learning_rate``: the schedule it applies (``step -> lr``),
-  for a state born mid-run (:func:`~trainers.optimizers.rebirth.at_step`); ``heavy_ball``: the
+  for a state born mid-run (:func:`~bv_sharding.optimizers.rebirth.at_step`); ``heavy_ball``: the
   decays of its state's heavy-ball sum (``registry.heavy_ball_decays``; None: none), for the
-  sum born mid-run from saved moments (:func:`~trainers.optimizers.rebirth.heavy_balls`).
+  sum born mid-run from saved moments (:func:`~bv_sharding.optimizers.rebirth.heavy_balls`).
   """
 
   name: str
@@ -96,7 +96,7 @@ class BuiltOptimizer:
     return migrate_state(saved_meta, self, differs, load)
 
   def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
-    """:func:`~trainers.optimizers.rebirth.reborn` of this run's state, born at ``step``
+    """:func:`~bv_sharding.optimizers.rebirth.reborn` of this run's state, born at ``step``
     (``saved_meta`` is not needed: what is carried is decided from the state tables)."""
     del saved_meta
     return rebirth.reborn(
@@ -159,9 +159,9 @@ def saved_record(saved_meta: dict) -> dict:
 def stacks_between(saved_layout: dict, storage: dict, built: BuiltOptimizer) -> tuple[tuple, tuple]:
   """``((saved_state, state), (saved_runs, runs))``: the abstract states the saving run's
   layout and ``storage`` options and ``built``'s make, and both runs'
-  :func:`~trainers.optimizers.layout.stack_runs`.
+  :func:`~bv_sharding.optimizers.layout.stack_runs`.
 
-  ``saved_layout``: a :meth:`~trainers.optimizers.ParamLayout.record`. Raises
+  ``saved_layout``: a :meth:`~bv_sharding.optimizers.ParamLayout.record`. Raises
   ``OptimizerError`` naming the first stack whose blocks are not the same tiles.
   """
   states, runs = [], []

@@ -14,7 +14,7 @@ sharding rules written for it carry over::
                            # scalars get one () diagonal Q
      "update_counter": int32[]}         # steps since the last Q update
 
-and, where some pools of tiles are stored as one (:func:`~trainers.optimizers.layout.stored_pools`,
+and, where some pools of tiles are stored as one (:func:`~bv_sharding.optimizers.layout.stored_pools`,
 on a mesh), ``"pools"``: a tuple of each pool's Qs, whose members' Qs lists hold None.
 
 With ``block_size`` set (as distributed_kron's ``partition_grads_into_blocks``),
@@ -23,11 +23,11 @@ most ``block_size`` per dim, and each block gets its own Kron preconditioner:
 ``Qs = [(n_blocks, b_0, b_0), (n_blocks, b_1, b_1), ...]``, vmapped like
 scanned layers. ``mu`` stays param-shaped. A scanned param is blocked layer by
 layer (its layer axis is never cut). With ``layout`` (the params' specs and
-mesh, see :mod:`trainers.optimizers.layout`) the tiles inside each device's shard
+mesh, see :mod:`bv_sharding.optimizers.layout`) the tiles inside each device's shard
 are stacked shard-major and fitted and applied in ``shard_map`` where they live (no
 collective but scalars); tiles that span shards are dealt to owners among their
 holders, or pooled with every param's tiles of their shape and dealt over the mesh
-(all params' blocks go through one :func:`~trainers.optimizers.layout.run_all`).
+(all params' blocks go through one :func:`~bv_sharding.optimizers.layout.run_all`).
 Without it the param is one shard (blocks row-major over the block grid).
 Padding (dims not a multiple of ``block_size``) is zero in grads and probes, so
 Q's padded rows and columns stay decoupled from the real ones: a padded block
@@ -47,9 +47,9 @@ count)`` with the same splits as psgd-jax, so runs are deterministic and match
 the reference.
 
 Storage and compute dtypes: ``mu_dtype`` and ``precond_dtype`` (default: the params')
-store the momentum and the Qs; the fit casts its result to the Qs' dtype. Under the
-trainer both follow ``config.state_dtype`` unless set in ``config.optax``, and the whole
-update, factor fits included, runs in float32 (:mod:`trainers.optimizers.state_dtype`).
+store the momentum and the Qs; the fit casts its result to the Qs' dtype. Under a config-built
+training loop both follow ``config.state_dtype`` unless set in ``config.optax``, and the whole
+update, factor fits included, runs in float32 (:mod:`bv_sharding.optimizers.state_dtype`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -73,8 +73,8 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from trainers.errors import OptimizerError
-from trainers.optimizers.layout import (
+from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers.layout import (
     BLOCKINGS,
     STORED_POOL_PADDING,
     BlockRun,
@@ -86,7 +86,7 @@ from trainers.optimizers.layout import (
     shard_blocks,
     stored_pools,
 )
-from trainers.optimizers.tensor_ops import gram_along, matmul_along
+from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
 _BALANCE_PROBABILITY = 0.01
@@ -335,7 +335,7 @@ def leaf_blocks(
     mesh: Any = None,
     blocking: str = "tiles",
 ) -> ShardBlocks | None:
-  """The blocking of ``param`` (:func:`~trainers.optimizers.layout.shard_blocks`), or None
+  """The blocking of ``param`` (:func:`~bv_sharding.optimizers.layout.shard_blocks`), or None
   if it keeps one preconditioner.
 
   Params with fewer than 2 dims (not counting a scanned layer axis), and every
@@ -412,7 +412,7 @@ def _damped(target: jax.Array, probe: jax.Array, damping: jax.Array) -> jax.Arra
 
 
 def _fit_blocks(arrays, qs, damping, *flags, own_target: bool, settings):
-  """:func:`_fit_and_precondition` on block stacks, as :func:`~trainers.optimizers.layout.run_all`
+  """:func:`_fit_and_precondition` on block stacks, as :func:`~bv_sharding.optimizers.layout.run_all`
   calls it: ``arrays`` (momentum, [target,] probe) and the fit's target formed here."""
   m, *t, v = arrays
   fit = (qs, m, _damped(t[0] if own_target else m, v, damping), v)
@@ -474,7 +474,7 @@ def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, settings) -> li
 
 
 def _stored_pools(params, scanned, blocks, settings) -> tuple[Pool, ...]:
-  """The pools whose Qs are stored as one (:func:`~trainers.optimizers.layout.stored_pools`),
+  """The pools whose Qs are stored as one (:func:`~bv_sharding.optimizers.layout.stored_pools`),
   over ``params``' leaves, as init makes them."""
   shapes = [
       jax.eval_shape(
@@ -625,7 +625,7 @@ def scale_by_kron(
       ``(n_blocks, b, b)``); see the module docstring.
     layout: the params' specs and mesh (:class:`ParamLayout`); with
       ``block_size``, blocks inside one device's shard are fitted there (see
-      :mod:`trainers.optimizers.layout`).
+      :mod:`bv_sharding.optimizers.layout`).
     blocking: "tiles" (each param's fixed grid of ``block_size`` tiles on any
       mesh: the same math on any device count) or "local" (each device's shard
       cut into blocks of ``min(block_size, local extent)``: no collective, the
@@ -633,7 +633,7 @@ def scale_by_kron(
     pool_padding: a pool of tiles that span shards has its Qs stored as one, where
       they are fitted, when padding it to the device count adds at most this share
       of its tiles; other pools' Qs move there and back each step
-      (:func:`~trainers.optimizers.layout.stored_pools`: memory for bytes, the same math).
+      (:func:`~bv_sharding.optimizers.layout.stored_pools`: memory for bytes, the same math).
 
   Example:
       >>> tx = scale_by_kron(preconditioner_update_probability=1.0)

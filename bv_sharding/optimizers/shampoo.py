@@ -26,12 +26,12 @@ State layout (tearfree-like)::
 Params whose dims are all 1 (scalars) have empty ``stats``/``roots`` lists and
 use the graft direction only; unit dims of other params are dropped before
 blocking, so a 1-D param is a single factor. With ``layout`` (the params' specs
-and mesh, see :mod:`trainers.optimizers.layout`) a param's tiles that lie inside
+and mesh, see :mod:`bv_sharding.optimizers.layout`) a param's tiles that lie inside
 each device's shard are stacked shard-major and their statistics, roots and
 preconditioning run in ``shard_map`` where the tile lives (only the grafting norms
 cross devices); tiles that span shards are dealt to owners, or pooled with the
 other params' tiles of their shape and dealt over the mesh (one
-:func:`~trainers.optimizers.layout.run_all` per update). A never-sharded param is
+:func:`~bv_sharding.optimizers.layout.run_all` per update). A never-sharded param is
 dealt (:func:`factor_blocks`): each device preconditions one piece of it and the
 pieces' directions are all-gathered.
 
@@ -39,9 +39,9 @@ Roots come from ``eigh`` and are computed on every step, then kept with
 ``jnp.where`` only every ``update_preconditioners_freq`` steps: there is no
 LAPACK call inside ``lax.cond``, which can deadlock XLA:CPU with several
 devices. This costs one ``eigh`` per block and step. Roots are computed in float32 (at least)
-whatever the statistics' dtype, and stored in it; under the trainer the state's dtype is
+whatever the statistics' dtype, and stored in it; in a config-built loop the state's dtype is
 ``config.state_dtype`` and the whole update runs in float32
-(:mod:`trainers.optimizers.state_dtype`).
+(:mod:`bv_sharding.optimizers.state_dtype`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -61,8 +61,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from trainers.errors import OptimizerError
-from trainers.optimizers.layout import (
+from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers.layout import (
     BLOCKINGS,
     STORED_POOL_PADDING,
     BlockRun,
@@ -74,7 +74,7 @@ from trainers.optimizers.layout import (
     shard_blocks,
     stored_pools,
 )
-from trainers.optimizers.tensor_ops import gram_along, matmul_along
+from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
 _NORM_EPS = 1e-25
@@ -91,7 +91,7 @@ class ShampooParamState(NamedTuple):
 
 class ShampooState(NamedTuple):
   """``count``, the per-param states, and the stored pools' ``(stats, roots)``
-  (:func:`~trainers.optimizers.layout.stored_pools`; their members' lists hold None)."""
+  (:func:`~bv_sharding.optimizers.layout.stored_pools`; their members' lists hold None)."""
 
   count: jax.Array
   per_param: Any
@@ -149,13 +149,13 @@ def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsil
 
 def factor_blocks(shape, block_size: int, spec=(), mesh=None, blocking="tiles") -> ShardBlocks:
   """The blocking of a param of ``shape``, unit dims dropped (``blocking``: see
-  :func:`~trainers.optimizers.layout.shard_blocks`).
+  :func:`~bv_sharding.optimizers.layout.shard_blocks`).
 
   A never-sharded param (e.g. a norm scale) is dealt: cut into one piece per device,
   so its statistics are split over the devices and each is updated, inverted and
   applied on its owner; only the piece's preconditioned gradient is gathered. With
   ``blocking="tiles"`` only when each piece is whole tiles (the math stays the same);
-  otherwise its tiles are pooled (:attr:`~trainers.optimizers.layout.ShardBlocks.pooled`).
+  otherwise its tiles are pooled (:attr:`~bv_sharding.optimizers.layout.ShardBlocks.pooled`).
 
   Example:
       >>> factor_blocks((8, 1, 3), 4).sizes
@@ -230,7 +230,7 @@ def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamS
 
 def _stored_pools(params, blocks, settings: _Settings) -> tuple[Pool, ...]:
   """The pools whose statistics and roots are stored as one, over ``params``' leaves
-  (:func:`~trainers.optimizers.layout.stored_pools`)."""
+  (:func:`~bv_sharding.optimizers.layout.stored_pools`)."""
   shapes = [
       jax.eval_shape(
           lambda p, b=b: _init_leaf(p, b, settings), jax.ShapeDtypeStruct(p.shape, p.dtype)
@@ -270,7 +270,7 @@ def _graft(
 
 
 def _shampoo_run(arrays, factors, refresh, *, step):
-  """:func:`_shampoo_blocks` as :func:`~trainers.optimizers.layout.run_all` calls it."""
+  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.layout.run_all` calls it."""
   direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
   return [direction], (stats, roots)
 
@@ -374,11 +374,11 @@ def scale_by_shampoo(
       device's shard are updated there.
     blocking: "tiles" (the param's fixed grid of ``block_size`` tiles on any mesh)
       or "local" (each shard's own blocks, mesh-dependent math; see
-      :func:`~trainers.optimizers.layout.shard_blocks`).
+      :func:`~bv_sharding.optimizers.layout.shard_blocks`).
     pool_padding: a pool of tiles that span shards keeps its statistics and roots
       stored as one, where they are updated, when padding it to the device count adds
       at most this share of its tiles; other pools' move there and back each step
-      (:func:`~trainers.optimizers.layout.stored_pools`: memory for bytes, the same math).
+      (:func:`~bv_sharding.optimizers.layout.stored_pools`: memory for bytes, the same math).
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")

@@ -11,7 +11,7 @@ block where its data is:
   local extent that is not a multiple zero-padded inside its shard (a padded block acts
   like a smaller one);
 * blocks are stacked shard-major (shards in row-major order over the param's dims,
-  then each shard's blocks as :func:`~trainers.optimizers.tensor_ops.blockify`
+  then each shard's blocks as :func:`~bv_sharding.optimizers.tensor_ops.blockify`
   orders them), so splitting the stack's dim 0 over
   :func:`bv_sharding.ops.stack_axes` gives each device the blocks of its own
   shard, which is where the plan puts them;
@@ -57,11 +57,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bv_sharding.errors import OptimizerError
 from bv_sharding.ops import axis_size, stack_axes
-from trainers.errors import OptimizerError
-from trainers.optimizers.axes import auto_mesh
-from trainers.optimizers.state_dtype import compute_dtype
-from trainers.optimizers.tensor_ops import blockify, unblockify
+from bv_sharding.optimizers.axes import auto_mesh
+from bv_sharding.optimizers.state_dtype import compute_dtype
+from bv_sharding.optimizers.tensor_ops import blockify, unblockify
 
 BLOCKINGS = ("tiles", "local")  # The param's fixed tile grid (default), or each shard's own blocks.
 
@@ -75,8 +75,8 @@ class ParamLayout:
 
   ``mesh`` is a ``jax.sharding.Mesh`` (the optimizer runs its blocks in
   ``shard_map``) or an ``AbstractMesh`` (same blocks, computed on global arrays).
-  The trainer builds it from the plan of the params with :meth:`from_plan`. The mesh
-  is kept with Auto axes (:func:`~trainers.optimizers.axes.auto_mesh`): the registry's
+  A training loop builds it from the plan of the params with :meth:`from_plan`. The mesh
+  is kept with Auto axes (:func:`~bv_sharding.optimizers.axes.auto_mesh`): the registry's
   updates run in Auto axes on any mesh (``axes.py``).
 
   Example:
@@ -891,7 +891,7 @@ def stack_runs(tx, params, state) -> list[StackedRun]:
   optimizer give the same runs, one per blocked param, in the same order.
 
   Example:
-      >>> from trainers.optimizers.shampoo import scale_by_shampoo
+      >>> from bv_sharding.optimizers.shampoo import scale_by_shampoo
       >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
       >>> tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
       >>> [(r.blocks.count, r.leaves, r.offset) for r in stack_runs(tx, params,
@@ -927,7 +927,7 @@ def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
   pool's leaves: its first member's blocks).
 
   Example:
-      >>> from trainers.optimizers.shampoo import scale_by_shampoo
+      >>> from bv_sharding.optimizers.shampoo import scale_by_shampoo
       >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
       >>> tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
       >>> [b and b.count for b in stack_blocks(tx, params, jax.eval_shape(tx.init, params))]
@@ -951,7 +951,7 @@ def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]
   rows, then columns: stored at the ideal, moved to the tiles' owners for the step.
 
   Example:
-      >>> from trainers.optimizers.kron import scale_by_kron
+      >>> from bv_sharding.optimizers.kron import scale_by_kron
       >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
       >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
       >>> tx = scale_by_kron(block_size=4, layout=ParamLayout({"w": P("data")}, mesh))

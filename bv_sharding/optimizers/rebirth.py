@@ -4,7 +4,7 @@ When a resumed run re-initialises its optimizer state (another ``config.optax_na
 Kron/Shampoo blocks that are not the same tiles on the new mesh), the new state is born
 from the plan at step ``s`` with three differences from a fresh one:
 
-* **The schedule continues.** Every learning-rate schedule the trainer builds is applied
+* **The schedule continues.** Every learning-rate schedule a config builds is applied
   by an ``optax.ScaleByScheduleState``; :func:`at_step` sets each one's count to ``s``, so
   the update of step ``s + 1`` applies ``lr(s)``, as the run that never changed would: the
   run still ends at ``linear_end`` at ``total_steps``. schedule_free's step count continues

@@ -1,0 +1,56 @@
+"""Sharding-aware optimizers: PSGD Kron, Shampoo and Muon, their blocks on the params' layout,
+state dtypes and state migration.
+
+Each is an optax ``GradientTransformation`` in two forms: ``scale_by_*`` (no learning rate,
+for a chain such as big_vision's) and the full optimizer (``kron``, ``shampoo``, ``muon``).
+Given a :class:`ParamLayout` (the plan's param specs and the mesh) they compute each block
+where its shard lives.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from bv_sharding.optimizers import scale_by_shampoo
+  >>> tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
+  >>> params = {"w": jnp.ones((8, 4))}
+  >>> updates, _ = tx.update(params, tx.init(params), params)
+  >>> updates["w"].shape
+  (8, 4)
+"""
+
+from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers.axes import auto_axes_update
+from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
+from bv_sharding.optimizers.layout import ParamLayout, same_blocking, stack_specs
+from bv_sharding.optimizers.migration import STORAGE_OPTIONS, BuiltOptimizer, migrate_state
+from bv_sharding.optimizers.muon import muon, scale_by_muon
+from bv_sharding.optimizers.rebirth import ramp, ramp_in
+from bv_sharding.optimizers.shampoo import (
+    ShampooParamState,
+    ShampooState,
+    scale_by_shampoo,
+    shampoo,
+)
+from bv_sharding.optimizers.state_dtype import compute_dtype, with_state_dtype
+
+__all__ = [
+    "STORAGE_OPTIONS",
+    "BuiltOptimizer",
+    "OptimizerError",
+    "ParamLayout",
+    "ShampooParamState",
+    "ShampooState",
+    "auto_axes_update",
+    "compute_dtype",
+    "kron",
+    "migrate_state",
+    "muon",
+    "precond_update_prob_schedule",
+    "ramp",
+    "ramp_in",
+    "same_blocking",
+    "scale_by_kron",
+    "scale_by_muon",
+    "scale_by_shampoo",
+    "shampoo",
+    "stack_specs",
+    "with_state_dtype",
+]
