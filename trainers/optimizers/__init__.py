@@ -15,8 +15,8 @@ from trainers.optimizers.muon import muon, scale_by_muon
 from trainers.optimizers.registry import (
     OPTIMIZERS,
     decay_mask,
-    heavy_ball_decays,
     make_optimizer,
+    state_decays,
 )
 from trainers.optimizers.shampoo import ShampooParamState, ShampooState, scale_by_shampoo, shampoo
 
@@ -30,7 +30,7 @@ __all__ = [
     "ShampooState",
     "decay_mask",
     "from_config",
-    "heavy_ball_decays",
+    "state_decays",
     "kron",
     "make_optimizer",
     "make_schedule",
