@@ -2,7 +2,7 @@
 
 When a resumed run re-initialises its optimizer state (another ``config.optax_name``, or
 Kron/Shampoo blocks that are not the same tiles on the new mesh), the new state is born
-from the plan at step ``s`` with three differences from a fresh one:
+from the plan at step ``s`` with these differences from a fresh one:
 
 * **The schedule continues.** Every learning-rate schedule the trainer builds is applied
   by an ``optax.ScaleByScheduleState``; :func:`at_step` sets each one's count to ``s``, so
@@ -23,9 +23,19 @@ from the plan at step ``s`` with three differences from a fresh one:
 * **A heavy-ball sum is born full** (:func:`heavy_ball_sources`, :func:`born_sum`): SGD's
   ``trace`` and Shampoo's ``momentum`` (``m = beta m + d``, with the new optimizer's
   ``beta``) start as a run summing all along holds them, ``E[d] / (1 - beta)``, not at zero
-  (a tenth of the run's own, at ``beta`` 0.9): SGD's from any saved ``mu`` of each param,
-  Shampoo's (a sum of Adam-grafted steps) from Adam's direction in a saved ``mu``, ``nu``,
-  ``count`` group; with neither saved they are born at zero.
+  (a tenth of the run's own, at ``beta`` 0.9): from a saved sum of the same field
+  (``(1 - beta') m``), else SGD's from any saved ``mu`` of each param (its bias-corrected
+  mean), Shampoo's (a sum of Adam-grafted steps) from Adam's direction in a saved ``mu``,
+  ``nu``, ``count`` group. Each saved moment is read with the decays the saving run recorded
+  in its checkpoint (``registry.state_decays``, :meth:`BuiltOptimizer.record`: Lion's ``mu``
+  decays by its ``b2``), the new optimizer's standing in for a checkpoint that recorded none.
+* **A sum no saved leaf gives is born at zero and refilled** (:func:`refill`, chained by
+  the registry's sgd and shampoo): Adafactor keeps no first moment, Shampoo's momentum sums
+  directions, not grads, and Kron, Lion, SGD and Muon's matrices keep no second moment beside
+  theirs, so no ``E[d]`` is known; the sum starts at
+  zero and its param's updates are scaled by :func:`refill_scale` of the weight it misses,
+  so the first ones are at a full sum's scale (a fresh run's at that step, not at step 0),
+  and the log lists the sum among the leaves born afresh, marked :data:`REFILLED`.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -352,7 +362,7 @@ def refill_scale(missing) -> jax.Array:
 
   Example:
     >>> [round(float(refill_scale(m)), 2) for m in (0.0, 0.9, 0.9**5)]
-    [1.0, 4.79, 1.61]
+    [1.0, 4.79, 1.74]
   """
   return (1.0 - missing) ** -0.5 * (1.0 - jnp.square(missing)) ** -0.25
 
@@ -364,9 +374,9 @@ def refill(beta: float) -> optax.GradientTransformation:
 
   Example:
     >>> tx = refill(0.5)
-    >>> at_zero = RefillState({"w": jnp.ones([])})  # As reborn leaves a sum born at zero.
-    >>> [float(tx.update({"w": jnp.ones(1)}, s)[0]["w"][0]) for s in (tx.init({"w": 0}), at_zero)]
-    [1.0, 2.28]
+    >>> fresh, at_zero = tx.init({"w": 0}), RefillState({"w": jnp.ones([])})  # As reborn marks it.
+    >>> [round(float(tx.update({"w": jnp.ones(1)}, s)[0]["w"][0]), 2) for s in (fresh, at_zero)]
+    [1.0, 1.52]
   """
 
   def init(params):
