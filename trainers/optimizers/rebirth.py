@@ -346,10 +346,13 @@ def heavy_balls(state, sources: dict, read: Callable[[dict], dict], decays: tupl
 
 
 class RefillState(NamedTuple):
-  """Per param, the weight ``beta^n`` its heavy-ball sum misses ``n`` terms after a birth at
-  zero: 0 in a fresh run (the sum is as full as that run's), 1 at such a birth."""
+  """Per param, the terms its heavy-ball sum has taken since a birth at zero: 0 at such a
+  birth, :data:`FULL` (int32's largest, where it stays) in a fresh run, whose sum is full."""
 
-  unfilled: Any
+  terms: Any
+
+
+FULL = jnp.iinfo(jnp.int32).max
 
 
 def refill_scale(missing) -> jax.Array:
@@ -374,19 +377,19 @@ def refill(beta: float) -> optax.GradientTransformation:
 
   Example:
     >>> tx = refill(0.5)
-    >>> fresh, at_zero = tx.init({"w": 0}), RefillState({"w": jnp.ones([])})  # As reborn marks it.
+    >>> fresh, at_zero = tx.init({"w": 0}), RefillState({"w": jnp.int32(0)})  # As reborn marks it.
     >>> [round(float(tx.update({"w": jnp.ones(1)}, s)[0]["w"][0]), 2) for s in (fresh, at_zero)]
     [1.0, 1.52]
   """
 
   def init(params):
-    return RefillState(jax.tree.map(lambda _: jnp.zeros([], jnp.float32), params))
+    return RefillState(jax.tree.map(lambda _: jnp.full([], FULL, jnp.int32), params))
 
   def update(updates, state, params=None):
     del params
-    missing = jax.tree.map(lambda w: w * beta, state.unfilled)
-    scaled = jax.tree.map(lambda u, w: (u * refill_scale(w)).astype(u.dtype), updates, missing)
-    return scaled, RefillState(missing)
+    terms = jax.tree.map(optax.safe_increment, state.terms)
+    scale = lambda u, n: (u * refill_scale(beta ** n.astype(jnp.float32))).astype(u.dtype)
+    return jax.tree.map(scale, updates, terms), RefillState(terms)
 
   return optax.GradientTransformation(init, update)
 
@@ -401,8 +404,8 @@ def unfilled(state, params: set[str]) -> tuple[Any, bool]:
     if not isinstance(x, RefillState):
       return x
     marked.append(x)
-    at = lambda path, w: _filled(w, float(_path_name(path) in params))
-    return RefillState(jax.tree_util.tree_map_with_path(at, x.unfilled))
+    at = lambda path, n: _filled(n, 0 if _path_name(path) in params else FULL)
+    return RefillState(jax.tree_util.tree_map_with_path(at, x.terms))
 
   state = jax.tree.map(mark, state, is_leaf=lambda x: isinstance(x, RefillState))
   return state, bool(marked)
