@@ -25,6 +25,20 @@ PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jnp.full(6, 0.
 SIGNAL = jax.tree.map(lambda p: jnp.cos(3.0 * p), PARAMS)
 SCHEDULE = {"total_steps": 40, "warmup_steps": 2}
 LR = 1e-2
+# The pairs whose Shampoo momentum no saved leaf fills (no Adam group: mu with nu beside it),
+# with their ratios at steps 21 and 25 as measured. Born at zero, as in a fresh run's first
+# steps: refilled (rebirth.refill) they met the bound here, but through the trainer muon ->
+# shampoo's eval loss then rose from 2.78 at step 20 to 3.96 at 21 (2.93 with the noise-only
+# correction; 2.72 at zero): the graft is born afresh too, so the first steps are Adam's
+# g / |g| steps at the full learning rate, and scaling them up costs more than it brings.
+NO_ADAM_GROUP = "keeps no mu with nu beside it (Shampoo's momentum sums Adam-scaled steps)"
+UNFILLED = {
+    ("adafactor", "shampoo"): f"Adafactor {NO_ADAM_GROUP}: 0.29x at step 21, 0.57x at 25",
+    ("kron", "shampoo"): f"Kron {NO_ADAM_GROUP}: 0.29x at step 21, 0.57x at 25",
+    ("lion", "shampoo"): f"Lion {NO_ADAM_GROUP}: 0.29x at step 21, 0.57x at 25",
+    ("sgd", "shampoo"): f"SGD {NO_ADAM_GROUP}: 0.29x at step 21, 0.55x at 25",
+    ("muon", "shampoo"): f"Muon's matrices' group {NO_ADAM_GROUP}: 0.30x at 21, 0.59x at 25",
+}
 
 
 def grads(t, params):
@@ -98,7 +112,11 @@ def first_ratios(runs) -> dict[str, float]:
 @pytest.mark.parametrize(("before", "after"), itertools.permutations(registry.OPTIMIZERS, 2))
 def test_an_optimizer_change_starts_at_the_new_optimizers_own_scale(runs, before, after):
   r = ratio(runs, before, after)
-  assert np.all(np.isfinite(r)) and r.max() <= 2.0 and r.min() >= 0.5, r.round(2)
+  assert np.all(np.isfinite(r)) and r.max() <= 2.0, r.round(2)
+  if (before, after) in UNFILLED:
+    assert r.min() < 0.5, f"{before} -> {after} meets the bound now: drop it from UNFILLED"
+    pytest.xfail(UNFILLED[before, after])
+  assert r.min() >= 0.5, r.round(2)
 
 
 def test_a_count_is_carried_only_with_every_moment_it_corrects(runs):
@@ -131,10 +149,11 @@ def test_a_heavy_ball_sum_is_born_from_a_saved_first_moment(runs):
   assert carried["0/0/per_param/w/momentum"] == "0/0/mu/w"
   assert "0/0/count" in renewed and "0/0/per_param/*/graft_nu" in renewed
   assert "0/0/per_param/*/momentum" not in renewed
-  # Kron's mu has no nu beside it, and Shampoo's momentum is not in grads' units: born at
-  # zero and refilled (its updates scaled to a full sum's while it fills), as logged.
+  # Kron's mu has no nu beside it: Shampoo's momentum born at zero, not refilled (UNFILLED).
   _, carried, renewed = changed(runs, "kron", "shampoo")
-  assert carried == {} and f"0/0/per_param/*/momentum{REFILLED}" in renewed
+  assert carried == {} and "0/0/per_param/*/momentum" in renewed
+  # Shampoo's momentum is not in grads' units: SGD's trace born at zero and refilled (its
+  # updates scaled to a full sum's while it fills), as logged.
   assert changed(runs, "shampoo", "sgd")[1:] == ({}, [f"1/0/trace/*{REFILLED}"])
 
 
