@@ -16,9 +16,9 @@ Example:
   >>> folder = epath.Path(tempfile.mkdtemp())
   >>> log = Parts(folder, "{:08d}.jsonl")
   >>> log.put(b"one\\n")
-  >>> wait = log.until_written()  # For "one" only, whatever is put later.
-  >>> log.put(b"two\\n")
+  >>> wait = log.until_written()  # A wait for "one" only, whatever is put later.
   >>> wait()
+  >>> log.put(b"two\\n")
   >>> log.close()
   >>> [(p.name, p.read_text()) for p in part_names(folder, "{:08d}.jsonl")]
   [('00000001.jsonl', 'one\\n'), ('00000002.jsonl', 'two\\n')]
