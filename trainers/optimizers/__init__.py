@@ -30,7 +30,6 @@ __all__ = [
     "ShampooState",
     "decay_mask",
     "from_config",
-    "state_decays",
     "kron",
     "make_optimizer",
     "make_schedule",
@@ -43,4 +42,5 @@ __all__ = [
     "scale_by_shampoo",
     "shampoo",
     "stack_specs",
+    "state_decays",
 ]
