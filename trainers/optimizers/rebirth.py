@@ -263,7 +263,8 @@ def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, d
   sums = {}
   for name, (shape, _) in saved.items():
     template, param = _starred(name, longest_first)
-    sums[_heavy_ball(template), param, shape] = name
+    if _heavy_ball(template) is not None:
+      sums[_heavy_ball(template), param, shape] = name
   groups = moment_groups(saved)
   sources = {}
   for name, (shape, _) in new.items():
