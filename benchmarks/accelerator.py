@@ -79,7 +79,8 @@ def bench_config(size: str, optimizer: str, dtype: str, num_steps: int):
 
 
 class NoCheckpoints:
-  """The loop's checkpoints, saving nothing; ``close`` waits for the final ``state`` and keeps it."""
+  """The loop's checkpoints, saving nothing; ``close`` reads the last steps (``before_save``),
+  waits for the final ``state`` and keeps it."""
 
   state = None
 
@@ -87,7 +88,8 @@ class NoCheckpoints:
     del step, state, before_save
     return False
 
-  def close(self, state) -> None:
+  def close(self, state, before_save=lambda: None) -> None:
+    before_save()
     self.state = jax.block_until_ready(state)
 
 

@@ -98,7 +98,7 @@ def build(config, mesh) -> Run:
       abstract["opt"],
       storage,
       learning_rates.get("lr"),
-      optimizers.heavy_ball_decays(config.optax_name, config.get("optax") or {}),
+      optimizers.state_decays(config.optax_name, config.get("optax") or {}),
   )
   loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)

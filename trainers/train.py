@@ -70,7 +70,7 @@ from trainers import (
     validation,
 )
 from trainers.input import batching, prefetch, records
-from trainers.rundir import checkpoint, events, profiling, provenance, workdir
+from trainers.rundir import checkpoint, events, parts, profiling, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
@@ -145,7 +145,8 @@ def main(argv):
   scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
   write = fan_out(metrics, curves) if is_main_process else None
-  written = lambda: (metrics.flush(), curves.flush())  # A bucket's queued records.
+  # A wait for the records queued so far (a bucket's writers send them in the background).
+  written = lambda: parts.each([metrics.until_written(), curves.until_written()])
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     state, start = restore_or_init(ckpt, plan, tx, run.init)
@@ -317,8 +318,7 @@ def train(state, numbered_batches, train_step, run) -> None:
     read_next = logged and not is_eval
     if ckpt.step_done(step, state, before_save=pending.settle):
       return  # SIGTERM: every process saved this step.
-  pending.read()
-  ckpt.close(state)
+  ckpt.close(state, before_save=pending.settle)
 
 
 class Pending:
@@ -327,11 +327,16 @@ class Pending:
   :meth:`read` fetches every pending step's metrics in one ``jax.device_get``, then gives
   each loss to ``watch`` (which raises at the first non-finite one under "stop", before
   any later step is logged or saved) and each step to ``log`` (a :class:`StepLog`).
-  :meth:`settle`, before a save, also waits on ``written()``: a bucket's writers send the
-  records they queued, so a resume from that checkpoint finds every record up to it.
+  :meth:`settle`, before a save, reads every queued step and returns ``written()``, a wait
+  for the records written so far (a bucket's writers send them in the background), which the
+  save calls on its own thread before it saves (``Checkpoints.step_done``). The rule: a
+  checkpoint at step ``s`` is committed only after every record up to ``s`` is in the
+  workdir, so a resume from it finds all of them (and moves any later ones aside,
+  ``workdir.keep_metrics_until``); the loop itself never waits on an object write, only on
+  the previous save at the next one, as for its write, and at exit.
   """
 
-  def __init__(self, watch: divergence.LossWatch, log: "StepLog", written=lambda: None):
+  def __init__(self, watch: divergence.LossWatch, log: "StepLog", written=lambda: parts.each([])):
     self.watch, self.log, self.written = watch, log, written
     self.queue: list[tuple[int, dict]] = []
 
@@ -349,10 +354,10 @@ class Pending:
         logging.warning("step %d: loss %s, update skipped", step, metrics["loss"])
       self.log(step, metrics, params)
 
-  def settle(self) -> None:
-    """Reads every queued step, then waits until their records are written."""
+  def settle(self) -> Callable[[], None]:
+    """Reads every queued step; returns a wait until their records are written."""
     self.read()
-    self.written()
+    return self.written()
 
 
 def logs_step(step: int, config) -> tuple[bool, bool]:

@@ -22,7 +22,7 @@ from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scal
 from bv_sharding.optimizers.layout import ParamLayout, same_blocking, stack_specs
 from bv_sharding.optimizers.migration import STORAGE_OPTIONS, BuiltOptimizer, migrate_state
 from bv_sharding.optimizers.muon import muon, scale_by_muon
-from bv_sharding.optimizers.rebirth import ramp, ramp_in
+from bv_sharding.optimizers.rebirth import ramp, ramp_in, refill
 from bv_sharding.optimizers.shampoo import (
     ShampooParamState,
     ShampooState,
@@ -46,6 +46,7 @@ __all__ = [
     "precond_update_prob_schedule",
     "ramp",
     "ramp_in",
+    "refill",
     "same_blocking",
     "scale_by_kron",
     "scale_by_muon",

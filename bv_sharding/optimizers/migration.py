@@ -66,9 +66,10 @@ class BuiltOptimizer:
   layout puts the moved stacks; ``storage``: its :data:`STORAGE_OPTIONS` that are set
   (e.g. ``{"pool_padding": 1.0}``), recorded, so that a restore under other ones moves the
   stacks as for another layout; ``learning_rate``: the schedule it applies (``step -> lr``),
-  for a state born mid-run (:func:`~bv_sharding.optimizers.rebirth.at_step`); ``heavy_ball``: the
-  decays of its state's heavy-ball sum (``registry.heavy_ball_decays``; None: none), for the
-  sum born mid-run from saved moments (:func:`~bv_sharding.optimizers.rebirth.heavy_balls`).
+  for a state born mid-run (:func:`~bv_sharding.optimizers.rebirth.at_step`); ``decays``: those
+  of its state's EMAs and heavy-ball sums by field (``registry.state_decays``), recorded, so
+  that a state born mid-run from its checkpoints reads each moment in its units and this
+  one's heavy-ball sums are born full (:func:`~bv_sharding.optimizers.rebirth.reborn`).
   """
 
   name: str
@@ -78,7 +79,7 @@ class BuiltOptimizer:
   state: Any = None
   storage: dict = dataclasses.field(default_factory=dict)
   learning_rate: Callable | None = None
-  heavy_ball: tuple[float, ...] | None = None
+  decays: dict = dataclasses.field(default_factory=dict)
 
   def record(self) -> dict:
     """What a checkpoint stores in its meta, JSON-able; :func:`migrate_state` reads it back.
@@ -89,19 +90,19 @@ class BuiltOptimizer:
     """
     layout = None if self.layout is None else self.layout.record()
     storage = {"storage": self.storage} if self.storage else {}
-    return {RECORD: {"name": self.name, "layout": layout, **storage}}
+    decays = {"decays": self.decays} if self.decays else {}
+    return {RECORD: {"name": self.name, "layout": layout, **storage, **decays}}
 
   def migrate(self, saved_meta: dict, differs: Callable, load: Callable) -> tuple:
     """:func:`migrate_state` of this run's optimizer."""
     return migrate_state(saved_meta, self, differs, load)
 
   def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
-    """:func:`~bv_sharding.optimizers.rebirth.reborn` of this run's state, born at ``step``
-    (``saved_meta`` is not needed: what is carried is decided from the state tables)."""
-    del saved_meta
-    return rebirth.reborn(
-        state, step, saved_table, read, self.params, self.learning_rate, self.heavy_ball
-    )
+    """:func:`~bv_sharding.optimizers.rebirth.reborn` of this run's state, born at ``step``: what
+    is carried is decided from the state tables, the saved moments read with the decays
+    ``saved_meta``'s record gives (none in a checkpoint written before they were recorded)."""
+    decays = (self.decays, saved_record(saved_meta).get("decays", {}))
+    return rebirth.reborn(state, step, saved_table, read, self.params, self.learning_rate, decays)
 
 
 def migrate_state(

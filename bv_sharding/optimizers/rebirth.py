@@ -2,7 +2,7 @@
 
 When a resumed run re-initialises its optimizer state (another ``config.optax_name``, or
 Kron/Shampoo blocks that are not the same tiles on the new mesh), the new state is born
-from the plan at step ``s`` with three differences from a fresh one:
+from the plan at step ``s`` with these differences from a fresh one:
 
 * **The schedule continues.** Every learning-rate schedule a config builds is applied
   by an ``optax.ScaleByScheduleState``; :func:`at_step` sets each one's count to ``s``, so
@@ -23,9 +23,22 @@ from the plan at step ``s`` with three differences from a fresh one:
 * **A heavy-ball sum is born full** (:func:`heavy_ball_sources`, :func:`born_sum`): SGD's
   ``trace`` and Shampoo's ``momentum`` (``m = beta m + d``, with the new optimizer's
   ``beta``) start as a run summing all along holds them, ``E[d] / (1 - beta)``, not at zero
-  (a tenth of the run's own, at ``beta`` 0.9): SGD's from any saved ``mu`` of each param,
-  Shampoo's (a sum of Adam-grafted steps) from Adam's direction in a saved ``mu``, ``nu``,
-  ``count`` group; with neither saved they are born at zero.
+  (a tenth of the run's own, at ``beta`` 0.9): from a saved sum of the same field
+  (``(1 - beta') m``), else SGD's from any saved ``mu`` of each param (its bias-corrected
+  mean), Shampoo's (a sum of Adam-grafted steps) from Adam's direction in a saved ``mu``,
+  ``nu``, ``count`` group. Each saved moment is read with the decays the saving run recorded
+  in its checkpoint (``registry.state_decays``, :meth:`BuiltOptimizer.record`: Lion's ``mu``
+  decays by its ``b2``), the new optimizer's standing in for a checkpoint that recorded none.
+* **A sum of grads no saved leaf gives is born at zero and refilled** (:func:`refill`,
+  chained by the registry's sgd): Adafactor keeps no first moment and Shampoo's momentum
+  sums directions, not grads, so SGD's ``E[d]`` is not known; its trace starts at zero and
+  each param's updates are scaled by :func:`refill_scale` of the weight it misses, so the
+  first ones are at a full sum's scale (a fresh run's at that step, not at step 0), and the
+  log lists the trace among the leaves born afresh, marked :data:`REFILLED`. Shampoo's
+  momentum from a source without an Adam group (Kron, Lion, SGD, Adafactor, Muon's
+  matrices) is born at zero and not refilled: its graft is born afresh too, so its first
+  steps are Adam's ``g / |g|`` at the full learning rate, and scaled up to a full sum's they
+  raised a trained LM's eval loss (muon -> shampoo: 2.78 at step 20, 3.96 at 21; 2.72 unscaled).
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -48,9 +61,10 @@ import optax
 
 # The moments a count beside them bias-corrects: EMAs of the grads and of their squares.
 _MOMENTS = ("mu", "nu")
-# Heavy-ball sums ``m = beta m + d`` by the field their leaves lie under, and what they sum:
-# SGD's trace sums grads, Shampoo's momentum its Adam-grafted directions.
-_HEAVY_BALLS = {"trace": "grads", "momentum": "directions"}
+# Heavy-ball sums ``m = beta m + d`` by the field their leaves lie under, and the field of the
+# second moment that scales what they sum: SGD's trace sums grads (None), Shampoo's momentum
+# its Adam-grafted directions (their ``graft_nu``).
+_HEAVY_BALLS = {"trace": None, "momentum": "graft_nu"}
 # Leaves whose presence beside a "count" and a "mu" shows that the count bias-corrects the mu.
 _CORRECTED = ("nu", "Qs_preconditioners")
 
@@ -122,7 +136,7 @@ def _filled(x: jax.Array, value) -> jax.Array:
 def leaf_names(tree) -> list[str]:
   """Each leaf's path, its keys joined by "/" (as checkpoints name them), in flatten order."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat]
+  return [_path_name(path) for path, _ in flat]
 
 
 def moment_groups(table: dict) -> dict[str, dict[str, dict[str, str]]]:
@@ -223,120 +237,220 @@ def _starred(name: str, longest_first: list[str]) -> tuple[str, str | None]:
 
 
 def _heavy_ball(template: str) -> str | None:
-  """What the heavy-ball sum a leaf's name (its param written ``*``) is part of sums, or None."""
-  return next((_HEAVY_BALLS[f] for f in template.split("/") if f in _HEAVY_BALLS), None)
+  """The field of the heavy-ball sum a leaf's name (its param written ``*``) is part of, or None."""
+  return next((f for f in template.split("/") if f in _HEAVY_BALLS), None)
 
 
-def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, str]:
-  """``{new leaf: saved leaf}``: each heavy-ball sum of a param in ``new`` (SGD's ``trace``,
-  Shampoo's ``momentum``) and the saved ``mu`` of that param, in the same shape, that it is
-  born from (:func:`born_sum`); both ``{name: (shape, dtype)}`` tables.
+def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, dict[str, str]]:
+  """``{new leaf: {role: saved leaf}}``: each heavy-ball sum of a param in ``new`` (SGD's
+  ``trace``, Shampoo's ``momentum``) and the saved leaves of that param, in the same shape, it
+  is born from (:func:`born_sum`); both ``{name: (shape, dtype)}`` tables.
 
-  A sum of grads (``trace``) is born from any ``mu`` (an EMA of the grads, in their units);
-  a sum of Adam-scaled directions (Shampoo's ``momentum`` of its grafted steps) from a ``mu``
-  with the ``nu`` and the ``count`` beside it (an Adam group: the direction is its update).
+  Roles: ``"sum"``, a saved sum under the same field (it sums the same thing); else ``"mu"``
+  and ``"count"`` of a saved :func:`moment_groups` group, with its ``"nu"`` for a sum of
+  Adam-scaled directions (Shampoo's momentum of its grafted steps: Adam's direction is
+  ``mu_hat / sqrt(nu_hat)``); a sum of grads (``trace``) takes any ``mu`` (an EMA of the grads).
 
   Example:
     >>> adam = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/nu/w": ((2,), "f32")}
     >>> heavy_ball_sources(adam, {"1/0/trace/w": ((2,), "f32")}, ["w"])
-    {'1/0/trace/w': '0/mu/w'}
+    {'1/0/trace/w': {'mu': '0/mu/w', 'count': '0/count'}}
     >>> lion = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32")}
     >>> heavy_ball_sources(lion, {"0/per_param/w/momentum": ((2,), "f32")}, ["w"])
     {}
   """
   longest_first = sorted(params, key=len, reverse=True)
+  sums = {}
+  for name, (shape, _) in saved.items():
+    template, param = _starred(name, longest_first)
+    if _heavy_ball(template) is not None:
+      sums[_heavy_ball(template), param, shape] = name
   groups = moment_groups(saved)
   sources = {}
   for name, (shape, _) in new.items():
     template, param = _starred(name, longest_first)
-    kind = _heavy_ball(template)
-    wanted = ("mu",) if kind == "grads" else ("mu", "nu")
-    found = [
-        group["mu"][param]
-        for group in groups.values()
-        if all(param in group.get(m, {}) and saved[group[m][param]][0] == shape for m in wanted)
-    ]
-    if kind is not None and found:
-      sources[name] = found[0]
+    field = _heavy_ball(template)
+    if field is None:
+      continue
+    if (field, param, shape) in sums:
+      sources[name] = {"sum": sums[field, param, shape]}
+      continue
+    wanted = ("mu",) if _HEAVY_BALLS[field] is None else ("mu", "nu")
+    for prefix, group in groups.items():
+      if all(param in group.get(m, {}) and saved[group[m][param]][0] == shape for m in wanted):
+        sources[name] = {**{m: group[m][param] for m in wanted}, "count": _count(prefix)}
+        break
   return sources
 
 
-def _beside(mu: str) -> tuple[str, str]:
-  """The ``nu`` and the ``count`` in the group of the saved ``mu`` leaf ``mu``."""
-  parts = mu.split("/")
-  at = parts.index("mu")
-  return "/".join([*parts[:at], "nu", *parts[at + 1 :]]), _count("/".join(parts[:at]))
-
-
-def born_sum(mu, decays: tuple[float, ...], nu=None, count=None) -> jax.Array:
-  """A heavy-ball sum ``m = beta m + d`` as a run summing all along holds it, from saved
-  moments: its steady state ``E[d] / (1 - beta)``. With ``decays = (beta,)`` (a sum of grads)
-  ``E[d]`` is ``mu``; with ``(beta, beta2)`` (a sum of Adam-scaled directions) it is Adam's
-  direction ``mu_hat / sqrt(nu_hat)``, both moments bias-corrected by ``count`` with ``beta``
-  and ``beta2`` (the new optimizer's decays, taken for the saved ones').
+def born_sum(values: dict, decays: dict, beta: float) -> jax.Array:
+  """A heavy-ball sum ``m = beta m + d`` as a run summing all along holds it, from the saved
+  ``values`` (``{role: array}``, :func:`heavy_ball_sources`' roles): its steady state
+  ``E[d] / (1 - beta)``. ``E[d]`` is a saved sum's ``(1 - decay) m``, or the saved ``mu``
+  bias-corrected by its ``count``, divided by the square root of the bias-corrected ``nu``
+  where one is given (Adam's direction); ``decays``: each role's (``{role: decay}``).
 
   Example:
-    >>> born_sum(jnp.array([1.0, -1.0]), (0.5,)).tolist()
+    >>> born_sum({"mu": jnp.array([1.0, -1.0]), "count": 1}, {"mu": 0.0}, 0.5).tolist()
     [2.0, -2.0]
-    >>> born_sum(jnp.array([0.5, 0.0]), (0.5, 0.5), nu=jnp.array([0.5, 0.0]), count=1).tolist()
+    >>> adam = {"mu": jnp.array([0.5, 0.0]), "nu": jnp.array([0.5, 0.0]), "count": 1}
+    >>> born_sum(adam, {"mu": 0.5, "nu": 0.5}, 0.5).tolist()
     [2.0, 0.0]
+    >>> born_sum({"sum": jnp.array([4.0])}, {"sum": 0.75}, 0.5).tolist()
+    [2.0]
   """
-  beta, mu = decays[0], mu.astype(jnp.float32)
-  if len(decays) > 1:
-    mu_hat = mu / (1.0 - beta**count)
-    nu_hat = nu.astype(jnp.float32) / (1.0 - decays[1] ** count)
-    mu = jnp.where(nu_hat > 0, mu_hat / jnp.sqrt(jnp.where(nu_hat > 0, nu_hat, 1.0)), 0.0)
-  return mu / (1.0 - beta)
+  if "sum" in values:
+    return values["sum"].astype(jnp.float32) * (1.0 - decays["sum"]) / (1.0 - beta)
+  count = jnp.maximum(values["count"], 1)
+  mean = values["mu"].astype(jnp.float32) / (1.0 - decays["mu"] ** count)
+  if "nu" in values:
+    nu_hat = values["nu"].astype(jnp.float32) / (1.0 - decays["nu"] ** count)
+    mean = jnp.where(nu_hat > 0, mean / jnp.sqrt(jnp.where(nu_hat > 0, nu_hat, 1.0)), 0.0)
+  return mean / (1.0 - beta)
 
 
-def heavy_balls(state, sources: dict[str, str], read: Callable[[dict], dict], decays: tuple):
-  """``state`` with each heavy-ball leaf ``sources`` names (new -> saved ``mu``)
-  :func:`born_sum` of its saved moments (``read`` as for :func:`carry`), in its dtype and
-  sharding."""
+def source_decays(field: str, new: dict, saved: dict) -> dict[str, float]:
+  """``{role: decay}`` for a sum under ``field`` born from saved leaves: each role's decay as
+  the saving run recorded it (``saved``, by field), else the new optimizer's (``new``) for it,
+  as for a checkpoint that recorded none.
+
+  Example:
+    >>> source_decays("momentum", {"momentum": 0.9, "graft_nu": 0.99}, {"mu": 0.8})
+    {'sum': 0.9, 'mu': 0.8, 'nu': 0.99}
+  """
+  recorded = {"sum": field, "mu": "mu", "nu": "nu"}
+  stands_for = {"sum": field, "mu": field, "nu": _HEAVY_BALLS[field]}
+  return {r: saved.get(recorded[r], new.get(stands_for[r])) for r in recorded}
+
+
+def heavy_balls(state, sources: dict, read: Callable[[dict], dict], decays: tuple) -> Any:
+  """``state`` with each heavy-ball leaf ``sources`` names :func:`born_sum` of its saved
+  leaves (``read`` as for :func:`carry`), in its dtype and sharding; ``decays``: ``(new,
+  saved)`` by field, as :func:`reborn` takes them."""
   if not sources:
     return state
   names = leaf_names(state)
   leaves, treedef = jax.tree.flatten(state)
   new = dict(zip(names, leaves))
   scalar = next(x for x in leaves if x.ndim == 0)  # A target for the counts: replicated.
-  targets = {mu: new[leaf] for leaf, mu in sources.items()}
-  if len(decays) > 1:
-    for leaf, mu in sources.items():
-      nu, count = _beside(mu)
-      targets.update({nu: new[leaf], count: scalar})
+  targets = {
+      saved: scalar if role == "count" else new[leaf]
+      for leaf, roles in sources.items()
+      for role, saved in roles.items()
+  }
   values = read(targets)
 
   def born(name, x):
-    mu = sources[name]
-    nu, count = _beside(mu) if len(decays) > 1 else (None, None)
-    summed = born_sum(values[mu], decays, values.get(nu), values.get(count))
+    field = _heavy_ball(name)
+    got = {role: values[saved] for role, saved in sources[name].items()}
+    summed = born_sum(got, source_decays(field, *decays), decays[0][field])
     return jax.device_put(summed.astype(x.dtype), x.sharding)
 
   return treedef.unflatten([born(n, x) if n in sources else x for n, x in zip(names, leaves)])
 
 
-def reborn(
-    state, step: int, saved: dict, read, params, learning_rate=None, heavy_ball=None
-) -> tuple:
+class RefillState(NamedTuple):
+  """Per param, the terms its heavy-ball sum has taken since a birth at zero: 0 at such a
+  birth, :data:`FULL` (int32's largest, where it stays) in a fresh run, whose sum is full."""
+
+  terms: Any
+
+
+FULL = jnp.iinfo(jnp.int32).max
+
+
+def refill_scale(missing) -> jax.Array:
+  """The scale of an update from a heavy-ball sum missing the weight ``missing`` (``beta^n``).
+
+  ``n`` terms into a sum born at zero, a sum of alike terms holds ``1 - beta^n`` of a full one,
+  a sum of independent zero-mean ones ``sqrt(1 - beta^2n)`` of its norm; the scale is the
+  geometric mean of the two corrections, within ``((1 + beta) / (1 - beta)) ** 0.25`` of
+  either (2.09x at ``beta`` 0.9, at the first step; 1 at ``missing`` 0).
+
+  Example:
+    >>> [round(float(refill_scale(m)), 2) for m in (0.0, 0.9, 0.9**5)]
+    [1.0, 4.79, 1.74]
+  """
+  return (1.0 - missing) ** -0.5 * (1.0 - jnp.square(missing)) ** -0.25
+
+
+def refill(beta: float) -> optax.GradientTransformation:
+  """Scales each param's updates by :func:`refill_scale` of the weight its heavy-ball sum
+  (decay ``beta``) misses: none in a fresh run; a sum :func:`reborn` leaves at zero (no saved
+  leaf gives it) starts at a full sum's scale, and the scale falls to 1 as it fills.
+
+  Example:
+    >>> tx = refill(0.5)
+    >>> fresh, at_zero = tx.init({"w": 0}), RefillState({"w": jnp.int32(0)})  # As reborn marks it.
+    >>> [round(float(tx.update({"w": jnp.ones(1)}, s)[0]["w"][0]), 2) for s in (fresh, at_zero)]
+    [1.0, 1.52]
+  """
+
+  def init(params):
+    return RefillState(jax.tree.map(lambda _: jnp.full([], FULL, jnp.int32), params))
+
+  def update(updates, state, params=None):
+    del params
+    terms = jax.tree.map(optax.safe_increment, state.terms)
+    scale = lambda u, n: (u * refill_scale(beta ** n.astype(jnp.float32))).astype(u.dtype)
+    return jax.tree.map(scale, updates, terms), RefillState(terms)
+
+  return optax.GradientTransformation(init, update)
+
+
+def unfilled(state, params: set[str]) -> tuple[Any, bool]:
+  """``(state, refilled)``: ``state`` with each :class:`RefillState` marking the sums of
+  ``params`` (their paths) born at zero (1), the others full (0); ``refilled``: whether it has one.
+  """
+  marked = []
+
+  def mark(x):
+    if not isinstance(x, RefillState):
+      return x
+    marked.append(x)
+    at = lambda path, n: _filled(n, 0 if _path_name(path) in params else FULL)
+    return RefillState(jax.tree_util.tree_map_with_path(at, x.terms))
+
+  state = jax.tree.map(mark, state, is_leaf=lambda x: isinstance(x, RefillState))
+  return state, bool(marked)
+
+
+def _path_name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+# How a sum born at zero and refilled is listed among the leaves born afresh.
+REFILLED = " (at zero; its updates scaled to a full sum's while it fills: rebirth.refill)"
+
+
+def reborn(state, step: int, saved: dict, read, params, learning_rate=None, decays=({}, {})):
   """``(state, carried, renewed)``: a state just born at ``step``, its schedules and ramp
-  reborn there (:func:`at_step`) and the saved moments that fit it carried (:func:`carried_leaves`).
+  reborn there (:func:`at_step`), the saved moments that fit it carried (:func:`carried_leaves`)
+  and its heavy-ball sums born full from saved leaves (:func:`heavy_ball_sources`) or, with
+  none, at zero and refilled (:func:`refill`, where its optimizer chains one).
 
   ``saved``: the saving run's state table ``{leaf: (shape, dtype)}``; ``read``: as for
   :func:`carry`; ``params``: the params' tree (its paths name the params); ``learning_rate``:
-  as for :func:`at_step`; ``heavy_ball``: the decays of the state's heavy-ball sums, each then
-  born from saved moments (:func:`heavy_ball_sources`; None: born at zero);
-  ``carried``: ``{new leaf: saved leaf}``, the heavy-ball leaves' sources included;
+  as for :func:`at_step`; ``decays``: ``(new, saved)``, the new optimizer's and the saving
+  one's decays by field (``registry.state_decays``; the saving one's as its checkpoint
+  recorded them, ``{}`` if it did not): a sum is born full only with the new one's ``beta``;
+  ``carried``: ``{new leaf: saved leaf}``, each born sum's first source included;
   ``renewed``: the leaves left as born (:func:`renewed`), neither carried nor set by
-  :func:`at_step`.
+  :func:`at_step`, a refilled sum marked :data:`REFILLED`.
   """
-  names = leaf_names(state)
+  names, paths = leaf_names(state), leaf_names(params)
   table = {n: (tuple(x.shape), str(x.dtype)) for n, x in zip(names, jax.tree.leaves(state))}
   carried = carried_leaves(saved, table)
-  summed = {} if heavy_ball is None else heavy_ball_sources(saved, table, leaf_names(params))
-  stepped = at_step(state, step, learning_rate)
+  sources = heavy_ball_sources(saved, table, paths).items()
+  summed = {leaf: roles for leaf, roles in sources if _heavy_ball(leaf) in decays[0]}
+  longest_first = sorted(paths, key=len, reverse=True)
+  empty = {_starred(n, longest_first)[1] for n in names if _heavy_ball(n) and n not in summed}
+  stepped, refilled = unfilled(at_step(state, step, learning_rate), empty)
   moved = {
       n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b
   }
-  state = heavy_balls(carry(stepped, carried, read), summed, read, heavy_ball)
-  carried = {**carried, **summed}
-  return state, carried, renewed(names, set(carried) | moved, leaf_names(params))
+  state = heavy_balls(carry(stepped, carried, read), summed, read, decays)
+  kept = set(carried) | set(summed) | moved
+  carried = {**carried, **{leaf: next(iter(roles.values())) for leaf, roles in summed.items()}}
+  left = renewed(names, kept, paths)
+  return state, carried, [n + REFILLED if refilled and _heavy_ball(n) else n for n in left]

@@ -6,6 +6,7 @@ every client is pointed at it or given a token, so nothing leaves this machine.
 """
 
 import importlib
+import json
 import os
 import pathlib
 import signal
@@ -14,9 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from http import HTTPStatus
 
+import jax
 import jax.numpy as jnp
+import ml_collections
 import pytest
 from etils import epath
 from gcp_storage_emulator import server as emulator_server
@@ -25,9 +29,10 @@ from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.server import GET
 
 from tests.helpers import ROOT, environment, quick_lm, run_module
+from trainers import divergence, optimizers, train, utilization
 from trainers.errors import ConfigError
 from trainers.launch import free_port
-from trainers.rundir import events, paths, profiling, provenance, workdir
+from trainers.rundir import checkpoint, events, parts, paths, profiling, provenance, workdir
 
 BUCKET = "bucket"
 
@@ -125,7 +130,7 @@ def test_the_run_files_in_a_bucket(emulator):
     record = {"step": step, "loss": 4.0 - step}
     metrics.write(record)
     curves.write(record)
-    metrics.flush()  # One part each.
+    metrics.until_written()()  # One part each.
   metrics.close()
   curves.close()
   assert [r["step"] for r in workdir.read_records(metrics.path)] == [1, 2, 3]
@@ -161,7 +166,7 @@ DELAY = 0.4  # Seconds the emulator takes for each object write, in this test.
 def test_records_in_a_bucket_cost_the_same_bytes_each_and_never_wait(emulator, monkeypatch):
   """Each record is sent once, as a new object of its own size, from the writers' threads:
   ``write`` returns at once while each object write takes the emulator DELAY seconds, and
-  only ``flush`` (before a checkpoint) waits."""
+  only the wait ``until_written`` gives (a checkpoint save's thread calls it) waits."""
   received = []  # (object name, bytes) of each object the emulator stores.
   store = storage.Storage.create_file
 
@@ -180,9 +185,10 @@ def test_records_in_a_bucket_cost_the_same_bytes_each_and_never_wait(emulator, m
     began = time.perf_counter()
     metrics.write(record)
     curves.write(record)
+    waits = [metrics.until_written(), curves.until_written()]
     waited.append(time.perf_counter() - began)
-    metrics.flush()
-    curves.flush()
+    for wait in waits:
+      wait()
     flushed.append(time.perf_counter() - began)
     sent.append(sum(size for _, size in received) - sum(sent))
   metrics.close()
@@ -200,6 +206,85 @@ def test_records_in_a_bucket_cost_the_same_bytes_each_and_never_wait(emulator, m
   assert events.read_scalars(f"{run}/tensorboard")["loss"] == [
       (r["step"], r["loss"]) for r in records
   ]
+
+
+PACE = 0.1  # Seconds each step of the loop below takes (its batches come at that pace).
+WRITE = 1.0  # Seconds each metrics object write takes there.
+
+
+def test_the_loop_never_waits_on_a_record_and_a_checkpoint_follows_its_records(
+    emulator, tmp_path, monkeypatch
+):
+  """trainers/train.py's loop with its records in a bucket whose metrics object writes take
+  WRITE s each, a record every 5 steps and a (local) checkpoint at steps 15 and 30: no step
+  waits for a record (the save's own thread waits before it saves, trainers.train.Pending), no
+  checkpoint is committed before the records up to its step are stored, and every record is
+  there at exit. The loop waited before each save until this rule: at step 15, WRITE at least."""
+  checkpoints = tmp_path / checkpoint.CHECKPOINTS
+  early = []  # (checkpoint, record's step): a checkpoint committed before its record.
+  store = storage.Storage.create_file
+
+  def slow_store(self, bucket, name, content, *args, **kwargs):
+    if "/metrics/" in name:
+      time.sleep(WRITE)
+      text = content if isinstance(content, str) else content.decode()
+      done = [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+      stored = [json.loads(line)["step"] for line in text.splitlines()]
+      early.extend((c, step) for step in stored for c in done if c >= step)
+    return store(self, bucket, name, content, *args, **kwargs)
+
+  monkeypatch.setattr(storage.Storage, "create_file", slow_store)
+  importlib.import_module("tensorboardX")  # What the first record imports (1-2 s), not timed.
+  run, total = f"gs://{BUCKET}/looped", 30
+  config = ml_collections.ConfigDict(
+      dict(log_every=5, eval_every=1000, total_steps=total, batch_size=2, ckpt_steps=15)
+  )
+  metrics, curves = workdir.MetricsWriter(run), events.EventWriter(run)
+  task = types.SimpleNamespace(unit="tokens", per_example=8, bytes_per_token=None)
+  cost = utilization.StepCost(1e9, "jaxpr", 8, None)
+  log = train.StepLog(
+      config,
+      task,
+      {},
+      checkpoint.Start(0, "scratch"),
+      lambda params: 0.0,
+      train.fan_out(metrics, curves),
+      cost,
+  )
+  watch = divergence.LossWatch("stop", lr=1e-3)
+  written = lambda: parts.each([metrics.until_written(), curves.until_written()])
+  handler = signal.getsignal(signal.SIGTERM)  # Checkpoints installs its own.
+  ckpt = checkpoint.Checkpoints(str(tmp_path), config, optimizers.BuiltOptimizer("adamw", {}))
+  signal.signal(signal.SIGTERM, handler)
+  began = []
+
+  @jax.jit
+  def step(state, batch):
+    loss = jnp.sum(state["params"]["w"]) + batch
+    state = {"params": {"w": state["params"]["w"] * 0.9}, "opt": {"n": state["opt"]["n"] + 1}}
+    return state, {"loss": loss, "l2_grads": loss, "l2_params": loss, "l2_updates": loss}
+
+  def timed(state, batch):
+    began.append(time.perf_counter())
+    return step(state, batch)
+
+  def paced():
+    for i in range(1, total + 1):
+      time.sleep(PACE)
+      yield i, jnp.float32(i)
+
+  state = {"params": {"w": jnp.ones(4)}, "opt": {"n": jnp.zeros((), jnp.int32)}}
+  no_plan = types.SimpleNamespace(mismatches=lambda state: [])
+  steps = (no_plan, train.Pending(watch, log, written), ckpt, profiling.StepTrace(None, run))
+  train.train(state, paced(), timed, steps)
+  metrics.close()
+  curves.close()
+  gaps = [b - a for a, b in zip(began, began[1:])]
+  assert max(gaps) < PACE + WRITE / 2, [round(g, 2) for g in gaps]  # Step 15's save too.
+  assert early == [] and [p.name for p in checkpoints.iterdir() if p.name.isdigit()] == ["30"]
+  logged = [1, *range(5, total + 1, 5)]
+  assert [r["step"] for r in workdir.read_records(metrics.path)] == logged
+  assert [s for s, _ in events.read_scalars(f"{run}/tensorboard")["loss"]] == logged
 
 
 def test_a_profile_in_a_bucket_workdir(emulator, tmp_path, monkeypatch):

@@ -58,7 +58,8 @@ class Run:
       self.saved.append(step)
     return False
 
-  def close(self, state):
+  def close(self, state, before_save=lambda: None):
+    before_save()
     self.saved.append("end")
 
   def __call__(self):

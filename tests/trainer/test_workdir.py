@@ -136,6 +136,6 @@ def test_a_failed_background_write_is_raised_to_the_caller(tmp_path):
   log = parts.Parts(epath.Path(tmp_path / "missing"), "{:08d}.jsonl")
   log.put(b"one\n")  # Returns: the thread writes it.
   with pytest.raises(FileNotFoundError):
-    log.flush()
+    log.until_written()()
   with pytest.raises(FileNotFoundError):
     log.put(b"two\n")

@@ -29,8 +29,8 @@ from trainers.optimizers.from_config import from_config
 from trainers.optimizers.registry import (
     OPTIMIZERS,
     decay_mask,
-    heavy_ball_decays,
     make_optimizer,
+    state_decays,
 )
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "ShampooState",
     "decay_mask",
     "from_config",
-    "heavy_ball_decays",
     "kron",
     "make_optimizer",
     "make_schedule",
@@ -56,4 +55,5 @@ __all__ = [
     "scale_by_shampoo",
     "shampoo",
     "stack_specs",
+    "state_decays",
 ]

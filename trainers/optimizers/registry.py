@@ -23,7 +23,7 @@ import jax
 import optax
 
 from bv_sharding.big_vision.schedules import make_schedule
-from bv_sharding.optimizers import auto_axes_update, kron, muon, shampoo
+from bv_sharding.optimizers import auto_axes_update, kron, muon, refill, shampoo
 from trainers.errors import OptimizerError, closest
 
 # Last path components of norm scales and biases: small vectors that get no weight decay.
@@ -74,24 +74,26 @@ class _Entry:
   defaults: keyword defaults that differ from the factory's.
   lr_scale: the learning rate (or schedule) given is multiplied by this, so one
     ``config.lr`` suits every optimizer (documented per entry below).
-  heavy_ball: the names of its arguments that are the decay ``beta`` of a heavy-ball sum
-    ``m = beta m + d`` in its state and, for a sum of Adam-scaled directions, the decay of
-    the second moment they are scaled by (empty: none), for a state born mid-run.
+  decays: the decay of each EMA (``mu``, ``nu``, ``graft_nu``) and heavy-ball sum
+    ``m = beta m + d`` (``trace``, ``momentum``) in its state, by the field it lies under: the
+    argument that sets it, or a number. Recorded with its checkpoints, so that a state born
+    mid-run from them reads each saved moment in its units (rebirth.py); a field whose groups
+    decay alike by different arguments (Muon's ``mu``) is left out.
   """
 
   factory: Callable[..., optax.GradientTransformation]
   decay_args: tuple[str, str] | None = ("weight_decay", "mask")
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   lr_scale: float = 1.0
-  heavy_ball: tuple[str, ...] = ()
+  decays: Mapping[str, str | float] = dataclasses.field(default_factory=dict)
 
 
 _REGISTRY: dict[str, _Entry] = {
-    "adamw": _Entry(optax.adamw),
+    "adamw": _Entry(optax.adamw, decays={"mu": "b1", "nu": "b2"}),
     "adafactor": _Entry(optax.adafactor, ("weight_decay_rate", "weight_decay_mask")),
-    "lion": _Entry(optax.lion),
-    "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}, heavy_ball=("momentum",)),
-    "lamb": _Entry(optax.lamb),
+    "lion": _Entry(optax.lion, decays={"mu": "b2"}),  # b1 only interpolates its step.
+    "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}, decays={"trace": "momentum"}),
+    "lamb": _Entry(optax.lamb, decays={"mu": "b1", "nu": "b2"}),
     # The project's Muon: scanned (L, m, n) kernels orthogonalised per layer, and with the
     # trainer's layout each matrix orthogonalised once, by its owner device (muon.py).
     # consistent_rms scales each matrix update to that RMS (times the lr); the other leaves
@@ -101,12 +103,13 @@ _REGISTRY: dict[str, _Entry] = {
     # tuning split (config.input.tune_fraction; docs/optimizers.md, "How the defaults were
     # chosen"), two seeds: 1.560 at 0.4, 1.497 at 0.8, 1.516 at 1.2.
     "muon": _Entry(muon, ("weight_decay", "weight_decay_mask"), {"consistent_rms": 0.8}),
-    "schedule_free": _Entry(schedule_free_adamw),
+    # Its base Adam's b1 is 0 (mu is the last grad); its b1 interpolates the averages.
+    "schedule_free": _Entry(schedule_free_adamw, decays={"mu": 0.0, "nu": "b2"}),
     # Blocks of 256: the param's fixed tiles on any mesh (blocking="tiles"; "local" cuts each
     # shard instead), 14.9x less update traffic than psgd-jax's Kron under the seed's
     # placement (python -m benchmarks.communication; docs/benchmarks.md, docs/optimizers.md).
     # On the tuning split of configs/lm.py (two seeds) 128 ends 0.008 ± 0.007 below 256: kept.
-    "kron": _Entry(kron, defaults={"block_size": 256}),
+    "kron": _Entry(kron, defaults={"block_size": 256}, decays={"mu": "b1"}),
     # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
     # one or two gradients, and RMSProp grafting of those overshoots at adamw's lr.
     # lr_scale 0.1 = 1 - beta1: its heavy-ball momentum sums grafted (Adam-sized) steps, so at
@@ -116,7 +119,7 @@ _REGISTRY: dict[str, _Entry] = {
         shampoo,
         defaults={"graft_type": "adam", "start_preconditioning_step": 10},
         lr_scale=0.1,
-        heavy_ball=("beta1", "beta2"),
+        decays={"momentum": "beta1", "graft_nu": "beta2"},
     ),
 }
 OPTIMIZERS = tuple(_REGISTRY)
@@ -132,23 +135,33 @@ def lr_scale(name: str) -> float:
   return _lookup(name).lr_scale
 
 
-def heavy_ball_decays(name: str, kwargs: Mapping[str, Any]) -> tuple[float, ...] | None:
-  """The decays of the heavy-ball sum in the state of ``name`` built with ``kwargs`` (its
-  ``config.optax``): ``(beta,)`` for a sum of grads, ``(beta, beta2)`` for a sum of Adam-scaled
-  directions; None for an optimizer outside the registry or without such a sum.
+def state_decays(name: str, kwargs: Mapping[str, Any]) -> dict[str, float]:
+  """The decays of the EMAs and heavy-ball sums in the state of ``name`` built with ``kwargs``
+  (its ``config.optax``), by the field they lie under; ``{}`` for an optimizer outside the
+  registry. A sum switched off (``momentum=None``) is left out.
 
   Example:
-    >>> heavy_ball_decays("sgd", {}), heavy_ball_decays("shampoo", {"beta1": 0.8})
-    ((0.9,), (0.8, 0.999))
-    >>> heavy_ball_decays("adamw", {}), heavy_ball_decays("scale_by_adam", {})
-    (None, None)
+    >>> state_decays("sgd", {}), state_decays("shampoo", {"beta1": 0.8})
+    ({'trace': 0.9}, {'momentum': 0.8, 'graft_nu': 0.999})
+    >>> state_decays("lion", {}), state_decays("scale_by_adam", {})
+    ({'mu': 0.99}, {})
   """
   entry = _REGISTRY.get(name)
-  if entry is None or not entry.heavy_ball:
-    return None
+  if entry is None:
+    return {}
   signature = inspect.signature(entry.factory).parameters
-  values = {**{arg: signature[arg].default for arg in entry.heavy_ball}, **entry.defaults, **kwargs}
-  return None if values[entry.heavy_ball[0]] is None else tuple(values[a] for a in entry.heavy_ball)
+  values = {**{a: p.default for a, p in signature.items()}, **entry.defaults, **kwargs}
+  decays = {field: values[v] if isinstance(v, str) else v for field, v in entry.decays.items()}
+  return {field: float(decay) for field, decay in decays.items() if decay is not None}
+
+
+def _refilled(decays: dict) -> optax.GradientTransformation | None:
+  """:func:`~bv_sharding.optimizers.rebirth.refill` of a sum of grads (SGD's ``trace``) ``decays``
+  has: its updates at a full sum's scale after a birth at zero mid-run (none in a fresh run).
+  Shampoo's momentum is not refilled: born at zero, it sums steps of a graft born afresh too
+  (Adam's first steps, ``g / |g|`` each), and scaled up they raised the loss (rebirth.py)."""
+  beta = decays.get("trace")
+  return None if beta is None else refill(beta)
 
 
 def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:
@@ -239,5 +252,6 @@ def make_optimizer(
       if entry.decay_args is None and weight_decay
       else None,
       entry.factory(learning_rate, **kwargs),
+      _refilled(state_decays(name, optimizer_kwargs)),
   ]
   return auto_axes_update(optax.chain(*[t for t in transforms if t is not None]))

@@ -244,29 +244,35 @@ class Checkpoints:
     self.opt_start, self.step = start.opt_start, start.step
     return state, start
 
-  def step_done(self, step: int, state, before_save: Callable[[], None] = lambda: None) -> bool:
+  def step_done(self, step: int, state, before_save: Callable = lambda: None) -> bool:
     """Saves if ``step`` is due or preemption was signalled; True when the run must stop now.
 
-    ``before_save()`` runs first (the loop reads its pending losses: a non-finite one raises).
+    ``before_save()`` runs first, in the loop (it reads the pending losses: a non-finite one
+    raises), and returns what the checkpoint must follow: a wait (or None) that the save
+    calls on its own thread before it saves, so the checkpoint is committed after it (the
+    records up to ``step`` in a bucket: :class:`~trainers.train.Pending`) while the loop goes
+    on.
     """
     self.step = step
     preempted = self.preemption.reached(step)
     if preempted or self.manager.should_save(step):
-      before_save()
+      follows = before_save()
       self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
       state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
-      self.saver.submit(save, self.manager, step, state, self._meta(step), preempted)
+      self.saver.submit(save_after, follows, self.manager, step, state, self._meta(step), preempted)
     if preempted:
       self.saver.wait()
       self.manager.close()  # Waits for the write.
       logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
     return preempted
 
-  def close(self, state) -> None:
-    """Saves ``state`` at the last step done (unless saved already); waits for every write."""
+  def close(self, state, before_save: Callable = lambda: None) -> None:
+    """Saves ``state`` at the last step done (unless saved already; after ``before_save()``
+    and the wait it returns, as for :meth:`step_done`); waits for every write."""
+    follows = before_save()
     self.saver.wait()
     if self.manager.latest_step() != self.step:
-      save(self.manager, self.step, state, self._meta(self.step), force=True)
+      save_after(follows, self.manager, self.step, state, self._meta(self.step), force=True)
     self.manager.close()
 
   def _meta(self, step: int) -> dict:
@@ -378,6 +384,14 @@ def tree_restore(target) -> ocp.args.PyTreeRestore:
 def restore_item(manager: ocp.CheckpointManager, step: int, item: str, target):
   """One item (``PARAMS`` or ``OPT``) of the checkpoint at ``step``, onto ``target``."""
   return manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(target)}))[item]
+
+
+def save_after(follows, manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool):
+  """:func:`save`, once ``follows()`` returned (None: at once): a save's own thread waits for
+  what its checkpoint must not be committed before (the records up to ``step``)."""
+  if follows is not None:
+    follows()
+  save(manager, step, state, meta, force)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool) -> None:

@@ -24,6 +24,7 @@ import math
 import os
 import struct
 import threading
+from collections.abc import Callable
 
 from etils import epath
 
@@ -68,10 +69,10 @@ class EventWriter:
       self.writer.add_scalar(key, value, record["step"])
     self.writer.flush()
 
-  def flush(self) -> None:
-    """Waits until the records written so far are in the bucket (local: written already)."""
-    for file in self.objects.opened:
-      file.parts.flush()
+  def until_written(self) -> Callable[[], None]:
+    """A wait (callable from any thread) until the records written so far are in the bucket,
+    not those written later (:meth:`write` hands each to its file's parts); local: none."""
+    return parts.each([file.parts.until_written() for file in self.objects.opened])
 
   def close(self) -> None:
     """Closes the event file (if one was opened); a bucket's: once its parts are written."""

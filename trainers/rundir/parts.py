@@ -4,9 +4,11 @@ An object store has no append: rewriting a growing file whole at each record wri
 bytes, and waits on the network each time. :class:`Parts` takes each chunk of bytes from the
 caller at once (a queue) and a thread writes what is queued as the next object,
 ``directory/pattern.format(n)`` with n = 1, 2, ... after the highest already there: each byte is
-sent once, and the caller waits only in :meth:`flush` and :meth:`close` (or when ``limit``
-chunks are pending). A failed write's error is raised to the caller at each later call. Readers take the
-parts in order of n (:func:`part_names`).
+sent once, in the order put, and the caller waits only in :meth:`close` (or when ``limit``
+chunks are pending). :meth:`until_written` returns a wait for the chunks put so far, which
+another thread may call (the trainer's checkpoint saves do, so a checkpoint follows its
+records without the loop waiting). A failed write's error is raised to the caller at each later
+call. Readers take the parts in order of n (:func:`part_names`).
 
 Example:
   >>> import os, tempfile
@@ -14,7 +16,8 @@ Example:
   >>> folder = epath.Path(tempfile.mkdtemp())
   >>> log = Parts(folder, "{:08d}.jsonl")
   >>> log.put(b"one\\n")
-  >>> log.flush()
+  >>> wait = log.until_written()  # A wait for "one" only, whatever is put later.
+  >>> wait()
   >>> log.put(b"two\\n")
   >>> log.close()
   >>> [(p.name, p.read_text()) for p in part_names(folder, "{:08d}.jsonl")]
@@ -23,10 +26,21 @@ Example:
 
 import queue
 import threading
+from collections.abc import Callable
 
 from etils import epath
 
 _STOP = None  # Queued by close: the thread ends.
+
+
+def each(waits: list[Callable[[], None]]) -> Callable[[], None]:
+  """One wait for every wait of ``waits`` (e.g. several :meth:`Parts.until_written`), in turn."""
+
+  def wait() -> None:
+    for one in waits:
+      one()
+
+  return wait
 
 
 def part_names(directory: epath.Path, pattern: str) -> list[epath.Path]:
@@ -52,6 +66,8 @@ class Parts:
     self.directory, self.pattern = directory, pattern
     self.queue = queue.Queue(limit)
     self.thread, self.error, self.starting = None, None, threading.Lock()
+    self.put_count, self.written = 0, threading.Condition()
+    self.written_count = 0  # Chunks written (or failed), in the order put.
 
   def put(self, data: bytes) -> None:
     """Queues ``data`` for the next object; returns at once (raises a failed write's error)."""
@@ -60,13 +76,21 @@ class Parts:
       if self.thread is None:
         self.thread = threading.Thread(target=self._write, name="parts", daemon=True)
         self.thread.start()
-    self.queue.put(data)
+      self.put_count += 1
+      self.queue.put(data)
 
-  def flush(self) -> None:
-    """Waits until every chunk put so far is written."""
-    if self.thread is not None:
-      self.queue.join()
-    self._raise()
+  def until_written(self) -> Callable[[], None]:
+    """A wait, callable from any thread, until every chunk put so far is written (not those
+    put later); it raises a failed write's error."""
+    with self.starting:
+      target = self.put_count
+
+    def wait() -> None:
+      with self.written:
+        self.written.wait_for(lambda: self.written_count >= target)
+      self._raise()
+
+    return wait
 
   def close(self) -> None:
     """Writes what is queued, then ends the thread."""
@@ -97,5 +121,6 @@ class Parts:
       except Exception as e:  # Raised to the caller at its next call.
         self.error = e
       finally:
-        for _ in chunks:
-          self.queue.task_done()
+        with self.written:
+          self.written_count += len(chunks) - stop
+          self.written.notify_all()

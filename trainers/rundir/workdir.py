@@ -31,6 +31,7 @@ Example:
 import json
 import math
 import os
+from collections.abc import Callable
 
 from trainers.errors import ConfigError
 from trainers.rundir import parts, paths
@@ -199,8 +200,10 @@ class MetricsWriter:
   last line, which the resuming run moves out (:func:`keep_metrics_until`). A bucket (no
   append): the lines are queued, and a thread writes what is queued as the next part,
   ``metrics/NNNNNNNN.jsonl`` (:class:`parts.Parts`): :meth:`write` does not wait on the
-  bucket, and each line is sent once. :meth:`flush` waits for the queued lines (the trainer
-  calls it before each checkpoint, so the records a resume keeps are all written).
+  bucket, and each line is sent once. :meth:`until_written` gives a wait for the lines
+  written so far: the trainer's checkpoint save calls it on its own thread before it saves,
+  so a checkpoint is committed only after every record up to its step is in the bucket, and
+  the loop does not wait (``trainers/train.py``, :class:`Pending`); :meth:`close` waits for all.
   """
 
   def __init__(self, path: str):
@@ -225,10 +228,10 @@ class MetricsWriter:
     if written != len(data):
       raise OSError(f"{self.path}: wrote {written} of {len(data)} bytes (disk full?)")
 
-  def flush(self) -> None:
-    """Waits until every record written so far is in the bucket (local: written already)."""
-    if self.parts is not None:
-      self.parts.flush()
+  def until_written(self) -> Callable[[], None]:
+    """A wait (callable from any thread) until every record written so far is in the bucket,
+    not those written later; local: nothing to wait for."""
+    return (lambda: None) if self.parts is None else self.parts.until_written()
 
   def close(self) -> None:
     """Flushes; ends a bucket's writer thread."""
