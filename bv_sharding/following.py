@@ -10,13 +10,20 @@ state leaf's spec:
   factor of dim ``i``: ``(d_i, d_i)``, ``(d_i,)`` or scanned ``(L, d_i, d_i)``;
   the param's axis for dim ``i`` goes on :data:`FACTOR_DIM` (columns) of the factor;
 * dims kept in order (Adafactor's row/column statistics): each kept dim keeps
-  its axis;
+  its axis when the shapes say which param dim it is (a square param's row and column
+  statistics look alike: those dims stay unsharded);
 * a block stack ``(n, b, b)`` whose ``n`` the param's shard count divides
   (shard-local blocks of a Kron or Shampoo preconditioner, cut shard by shard): dim 0 over
   all the param's axes, in the order :func:`stack_axes` gives, so every device holds
   the factors of the blocks of its own shard; a never-sharded param's stack goes over
   every mesh axis (its blocks are dealt to the devices, one piece each);
 * nothing in common: the size-based fallback.
+
+A statistic over some of the param's dims (dims kept, a diagonal factor ``(d_i,)``)
+``broadcasts``: the update multiplies it, expanded, with the gradient, so under Explicit
+axes it may carry only the param's axes on the dims it keeps. Any other axis would either
+sit on two dims of the product (``f32[16@data,8], f32[1,8@data]``: an illegal sharding) or
+change the update's sharding, so such a leaf never goes to the fallback.
 
 Example:
   >>> relate((512,), (), "params/w", (512, 1024), ("data", None)).spec
@@ -46,7 +53,9 @@ class Follow:
   """A state leaf's param (name, shape, spec), how they relate, and the spec carried over.
 
   ``factor`` is ``(param_dim, n_leading)`` for a preconditioner factor, else ``None``;
-  ``spec`` is ``None`` when nothing can be carried (the fallback).
+  ``spec`` is ``None`` when nothing can be carried (the fallback); ``broadcasts`` marks a
+  statistic over some of the param's dims, which takes no axis but those carried (module
+  docstring).
   """
 
   param: str
@@ -55,6 +64,7 @@ class Follow:
   how: str
   spec: Spec | None
   factor: tuple[int, int] | None = None
+  broadcasts: bool = False
 
 
 def find_param(components: tuple[str, ...], params: dict[tuple[str, ...], str]):
@@ -89,14 +99,13 @@ def relate(
   factor = None if index is None else factor_of(shape, param_shape, index)
   if factor is not None:
     dim, lead = factor
-    return follow(
-        f"factor of dim {dim}", factor_spec(shape, param_spec, dim, lead, factor_dim), factor
-    )
+    spec = factor_spec(shape, param_spec, dim, lead, factor_dim)
+    return follow(f"factor of dim {dim}", spec, factor, broadcasts=len(shape) == lead + 1)
   if shape == param_shape:
     return follow("same shape", param_spec)
-  kept = _kept_dims(shape, param_shape, param_spec)
+  kept = kept_spec(shape, param_shape, param_spec)
   if kept is not None:
-    return follow("dims carried", tuple(param_spec[d] for d in kept))
+    return follow("dims carried", kept, broadcasts=True)
   axes = stack_axes(param_spec, mesh_sizes)
   if axes and _is_block_stack(shape):
     return follow("block stack", (axes,) + (None,) * (len(shape) - 1))
@@ -165,8 +174,20 @@ def _list_index(rest: tuple[str, ...]) -> int | None:
   return digits[-1] if digits else None
 
 
-def _kept_dims(shape, param_shape, param_spec) -> tuple[int, ...] | None:
-  """Param dims that ``shape`` keeps in order (most sharded first), or ``None``."""
+def kept_spec(shape, param_shape, param_spec) -> Spec | None:
+  """The spec of a statistic of ``shape`` that keeps some of the param's dims in order, or ``None``.
+
+  Each dim takes the axis of the param dim it keeps. Where the shapes fit several choices
+  of kept dims (a square param's row and column statistics) and those disagree on a dim's
+  axis, the dim stays unsharded: the axis of the wrong choice would sit, in the update's
+  product, on a dim the param shards with another axis (or the same axis twice).
+
+  Example:
+    >>> kept_spec((512,), (512, 1024), ("data", None))  # rows: dim 0 kept
+    ('data',)
+    >>> kept_spec((128,), (128, 128), ("data", None))  # rows or columns: unsharded
+    (None,)
+  """
   if len(shape) >= len(param_shape):
     return None
   fits = [
@@ -176,4 +197,5 @@ def _kept_dims(shape, param_shape, param_spec) -> tuple[int, ...] | None:
   ]
   if not fits:
     return None
-  return max(fits, key=lambda dims: sum(param_spec[d] is not None for d in dims))
+  choices = [{param_spec[dims[j]] for dims in fits} for j in range(len(shape))]
+  return tuple(axes.pop() if len(axes) == 1 else None for axes in choices)

@@ -454,7 +454,8 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
   (``follows=True``) places the param's spec instead of acting, and later ones are
   skipped. With ``follow_param`` (the chain is empty or has a sharding op), an empty
   chain places the param's spec too, and a big leaf left unsharded goes to the
-  size-based fallback.
+  size-based fallback, unless it is a statistic its param broadcasts against
+  (``Follow.broadcasts``).
   """
   spec, notes, param_spec_placed, storage = _replicated(leaf), [], False, set()
   for op in ops:
@@ -472,7 +473,7 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
   if follow_param and not ops:
     spec, note = _place_param_spec(leaf, spec)
     notes.append(note)
-  if follow_param and not any(spec):
+  if follow_param and not any(spec) and not leaf.follow.broadcasts:
     threshold = _threshold(ops)
     if leaf.nbytes >= threshold * MiB:
       spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops))
