@@ -411,3 +411,18 @@ def test_section_mistakes_raise_the_librarys_error_naming_the_fix(values, fragme
   assert isinstance(info.value, bvs.Error)
   for fragment in fragments:
     assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("optimizer", ["kron", "shampoo", "muon"])
+def test_make_moves_nothing_to_a_device_as_train_py_disallows_transfers(optimizer):
+  """big_vision's ``train.py`` sets ``jax_transfer_guard`` to ``"disallow"`` before ``make``."""
+  name, kwargs, lr = OPTIMIZERS[optimizer]
+  config = dict(optax_name=name, optax=kwargs, lr=lr, mesh=[("data", -1)])
+  params = {
+      "w": jax.ShapeDtypeStruct((64, 32), jnp.float32),
+      "b": jax.ShapeDtypeStruct((32,), jnp.float32),
+  }
+  with jax.transfer_guard("disallow"):
+    tx, _ = bv_optax.make(config, params, sched_kw=dict(total_steps=4))
+    opt_shape = jax.eval_shape(tx.init, params)
+  assert bv_optax.get_count(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), opt_shape)) == 0
