@@ -11,7 +11,11 @@ so ``config.wd`` is decoupled, applied after the learning rate (not multiplied b
 and scaled by the schedule. Regexes fullmatch ``/``-joined param names and a leaf
 takes the first regex of its list that matches; a ``None`` schedule freezes the
 leaves it takes, and every param must be taken by one ``config.schedule`` regex.
-``config.optax_name`` is resolved by :mod:`~bv_sharding.big_vision.transformations`.
+``config.optax_name`` is resolved by :mod:`~bv_sharding.big_vision.transformations`; the
+library's optimizers there (``bv_sharding.scale_by_kron``, ``bv_sharding.scale_by_shampoo``,
+``bv_sharding.scale_by_muon``) get the params' layout from ``config.mesh``,
+``config.sharding_strategy`` and ``config.sharding_rules`` on ``jax.devices()``
+(:mod:`~bv_sharding.big_vision.layout`), as ``train.py`` will place them.
 A config is a ``ConfigDict`` or a plain dict.
 
 Example:
@@ -36,8 +40,9 @@ import jax
 import optax
 
 from bv_sharding import names
+from bv_sharding.big_vision.layout import layout_of
 from bv_sharding.big_vision.schedules import make_schedule
-from bv_sharding.big_vision.transformations import transformation
+from bv_sharding.big_vision.transformations import takes_layout, transformation
 from bv_sharding.errors import ConfigError
 
 __all__ = [
@@ -64,7 +69,8 @@ def make(config, params, *, sched_kw: Mapping) -> tuple[optax.GradientTransforma
   Args:
     config: ``optax_name``, ``lr``, and optionally ``optax``, ``schedule``, ``wd``,
       ``wd_mults``, ``lr_mults``, ``grad_clip_norm``.
-    params: the (unboxed) params or their shapes; the regexes are checked against them.
+    params: the (unboxed) params or their shapes; the regexes are checked against them,
+      and the library's optimizers are laid out on them (module docstring).
     sched_kw: ``total_steps`` and optionally ``batch_size``, ``data_size``.
 
   Returns:
@@ -74,6 +80,8 @@ def make(config, params, *, sched_kw: Mapping) -> tuple[optax.GradientTransforma
   Raises:
     ConfigError: a key big_vision retired, an unknown name or argument, a schedule key or
       value big_vision rejects, or a param no ``config.schedule`` regex takes.
+    ShardingError: for the library's optimizers, a ``config.mesh`` that does not fit the
+      devices or a strategy mistake.
   """
   for key, instead in _RETIRED.items():
     if key in config:
@@ -86,7 +94,9 @@ def make(config, params, *, sched_kw: Mapping) -> tuple[optax.GradientTransforma
   entries = schedule_entries(config)
   schedules = [None if s is None else make_schedule(1.0, **sched_kw, **s) for _, s in entries]
   _first_match([regex for regex, _ in entries], "config.schedule", cover=True)(params)
-  tx = chain(config, transformation(config["optax_name"], optax_kwargs(config)), schedules)
+  name = config["optax_name"]
+  layout = layout_of(config, params) if takes_layout(name) else None
+  tx = chain(config, transformation(name, optax_kwargs(config), layout), schedules)
   return tx, [s for s in schedules if s is not None]
 
 

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from bv_sharding.errors import ConfigError, closest
@@ -113,9 +114,11 @@ def _decay(decay_type, base, warmup, total_steps, schedule, to_steps):
         base / jnp.sqrt(1.0 + (step + shift - warmup) / timescale),
         base / jnp.sqrt(1.0 + shift / timescale),
     )
-  boundaries = jnp.asarray(schedule.get("steps", []), jnp.int32)
-  factors = jnp.asarray([1.0, *schedule.get("mults", [])], jnp.float32)
-  return lambda step: base * factors[jnp.searchsorted(boundaries, step + 1)]
+  # Host arrays until traced: building the schedule moves nothing to a device (big_vision's
+  # train.py disallows transfers).
+  boundaries = np.asarray(schedule.get("steps", []), np.int32)
+  factors = np.asarray([1.0, *schedule.get("mults", [])], np.float32)
+  return lambda step: base * jnp.asarray(factors)[jnp.searchsorted(boundaries, step + 1)]
 
 
 def _steps(prefix, schedule, total_steps, batch_size, data_size, default) -> int:

@@ -1,31 +1,47 @@
 """``config.optax_name`` resolved: a name the library owns, else an optax attribute.
 
-The library's names live in :data:`TRANSFORMATIONS`: big_vision's own
-``big_vision.*`` optimizers now, the library's ``bv_sharding.<name>`` ones as they
-are added (an entry maps a name to a factory taking ``config.optax``'s keywords).
-Any other name is an optax attribute, dotted or not, with or without ``optax.``
-(``"scale_by_adam"``, ``"contrib.scale_by_muon"``).
+The library's names live in :data:`TRANSFORMATIONS`: big_vision's own ``big_vision.*``
+optimizers and the library's ``bv_sharding.scale_by_kron``, ``bv_sharding.scale_by_shampoo``
+and ``bv_sharding.scale_by_muon`` (:mod:`bv_sharding.optimizers`, in the form big_vision's
+chain takes: no learning rate, no weight decay). An entry maps a name to a factory taking
+``config.optax``'s keywords; a factory with a ``layout`` parameter is also given the
+params' :class:`~bv_sharding.optimizers.ParamLayout` (:func:`takes_layout`,
+:mod:`~bv_sharding.big_vision.layout`). Any other name is an optax attribute, dotted or
+not, with or without ``optax.`` (``"scale_by_adam"``, ``"contrib.scale_by_muon"``).
 
 Example:
   >>> import optax
   >>> factory("big_vision.sgd") is optax.identity, factory("optax.scale_by_adam") is optax.scale_by_adam
   (True, True)
+  >>> takes_layout("bv_sharding.scale_by_kron"), takes_layout("scale_by_adam")
+  (True, False)
   >>> transformation("bv_sharding.scale_by_kronn", {})
   Traceback (most recent call last):
   ...
   bv_sharding.errors.ConfigError: config.optax_name='bv_sharding.scale_by_kronn' is not ...
 """
 
+import functools
 import inspect
 import operator
 from collections.abc import Callable, Mapping
 
+import flax.linen as nn
 import jax.numpy as jnp
 import optax
 
-from bv_sharding.errors import ConfigError, closest
+from bv_sharding.errors import ConfigError, OptimizerError, closest
+from bv_sharding.optimizers import ParamLayout, scale_by_kron, scale_by_muon, scale_by_shampoo
 
-__all__ = ["TRANSFORMATIONS", "factory", "momentum_hp", "scale_by_adafactor", "transformation"]
+__all__ = [
+    "TRANSFORMATIONS",
+    "boxes_unboxed",
+    "factory",
+    "momentum_hp",
+    "scale_by_adafactor",
+    "takes_layout",
+    "transformation",
+]
 
 OWN_PREFIXES = ("bv_sharding.", "big_vision.")
 
@@ -84,10 +100,34 @@ def scale_by_adafactor(
   )
 
 
+def boxes_unboxed(build: Callable[..., optax.GradientTransformation]) -> Callable:
+  """``build`` whose transformation's ``init`` takes flax-boxed params, as ``train.py`` gives
+  them (``jax.eval_shape(tx.init, params_shape)``, ``jax.jit(tx.init)(params)``); its state
+  holds no boxes. Same signature as ``build``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> boxed = {"w": nn.LogicallyPartitioned(jnp.ones((4, 4)), ("embed", "mlp"))}
+    >>> state = boxes_unboxed(scale_by_shampoo)(block_size=2).init(boxed)
+    >>> state.per_param["w"].roots[0].shape
+    (4, 2, 2)
+  """
+
+  @functools.wraps(build)
+  def unboxing(*args, **kwargs):
+    tx = build(*args, **kwargs)
+    return optax.GradientTransformation(lambda params: tx.init(nn.unbox(params)), tx.update)
+
+  return unboxing
+
+
 TRANSFORMATIONS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "big_vision.momentum_hp": momentum_hp,
     "big_vision.scale_by_adafactor": scale_by_adafactor,
     "big_vision.sgd": optax.identity,
+    "bv_sharding.scale_by_kron": boxes_unboxed(scale_by_kron),
+    "bv_sharding.scale_by_muon": boxes_unboxed(scale_by_muon),
+    "bv_sharding.scale_by_shampoo": boxes_unboxed(scale_by_shampoo),
 }
 
 
@@ -116,19 +156,45 @@ def factory(name: str) -> Callable[..., optax.GradientTransformation]:
     ) from None
 
 
-def transformation(name: str, kwargs: Mapping) -> optax.GradientTransformation:
-  """``factory(name)(**kwargs)``: ``config.optax_name`` built with ``config.optax``.
+def takes_layout(name: str) -> bool:
+  """Whether ``config.optax_name``'s factory takes the params' ``layout``.
 
   Raises:
-    ConfigError: an unknown name (:func:`factory`), or ``kwargs`` the factory does not
-      take (with its signature).
+    ConfigError: an unknown name (:func:`factory`).
+  """
+  try:
+    return "layout" in inspect.signature(factory(name)).parameters
+  except (TypeError, ValueError):  # A callable without a signature takes no layout.
+    return False
+
+
+def transformation(name: str, kwargs: Mapping, layout=None) -> optax.GradientTransformation:
+  """``factory(name)(**kwargs)``: ``config.optax_name`` built with ``config.optax``, and
+  ``layout`` (the params' ``ParamLayout``) where the factory takes one and
+  ``config.optax`` does not give it.
+
+  Raises:
+    ConfigError: an unknown name (:func:`factory`), ``kwargs`` the factory does not take
+      (with its signature), or a value one of the library's optimizers rejects.
   """
   build = factory(name)
+  if layout is not None and takes_layout(name) and "layout" not in kwargs:
+    kwargs = {**kwargs, "layout": layout}
   try:
     inspect.signature(build).bind(**kwargs)
   except TypeError as e:
     raise ConfigError(
-        f"config.optax={dict(kwargs)} for config.optax_name={name!r}: {e}. "
+        f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {e}. "
         f"Signature: {name.removeprefix('optax.')}{inspect.signature(build)}"
     ) from None
-  return build(**kwargs)
+  try:
+    return build(**kwargs)
+  except OptimizerError as e:
+    raise ConfigError(
+        f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {e}"
+    ) from None
+
+
+def _shown(kwargs: Mapping) -> dict:
+  """``kwargs`` as the config wrote them (the layout given here left out)."""
+  return {k: v for k, v in kwargs.items() if not isinstance(v, ParamLayout)}

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -263,9 +264,11 @@ def _orthogonalised_momentum(
   """Momentum, then Newton-Schulz orthogonalisation of every leaf (optax's iteration).
 
   Same momentum and bias correction as ``optax.contrib.scale_by_muon``; every leaf
-  is treated as a batch of matrices over its last two dims.
+  is treated as a batch of matrices over its last two dims. The coefficients stay on the
+  host until traced (building it moves nothing to a device: big_vision's ``train.py``
+  disallows transfers).
   """
-  coeffs = jnp.asarray(ns_coeffs)
+  coeffs = np.asarray(ns_coeffs, np.float32)
   ns = lambda x: orthogonalize_via_newton_schulz(x, coeffs, ns_steps, "frobenius", eps)
 
   def init_fn(params):

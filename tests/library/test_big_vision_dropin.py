@@ -7,10 +7,12 @@ with 3-D and 4-D params; the placements and the optimizer trajectories are big_v
 recorded as data by ``tools/record_big_vision.py`` (none of its code is here).
 """
 
+import collections
 import functools
 import importlib.util
 import json
 import pathlib
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -24,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 import bv_sharding as bvs
 import bv_sharding.big_vision.optax as bv_optax
 import bv_sharding.big_vision.sharding as bv_sharding
+from bv_sharding.big_vision.layout import layout_of, mesh_of
+from bv_sharding.optimizers import stack_specs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RULES = [("act_batch", "data"), ("mlp", "model"), ("embed", None)]
@@ -71,8 +75,70 @@ def _batch(step):
   return images, (images[:, :4, :4, 0].sum(axis=(1, 2)) > 0).astype(np.int32)
 
 
-@pytest.mark.parametrize("mesh_axes", [[("data", -1)], [("data", 4), ("model", 2)]])
-def test_big_visions_train_state_flow_with_adam_loss_falls(mesh_axes):
+class Flow(NamedTuple):
+  """What big_vision's flow built: the chain, its shapes, the planned shardings, the train
+  state after the steps, and the losses and counts each step measured."""
+
+  tx: optax.GradientTransformation
+  params_shape: dict
+  opt_shape: Any
+  shardings: dict
+  state: dict
+  losses: list
+  counts: list
+
+
+def train_state_flow(config, model, example, batch, loss_fn, mesh, steps: int) -> Flow:
+  """big_vision's ``train.py`` from its shapes to ``steps`` updates of one batch: eval_shape of
+  init, ``make``, ``infer_sharding`` under the rules' context, both inits jitted into the
+  inferred shardings, the update step counting with ``get_count``."""
+
+  def init(rng):
+    return model.init(rng, example)["params"]
+
+  rng = jax.random.key(0)
+  params_shape = jax.eval_shape(init, rng)
+  sched_kw = dict(total_steps=steps, batch_size=len(example))
+  tx, sched_fns = bv_optax.make(config, nn.unbox(params_shape), sched_kw=sched_kw)
+  assert float(sched_fns[0](1)) == pytest.approx(1.0)  # warmup_steps=1
+  opt_shape = jax.eval_shape(tx.init, params_shape)
+  repl = NamedSharding(mesh, P())
+  with nn.logical_axis_rules(config["sharding_rules"]):
+    shardings = bv_sharding.infer_sharding(
+        {"params": params_shape, "opt": opt_shape}, strategy=config["sharding_strategy"], mesh=mesh
+    )
+  params = jax.jit(init, out_shardings=shardings["params"])(rng)
+  opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
+  state = nn.unbox({"params": params, "opt": opt})
+
+  @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=(shardings, repl))
+  def update_fn(train_state, batch):
+    count = bv_optax.get_count(train_state["opt"], jittable=True)
+    loss, grads = jax.value_and_grad(loss_fn)(train_state["params"], *batch)
+    updates, opt = tx.update(grads, train_state["opt"], train_state["params"])
+    params = optax.apply_updates(train_state["params"], updates)
+    return {"params": params, "opt": opt}, {"loss": loss, "count": count}
+
+  losses, counts = [], []
+  for _ in range(steps):
+    state, measured = update_fn(state, batch)
+    counts.append(int(measured["count"]))
+    losses.append(float(measured["loss"]))
+  assert bv_optax.get_count(state["opt"]) == steps
+  return Flow(tx, nn.unbox(params_shape), nn.unbox(opt_shape), shardings, state, losses, counts)
+
+
+def _classifier_loss(model):
+  def loss_fn(params, images, labels):
+    logits = model.apply({"params": params}, images)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return loss_fn
+
+
+def test_big_visions_train_state_flow_with_logical_rules_on_a_2d_mesh():
+  """Adam on a ViT whose MLP kernels carry logical names, on ``data`` 4 x ``model`` 2 (the
+  1-D mesh is the flow test below)."""
   model, steps = TinyViT(), 6
   config = dict(
       optax_name="scale_by_adam",
@@ -81,62 +147,151 @@ def test_big_visions_train_state_flow_with_adam_loss_falls(mesh_axes):
       wd=1e-4,
       grad_clip_norm=1.0,
       schedule=dict(decay_type="cosine", warmup_steps=1),
+      mesh=[("data", 4), ("model", 2)],
+      sharding_strategy=STRATEGY,
+      sharding_rules=RULES,
   )
+  example = jnp.zeros((16, 16, 16, 3))
+  mesh = mesh_of(config)
+  flow = train_state_flow(config, model, example, _batch(0), _classifier_loss(model), mesh, steps)
 
-  def init(rng):
-    return model.init(rng, jnp.zeros((16, 16, 16, 3)))["params"]
-
-  names, sizes = zip(*mesh_axes)
-  model_axis = "model" if "model" in names else None
-  rules = [(logical, axis if axis != "model" else model_axis) for logical, axis in RULES]
-  rng = jax.random.key(0)
-  params_shape = jax.eval_shape(init, rng)
-  tx, sched_fns = bv_optax.make(
-      config, nn.unbox(params_shape), sched_kw=dict(total_steps=steps, batch_size=16)
-  )
-  opt_shape = jax.eval_shape(tx.init, params_shape)
-  devices = np.array(jax.devices()).reshape(np.array(jax.devices()).reshape(sizes).shape)
-  mesh = jax.sharding.Mesh(devices, names)
-  repl = NamedSharding(mesh, P())
-  with nn.logical_axis_rules(rules):
-    shardings = bv_sharding.infer_sharding(
-        {"params": params_shape, "opt": opt_shape}, strategy=STRATEGY, mesh=mesh
-    )
-  params = jax.jit(init, out_shardings=shardings["params"])(rng)
-  opt = jax.jit(tx.init, out_shardings=shardings["opt"])(params)
-  state = nn.unbox({"params": params, "opt": opt})
-
-  specs = jax.tree.map(lambda x: x.sharding.spec, state["params"])
+  specs = jax.tree.map(lambda x: x.sharding.spec, flow.state["params"])
   # (32, 64): "mlp" -> "model" by the rules, then fsdp takes the largest free dim.
-  mlp_in = P("data", "model") if model_axis else P(None, "data")
-  assert specs["mlp_in"]["kernel"] == mlp_in
+  assert specs["mlp_in"]["kernel"] == P("data", "model")
   assert specs["embedding"]["kernel"] == P(None, None, None, "data")  # 4-D: (4, 4, 3, 32)
   assert specs["attention"]["query"]["kernel"][0] == "data"  # 3-D: (32, 4, 8)
-  mu = bv_optax.find_states(state["opt"], optax.ScaleByAdamState)[0].mu
+  mu = bv_optax.find_states(flow.state["opt"], optax.ScaleByAdamState)[0].mu
   assert jax.tree.map(lambda x: x.sharding.spec, mu) == specs  # state follows its params
+  assert flow.counts == list(range(steps))
+  assert flow.losses[-1] < 0.8 * flow.losses[0], flow.losses
 
-  def loss_fn(p, images, labels):
-    logits = model.apply({"params": p}, images)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-  @functools.partial(jax.jit, donate_argnums=(0,), out_shardings=(shardings, repl))
-  def update_fn(train_state, images, labels):
-    count = bv_optax.get_count(train_state["opt"], jittable=True)
-    loss, grads = jax.value_and_grad(loss_fn)(train_state["params"], images, labels)
-    updates, opt = tx.update(grads, train_state["opt"], train_state["params"])
-    params = optax.apply_updates(train_state["params"], updates)
-    return {"params": params, "opt": opt}, {"loss": loss, "count": count}
+class SmallViT(nn.Module):
+  """A ViT block's kernels at widths the 8 devices divide: a 4-D conv patch embedding
+  ``(4, 4, 3, 64)``, 3-D attention kernels ``(64, 8, 8)`` and ``(8, 8, 64)``, a head (no
+  biases: the Llama's norm scales are the 1-D params; fewer leaves compile faster)."""
 
-  images, labels = _batch(0)
-  losses = []
-  for step in range(steps):
-    state, measured = update_fn(state, images, labels)
-    assert int(measured["count"]) == step
-    losses.append(float(measured["loss"]))
-  assert bv_optax.get_count(state["opt"]) == steps
-  assert losses[-1] < 0.8 * losses[0], losses
-  assert float(sched_fns[0](1)) == pytest.approx(1.0)
-  assert state["params"]["mlp_in"]["kernel"].sharding.spec == mlp_in
+  @nn.compact
+  def __call__(self, images):
+    x = nn.Conv(64, (4, 4), strides=(4, 4), use_bias=False, name="embedding")(images)
+    x = x.reshape(x.shape[0], -1, 64)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=8, use_bias=False, name="attention")(x, x)
+    return nn.Dense(16, use_bias=False, name="head")(x.mean(axis=1))
+
+
+class TinyLlama(nn.Module):
+  """Llama's params in small: embedding (tied head), RMSNorm scales, fused q/k/v and
+  gate/up kernels, causal attention, SwiGLU."""
+
+  vocab: int = 64
+  width: int = 64
+  heads: int = 8
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(self.vocab, self.width, name="embed")
+    x = embed(tokens)
+    batch, length, _ = x.shape
+    h = nn.RMSNorm(name="attention_norm")(x)
+    q, k, v = jnp.split(nn.Dense(3 * self.width, use_bias=False, name="qkv")(h), 3, axis=-1)
+    q, k, v = (t.reshape(batch, length, self.heads, -1) for t in (q, k, v))
+    mask = nn.make_causal_mask(tokens)
+    attended = nn.dot_product_attention(q, k, v, mask=mask).reshape(batch, length, self.width)
+    x = x + nn.Dense(self.width, use_bias=False, name="out")(attended)
+    h = nn.RMSNorm(name="mlp_norm")(x)
+    gate, up = jnp.split(nn.Dense(4 * self.width, use_bias=False, name="gate_up")(h), 2, axis=-1)
+    x = x + nn.Dense(self.width, use_bias=False, name="down")(nn.silu(gate) * up)
+    return embed.attend(nn.RMSNorm(name="final_norm")(x))
+
+
+def _vit_case():
+  model = SmallViT()
+  images = np.random.default_rng(0).normal(size=(16, 16, 16, 3)).astype(np.float32)
+  labels = (images[:, :4, :4, 0].sum(axis=(1, 2)) > 0).astype(np.int32)
+  return model, jnp.zeros(images.shape), (images, labels), _classifier_loss(model)
+
+
+def _llama_case():
+  model = TinyLlama()
+  tokens = np.random.default_rng(0).integers(0, model.vocab, size=(16, 17)).astype(np.int32)
+
+  def loss_fn(params, inputs, targets):
+    logits = model.apply({"params": params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  return model, jnp.zeros((16, 16), jnp.int32), (tokens[:, :-1], tokens[:, 1:]), loss_fn
+
+
+# (config.optax_name, config.optax, config.lr): big_vision's convention, the transformation
+# without lr and wd; the library's get the params' layout from config.mesh and the strategy.
+OPTIMIZERS = {
+    "adam": ("scale_by_adam", {}, 1e-2),
+    "kron": (
+        "bv_sharding.scale_by_kron",
+        dict(block_size=32, preconditioner_update_probability=1.0),
+        0.3,
+    ),
+    "shampoo": ("bv_sharding.scale_by_shampoo", dict(block_size=32, graft_type="adam"), 1e-2),
+    "muon": ("bv_sharding.scale_by_muon", {}, 2e-2),
+}
+STACKS_PENDING = (
+    "the plan places Kron/Shampoo block stacks by following their params, not where the "
+    "optimizer stores them (the state-placement protocol, in progress)"
+)
+
+
+def _bytes_per_device(tree) -> tuple[int, float]:
+  """The most bytes of ``tree``'s arrays one device holds, and the ideal (total / devices)."""
+  held = collections.Counter()
+  for x in jax.tree.leaves(tree):
+    for shard in x.addressable_shards:
+      held[shard.device] += shard.data.nbytes
+  return max(held.values()), sum(x.nbytes for x in jax.tree.leaves(tree)) / jax.device_count()
+
+
+@pytest.mark.parametrize("model_case", [_vit_case, _llama_case], ids=["vit", "llama"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_big_visions_flow_places_and_trains_each_optimizer_name(optimizer, model_case, request):
+  """Adam and the library's three names in big_vision's flow on a ViT (3-D and 4-D params) and
+  a Llama: the state sharded as planned and at most 1.05x the ideal per device, loss falls."""
+  name, kwargs, lr = OPTIMIZERS[optimizer]
+  model, example, batch, loss_fn = model_case()
+  config = dict(
+      optax_name=name,
+      optax=kwargs,
+      lr=lr,
+      wd=1e-4,
+      grad_clip_norm=1.0,
+      schedule=dict(decay_type="cosine", warmup_steps=1),
+      mesh=[("data", -1)],
+      sharding_strategy=[(".*", 'fsdp(axis="data", min_size_to_shard_mb=0)')],
+      sharding_rules=[("act_batch", "data")],
+  )
+  mesh = mesh_of(config)
+  steps = 5
+  flow = train_state_flow(config, model, example, batch, loss_fn, mesh, steps)
+
+  assert flow.counts == list(range(steps))
+  assert flow.losses[-1] < 0.9 * flow.losses[0], flow.losses
+  planned = flow.shardings["opt"]
+  assert jax.tree.map(lambda x: x.sharding, flow.state["opt"]) == planned
+  held, ideal = _bytes_per_device(flow.state["opt"])
+  assert held <= 1.05 * ideal, (held, ideal)
+  layout = layout_of(config, flow.params_shape)  # what make gave the optimizer
+  assert layout.specs == jax.tree.map(lambda s: s.spec, flow.shardings["params"])
+  # Every block stack stored where the optimizer runs its blocks.
+  sizes = dict(mesh.shape)
+  stored = stack_specs(flow.tx, flow.params_shape, flow.opt_shape, sizes)
+  misplaced = [
+      (i, s.spec, want)
+      for i, (s, want) in enumerate(zip(jax.tree.leaves(planned), stored, strict=True))
+      if want is not None and s.spec != want
+  ]
+  if optimizer in ("kron", "shampoo"):  # Marked here: every check above must pass.
+    request.applymarker(
+        pytest.mark.xfail(reason=STACKS_PENDING, raises=AssertionError, strict=True)
+    )
+  assert not misplaced, misplaced
 
 
 def _params(tree: dict) -> dict:
@@ -230,8 +385,16 @@ def test_big_visions_own_sgd_keeps_no_state_and_momentum_hp_keeps_bfloat16():
     "values, fragments",
     [
         (
-            dict(optax_name="bv_sharding.scale_by_kron"),
-            ["'bv_sharding.scale_by_kron'", "library's"],
+            dict(optax_name="bv_sharding.scale_by_kronn"),
+            ["library's", "did you mean 'bv_sharding.scale_by_kron'"],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_kron", optax=dict(blocksize=8)),
+            ["config.optax={'blocksize': 8}", "Signature: bv_sharding.scale_by_kron("],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_shampoo", optax=dict(block_size=0)),
+            ["config.optax={'block_size': 0}", "block_size and update_preconditioners_freq"],
         ),
         (dict(optax_name="scale_by_adamm"), ["neither", "did you mean 'scale_by_adam'"]),
         (dict(optax=dict(beta2=0.9)), ["Signature: scale_by_adam("]),
@@ -251,3 +414,18 @@ def test_section_mistakes_raise_the_librarys_error_naming_the_fix(values, fragme
   assert isinstance(info.value, bvs.Error)
   for fragment in fragments:
     assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("optimizer", ["kron", "shampoo", "muon"])
+def test_make_moves_nothing_to_a_device_as_train_py_disallows_transfers(optimizer):
+  """big_vision's ``train.py`` sets ``jax_transfer_guard`` to ``"disallow"`` before ``make``."""
+  name, kwargs, lr = OPTIMIZERS[optimizer]
+  config = dict(optax_name=name, optax=kwargs, lr=lr, mesh=[("data", -1)])
+  params = {
+      "w": jax.ShapeDtypeStruct((64, 32), jnp.float32),
+      "b": jax.ShapeDtypeStruct((32,), jnp.float32),
+  }
+  with jax.transfer_guard("disallow"):
+    tx, _ = bv_optax.make(config, params, sched_kw=dict(total_steps=4))
+    opt_shape = jax.eval_shape(tx.init, params)
+  assert bv_optax.get_count(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), opt_shape)) == 0
