@@ -13,7 +13,8 @@ every collective the traffic tests count.
 
 The modules holding the longest tests (by their ``timeout`` marks) run first, each module kept
 whole (its module fixtures are made once per worker): pytest-xdist hands tests out in this
-order, so the short ones fill both workers' last minutes instead of one long test running alone.
+order (after the ``xdist_group`` ones, pytest.ini), so the short ones fill both workers' last
+minutes instead of one long test running alone.
 """
 
 import os
