@@ -44,6 +44,7 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("language-trained")  # One worker makes `trained` for both.
 def test_training_takes_the_vocab_from_the_record_and_the_loss_falls(trained):
   workdir, data, out, records = trained
   record = sources.sidecar(f"{data}/val.bin")
@@ -57,6 +58,7 @@ def test_training_takes_the_vocab_from_the_record_and_the_loss_falls(trained):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.xdist_group("language-trained")  # One worker makes `trained` for both.
 def test_sampling_on_other_devices_writes_the_corpus_words(trained):
   workdir = trained[0]
   done = run_module(

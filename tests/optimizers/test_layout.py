@@ -115,6 +115,7 @@ def runs():
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("layout-runs")  # One worker makes `runs` for both.
 @pytest.mark.parametrize("name", ["kron", "shampoo"])
 def test_sharded_update_equals_the_unsharded_one_of_the_same_blocking(name, runs):
   on_mesh, reference = runs[name]

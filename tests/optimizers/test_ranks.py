@@ -61,7 +61,11 @@ SPECS = {
         "conv_b": P(None, "model", None, DATA),
     },
 }
-OPTIMIZERS = ["kron", "shampoo", "muon"]
+# Each optimizer's tests on one pytest-xdist worker, which then runs each of its meshes once.
+OPTIMIZERS = [
+    pytest.param(name, marks=pytest.mark.xdist_group(f"ranks-{name}"))
+    for name in ("kron", "shampoo", "muon")
+]
 # Shampoo preconditions from the first step (its registry default waits 10 grafted steps).
 OVERRIDES = {"shampoo": {"start_preconditioning_step": 1}}
 STEPS = 3

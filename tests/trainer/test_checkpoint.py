@@ -7,6 +7,7 @@ and end with the same params, bit for bit. Restores onto other meshes, process
 counts and optimizers start from copies of its checkpoints.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -387,29 +388,61 @@ def test_optimizer_change_continues_the_schedule_and_carries_the_moment(tmp_path
   }
 
 
+# Eval at every step, checkpoints only at steps 20 and 40.
+CHANGE = ("--config.eval_every=1", "--config.ckpt_steps=20")
+
+
+@pytest.fixture(scope="module")
+def first_20_steps(tmp_path_factory):
+  """optax_name -> a workdir holding its first 20 steps under ``CHANGE``, run once in the
+  module (a test continues a copy of it)."""
+  made = {}
+
+  def run(optax_name: str) -> pathlib.Path:
+    if optax_name not in made:
+      made[optax_name] = tmp_path_factory.mktemp(f"first-20-{optax_name}") / "run"
+      train(made[optax_name], f"--config.optax_name={optax_name}", *CHANGE, total=20, timeout=600)
+    return made[optax_name]
+
+  return run
+
+
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize(
     ("before", "after", "logged"),
     [
         ("kron", "adamw", "born afresh: opt/1/0/count, opt/1/0/mu/*, opt/1/0/nu/*"),
-        ("adamw", "lamb", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
+        # The two changes from adamw on one pytest-xdist worker, which makes adamw's first 20
+        # steps once for both.
+        pytest.param(
+            "adamw",
+            "lamb",
+            "opt/1/0/count -> opt/1/0/count; born afresh: nothing",
+            marks=pytest.mark.xdist_group("adamw-first-20"),
+        ),
+        pytest.param(
+            "adamw",
+            "sgd",
+            "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding",
+            marks=pytest.mark.xdist_group("adamw-first-20"),
+        ),
         ("lamb", "adamw", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
         ("muon", "shampoo", "/momentum; born afresh: opt/1/0/count,"),
-        ("adamw", "sgd", "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding"),
     ],
 )
-def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(tmp_path, before, after, logged):
+def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(
+    tmp_path, first_20_steps, before, after, logged
+):
   """The new optimizer's moments and counts consistent (bv_sharding/optimizers/rebirth.py): no
   eval loss after the change above the step-20 one + 0.1. kron -> adamw, when Kron's count
   corrected Adam's zero nu, logged a train loss of 23.8 at step 22 (5.4 at step 20). The eval
   loss (the same held-out batch at every step) is the yardstick: the train batches' own
   difficulty moves their loss by up to 0.35 (an unchanged adamw run: 3.10 at 20, 3.41 at 23).
-  adamw -> sgd: SGD's trace born from Adam's mu. Checkpoints only at steps 20 and 40."""
-  flags = ("--config.eval_every=1", "--config.ckpt_steps=20")
-  train(tmp_path, f"--config.optax_name={before}", *flags, total=20, timeout=600)
-  out = train(tmp_path, f"--config.optax_name={after}", *flags, total=40, timeout=600)
+  adamw -> sgd: SGD's trace born from Adam's mu."""
+  workdir = shutil.copytree(first_20_steps(before), tmp_path / "run")
+  out = train(workdir, f"--config.optax_name={after}", *CHANGE, total=40, timeout=600)
   assert logged in out, out[-3000:]
-  records = metrics(tmp_path)
+  records = metrics(workdir)
   assert [r["step"] for r in records] == list(range(1, 41))
   assert all(np.isfinite(r["loss"]) for r in records)
   limit = records[19]["eval_loss"] + 0.1
@@ -468,6 +501,7 @@ def test_unwritable_workdir_fails_before_training(tmp_path):
   assert "initialising params" not in out
 
 
+@functools.cache
 def blocked_lm(optax_name: str, block_size: int, devices: int):
   """configs/lm.py's tiny Llama with ``optax_name`` on ``devices``: (plan, built optimizer)."""
   config = lm.get_config()
