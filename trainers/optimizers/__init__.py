@@ -8,7 +8,6 @@ Example:
 
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.optimizers import (
-    STORAGE_OPTIONS,
     BuiltOptimizer,
     OptimizerError,
     ParamLayout,
@@ -23,7 +22,6 @@ from bv_sharding.optimizers import (
     scale_by_muon,
     scale_by_shampoo,
     shampoo,
-    stack_specs,
 )
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.registry import (
@@ -35,7 +33,6 @@ from trainers.optimizers.registry import (
 
 __all__ = [
     "OPTIMIZERS",
-    "STORAGE_OPTIONS",
     "BuiltOptimizer",
     "OptimizerError",
     "ParamLayout",
@@ -55,5 +52,4 @@ __all__ = [
     "scale_by_muon",
     "scale_by_shampoo",
     "shampoo",
-    "stack_specs",
 ]
