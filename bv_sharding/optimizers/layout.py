@@ -394,9 +394,9 @@ class ShardBlocks:
 
     Shard-local blocks (:attr:`shard_local`): the param's spec (or its dealt piece's) on the
     grid dims, so each device stores the factors of its own blocks. Tiles dealt to owners
-    (:attr:`owners`) or pooled over the mesh (:attr:`pooled`): spread over the param's axes (a
-    pool's: every mesh axis) on the first dims they divide, at the ideal, moved to where they
-    are fitted each step.
+    (:attr:`owners`) or pooled over the mesh (:attr:`pooled`): the grid whole, the param's axes
+    (a pool's: every mesh axis) spread over the blocks' own dims, at the ideal; each step an
+    all-to-all moves them to where they are fitted, and back.
 
     Example:
         >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
@@ -407,11 +407,11 @@ class ShardBlocks:
         >>> owned.owners, owned.stored_spec((2, 2, 4, 4), {"data": 4})
         ((0, 'data', 2), P(None, None, 'data', None))
     """
-    tail = len(shape) - len(self.grid)
+    grid = len(self.grid)
     if self.shard_local:
-      return P(*self.spec, *(None,) * tail)
+      return P(*self.spec, *(None,) * (len(shape) - grid))
     axes = stack_axes((), sizes) if self.pooled else stack_axes(self.spec)
-    return P(*_spread(shape, axes, sizes))
+    return P(*(None,) * grid, *_spread(tuple(shape)[grid:], axes, sizes))
 
   def tiles(self) -> tuple[tuple[int, ...], ...]:
     """Per dim, the sorted start offsets of the blocks in the param (padding aside)."""
@@ -546,21 +546,40 @@ class ShardBlocks:
       back = _exchange(jnp.moveaxis(parts, block_dim, 0), axis, holders, size)
       return back.reshape(-1, *back.shape[2:])
 
-    def body(arrays, stacks, scalars):
+    sizes, axes, grid = dict(self.mesh.shape), stack_axes(self.spec), len(self.grid)
+    leaves, treedef = jax.tree.flatten(stacks)
+    specs = [self.stored_spec(x.shape, sizes) for x in leaves]
+    # The tail dim of each stored stack that holds all the param's axes: one all-to-all moves
+    # it to its owners' run order (dim 0 over those axes), and back. Else XLA moves it.
+    dims = [next((d for d, e in enumerate(s) if e == _entry(axes)), None) for s in specs]
+    by_exchange = all(d is not None for d in dims)
+
+    # In shard_map: a stored stack in run order, and back (each its own way: see above).
+    there = lambda x, d: jax.lax.all_to_all(self.to_run(x), axes, 0, 1 + d - grid, tiled=True)
+    back = lambda x, d: self.from_run(jax.lax.all_to_all(x, axes, 1 + d - grid, 0, tiled=True))
+    if not by_exchange:
+      there = back = lambda x, d: x
+      specs, leaves = [self.stack_spec] * len(leaves), [self.to_run(x) for x in leaves]
+
+    def body(arrays, leaves, scalars):
       tiles = [to_owners(self.split(x, local=True)) for x in arrays]
+      stacks = treedef.unflatten([there(x, d) for x, d in zip(leaves, dims)])
       outs, new_stacks = fn(tiles, stacks, *scalars)
-      return [self.merge(from_owners(o), local=True) for o in outs], new_stacks
+      new_leaves = [back(x, d) for x, d in zip(jax.tree.leaves(new_stacks), dims)]
+      return [self.merge(from_owners(o), local=True) for o in outs], new_leaves
 
     param = P(*self.spec)
     mapped = jax.shard_map(
         body,
         mesh=self.mesh,
-        in_specs=(param, self.stack_spec, P()),
-        out_specs=(param, self.stack_spec),
+        in_specs=(param, specs, P()),
+        out_specs=(param, specs),
         check_vma=False,
     )
-    outs, new_stacks = mapped(list(arrays), _tree(self.to_run, stacks), list(scalars))
-    return outs, self.stored(_tree(self.from_run, new_stacks))
+    outs, new_leaves = mapped(list(arrays), leaves, list(scalars))
+    if not by_exchange:
+      new_leaves = [self.from_run(x) for x in new_leaves]
+    return outs, self.stored(treedef.unflatten(new_leaves))
 
   def stored(self, stacks):
     """``stacks`` (stored form) constrained to :meth:`stored_spec` on this run's mesh."""
