@@ -114,8 +114,8 @@ def migrate_state(
     return load(), f"{built.name}'s, as saved"
   return load(), (
       f"{built.name}'s, saved on mesh {dict(saved['layout']['mesh'])}, restored on mesh "
-      f"{dict(built.layout.record()['mesh'])} as saved: the same tiles, each factor stored "
-      "at its block's place on any mesh"
+      f"{dict(built.layout.record()['mesh'])} as saved: every factor, statistic and moment "
+      "carried over, the same tiles, each stored at its block's place on any mesh"
   )
 
 
