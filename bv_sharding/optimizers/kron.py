@@ -346,7 +346,7 @@ def leaf_blocks(
 def _stack_shape(param, scanned: bool, blocks: ShardBlocks | None):
   """(leading dims of the stacked preconditioners, or None; shape each one preconditions)."""
   if blocks is not None:
-    return blocks.grid, blocks.sizes
+    return blocks.grid_shape, blocks.sizes
   if scanned:
     return param.shape[:1], param.shape[1:]
   return None, param.shape

@@ -11,7 +11,7 @@ block where its data is:
   local extent that is not a multiple zero-padded inside its shard (a padded block acts
   like a smaller one);
 * a param's block stacks are stored with its block grid as leading dims
-  (:attr:`ShardBlocks.grid`: a 2-D param's factor stack is ``(g_0, g_1, b, b)``, a scanned
+  (:attr:`ShardBlocks.grid_shape`: a 2-D param's factor stack is ``(g_0, g_1, b, b)``, a scanned
   param's layers first), each block at its place in the param: the state is the same on
   any mesh. Shard-local blocks store them on the param's own spec
   (:meth:`ShardBlocks.stored_spec`), so each device holds the factors of its own shard's
@@ -334,18 +334,18 @@ class ShardBlocks:
     return P(_entry(axes)) if axes else P()
 
   @property
-  def grid(self) -> tuple[int, ...]:
+  def grid_shape(self) -> tuple[int, ...]:
     """Blocks along each dim of the param (a scanned param's layers first): the leading dims
     of a block stack as stored, each dim's blocks in the order of their place in the param.
 
     Under ``blocking="tiles"`` the param's tile grid, the same on any mesh.
 
     Example:
-        >>> ShardBlocks((8, 6), (2, 1), block_size=2).grid
+        >>> ShardBlocks((8, 6), (2, 1), block_size=2).grid_shape
         (4, 3)
     """
     if self.owners is not None:
-      return self.whole_tiles.grid
+      return self.whole_tiles.grid_shape
     return tuple(s * c for s, c in zip(self.shards, self._per_shard))
 
   @property
@@ -381,7 +381,7 @@ class ShardBlocks:
     n, per = len(self.shards), self._per_shard
     split = stack.reshape(*self.shards, *per, *stack.shape[1:])
     order = [*(v for k in range(n) for v in (k, n + k)), *range(2 * n, split.ndim)]
-    return split.transpose(order).reshape(*self.grid, *stack.shape[1:])
+    return split.transpose(order).reshape(*self.grid_shape, *stack.shape[1:])
 
   @property
   def shard_local(self) -> bool:
@@ -407,7 +407,7 @@ class ShardBlocks:
         >>> owned.owners, owned.stored_spec((2, 2, 4, 4), {"data": 4})
         ((0, 'data', 2), P(None, None, 'data', None))
     """
-    grid = len(self.grid)
+    grid = len(self.grid_shape)
     if self.shard_local:
       return P(*self.spec, *(None,) * (len(shape) - grid))
     axes = stack_axes((), sizes) if self.pooled else stack_axes(self.spec)
@@ -433,7 +433,7 @@ class ShardBlocks:
     """
     if self.owners is not None and not local:
       return self._owner_order(self.whole_tiles.split(x))
-    shards = self._grid(x, local)
+    shards = self._shards_for(x, local)
     per_shard = blockify(x, tuple(d // s for d, s in zip(x.shape, shards)))
     cut = functools.partial(blockify, block_size=self.block_size)
     if self.scanned:
@@ -546,7 +546,7 @@ class ShardBlocks:
       back = _exchange(jnp.moveaxis(parts, block_dim, 0), axis, holders, size)
       return back.reshape(-1, *back.shape[2:])
 
-    sizes, axes, grid = dict(self.mesh.shape), stack_axes(self.spec), len(self.grid)
+    sizes, axes, grid = dict(self.mesh.shape), stack_axes(self.spec), len(self.grid_shape)
     leaves, treedef = jax.tree.flatten(stacks)
     specs = [self.stored_spec(x.shape, sizes) for x in leaves]
     # The tail dim of each stored stack that holds all the param's axes: one all-to-all moves
@@ -608,7 +608,7 @@ class ShardBlocks:
     split = stack.reshape(*shape, -1, *tail)
     return split.transpose(*order, *range(ndim + 2, split.ndim)).reshape(stack.shape)
 
-  def _grid(self, x: jax.Array, local: bool) -> tuple[int, ...]:
+  def _shards_for(self, x: jax.Array, local: bool) -> tuple[int, ...]:
     if local:
       return (1,) * x.ndim
     return self.shards
@@ -651,7 +651,7 @@ class BlockRun(NamedTuple):
 def _stacks_key(blocks: ShardBlocks, stacks) -> tuple:
   """What a pool's members share: tile shape, devices, stacks' structure and each stack's
   shape past its grid (a pool of mixed dtypes joins in the widest)."""
-  grid = len(blocks.grid)
+  grid = len(blocks.grid_shape)
   return (
       blocks.sizes,
       blocks.devices,

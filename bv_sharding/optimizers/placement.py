@@ -2,7 +2,7 @@
 
 A blocked param's stacks (Kron's Qs, Shampoo's statistics and roots) are held in a
 :class:`Stacks` node: a tuple of the stacks, each ``(*grid, ...)`` with the param's block
-grid first (:attr:`~bv_sharding.optimizers.layout.ShardBlocks.grid`), and the
+grid first (:attr:`~bv_sharding.optimizers.layout.ShardBlocks.grid_shape`), and the
 :class:`Tiling` that cut the param (block size, scanned, dealt, blocking). The state is
 then a function of the params and the optimizer's settings alone, never of the mesh.
 :class:`Stacks` is registered with :func:`bv_sharding.ops.register_state`: ``bvs.plan``
@@ -56,7 +56,7 @@ class Tiling:
 
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
-      >>> Tiling(4, unit_dims_dropped=True).blocks((8, 1, 6), ("data",), mesh).grid
+      >>> Tiling(4, unit_dims_dropped=True).blocks((8, 1, 6), ("data",), mesh).grid_shape
       (2, 2)
   """
 
@@ -137,7 +137,7 @@ def state_blocks(state, params, layout) -> list[tuple[str, ShardBlocks]]:
       >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
       >>> layout = ParamLayout({"w": P("data")}, jax.sharding.AbstractMesh((2,), ("data",)))
       >>> state = jax.eval_shape(scale_by_shampoo(block_size=4, layout=layout).init, params)
-      >>> [(name, b.grid) for name, b in state_blocks(state, params, layout)]
+      >>> [(name, b.grid_shape) for name, b in state_blocks(state, params, layout)]
       [('opt/per_param/w/stats', (2, 1)), ('opt/per_param/w/roots', (2, 1))]
   """
   named = jax.tree_util.tree_flatten_with_path(params)[0]
