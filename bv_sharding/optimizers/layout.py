@@ -62,7 +62,6 @@ from jax.sharding import PartitionSpec as P
 from bv_sharding.errors import OptimizerError
 from bv_sharding.ops import axis_size, stack_axes
 from bv_sharding.optimizers.axes import auto_mesh
-from bv_sharding.optimizers.state_dtype import compute_dtype
 from bv_sharding.optimizers.tensor_ops import blockify, unblockify
 
 BLOCKINGS = ("tiles", "local")  # The param's fixed tile grid (default), or each shard's own blocks.
@@ -768,7 +767,9 @@ def _run_pool(runs: Sequence[BlockRun]):
   for run, n, tile_spec in zip(runs, counts, tile_specs):
     cut = lambda x, start=start, n=n, blocks=run.blocks: blocks.from_run(x[start : start + n])
     spec = P(*run.blocks.spec)
-    merged.append([place(place(run.blocks.merge(x[start : start + n]), tile_spec), spec) for x in outs])
+    merged.append(
+        [place(place(run.blocks.merge(x[start : start + n]), tile_spec), spec) for x in outs]
+    )
     cuts.append(run.blocks.stored(_tree(cut, new_stacks)))
     start += n
   return merged, cuts

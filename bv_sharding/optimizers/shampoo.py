@@ -204,7 +204,8 @@ def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamS
   """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments, all
   in the param's dtype."""
   eye = [
-      jnp.broadcast_to(jnp.eye(b, dtype=param.dtype), (*blocks.grid_shape, b, b)) for b in blocks.sizes
+      jnp.broadcast_to(jnp.eye(b, dtype=param.dtype), (*blocks.grid_shape, b, b))
+      for b in blocks.sizes
   ]
   stacks = lambda xs: Stacks(xs, _tiling(settings.block_size, settings.blocking))
   return ShampooParamState(

@@ -57,7 +57,10 @@ def _optimizer(name: str, layout: ParamLayout):
   if name == "kron":
     scanned = {k: k == "stack" for k in SHAPES}
     return kron(
-        1e-2, preconditioner_update_probability=1.0, block_size=8, scanned_layers=scanned,
+        1e-2,
+        preconditioner_update_probability=1.0,
+        block_size=8,
+        scanned_layers=scanned,
         layout=layout,
     )
   if name == "shampoo":

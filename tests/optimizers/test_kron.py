@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import traffic
+from bv_sharding.optimizers.placement import Stacks
 from tests.helpers import (
     MIXED_PARAMS,
     final_loss,
@@ -19,7 +20,6 @@ from tests.helpers import (
     max_deviation,
     recorded_trajectories,
 )
-from bv_sharding.optimizers.placement import Stacks
 from trainers.optimizers import kron, precond_update_prob_schedule, scale_by_kron
 
 # Shapes of a state, a param's block stacks (a Stacks node) as a list of shapes.

@@ -79,9 +79,7 @@ def test_same_optimizer_and_layout_keeps_the_state_as_saved(on_4):
 def test_the_same_tiles_on_another_mesh_are_the_same_state(on_4, devices):
   # w's 16 columns in 4 shards of 4, 2 of 8 or 8 of 2: the same 4x4 tiles; c dealt on 4 devices,
   # pooled on 8. The state trained there from the start is the saved one, leaf by leaf.
-  state, reason = migrate_state(
-      checkpoint_meta(built_on(4)), built_on(devices), same, lambda: on_4
-  )
+  state, reason = migrate_state(checkpoint_meta(built_on(4)), built_on(devices), same, lambda: on_4)
   assert state is on_4, reason
   assert f"saved on mesh {{'data': 4}}, restored on mesh {{'data': {devices}}} as saved" in reason
   other = trained(devices)

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tests.helpers import MIXED_PARAMS, load_tool, max_deviation, recorded_trajectories
 from bv_sharding.optimizers.placement import Stacks
+from tests.helpers import MIXED_PARAMS, load_tool, max_deviation, recorded_trajectories
 from trainers.optimizers import scale_by_shampoo, shampoo
 
 # Shapes of a state, a param's block stacks (a Stacks node) as a list of shapes.
