@@ -12,10 +12,14 @@ whose axes only save memory (FSDP-like) is registered ``storage_only=True``, so 
 under Explicit axes params are gathered over them for compute; by default an op's axes
 are compute axes and stay (see :func:`bv_sharding.register`).
 
-An optimizer whose state the plan places agrees with it on two things: leaf names
-(:func:`flatten_with_names`, the names strategy regexes match) and, for a stack of
-blocks cut shard by shard, the order of the axes that split the stack
-(:func:`stack_axes`).
+An optimizer whose state the plan places agrees with it on leaf names
+(:func:`flatten_with_names`, the names strategy regexes match). Its state is followed to its
+params (same shape, factors, dims kept; :mod:`bv_sharding.following`), or, where the
+optimizer keeps it otherwise, placed as it declares: :func:`register_state` registers the
+pytree node type holding one param's state with a function giving each of its leaves' spec
+from the param's shape and spec and the mesh's axis sizes, and ``bvs.plan`` (so
+``bvs.infer_sharding``) places every such node's leaves there
+(:mod:`bv_sharding.declared`; the library's Kron and Shampoo declare their block stacks so).
 
 Example:
   >>> import jax
@@ -33,6 +37,7 @@ Example:
 """
 
 from bv_sharding.aliases import deprecated as _deprecated
+from bv_sharding.declared import register_state
 from bv_sharding.following import stack_axes
 from bv_sharding.names import flatten as flatten_with_names
 from bv_sharding.specs import (
@@ -57,6 +62,7 @@ __all__ = [
     "flatten_with_names",
     "place",
     "place_largest",
+    "register_state",
     "stack_axes",
     "too_small",
 ]

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from bv_sharding import compute, following, names, patterns, specs
+from bv_sharding import compute, declared, following, names, patterns, specs
 from bv_sharding.errors import ShardingError, ShardingWarning
 from bv_sharding.specs import Leaf, MiB, Spec
 
@@ -310,10 +310,13 @@ def plan(
       name: _entry(leaf, sizes, *_decide_param(leaf, pats)) for name, leaf in planned.items()
   }
   by_path = {_relative(name): name for name in planned} if has_params else {}
+  placed = _declared(tree, by_path, planned, decided, sizes) if has_params else {}
   entries = []
   for leaf in leaves:
     if planned.get(leaf.name) is leaf:
       entries.append(decided[leaf.name])
+    elif leaf.name in placed:
+      entries.append(_declared_entry(leaf, placed[leaf.name], decided, pats, sizes))
     else:
       leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, planned, decided)
       entries.append(_entry(leaf, sizes, *_decide_state(leaf, pats)))
@@ -411,6 +414,25 @@ def _with_follow(leaf: Leaf, by_path: dict, planned: dict, decided: dict) -> Lea
   param, param_spec = planned[name], tuple(decided[name].spec)
   follow = following.relate(leaf.shape, rest, name, param.shape, param_spec, mesh_sizes=leaf.mesh)
   return dataclasses.replace(leaf, follow=follow)
+
+
+def _declared(tree, by_path: dict, planned: dict, decided: dict, sizes) -> dict:
+  """The specs the state's registered node types declare (:mod:`bv_sharding.declared`)."""
+
+  def param_of(components):
+    name, _ = following.find_param(components, by_path)
+    return None if name is None else (name, planned[name].shape, tuple(decided[name].spec))
+
+  return declared.declared_specs(tree, param_of, sizes, names.leaf_name)
+
+
+def _declared_entry(leaf: Leaf, placed: tuple, decided: dict, pats, sizes) -> Entry:
+  """A state leaf placed as its node type declares: its spec, following its param."""
+  spec, param, how = placed
+  param_entry = decided[param]
+  follow = following.Follow(param, param_entry.shape, tuple(param_entry.spec), how, spec)
+  leaf = dataclasses.replace(leaf, state=True, follow=follow)
+  return _entry(leaf, sizes, spec, f"follows {param} ({how})", _claim(pats, leaf.name))
 
 
 def _claim(pats, name: str) -> int | None:

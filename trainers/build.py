@@ -26,7 +26,6 @@ Example:
 """
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -85,70 +84,19 @@ def build(config, mesh) -> Run:
   params = bvs.plan({"params": jax.eval_shape(init)}, strategy, mesh, rules=rules)
   layout = optimizers.ParamLayout.from_plan(params)
   tx, learning_rates = optimizer(config, layout)
+  # Complete: block stacks are where the optimizer runs them (their Stacks declare it).
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)
-  plan = stacks_placed(plan, tx)
-  rebuild = lambda other, storage: optimizer(storing(config, storage), other)[0]
   abstract = plan.abstract()
-  storage = {k: config.optax[k] for k in optimizers.STORAGE_OPTIONS if k in config.optax}
   migration = optimizers.BuiltOptimizer(
       config.optax_name,
       abstract["params"],
       layout,
-      rebuild,
       abstract["opt"],
-      storage,
       learning_rates.get("lr"),
       optimizers.state_decays(config.optax_name, config.get("optax") or {}),
   )
   loss = loss_fn(task, model, plan)
   return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
-
-
-def storing(config, storage: dict):
-  """``config`` with ``storage`` as its optimizer's storage options
-  (``optimizers.STORAGE_OPTIONS``: where its stacks are stored), the others as they are.
-
-  Example:
-    >>> from configs import lm
-    >>> dict(storing(lm.get_config(), {"pool_padding": 1.0}).optax)
-    {'pool_padding': 1.0}
-  """
-  config = config.copy_and_resolve_references()
-  kept = {k: v for k, v in config.optax.items() if k not in optimizers.STORAGE_OPTIONS}
-  with config.unlocked():
-    config.optax = {**kept, **storage}
-  return config
-
-
-def stacks_placed(plan: bvs.Plan, tx) -> bvs.Plan:
-  """``plan`` with each Kron/Shampoo block stack where its optimizer stores it.
-
-  The plan puts a stack's dim 0 over its param's axes when they divide it; a stack of the
-  few tiles that span many shards (``blocking="tiles"``) does not divide, and goes over
-  those axes on its rows and columns too (:func:`~trainers.optimizers.stack_specs`), so it
-  is stored at the ideal. Other leaves, and stacks the optimizer computes replicated (a
-  never-sharded param's), keep their entries.
-
-  Example: ``stacks_placed(plan, tx).specs["opt"]`` (``build`` calls it).
-  """
-  abstract = plan.abstract()
-  sizes = dict(plan.mesh.shape)
-  specs = optimizers.stack_specs(tx, abstract["params"], abstract["opt"], sizes)
-  tree = plan.treedef.unflatten(list(plan.entries))
-  is_entry = lambda x: isinstance(x, bvs.Entry)
-  moved = {}
-  for entry, spec in zip(jax.tree.leaves(tree["opt"], is_leaf=is_entry), specs, strict=True):
-    if spec is None or spec == entry.spec or not any(spec):  # Replicated: the plan's own.
-      continue
-    shards = math.prod(sizes[a] for a in bvs.ops.stack_axes(tuple(spec)))
-    moved[id(entry)] = dataclasses.replace(
-        entry,
-        spec=spec,
-        compute_spec=spec,
-        why=f"{entry.why}; block stack of tiles over its param's axes where they divide",
-        bytes_per_device=entry.nbytes // shards,
-    )
-  return dataclasses.replace(plan, entries=tuple(moved.get(id(e), e) for e in plan.entries))
 
 
 def axis_types(config) -> str:

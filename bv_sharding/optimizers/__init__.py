@@ -4,7 +4,9 @@ state dtypes and state migration.
 Each is an optax ``GradientTransformation`` in two forms: ``scale_by_*`` (no learning rate,
 for a chain such as big_vision's) and the full optimizer (``kron``, ``shampoo``, ``muon``).
 Given a :class:`ParamLayout` (the plan's param specs and the mesh) they compute each block
-where its shard lives.
+where its shard lives. Their state is the same on any mesh (each block stack in the order of
+its blocks' places in the param), and ``bvs.plan`` places it where they run it
+(:class:`Stacks`, :mod:`bv_sharding.optimizers.placement`).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -19,9 +21,10 @@ Example:
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers.axes import auto_axes_update
 from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
-from bv_sharding.optimizers.layout import ParamLayout, same_blocking, stack_specs
-from bv_sharding.optimizers.migration import STORAGE_OPTIONS, BuiltOptimizer, migrate_state
+from bv_sharding.optimizers.layout import ParamLayout, same_blocking
+from bv_sharding.optimizers.migration import BuiltOptimizer, migrate_state
 from bv_sharding.optimizers.muon import muon, scale_by_muon
+from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.rebirth import ramp, ramp_in, refill
 from bv_sharding.optimizers.shampoo import (
     ShampooParamState,
@@ -32,7 +35,6 @@ from bv_sharding.optimizers.shampoo import (
 from bv_sharding.optimizers.state_dtype import compute_dtype, with_state_dtype
 
 __all__ = [
-    "STORAGE_OPTIONS",
     "BuiltOptimizer",
     "OptimizerError",
     "ParamLayout",
@@ -52,6 +54,7 @@ __all__ = [
     "scale_by_muon",
     "scale_by_shampoo",
     "shampoo",
-    "stack_specs",
+    "Stacks",
+    "Tiling",
     "with_state_dtype",
 ]

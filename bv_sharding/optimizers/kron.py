@@ -10,22 +10,23 @@ sharding rules written for it carry over::
      "Qs_preconditioners": params-like tree whose leaves are LISTS of Q,
                            # one Q per param dim: (d, d) upper triangular or
                            # (d,) diagonal; scanned params get (L, d, d)/(L, d);
-                           # blocked params get (n_blocks, b, b)/(n_blocks, b);
+                           # blocked params a Stacks of (*grid, b, b)/(*grid, b);
                            # scalars get one () diagonal Q
      "update_counter": int32[]}         # steps since the last Q update
 
-and, where some pools of tiles are stored as one (:func:`~bv_sharding.optimizers.layout.stored_pools`,
-on a mesh), ``"pools"``: a tuple of each pool's Qs, whose members' Qs lists hold None.
+A blocked param's Qs are a :class:`~bv_sharding.optimizers.placement.Stacks` (a tuple, named
+like a list), each Q with the param's block grid first: the state is the same on any mesh.
 
 With ``block_size`` set (as distributed_kron's ``partition_grads_into_blocks``),
 every param whose (per-layer) dims number at least 2 is split into blocks of at
 most ``block_size`` per dim, and each block gets its own Kron preconditioner:
-``Qs = [(n_blocks, b_0, b_0), (n_blocks, b_1, b_1), ...]``, vmapped like
-scanned layers. ``mu`` stays param-shaped. A scanned param is blocked layer by
-layer (its layer axis is never cut). With ``layout`` (the params' specs and
-mesh, see :mod:`bv_sharding.optimizers.layout`) the tiles inside each device's shard
-are stacked shard-major and fitted and applied in ``shard_map`` where they live (no
-collective but scalars); tiles that span shards are dealt to owners among their
+``Qs = [(g_0, g_1, b_0, b_0), (g_0, g_1, b_1, b_1)]`` for a 2-D param with a ``g_0 x g_1``
+grid of blocks (a scanned param's layers first), vmapped like scanned layers. ``mu`` stays
+param-shaped. A scanned param is blocked layer by layer (its layer axis is never cut).
+With ``layout`` (the params' specs and mesh, see :mod:`bv_sharding.optimizers.layout`) the
+tiles inside each device's shard are stored on that device and fitted and applied in
+``shard_map`` where they live (no collective but scalars); tiles that span shards are dealt
+to owners among their
 holders, or pooled with every param's tiles of their shape and dealt over the mesh
 (all params' blocks go through one :func:`~bv_sharding.optimizers.layout.run_all`).
 Without it the param is one shard (blocks row-major over the block grid).
@@ -74,18 +75,8 @@ import optax
 from optax import tree_utils as otu
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers.layout import (
-    BLOCKINGS,
-    STORED_POOL_PADDING,
-    BlockRun,
-    ParamLayout,
-    Pool,
-    ShardBlocks,
-    pack,
-    run_all,
-    shard_blocks,
-    stored_pools,
-)
+from bv_sharding.optimizers.layout import BLOCKINGS, BlockRun, ParamLayout, ShardBlocks, run_all
+from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
@@ -349,15 +340,15 @@ def leaf_blocks(
   """
   if block_size is None or param.ndim - scanned < 2:
     return None
-  return shard_blocks(param.shape, spec, mesh, block_size, scanned, blocking=blocking)
+  return Tiling(block_size, scanned, blocking=blocking).blocks(param.shape, spec, mesh)
 
 
 def _stack_shape(param, scanned: bool, blocks: ShardBlocks | None):
-  """(number of stacked preconditioners or None, shape each one preconditions)."""
+  """(leading dims of the stacked preconditioners, or None; shape each one preconditions)."""
   if blocks is not None:
-    return blocks.count, blocks.sizes
+    return blocks.grid_shape, blocks.sizes
   if scanned:
-    return param.shape[0], param.shape[1:]
+    return param.shape[:1], param.shape[1:]
   return None, param.shape
 
 
@@ -381,7 +372,6 @@ class _Settings:
   block_size: int | None
   layout: ParamLayout | None
   blocking: str
-  pool_padding: float
 
 
 def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, stacked, settings):
@@ -435,7 +425,7 @@ def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, setti
     return _fit_and_precondition(*fitted, *flags, stacked, settings)
   own_target = fit.keywords["own_target"]
   arrays = [momentum, target, probe] if own_target else [momentum, probe]
-  return BlockRun(blocks, fit, arrays, qs, [damping, *flags])
+  return BlockRun(blocks, fit, arrays, list(qs), [damping, *flags])
 
 
 def _layers_and_blocks(params, settings) -> tuple[list[bool], list[ShardBlocks | None]]:
@@ -469,20 +459,13 @@ def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, settings) -> li
   dtype = param.dtype if settings.precond_dtype is None else settings.precond_dtype
   qs = init_qs(shape, tri, settings.preconditioner_init_scale, dtype)
   if stack is not None:
-    qs = [jnp.broadcast_to(q, (stack,) + q.shape) for q in qs]
-  return qs
+    qs = [jnp.broadcast_to(q, tuple(stack) + q.shape) for q in qs]
+  return qs if blocks is None else Stacks(qs, _tiling(scanned, settings))
 
 
-def _stored_pools(params, scanned, blocks, settings) -> tuple[Pool, ...]:
-  """The pools whose Qs are stored as one (:func:`~bv_sharding.optimizers.layout.stored_pools`),
-  over ``params``' leaves, as init makes them."""
-  shapes = [
-      jax.eval_shape(
-          lambda p, s=s, b=b: _init_leaf(p, s, b, settings), jax.ShapeDtypeStruct(p.shape, p.dtype)
-      )
-      for p, s, b in zip(params, scanned, blocks)
-  ]
-  return stored_pools(blocks, shapes, settings.pool_padding)
+def _tiling(scanned: bool, settings) -> Tiling:
+  """How a blocked param is cut (``settings``: a :class:`_Settings`)."""
+  return Tiling(settings.block_size, scanned, blocking=settings.blocking)
 
 
 def _kron_init(params, settings: _Settings) -> dict[str, Any]:
@@ -490,19 +473,12 @@ def _kron_init(params, settings: _Settings) -> dict[str, Any]:
   leaves, treedef = jax.tree.flatten(params)
   scanned, blocks = _layers_and_blocks(params, settings)
   qs = [_init_leaf(*leaf, settings) for leaf in zip(leaves, scanned, blocks)]
-  qs, pools = pack(qs, _stored_pools(leaves, scanned, blocks, settings))
   return dict(
       count=jnp.zeros([], jnp.int32),
       mu=otu.tree_zeros_like(params, dtype=settings.mu_dtype) if settings.b1 > 0 else None,
       Qs_preconditioners=treedef.unflatten(qs),
       update_counter=jnp.zeros([], jnp.int32),
-      **_pools_entry(pools),
   )
-
-
-def _pools_entry(pools: tuple) -> dict[str, tuple]:
-  """The state's ``"pools"`` entry: none without stored pools (psgd-jax's layout)."""
-  return {"pools": pools} if pools else {}
 
 
 def _update_momentum(updates, mu, b1: float, count):
@@ -563,13 +539,12 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
       )
       for q, m, t, v, s, b in zip(qs, momentum, targets, probes, scanned, blocks)
   ]
-  pools = _stored_pools(grads, scanned, blocks, settings)
-  pools = zip(pools, state.get("pools", ()), strict=True)
-  ran, new_pools = run_all([x if isinstance(x, BlockRun) else None for x in leaves], list(pools))
+  ran = run_all([x if isinstance(x, BlockRun) else None for x in leaves])
   new_qs, out = [], []
-  for leaf, result, g in zip(leaves, ran, grads):
+  for leaf, result, g, s in zip(leaves, ran, grads, scanned):
     if isinstance(leaf, BlockRun):
       (direction,), q = result
+      q = Stacks(q, _tiling(s, settings))
     else:
       q, direction = leaf
     new_qs.append(q)
@@ -579,7 +554,6 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
       mu=otu.tree_cast(mu, settings.mu_dtype),
       Qs_preconditioners=treedef.unflatten(new_qs),
       update_counter=counter,
-      **_pools_entry(new_pools),
   )
   return treedef.unflatten(out), new_state
 
@@ -601,7 +575,6 @@ def scale_by_kron(
     block_size: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
@@ -630,10 +603,6 @@ def scale_by_kron(
       mesh: the same math on any device count) or "local" (each device's shard
       cut into blocks of ``min(block_size, local extent)``: no collective, the
       math depends on the mesh).
-    pool_padding: a pool of tiles that span shards has its Qs stored as one, where
-      they are fitted, when padding it to the device count adds at most this share
-      of its tiles; other pools' Qs move there and back each step
-      (:func:`~bv_sharding.optimizers.layout.stored_pools`: memory for bytes, the same math).
 
   Example:
       >>> tx = scale_by_kron(preconditioner_update_probability=1.0)
@@ -642,15 +611,13 @@ def scale_by_kron(
       ['Qs_preconditioners', 'count', 'mu', 'update_counter']
       >>> state = scale_by_kron(block_size=2).init({"w": jnp.ones((2, 3, 4))})
       >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # 1 x 2 x 2 blocks
-      [(4, 2, 2), (4, 2, 2), (4, 2, 2)]
+      [(1, 2, 2, 2, 2), (1, 2, 2, 2, 2), (1, 2, 2, 2, 2)]
   """
   settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if block_size is not None and block_size < 1:
     raise OptimizerError(f"block_size={block_size}; expected None or >= 1")
   if blocking not in BLOCKINGS:
     raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
-  if not pool_padding >= 0:
-    raise OptimizerError(f"pool_padding={pool_padding!r}; expected a share >= 0 (e.g. 0.05)")
   return optax.GradientTransformation(
       functools.partial(_kron_init, settings=settings),
       functools.partial(_kron_update, settings=settings),
@@ -677,7 +644,6 @@ def kron(
     block_size: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """PSGD Kron with decoupled weight decay and a learning rate.
 
@@ -707,7 +673,6 @@ def kron(
           block_size=block_size,
           layout=layout,
           blocking=blocking,
-          pool_padding=pool_padding,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

@@ -10,11 +10,13 @@ block where its data is:
   tiles; shard-local blocks (``blocking="local"``) are ``min(block_size, e_k)`` long, a
   local extent that is not a multiple zero-padded inside its shard (a padded block acts
   like a smaller one);
-* blocks are stacked shard-major (shards in row-major order over the param's dims,
-  then each shard's blocks as :func:`~bv_sharding.optimizers.tensor_ops.blockify`
-  orders them), so splitting the stack's dim 0 over
-  :func:`bv_sharding.ops.stack_axes` gives each device the blocks of its own
-  shard, which is where the plan puts them;
+* a param's block stacks are stored with its block grid as leading dims
+  (:attr:`ShardBlocks.grid_shape`: a 2-D param's factor stack is ``(g_0, g_1, b, b)``, a scanned
+  param's layers first), each block at its place in the param: the state is the same on
+  any mesh. Shard-local blocks store them on the param's own spec
+  (:meth:`ShardBlocks.stored_spec`), so each device holds the factors of its own shard's
+  blocks and a reshape inside ``shard_map`` gives its run order (shard-major, each shard's
+  blocks as :func:`~bv_sharding.optimizers.tensor_ops.blockify` orders them);
 * on a concrete ``Mesh`` the per-block work runs in ``jax.shard_map`` over the param's
   spec: no collective but the scalars computed outside it (norms, counters). On an
   ``AbstractMesh`` (or without a layout) the same blocks are computed on global
@@ -23,10 +25,11 @@ block where its data is:
 Same math on any mesh (``blocking="tiles"``, the default): the blocks are the param's own
 grid of ``block_size`` tiles whatever the device count; where a tile spans several shards
 its holders exchange what it needs (:attr:`ShardBlocks.owners`) or it is pooled with other
-params' tiles and dealt over the mesh (:attr:`ShardBlocks.pooled`, :func:`run_all`); a pool
-whose padding to the device count is small has its stacks stored as one, where they are
-fitted (:func:`stored_pools`, :func:`pack`). Between meshes only the order of the stacks and
-which pools are stored as one differ (:func:`reorder`, :func:`stack_runs`).
+params' tiles and dealt over the mesh (:attr:`ShardBlocks.pooled`, :func:`run_all`); the
+stacks of such tiles are stored spread at the ideal and moved to where they are fitted each
+step. So a state saved on one mesh is the state of any other: put onto it with the new
+plan's shardings (:mod:`bv_sharding.optimizers.placement` declares them to ``bvs.plan``),
+each factor still preconditions its own tile.
 ``blocking="local"`` keeps blocks cut shard by shard: ``min(block_size, e_k)`` long, so
 another mesh may give other tiles. :func:`same_blocking` tells whether two layouts give
 the same tiles; when they do not, the factors of one layout do not fit the other's blocks
@@ -44,7 +47,6 @@ Example:
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import math
@@ -60,13 +62,9 @@ from jax.sharding import PartitionSpec as P
 from bv_sharding.errors import OptimizerError
 from bv_sharding.ops import axis_size, stack_axes
 from bv_sharding.optimizers.axes import auto_mesh
-from bv_sharding.optimizers.state_dtype import compute_dtype
 from bv_sharding.optimizers.tensor_ops import blockify, unblockify
 
 BLOCKINGS = ("tiles", "local")  # The param's fixed tile grid (default), or each shard's own blocks.
-
-# While :func:`stack_blocks` traces an update: the (blocks, stacks) each ShardBlocks.run got.
-_RUNS = contextvars.ContextVar("shard_block_runs", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,9 +272,8 @@ class ShardBlocks:
   the same shape into one stack split over every mesh axis: each device fits and applies
   its ``1/N`` of all those tiles. XLA moves each array (a device's shard to its tiles'
   owners, and back) with all-to-alls and collective permutes of about a shard's bytes. The
-  stacks of a pool :func:`stored_pools` keeps are stored as one, each device's slice the
-  factors it fits (nothing moves); the others per param at the ideal (:func:`stack_specs`),
-  moving the same way as the arrays.
+  stacks of owned and pooled tiles are stored spread at the ideal
+  (:meth:`stored_spec`) and move the same way as the arrays.
   On an ``AbstractMesh`` (``mesh`` None) the same tiles are computed on global arrays, and
   the stacks are placed as on the concrete mesh.
   """
@@ -331,9 +328,89 @@ class ShardBlocks:
 
   @property
   def stack_spec(self) -> P:
-    """Spec of dim 0 of a block stack: split over the param's axes (shard-major)."""
+    """Spec of dim 0 of a block stack in run order: split over the param's axes (shard-major)."""
     axes = stack_axes(self.spec)
     return P(_entry(axes)) if axes else P()
+
+  @property
+  def grid_shape(self) -> tuple[int, ...]:
+    """Blocks along each dim of the param (a scanned param's layers first): the leading dims
+    of a block stack as stored, each dim's blocks in the order of their place in the param.
+
+    Under ``blocking="tiles"`` the param's tile grid, the same on any mesh.
+
+    Example:
+        >>> ShardBlocks((8, 6), (2, 1), block_size=2).grid_shape
+        (4, 3)
+    """
+    if self.owners is not None:
+      return self.whole_tiles.grid_shape
+    return tuple(s * c for s, c in zip(self.shards, self._per_shard))
+
+  @property
+  def _per_shard(self) -> tuple[int, ...]:
+    """Blocks (a scanned param's layers on dim 0) along each dim of one shard."""
+    local = self.local_shape
+    per_layer = local[1:] if self.scanned else local
+    counts = tuple(-(-e // b) for e, b in zip(per_layer, self.sizes))
+    return (local[0], *counts) if self.scanned else counts
+
+  def to_run(self, stack: jax.Array) -> jax.Array:
+    """A stored block stack ``(*grid, ...)`` in run order ``(count, ...)``: shard-major, then
+    each shard's blocks as :meth:`split` cuts them (with :attr:`owners`, owner order)."""
+    if self.owners is not None:
+      return self._owner_order(self.whole_tiles.to_run(stack))
+    n, per = len(self.shards), self._per_shard
+    split = stack.reshape(*[v for s, c in zip(self.shards, per) for v in (s, c)], *stack.shape[n:])
+    order = [*range(0, 2 * n, 2), *range(1, 2 * n, 2), *range(2 * n, split.ndim)]
+    return split.transpose(order).reshape(-1, *stack.shape[n:])
+
+  def from_run(self, stack: jax.Array) -> jax.Array:
+    """Inverse of :meth:`to_run`.
+
+    Example:
+        >>> blocks = ShardBlocks((8, 6), (2, 1), block_size=2)
+        >>> x = jnp.arange(48.0).reshape(8, 6)
+        >>> stored = blocks.from_run(blocks.split(x))  # each block's place in the param
+        >>> stored.shape, bool((stored[1, 2] == x[2:4, 4:6]).all())
+        ((4, 3, 2, 2), True)
+    """
+    if self.owners is not None:
+      return self.whole_tiles.from_run(self._owner_order(stack, inverse=True))
+    n, per = len(self.shards), self._per_shard
+    split = stack.reshape(*self.shards, *per, *stack.shape[1:])
+    order = [*(v for k in range(n) for v in (k, n + k)), *range(2 * n, split.ndim)]
+    return split.transpose(order).reshape(*self.grid_shape, *stack.shape[1:])
+
+  @property
+  def shard_local(self) -> bool:
+    """Whether each device holds the blocks of its own shard (or dealt piece): a stored stack
+    takes the param's spec on its grid dims and reaches :meth:`run` as it is stored."""
+    return self.owners is None and not self.pooled
+
+  def stored_spec(self, shape, sizes: dict[str, int]) -> P:
+    """Where a block stack of ``shape`` (``(*grid, ...)``) is stored on a mesh of ``sizes``.
+
+    Shard-local blocks (:attr:`shard_local`): the param's spec (or its dealt piece's) on the
+    grid dims, so each device stores the factors of its own blocks. Tiles dealt to owners
+    (:attr:`owners`) or pooled over the mesh (:attr:`pooled`): the grid whole, the param's axes
+    (a pool's: every mesh axis) spread over the blocks' own dims, at the ideal; each step an
+    all-to-all moves them to where they are fitted, and back.
+
+    Example:
+        >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+        >>> local = shard_blocks((8, 6), P("data"), mesh, 2)
+        >>> local.stored_spec((4, 3, 2, 2), {"data": 4})
+        P('data', None, None, None)
+        >>> owned = shard_blocks((8, 6), P("data"), mesh, 4)  # 4-row tiles over 2-row shards
+        >>> owned.owners, owned.stored_spec((2, 2, 4, 4), {"data": 4})
+        ((0, 'data', 2), P(None, None, 'data', None))
+    """
+    grid = len(self.grid_shape)
+    if self.shard_local:
+      return P(*self.spec, *(None,) * (len(shape) - grid))
+    axes = stack_axes((), sizes) if self.pooled else stack_axes(self.spec)
+    return P(*(None,) * grid, *_spread(tuple(shape)[grid:], axes, sizes))
 
   def tiles(self) -> tuple[tuple[int, ...], ...]:
     """Per dim, the sorted start offsets of the blocks in the param (padding aside)."""
@@ -355,7 +432,7 @@ class ShardBlocks:
     """
     if self.owners is not None and not local:
       return self._owner_order(self.whole_tiles.split(x))
-    shards = self._grid(x, local)
+    shards = self._shards_for(x, local)
     per_shard = blockify(x, tuple(d // s for d, s in zip(x.shape, shards)))
     cut = functools.partial(blockify, block_size=self.block_size)
     if self.scanned:
@@ -403,20 +480,33 @@ class ShardBlocks:
       return [self.merge(o, local) for o in outs], new_stacks
 
     if self.mesh is None:
-      return body(arrays, stacks, scalars, local=False)
-    if self.dealt:
-      return self._run_dealt(fn, arrays, stacks, scalars)
+      outs, new_stacks = body(arrays, _tree(self.to_run, stacks), scalars, local=False)
+      return outs, _tree(self.from_run, new_stacks)
     if self.owners is not None:
       return self._run_owned(fn, arrays, stacks, scalars)
-    param = P(*self.spec)
+    fn = self._on_stored(fn)
+    if self.dealt:
+      return self._run_dealt(fn, arrays, stacks, scalars)
+    param = P(*self.spec)  # A stored stack's grid dims too: each device its own blocks.
     mapped = jax.shard_map(
         functools.partial(body, local=True),
         mesh=self.mesh,
-        in_specs=(param, self.stack_spec, P()),
-        out_specs=(param, self.stack_spec),
+        in_specs=(param, param, P()),
+        out_specs=(param, param),
         check_vma=False,
     )
     return mapped(list(arrays), stacks, list(scalars))
+
+  def _on_stored(self, fn: Callable) -> Callable:
+    """``fn`` of run-order stacks as a function of one device's stored stacks (in
+    ``shard_map``): its blocks' factors, a reshape away from its run order."""
+    per, n = self._per_shard, len(self.shards)
+
+    def on_stored(arrays, stacks, *scalars):
+      outs, new_stacks = fn(arrays, _tree(lambda x: x.reshape(-1, *x.shape[n:]), stacks), *scalars)
+      return outs, _tree(lambda x: x.reshape(*per, *x.shape[1:]), new_stacks)
+
+    return on_stored
 
   def _run_dealt(self, fn: Callable, arrays, stacks, scalars):
     """:meth:`run` of a dealt param: each device the blocks of its piece, results gathered."""
@@ -431,8 +521,8 @@ class ShardBlocks:
     mapped = jax.shard_map(
         body,
         mesh=self.mesh,
-        in_specs=(P(), self.stack_spec, P()),
-        out_specs=(self.stack_spec, self.stack_spec),
+        in_specs=(P(), P(*self.spec), P()),
+        out_specs=(self.stack_spec, P(*self.spec)),
         check_vma=False,
     )
     outs, new_stacks = mapped(list(arrays), stacks, list(scalars))
@@ -455,20 +545,50 @@ class ShardBlocks:
       back = _exchange(jnp.moveaxis(parts, block_dim, 0), axis, holders, size)
       return back.reshape(-1, *back.shape[2:])
 
-    def body(arrays, stacks, scalars):
+    sizes, axes, grid = dict(self.mesh.shape), stack_axes(self.spec), len(self.grid_shape)
+    leaves, treedef = jax.tree.flatten(stacks)
+    specs = [self.stored_spec(x.shape, sizes) for x in leaves]
+    # The tail dim of each stored stack that holds all the param's axes: one all-to-all moves
+    # it to its owners' run order (dim 0 over those axes), and back. Else XLA moves it.
+    dims = [next((d for d, e in enumerate(s) if e == _entry(axes)), None) for s in specs]
+    by_exchange = all(d is not None for d in dims)
+
+    # In shard_map: a stored stack in run order, and back (each its own way: see above).
+    there = lambda x, d: jax.lax.all_to_all(self.to_run(x), axes, 0, 1 + d - grid, tiled=True)
+    back = lambda x, d: self.from_run(jax.lax.all_to_all(x, axes, 1 + d - grid, 0, tiled=True))
+    if not by_exchange:
+      there = back = lambda x, d: x
+      specs, leaves = [self.stack_spec] * len(leaves), [self.to_run(x) for x in leaves]
+
+    def body(arrays, leaves, scalars):
       tiles = [to_owners(self.split(x, local=True)) for x in arrays]
+      stacks = treedef.unflatten([there(x, d) for x, d in zip(leaves, dims)])
       outs, new_stacks = fn(tiles, stacks, *scalars)
-      return [self.merge(from_owners(o), local=True) for o in outs], new_stacks
+      new_leaves = [back(x, d) for x, d in zip(jax.tree.leaves(new_stacks), dims)]
+      return [self.merge(from_owners(o), local=True) for o in outs], new_leaves
 
     param = P(*self.spec)
     mapped = jax.shard_map(
         body,
         mesh=self.mesh,
-        in_specs=(param, self.stack_spec, P()),
-        out_specs=(param, self.stack_spec),
+        in_specs=(param, specs, P()),
+        out_specs=(param, specs),
         check_vma=False,
     )
-    return mapped(list(arrays), stacks, list(scalars))
+    outs, new_leaves = mapped(list(arrays), leaves, list(scalars))
+    if not by_exchange:
+      new_leaves = [self.from_run(x) for x in new_leaves]
+    return outs, self.stored(treedef.unflatten(new_leaves))
+
+  def stored(self, stacks):
+    """``stacks`` (stored form) constrained to :meth:`stored_spec` on this run's mesh."""
+    if self.mesh is None:
+      return stacks
+    sizes = dict(self.mesh.shape)
+    place = lambda x: jax.lax.with_sharding_constraint(
+        x, NamedSharding(self.mesh, self.stored_spec(x.shape, sizes))
+    )
+    return _tree(place, stacks)
 
   def _owner_order(self, stack: jax.Array, inverse: bool = False) -> jax.Array:
     """A :attr:`whole_tiles` stack in owner order (device by device), or back.
@@ -487,7 +607,7 @@ class ShardBlocks:
     split = stack.reshape(*shape, -1, *tail)
     return split.transpose(*order, *range(ndim + 2, split.ndim)).reshape(stack.shape)
 
-  def _grid(self, x: jax.Array, local: bool) -> tuple[int, ...]:
+  def _shards_for(self, x: jax.Array, local: bool) -> tuple[int, ...]:
     if local:
       return (1,) * x.ndim
     return self.shards
@@ -512,6 +632,11 @@ def _exchange(chunks: jax.Array, axis: str, holders: int, size: int) -> jax.Arra
   return out
 
 
+def _tree(fn: Callable, stacks):
+  """``fn`` on every array of a pytree of stacks (None kept)."""
+  return jax.tree.map(fn, stacks)
+
+
 class BlockRun(NamedTuple):
   """One :meth:`ShardBlocks.run` call: ``blocks.run(fn, arrays, stacks, scalars)``."""
 
@@ -522,96 +647,16 @@ class BlockRun(NamedTuple):
   scalars: Sequence[jax.Array] = ()
 
 
-class Pool(NamedTuple):
-  """Pooled runs whose stacks are stored as one: ``members`` (indices of the runs), each
-  member's tile count, and ``length``, the stored stacks' dim 0 (their total, padded to a
-  multiple of the device count with copies of the last tile's)."""
-
-  members: tuple[int, ...]
-  counts: tuple[int, ...]
-  length: int
-
-
-# A pool is stored as one when padding it to the device count adds at most this share of it
-# (the state then stays within 5% of the ideal).
-STORED_POOL_PADDING = 0.05
-
-
-def stored_pools(
-    blocks: Sequence[ShardBlocks | None], stacks: Sequence, max_padding: float = STORED_POOL_PADDING
-) -> tuple[Pool, ...]:
-  """The :class:`Pool`s whose stacks an optimizer stores as one, in its pool layout.
-
-  ``blocks[i]``/``stacks[i]``: run ``i``'s blocks (None: not blocked) and stacks (arrays or
-  ``ShapeDtypeStruct``s, as its init makes them). Pooled blocks
-  (:attr:`ShardBlocks.pooled`) of one tile shape and one stacks structure (shapes past dim 0,
-  dtypes) form a pool; it is stored as one stack split over every mesh axis on dim 0 (each
-  device the factors of the tiles it fits, so nothing moves for them in a step) when padding
-  its tile count to a multiple of the device count adds at most ``max_padding`` of it (the
-  optimizers' ``pool_padding``: memory for bytes); other pools keep each member's stacks, at
-  the ideal, and move them to the pool each step.
-  Depends on the mesh's device count only: the same on a ``Mesh`` and an ``AbstractMesh``.
-
-  Example:
-      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
-      >>> b = shard_blocks((8, 8), P("data"), mesh, 8)  # one 8-tile over 2-row shards
-      >>> q = jax.ShapeDtypeStruct((1, 8, 8), jnp.float32)
-      >>> stored_pools([b] * 39 + [None], [q] * 40)  # 39 tiles: padded to 40
-      (Pool(members=(0, 1, ..., 38), counts=(1, 1, ..., 1), length=40),)
-      >>> stored_pools([b] * 2, [q] * 2)  # 2 tiles padded to 4: kept per param
-      ()
-  """
-  groups: dict[tuple, list[int]] = {}
-  for i, (b, stack) in enumerate(zip(blocks, stacks, strict=True)):
-    if b is not None and b.pooled:
-      groups.setdefault(_stacks_key(b, stack), []).append(i)
-  pools = []
-  for members in groups.values():
-    counts = tuple(blocks[i].count for i in members)
-    devices = blocks[members[0]].devices
-    padding = -sum(counts) % devices
-    if padding <= max_padding * sum(counts):
-      pools.append(Pool(tuple(members), counts, sum(counts) + padding))
-  return tuple(pools)
-
-
 def _stacks_key(blocks: ShardBlocks, stacks) -> tuple:
-  """What a pool's members share: tile shape, devices, stacks' structure and shapes past
-  dim 0 (a pool of mixed dtypes joins in the widest)."""
-  leaves = jax.tree.leaves(stacks)
+  """What a pool's members share: tile shape, devices, stacks' structure and each stack's
+  shape past its grid (a pool of mixed dtypes joins in the widest)."""
+  grid = len(blocks.grid_shape)
   return (
       blocks.sizes,
       blocks.devices,
       jax.tree.structure(stacks),
-      tuple(tuple(x.shape[1:]) for x in leaves),
+      tuple(tuple(x.shape[grid:]) for x in jax.tree.leaves(stacks)),
   )
-
-
-def pack(stacks: Sequence, pools: Sequence[Pool]) -> tuple[list, tuple]:
-  """``(stacks, pooled)``: each member's stacks replaced by its placeholder (its structure,
-  None for every array) and each pool's stacks joined, padded to its ``length``.
-
-  Example:
-      >>> pool = Pool((0, 1), (1, 2), 4)
-      >>> kept, (joined,) = pack([jnp.zeros((1, 2)), jnp.ones((2, 2)), jnp.ones(3)], [pool])
-      >>> kept[0], joined[:, 0].tolist(), kept[2].shape
-      (None, [0.0, 1.0, 1.0, 1.0], (3,))
-  """
-  kept, pooled = list(stacks), []
-  for pool in pools:
-    parts = [stacks[i] for i in pool.members]
-    join = functools.partial(
-        lambda *xs, length: padded(jnp.concatenate(xs), length), length=pool.length
-    )
-    pooled.append(jax.tree.map(join, *parts))
-    for i in pool.members:
-      kept[i] = _placeholder(stacks[i])
-  return kept, tuple(pooled)
-
-
-def _placeholder(stacks) -> Any:
-  """``stacks``' structure with None for every array: a stored pool member's own stacks."""
-  return jax.tree.map(lambda _: None, stacks)
 
 
 def padded(stack: jax.Array, length: int) -> jax.Array:
@@ -624,34 +669,28 @@ def padded(stack: jax.Array, length: int) -> jax.Array:
   return jnp.concatenate([stack, jnp.repeat(stack[-1:], length - stack.shape[0], axis=0)])
 
 
-def run_all(
-    runs: Sequence[BlockRun | None], pools: Sequence[tuple[Pool, Any]] = ()
-) -> tuple[list[tuple[list[jax.Array], Any] | None], tuple]:
-  """``(results, pooled)``: each run's ``(outs, new_stacks)``, and each stored pool's new stacks.
+def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any] | None]:
+  """Each run's ``(outs, new_stacks)`` (``runs[i]`` None: nothing to run, its result None).
 
-  ``runs[i]`` None: nothing to run (its result is None). ``pools``: ``(Pool, its stored
-  stacks)`` per pool of :func:`stored_pools` over the same indices (their members' own
-  stacks are placeholders, and come back as they went). Other runs whose blocks are
-  :attr:`ShardBlocks.pooled` and that share ``fn`` (the same object), the tile shape and the
-  stacks' structure, shapes and dtypes form one pool on a concrete mesh: their block stacks
-  (arrays and stacks) are concatenated, padded to a multiple of the device count and split
-  over every mesh axis, and ``fn`` runs once on the pool. A scalar every run of a pool passes
-  as the same object stays a scalar; other scalars reach ``fn`` as one value per block
-  (``(n,)``). Other runs are :meth:`ShardBlocks.run` calls.
+  ``stacks`` go in and come back stored (``(*grid, ...)``, :meth:`ShardBlocks.stored_spec`).
+  Runs whose blocks are :attr:`ShardBlocks.pooled` and that share ``fn`` (the same object),
+  the tile shape and the stacks' structure, shapes and dtypes form one pool on a concrete
+  mesh: their block stacks (arrays and stacks) are concatenated, padded to a multiple of the
+  device count and split over every mesh axis, and ``fn`` runs once on the pool. A scalar
+  every run of a pool passes as the same object stays a scalar; other scalars reach ``fn``
+  as one value per block (``(n,)``). Other runs are :meth:`ShardBlocks.run` calls.
 
   Example:
       >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
       >>> blocks = shard_blocks((4, 4), (), None, 2)
-      >>> [((out,), _)], _ = run_all([BlockRun(blocks, double, [jnp.ones((4, 4))], ())])
+      >>> [((out,), _)] = run_all([BlockRun(blocks, double, [jnp.ones((4, 4))], ())])
       >>> float(out.sum())
       32.0
   """
   results: list = [None] * len(runs)
-  stored = {i for pool, _ in pools for i in pool.members}
-  _record(runs, pools)
   groups: dict[tuple, list[int]] = {}
   for i, run in enumerate(runs):
-    if run is None or i in stored:
+    if run is None:
       continue
     if run.blocks.in_pool:
       groups.setdefault(_pool_key(run), []).append(i)
@@ -661,25 +700,7 @@ def run_all(
     outs, new_stacks = _run_pool([runs[i] for i in members])
     for i, out, new in zip(members, outs, new_stacks):
       results[i] = (out, new)
-  pooled = []
-  for pool, stacks in pools:
-    members = [runs[i] for i in pool.members]
-    _check_stored(members, pool, stacks)
-    outs, (new_stacks,) = _run_pool(members, (pool, stacks))
-    for i, out in zip(pool.members, outs):
-      results[i] = (out, runs[i].stacks)
-    pooled.append(new_stacks)
-  return results, tuple(pooled)
-
-
-def _check_stored(runs: Sequence[BlockRun], pool: Pool, stacks) -> None:
-  if len({id(run.fn) for run in runs}) > 1 or any(
-      x.shape[0] != pool.length for x in jax.tree.leaves(stacks)
-  ):
-    raise OptimizerError(
-        f"a stored pool of {len(runs)} runs needs one fn and stacks of {pool.length} blocks; "
-        "build its stacks with layout.stored_pools and layout.pack"
-    )
+  return results
 
 
 def _pool_key(run: BlockRun) -> tuple:
@@ -687,46 +708,37 @@ def _pool_key(run: BlockRun) -> tuple:
   return (run.fn, run.blocks.mesh, dtypes) + _stacks_key(run.blocks, run.stacks)
 
 
-def _run_pool(runs: Sequence[BlockRun], stored: tuple[Pool, Any] | None = None):
-  """``(outs per run, new stacks)``: ``fn`` once on the runs' blocks, in ``shard_map`` over
-  the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles); on an
-  ``AbstractMesh`` on global arrays. ``stored``: the pool's stored stacks (new stacks: one,
-  the pool's), else each run's own (new stacks: per run, its rows of the pool's).
+def _run_pool(runs: Sequence[BlockRun]):
+  """``(outs per run, new stacks per run)``: ``fn`` once on the runs' blocks, in ``shard_map``
+  over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
 
   Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
-  split over the mesh axes along a tile dim (as unstored stacks are, :func:`stack_specs`),
-  so that joining them is local and the pool's move to dim 0 (and back) is one all-to-all
-  per array. Each stack is split along a block dim of its own: a 3-D or 4-D param's tile
-  stack ``(n, *sizes)`` and its factor stacks (``(n, b, b)``, ``(n, b)``) differ in rank.
+  split over the mesh axes along a tile dim, and so are its stacks (stored spread,
+  :meth:`ShardBlocks.stored_spec`), so that joining them is local and the pool's move to
+  dim 0 (and back) is one all-to-all per array. Each stack is split along a block dim of its
+  own: a 3-D or 4-D param's tile stack ``(n, *sizes)`` and its factor stacks (``(n, b, b)``,
+  ``(n, b)``) differ in rank.
   """
   mesh = runs[0].blocks.mesh
-  sizes = {} if mesh is None else dict(mesh.shape)
+  sizes = dict(mesh.shape)
   axes = stack_axes((), sizes)
   dealt = P(_entry(axes))
-  place = (
-      lambda x, spec: x
-      if mesh is None
-      else jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-  )
+  place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
   along = lambda x: place(x, P(None, *_spread(x.shape[1:], axes, sizes)))
   counts = [run.blocks.count for run in runs]
-  devices = 1 if mesh is None else mesh.size
-  total = stored[0].length if stored else sum(counts) + -sum(counts) % devices
+  total = sum(counts) + -sum(counts) % mesh.size
 
   def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
     stack = jnp.concatenate([along(x) for x in parts])
     return place(along(padded(stack, total)), dealt)
 
-  tile_specs = [None if mesh is None else _tile_spec(run.blocks, sizes) for run in runs]
-  at = lambda x, spec: x if spec is None else place(x, spec)
+  tile_specs = [_tile_spec(run.blocks, sizes) for run in runs]
   # Each array resharded to its run's tile layout, then cut into its tiles.
-  tiles = [[r.blocks.split(at(x, t)) for x in r.arrays] for r, t in zip(runs, tile_specs)]
+  tiles = [[r.blocks.split(place(x, t)) for x in r.arrays] for r, t in zip(runs, tile_specs)]
   arrays = [pool(parts) for parts in zip(*tiles)]
-  if stored:
-    stacks = jax.tree.map(lambda x: place(x, dealt), stored[1])
-  else:
-    stacks = jax.tree.map(lambda *parts: pool(parts), *[r.stacks for r in runs])
+  flat = [_tree(r.blocks.to_run, r.stacks) for r in runs]
+  stacks = jax.tree.map(lambda *parts: pool(parts), *flat)
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in runs]):
     same = all(v is values[0] for v in values)
@@ -738,32 +750,29 @@ def _run_pool(runs: Sequence[BlockRun], stored: tuple[Pool, Any] | None = None):
     )
 
   def body(arrays, stacks, per_block):
-    start = 0 if mesh is None else jax.lax.axis_index(axes) * (total // devices)
+    start = jax.lax.axis_index(axes) * (total // mesh.size)
     mine = lambda v: jax.lax.dynamic_slice_in_dim(
-        jnp.pad(v, (0, total - v.shape[0])), start, total // devices
+        jnp.pad(v, (0, total - v.shape[0])), start, total // mesh.size
     )
     scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
     return runs[0].fn(arrays, stacks, *scalars)
 
-  if mesh is not None:
-    body = jax.shard_map(
-        body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
-    )
+  body = jax.shard_map(
+      body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
+  )
   outs, new_stacks = body(arrays, stacks, per_block)
   outs = [along(o) for o in outs]
-  if stored:
-    new_stacks = [jax.tree.map(lambda x: place(x, dealt), new_stacks)]
-  else:
-    new_stacks = jax.tree.map(along, new_stacks)
+  new_stacks = jax.tree.map(along, new_stacks)
   merged, cuts, start = [], [], 0
   for run, n, tile_spec in zip(runs, counts, tile_specs):
-    cut = lambda x, start=start, n=n: x[start : start + n]
+    cut = lambda x, start=start, n=n, blocks=run.blocks: blocks.from_run(x[start : start + n])
     spec = P(*run.blocks.spec)
-    merged.append([at(at(run.blocks.merge(cut(o)), tile_spec), spec) for o in outs])
-    if not stored:
-      cuts.append(jax.tree.map(cut, new_stacks))
+    merged.append(
+        [place(place(run.blocks.merge(x[start : start + n]), tile_spec), spec) for x in outs]
+    )
+    cuts.append(run.blocks.stored(_tree(cut, new_stacks)))
     start += n
-  return merged, new_stacks if stored else cuts
+  return merged, cuts
 
 
 def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
@@ -823,21 +832,6 @@ def _in_step(extent: int, shards: int, block_size: int) -> bool:
   )
 
 
-def _record(runs: Sequence[BlockRun | None], pools: Sequence[tuple[Pool, Any]]) -> None:
-  """Tells :func:`stack_runs` (while it traces) where each run's stacks are: its own, or its
-  rows of a stored pool's."""
-  records = _RUNS.get()
-  if records is None:
-    return
-  rows = {}
-  for pool, stacks in pools:
-    offsets = np.cumsum((0,) + pool.counts[:-1])
-    rows.update({i: (stacks, int(o)) for i, o in zip(pool.members, offsets)})
-  for i, run in enumerate(runs):
-    if run is not None:
-      records.append((run.blocks, *rows.get(i, (run.stacks, None))))
-
-
 def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
   """Whether two layouts of one param cut it into the same blocks (so the same math).
 
@@ -851,125 +845,6 @@ def same_blocking(a: ShardBlocks, b: ShardBlocks) -> bool:
       (True, False)
   """
   return a.shape == b.shape and a.scanned == b.scanned and a.tiles() == b.tiles()
-
-
-def reorder(stack: jax.Array, old: ShardBlocks, new: ShardBlocks) -> jax.Array:
-  """A block stack of layout ``old`` in the order of layout ``new`` (same blocking).
-
-  Example:
-      >>> mesh = lambda n: jax.sharding.AbstractMesh((n,), ("data",))
-      >>> a = shard_blocks((4, 4), P(None, "data"), mesh(2), 2)
-      >>> b = shard_blocks((4, 4), P(None, "data"), mesh(1), 2)
-      >>> x = jnp.arange(16.0).reshape(4, 4)
-      >>> bool((reorder(a.split(x), a, b) == b.split(x)).all())
-      True
-  """
-  if not same_blocking(old, new):
-    raise OptimizerError(f"blocks of {old.shape} differ between the layouts; re-initialise them")
-  ids = jnp.arange(math.prod(old.shape), dtype=jnp.int32).reshape(old.shape)
-  corner = lambda blocks: blocks.split(ids).reshape(blocks.count, -1)[:, 0]
-  old_ids, first = corner(old), corner(new)
-  where = jnp.argsort(old_ids)[jnp.searchsorted(jnp.sort(old_ids), first)]
-  return stack[where]
-
-
-class StackedRun(NamedTuple):
-  """Where one :class:`BlockRun`'s stacks are in an optimizer state: ``leaves`` (indices of
-  the flattened state), its own (``offset`` None) or a stored pool's, whose rows
-  ``offset`` to ``offset + blocks.count`` are its blocks'."""
-
-  blocks: ShardBlocks
-  leaves: tuple[int, ...]
-  offset: int | None
-
-
-def stack_runs(tx, params, state) -> list[StackedRun]:
-  """Each :class:`BlockRun` of ``tx.update`` (in the order its update makes them) as a
-  :class:`StackedRun` of ``state``.
-
-  Traces ``tx.update`` on ``params``-shaped grads (nothing runs). Two layouts of one
-  optimizer give the same runs, one per blocked param, in the same order.
-
-  Example:
-      >>> from bv_sharding.optimizers.shampoo import scale_by_shampoo
-      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
-      >>> tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
-      >>> [(r.blocks.count, r.leaves, r.offset) for r in stack_runs(tx, params,
-      ...     jax.eval_shape(tx.init, params))]
-      [(2, (1, 2, 3, 4), None)]
-  """
-  leaves, treedef = jax.tree.flatten(state)
-  # Traced in float32, a state stored narrower (state_dtype.py) reaches run_all uncast, as
-  # the very leaves passed in.
-  leaves = [jax.ShapeDtypeStruct(x.shape, compute_dtype(x.dtype)) for x in leaves]
-  # Shapes alone (no shardings): what is traced is which leaves are stacks, on any mesh.
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  found = []
-
-  def update(grads, leaves):
-    records = []
-    token = _RUNS.set(records)
-    try:
-      tx.update(grads, treedef.unflatten(leaves), grads)
-    finally:
-      _RUNS.reset(token)
-    index = {id(x): i for i, x in enumerate(leaves)}
-    for blocks, stacks, offset in records:
-      ids = [index.get(id(x)) for x in jax.tree.leaves(stacks)]
-      found.append(StackedRun(blocks, tuple(i for i in ids if i is not None), offset))
-
-  jax.eval_shape(update, params, leaves)
-  return found
-
-
-def stack_blocks(tx, params, state) -> list[ShardBlocks | None]:
-  """Per leaf of ``state`` (flattened), the blocks it stacks along dim 0, else None (a stored
-  pool's leaves: its first member's blocks).
-
-  Example:
-      >>> from bv_sharding.optimizers.shampoo import scale_by_shampoo
-      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
-      >>> tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
-      >>> [b and b.count for b in stack_blocks(tx, params, jax.eval_shape(tx.init, params))]
-      [None, 2, 2, 2, 2]
-  """
-  found = [None] * len(jax.tree.leaves(state))
-  for run in stack_runs(tx, params, state):
-    for i in run.leaves:
-      found[i] = found[i] or run.blocks
-  return found
-
-
-def stack_specs(tx, params, state, mesh_sizes: dict[str, int]) -> list[P | None]:
-  """Per leaf of ``state`` (flattened): the spec to store its block stack in, else None.
-
-  All the param's axes (``mesh_sizes``: the mesh's axis sizes), on dim 0 while they divide
-  it: each device the stack slice of its own tiles. A stack of pooled tiles
-  (:attr:`ShardBlocks.pooled`: dealt over the whole mesh) takes every mesh axis: a pool
-  stored as one on dim 0 (its length is a multiple of the device count), where each
-  device's slice is fitted; a member's own stack puts those dim 0 cannot take on the tiles'
-  rows, then columns: stored at the ideal, moved to the tiles' owners for the step.
-
-  Example:
-      >>> from bv_sharding.optimizers.kron import scale_by_kron
-      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
-      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
-      >>> tx = scale_by_kron(block_size=4, layout=ParamLayout({"w": P("data")}, mesh))
-      >>> stack_specs(tx, params, jax.eval_shape(tx.init, params), {"data": 4})[:2]  # the Qs
-      [P(None, 'data', None), P(None, 'data', None)]
-  """
-  leaves = jax.tree.leaves(state)
-  specs = []
-  for blocks, x in zip(stack_blocks(tx, params, state), leaves, strict=True):
-    axes = () if blocks is None else _stored_axes(blocks, mesh_sizes)
-    specs.append(None if blocks is None else P(*_spread(x.shape, axes, mesh_sizes)))
-  return specs
-
-
-def _stored_axes(blocks: ShardBlocks, sizes: dict[str, int]) -> tuple[str, ...]:
-  """The mesh axes a stack of ``blocks`` is stored over: every axis for a pool, else its
-  param's (none for a replicated param computed whole)."""
-  return stack_axes((), sizes) if blocks.pooled else stack_axes(blocks.spec)
 
 
 def _spread(shape, axes, sizes: dict[str, int]) -> tuple:
@@ -987,19 +862,6 @@ def _spread(shape, axes, sizes: dict[str, int]) -> tuple:
         placed[dim].append(axis)
         break
   return tuple(_entry(p) for p in placed)
-
-
-def spread_sharding(shape, mesh) -> NamedSharding:
-  """A block stack of ``shape`` spread over every axis of ``mesh`` as :func:`stack_specs`
-  stores stacks (on dim 0 where the device count divides it, else on other dims).
-
-  Example:
-      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
-      >>> spread_sharding((8, 4, 4), mesh).spec, spread_sharding((2, 4, 4), mesh).spec
-      (P('data', None, None), P(None, 'data', None))
-  """
-  sizes = dict(mesh.shape)
-  return NamedSharding(mesh, P(*_spread(shape, stack_axes((), sizes), sizes)))
 
 
 def tiles_text(blocks: ShardBlocks | None) -> str:

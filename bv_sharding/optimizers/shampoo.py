@@ -14,20 +14,21 @@ State layout (tearfree-like)::
     ShampooState(
         count=int32[],
         per_param=<params-like tree of> ShampooParamState(
-            stats=[(n_blocks, b_i, b_i) per factor],  # list, one per dim > 1;
-                                                      # start at matrix_epsilon * I
-            roots=[(n_blocks, b_i, b_i) per factor],  # inverse p-th roots
-                                                      # (both in the params' dtype)
-            graft_nu=<like param> or None,            # None for graft "sgd"
-            momentum=<like param> or None),           # None when beta1 == 0
-        pools=(([stats], [roots]) per pool stored as one, ...))  # on a mesh; its
-                                                  # members' stats/roots hold None
+            stats=Stacks[(*grid, b_i, b_i) per factor],  # one per dim > 1;
+                                                         # start at matrix_epsilon * I
+            roots=Stacks[(*grid, b_i, b_i) per factor],  # inverse p-th roots
+                                                         # (both in the params' dtype)
+            graft_nu=<like param> or None,               # None for graft "sgd"
+            momentum=<like param> or None))              # None when beta1 == 0
+
+``grid``: the blocks along each dim of the param (unit dims dropped), each block at its
+place: the state is the same on any mesh (:mod:`bv_sharding.optimizers.placement`).
 
 Params whose dims are all 1 (scalars) have empty ``stats``/``roots`` lists and
 use the graft direction only; unit dims of other params are dropped before
 blocking, so a 1-D param is a single factor. With ``layout`` (the params' specs
 and mesh, see :mod:`bv_sharding.optimizers.layout`) a param's tiles that lie inside
-each device's shard are stacked shard-major and their statistics, roots and
+each device's shard are stored on it and their statistics, roots and
 preconditioning run in ``shard_map`` where the tile lives (only the grafting norms
 cross devices); tiles that span shards are dealt to owners, or pooled with the
 other params' tiles of their shape and dealt over the mesh (one
@@ -48,7 +49,7 @@ Example:
     >>> opt = shampoo(0.1, block_size=4)
     >>> state = opt.init({"w": jnp.ones((8, 3))})
     >>> [s.shape for s in state[0].per_param["w"].stats]
-    [(2, 4, 4), (2, 3, 3)]
+    [(2, 1, 4, 4), (2, 1, 3, 3)]
 """
 
 from __future__ import annotations
@@ -62,18 +63,8 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers.layout import (
-    BLOCKINGS,
-    STORED_POOL_PADDING,
-    BlockRun,
-    ParamLayout,
-    Pool,
-    ShardBlocks,
-    pack,
-    run_all,
-    shard_blocks,
-    stored_pools,
-)
+from bv_sharding.optimizers.layout import BLOCKINGS, BlockRun, ParamLayout, ShardBlocks, run_all
+from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
@@ -90,17 +81,10 @@ class ShampooParamState(NamedTuple):
 
 
 class ShampooState(NamedTuple):
-  """``count``, the per-param states, and the stored pools' ``(stats, roots)``
-  (:func:`~bv_sharding.optimizers.layout.stored_pools`; their members' lists hold None)."""
+  """``count`` and the per-param states."""
 
   count: jax.Array
   per_param: Any
-  pools: tuple = ()
-
-
-def _factor_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-  """Shape with unit dims dropped: the dims that get a preconditioner."""
-  return tuple(d for d in shape if d > 1)
 
 
 def inverse_pth_root(stats: jax.Array, p: int, matrix_epsilon: float) -> jax.Array:
@@ -168,9 +152,12 @@ def factor_blocks(shape, block_size: int, spec=(), mesh=None, blocking="tiles") 
       >>> factor_blocks((256,), 1024, (), mesh).pooled  # 256 wide: one tile, for 4 devices
       True
   """
-  spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
-  kept = [e for d, e in zip(shape, spec) if d > 1]
-  return shard_blocks(_factor_shape(shape), kept, mesh, block_size, deal=True, blocking=blocking)
+  return _tiling(block_size, blocking).blocks(shape, spec, mesh)
+
+
+def _tiling(block_size: int, blocking: str) -> Tiling:
+  """How Shampoo cuts a param: unit dims dropped, a never-sharded param dealt."""
+  return Tiling(block_size, deal=True, blocking=blocking, unit_dims_dropped=True)
 
 
 def _cast_like(new: jax.Array | None, old: jax.Array | None):
@@ -198,7 +185,6 @@ class _Settings:
   exponent_override: int | None
   layout: ParamLayout | None
   blocking: str
-  pool_padding: float
 
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
@@ -218,27 +204,16 @@ def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamS
   """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments, all
   in the param's dtype."""
   eye = [
-      jnp.broadcast_to(jnp.eye(b, dtype=param.dtype), (blocks.count, b, b)) for b in blocks.sizes
+      jnp.broadcast_to(jnp.eye(b, dtype=param.dtype), (*blocks.grid_shape, b, b))
+      for b in blocks.sizes
   ]
+  stacks = lambda xs: Stacks(xs, _tiling(settings.block_size, settings.blocking))
   return ShampooParamState(
-      stats=[settings.matrix_epsilon * e for e in eye],
-      roots=eye,
+      stats=stacks([settings.matrix_epsilon * e for e in eye]),
+      roots=stacks(eye),
       graft_nu=None if settings.graft_type == "sgd" else jnp.zeros_like(param),
       momentum=None if settings.beta1 == 0 else jnp.zeros_like(param),
   )
-
-
-def _stored_pools(params, blocks, settings: _Settings) -> tuple[Pool, ...]:
-  """The pools whose statistics and roots are stored as one, over ``params``' leaves
-  (:func:`~bv_sharding.optimizers.layout.stored_pools`)."""
-  shapes = [
-      jax.eval_shape(
-          lambda p, b=b: _init_leaf(p, b, settings), jax.ShapeDtypeStruct(p.shape, p.dtype)
-      )
-      for p, b in zip(params, blocks)
-  ]
-  run_blocks = [b if s.stats else None for b, s in zip(blocks, shapes)]
-  return stored_pools(run_blocks, [(s.stats, s.roots) for s in shapes], settings.pool_padding)
 
 
 def _shampoo_init(params, settings: _Settings) -> ShampooState:
@@ -246,11 +221,7 @@ def _shampoo_init(params, settings: _Settings) -> ShampooState:
   leaves, treedef = jax.tree.flatten(params)
   blocks = _blocks_per_leaf(params, settings)
   per_param = [_init_leaf(p, b, settings) for p, b in zip(leaves, blocks)]
-  kept, pools = pack(
-      [(s.stats, s.roots) for s in per_param], _stored_pools(leaves, blocks, settings)
-  )
-  per_param = [s._replace(stats=k[0], roots=k[1]) for s, k in zip(per_param, kept)]
-  return ShampooState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param), pools)
+  return ShampooState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
 
 
 def _graft(
@@ -301,9 +272,10 @@ def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Setting
   direction, new_momentum = _with_momentum(
       direction, state.momentum, settings.beta1, settings.nesterov
   )
+  cast = lambda new, old: Stacks([_cast_like(n, o) for n, o in zip(new, old)], old.tiling)
   new_state = ShampooParamState(
-      [_cast_like(n, o) for n, o in zip(stats, state.stats)],
-      [_cast_like(n, o) for n, o in zip(roots, state.roots)],
+      cast(stats, state.stats),
+      cast(roots, state.roots),
       _cast_like(nu, state.graft_nu),
       _cast_like(new_momentum, state.momentum),
   )
@@ -320,11 +292,12 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
   fn = functools.partial(_shampoo_run, step=step)
   runs = [
-      BlockRun(b, fn, [g.reshape(b.shape)], (s.stats, s.roots), [refresh]) if s.stats else None
+      BlockRun(b, fn, [g.reshape(b.shape)], (list(s.stats), list(s.roots)), [refresh])
+      if s.stats
+      else None
       for g, s, b in zip(grads, per_param, blocks)
   ]
-  pools = zip(_stored_pools(grads, blocks, settings), state.pools, strict=True)
-  ran, new_pools = run_all(runs, list(pools))
+  ran = run_all(runs)
   results = []
   for g, s, result in zip(grads, per_param, ran):
     factors = None
@@ -334,7 +307,7 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
     results.append(_finish_leaf(g, s, state.count, factors, settings))
   new_updates = treedef.unflatten([r[0] for r in results])
   new_per_param = treedef.unflatten([r[1] for r in results])
-  return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param, new_pools)
+  return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
 
 
 def scale_by_shampoo(
@@ -350,7 +323,6 @@ def scale_by_shampoo(
     exponent_override: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -375,16 +347,12 @@ def scale_by_shampoo(
     blocking: "tiles" (the param's fixed grid of ``block_size`` tiles on any mesh)
       or "local" (each shard's own blocks, mesh-dependent math; see
       :func:`~bv_sharding.optimizers.layout.shard_blocks`).
-    pool_padding: a pool of tiles that span shards keeps its statistics and roots
-      stored as one, where they are updated, when padding it to the device count adds
-      at most this share of its tiles; other pools' move there and back each step
-      (:func:`~bv_sharding.optimizers.layout.stored_pools`: memory for bytes, the same math).
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
       >>> state = tx.init({"w": jnp.ones((4, 2))})
-      >>> state.per_param["w"].roots[0].shape
-      (2, 2, 2)
+      >>> state.per_param["w"].roots[0].shape  # a 2 x 1 grid of 2 x 2 blocks
+      (2, 1, 2, 2)
   """
   settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if graft_type not in _GRAFT_TYPES:
@@ -393,8 +361,6 @@ def scale_by_shampoo(
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
   if blocking not in BLOCKINGS:
     raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
-  if not pool_padding >= 0:
-    raise OptimizerError(f"pool_padding={pool_padding!r}; expected a share >= 0 (e.g. 0.05)")
   return optax.GradientTransformation(
       functools.partial(_shampoo_init, settings=settings),
       functools.partial(_shampoo_update, settings=settings),
@@ -417,7 +383,6 @@ def shampoo(
     mask: Any | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    pool_padding: float = STORED_POOL_PADDING,
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -443,7 +408,6 @@ def shampoo(
           exponent_override=exponent_override,
           layout=layout,
           blocking=blocking,
-          pool_padding=pool_padding,
       ),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),

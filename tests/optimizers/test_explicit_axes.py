@@ -66,7 +66,6 @@ def _update(name: str, axis_types: str, optimizer: str, block_size: int | None =
       rules=config.sharding_rules,
       params=params_plan,
   )
-  plan = build.stacks_placed(plan, tx)  # The block stacks where the trainer stores them.
   grads = _grads(params)
   with jax.set_mesh(mesh), captured_stderr() as log:
     opt = jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import traffic
+from bv_sharding.optimizers.placement import Stacks
 from tests.helpers import (
     MIXED_PARAMS,
     final_loss,
@@ -21,7 +22,12 @@ from tests.helpers import (
 )
 from trainers.optimizers import kron, precond_update_prob_schedule, scale_by_kron
 
-SHAPES = lambda tree: jax.tree.map(lambda x: x.shape, tree)
+# Shapes of a state, a param's block stacks (a Stacks node) as a list of shapes.
+SHAPES = lambda tree: jax.tree.map(
+    lambda x: [y.shape for y in x] if isinstance(x, Stacks) else jnp.shape(x),
+    tree,
+    is_leaf=lambda x: isinstance(x, Stacks),
+)
 
 
 def _loss(params):
@@ -51,20 +57,20 @@ def test_blocked_state_shapes_pad_and_fold_scanned_layers():
   tx = scale_by_kron(block_size=4, scanned_layers=scanned)
   state = tx.init(params)
   assert SHAPES(state["Qs_preconditioners"]) == {
-      "w": [(6, 4, 4), (6, 4, 4)],
-      "stack": [(8, 4, 4), (8, 4, 4)],
+      "w": [(3, 2, 4, 4), (3, 2, 4, 4)],  # The block grid first, each block at its place.
+      "stack": [(2, 2, 2, 4, 4), (2, 2, 2, 4, 4)],  # Layers, then each layer's grid.
       "b": [(7,)],
       "s": [()],
   }
   assert SHAPES(state["mu"]) == SHAPES(params)
   one_diag = scale_by_kron(block_size=4, memory_save_mode="one_diag").init(params)
-  assert SHAPES(one_diag["Qs_preconditioners"]["w"]) == [(6, 4, 4), (6, 4)]
+  assert SHAPES(one_diag["Qs_preconditioners"]["w"]) == [(3, 2, 4, 4), (3, 2, 4)]
 
   key = iter(jax.random.split(jax.random.PRNGKey(0), 4))
   params = jax.tree.map(lambda p: jax.random.normal(next(key), p.shape), params)
   tx = scale_by_kron(block_size=4, scanned_layers=scanned, preconditioner_update_probability=1.0)
   _, state = _run(tx, params, 3)
-  q_last_rows = state["Qs_preconditioners"]["w"][0][4:]  # blocks of rows 8..11
+  q_last_rows = state["Qs_preconditioners"]["w"][0][2]  # blocks of rows 8..11
   assert np.all(np.isfinite(q_last_rows))
   # Padding is inert: no coupling between the 2 real and 2 padded rows.
   np.testing.assert_array_equal(q_last_rows[:, :2, 2:], 0.0)
@@ -87,11 +93,13 @@ def test_one_block_per_param_matches_unblocked_trajectory():
   plain_qs = plain_state[0]["Qs_preconditioners"]
   blocked_qs = blocked_state[0]["Qs_preconditioners"]
   assert SHAPES(blocked_qs) == {
-      "w": [(1, 6, 6), (1, 5, 5)],
-      "t": [(1, 3, 3), (1, 4, 4), (1, 2, 2)],
+      "w": [(1, 1, 6, 6), (1, 1, 5, 5)],  # A 1 x 1 grid of one block.
+      "t": [(1, 1, 1, 3, 3), (1, 1, 1, 4, 4), (1, 1, 1, 2, 2)],
       "b": [(5,)],
   }
-  expected = jax.tree.map(lambda q, b: q[None] if b.ndim > q.ndim else q, plain_qs, blocked_qs)
+  as_list = lambda x: list(x) if isinstance(x, Stacks) else x
+  blocked_qs = jax.tree.map(as_list, blocked_qs, is_leaf=lambda x: isinstance(x, Stacks))
+  expected = jax.tree.map(lambda q, b: q.reshape(b.shape), plain_qs, blocked_qs)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(blocked_qs)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -144,8 +152,8 @@ def test_sharded_blocks_are_local_and_keep_their_sharding():
   assert jax.device_count() >= 8, "needs jax_num_cpu_devices=8 (conftest)"
   jitted, (params, state), shardings, step = _sharded_update(block_size=64)
   assert SHAPES(state[0]["Qs_preconditioners"]) == {
-      "w": [(32, 64, 64)] * 2,
-      "emb": [(32, 64, 64)] * 2,
+      "w": [(8, 4, 64, 64)] * 2,  # Grid rows on dim 0: each device its own rows' blocks.
+      "emb": [(16, 2, 64, 64)] * 2,
   }
   reference = jax.device_get((params, state))
   for _ in range(5):

@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+import bv_sharding as bvs
 from benchmarks import traffic
-from bv_sharding.optimizers.layout import reorder, shard_blocks, stack_specs
-from bv_sharding.optimizers.shampoo import ShampooState, factor_blocks
-from trainers.optimizers import ParamLayout, kron, same_blocking, shampoo
+from bv_sharding.optimizers import ParamLayout, kron, same_blocking, shampoo
+from bv_sharding.optimizers.layout import shard_blocks
 
 STEPS = 4
 
@@ -79,25 +79,22 @@ def _mesh():
 
 
 def _shardings(tx, layout, params):
-  """Params on their specs; every block stack on its param's stack axes (a never-sharded
-  param's, under Shampoo, over every axis: dealt); the rest replicated."""
-  mesh = layout.mesh
-  state = jax.eval_shape(tx.init, params)
-  blocking = factor_blocks if isinstance(state[0], ShampooState) else shard_blocks
-  blocks = {k: blocking(v.shape, spec=SPECS[k], mesh=mesh, block_size=4) for k, v in params.items()}
-
-  def for_state(path, x):
-    name = next((k for k in params if k in jax.tree_util.keystr(path)), None)
-    if name is None or x.shape == params[name].shape:
-      return NamedSharding(mesh, SPECS[name] if name else P())
-    if x.ndim == 3 and x.shape[0] % 8 == 0 and blocks[name].stack_spec != P():
-      return NamedSharding(mesh, blocks[name].stack_spec)
-    return NamedSharding(mesh, P())
-
-  return (
-      {k: NamedSharding(mesh, s) for k, s in SPECS.items()},
-      jax.tree_util.tree_map_with_path(for_state, state),
-  )
+  """Params on ``layout``'s specs and the state where ``bvs.plan`` puts it: block stacks where
+  the optimizer runs them (their ``Stacks`` declare it), the rest following the params."""
+  strategy = [
+      (
+          f"(.*/)?{name}(/.*)?",
+          "|".join(f"shard_dim(axis={a!r}, dim={d})" for d, a in enumerate(spec) if a)
+          or "replicate()",
+      )
+      for name, spec in layout.specs.items()
+  ]
+  tree = {"params": params, "opt": jax.eval_shape(tx.init, params)}
+  plan = bvs.plan(tree, strategy, layout.mesh)
+  assert plan.specs["params"] == {
+      k: P(*s, *(None,) * (params[k].ndim - len(s))) for k, s in layout.specs.items()
+  }
+  return plan.shardings["params"], plan.shardings["opt"]
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +156,10 @@ def test_blocks_and_trajectory_do_not_depend_on_the_device_count():
   assert not same_blocking(blocks(4, "local"), blocks(8, "local"))
   tx = lambda n: kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout(n))
   runs = [_run(tx(n), params) for n in (2, 4, 8)]
-  for run, n in zip(runs[1:], (4, 8)):
+  for run in runs[1:]:
     np.testing.assert_allclose(runs[0][0]["w"], run[0]["w"], rtol=1e-5, atol=1e-6)
     qs = [r[1][0]["Qs_preconditioners"]["w"][0] for r in (runs[0], run)]
-    np.testing.assert_allclose(reorder(qs[0], blocks(2), blocks(n)), qs[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(qs[0], qs[1], rtol=1e-5, atol=1e-6)  # The same state, in order.
 
 
 # On 8 devices, rows over "data", 16-row tiles in 8- or 2-row shards: a's tiles span pairs of
@@ -186,66 +183,19 @@ def test_tiles_spanning_shards_are_fitted_by_their_owners(name):
       if name == "kron"
       else shampoo(1e-2, block_size=16, graft_type="adam", layout=layout)
   )
-  tx = make(ParamLayout(specs, mesh))
-  state = jax.eval_shape(tx.init, params)
-  leaves, treedef = jax.tree.flatten(state)
-  # Stacks where the trainer stores them (build.stacks_placed), the rest on the params' spec.
-  stacks = stack_specs(tx, params, state, {"data": 8})
-  param_spec = lambda x: P("data") if x.shape in SPANNING.values() else P()
-  shardings = treedef.unflatten(
-      [NamedSharding(mesh, param_spec(x) if s is None else s) for x, s in zip(leaves, stacks)]
-  )
+  layout = ParamLayout(specs, mesh)
+  tx = make(layout)
   hlo = []
-  on_mesh = _run(tx, params, ({k: NamedSharding(mesh, P("data")) for k in params}, shardings), hlo)
+  on_mesh = _run(tx, params, _shardings(tx, layout, params), hlo)
   reference = _run(make(None), params)
   for k in SPANNING:
     np.testing.assert_allclose(on_mesh[0][k], reference[0][k], rtol=1e-5, atol=1e-6)
-  if name == "kron":  # Each owner's factors are those of its own tiles.
-    one = {k: shard_blocks(s, P(), None, 16) for k, s in SPANNING.items()}
+  if name == "kron":  # Each factor is that of its own tile, stored at the tile's place.
     for k in SPANNING:
       qs = [r[1][0]["Qs_preconditioners"][k][0] for r in (on_mesh, reference)]
-      np.testing.assert_allclose(reorder(qs[0], blocks[k], one[k]), qs[1], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(qs[0], qs[1], rtol=1e-5, atol=1e-6)
   found = {(c.op, c.result_bytes) for c in traffic.collectives(hlo[0])}
   piece = lambda k: np.prod(SPANNING[k]) * 4 // 8  # One device's f32 shard of a param.
   assert ("all-to-all", 2 * piece("b")) in found or ("all-to-all", piece("b")) in found, found
   assert ("collective-permute", piece("a") // 2) in found, found
   assert not [b for op, b in found if op == "all-gather"], found  # Nothing is gathered whole.
-
-
-@pytest.mark.timeout(600)
-def test_a_pool_stored_as_one_keeps_its_factors_where_they_are_fitted():
-  """Three params of 4 tiles in 2-row shards: one pool of 12 tiles for 8 devices. Padded to 16
-  (33%) it is stored only under ``pool_padding=0.5``: then its Qs stay on the devices that fit
-  them, and the step moves only the arrays; by default each param's Qs go to the pool and
-  back. The same trajectory either way."""
-  params = {k: jax.random.normal(jax.random.key(i), (16, 64)) for i, k in enumerate("xyz")}
-  specs = {k: P("data") for k in params}
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  found = {}
-  for padding in (0.05, 0.5):
-    tx = kron(
-        1e-2,
-        preconditioner_update_probability=1.0,
-        block_size=16,
-        pool_padding=padding,
-        layout=ParamLayout(specs, mesh),
-    )
-    state = jax.eval_shape(tx.init, params)
-    leaves, treedef = jax.tree.flatten(state)
-    stacks = stack_specs(tx, params, state, {"data": 8})
-    param_spec = lambda x: P("data") if x.shape == (16, 64) else P()
-    shardings = treedef.unflatten(
-        [NamedSharding(mesh, param_spec(x) if s is None else s) for x, s in zip(leaves, stacks)]
-    )
-    hlo = []
-    on_mesh = _run(
-        tx, params, ({k: NamedSharding(mesh, P("data")) for k in params}, shardings), hlo
-    )
-    found[padding] = (on_mesh, traffic.wire_bytes(hlo[0]), len(state[0].get("pools", ())))
-  (default, default_bytes, none), (padded, stored_bytes, one) = found[0.05], found[0.5]
-  assert (none, one) == (0, 1)
-  for k in params:
-    np.testing.assert_allclose(padded[0][k], default[0][k], rtol=1e-5, atol=1e-6)
-  # The 12 tiles' two 16 x 16 f32 Qs, there and back, per device: (N-1)/N of 2 x 2 x 12 KiB / 8.
-  qs_round_trip = 2 * 2 * 12 * 16 * 16 * 4 * 7 // 64
-  assert default_bytes - stored_bytes >= 0.8 * STEPS * qs_round_trip, (default_bytes, stored_bytes)

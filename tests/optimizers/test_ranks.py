@@ -20,8 +20,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
-from bv_sharding.optimizers.layout import stack_blocks
-from trainers import build, steps
+from bv_sharding.optimizers.placement import Stacks
+from trainers import steps
 from trainers.optimizers import ParamLayout, make_optimizer
 
 # A ViT's ranks, tiny: a 4-D conv embedding (kh, kw, in, out), 3-D attention kernels (in, heads,
@@ -101,8 +101,8 @@ def _run(name: str, mesh_shape: tuple[int, ...]):
   params_plan = bvs.plan({"params": jax.eval_shape(lambda: params)}, strategy, mesh)
   layout = ParamLayout.from_plan(params_plan)
   tx = make_optimizer(name, 1e-2, layout=layout, **OVERRIDES.get(name, {}))
+  # Complete as planned: the block stacks where the optimizer runs them (their Stacks declare it).
   plan = bvs.plan(steps.abstract_state(lambda: params, tx), strategy, mesh, params=params_plan)
-  plan = build.stacks_placed(plan, tx)  # The block stacks where the trainer stores them.
 
   def steps_of(params, opt):
     def step(carry, _):
@@ -124,10 +124,15 @@ def _run(name: str, mesh_shape: tuple[int, ...]):
 def _stacks(plan, tx, state) -> tuple[set[str], list[str]]:
   """The block stacks of ``state`` (Kron's, Shampoo's), and those the update left off the plan's
   spec."""
-  abstract = plan.abstract()
-  blocks = stack_blocks(tx, abstract["params"], abstract["opt"])
-  names = [name for name, _ in bvs.names.flatten({"opt": state["opt"]})[0]]
-  stacks = {n for n, b in zip(names, blocks, strict=True) if b is not None}
+  del tx
+  is_stacks = lambda x: isinstance(x, Stacks)
+  nodes = jax.tree_util.tree_flatten_with_path({"opt": state["opt"]}, is_leaf=is_stacks)[0]
+  stacks = {
+      f"{bvs.names.leaf_name(path)}/{i}"
+      for path, node in nodes
+      if is_stacks(node)
+      for i in range(len(node))
+  }
   return stacks, [m for m in plan.mismatches(state) if m.split(":")[0] in stacks]
 
 

@@ -6,10 +6,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from bv_sharding.optimizers.placement import Stacks
 from tests.helpers import MIXED_PARAMS, load_tool, max_deviation, recorded_trajectories
 from trainers.optimizers import scale_by_shampoo, shampoo
 
-SHAPES = lambda tree: jax.tree.map(jnp.shape, tree)
+# Shapes of a state, a param's block stacks (a Stacks node) as a list of shapes.
+SHAPES = lambda tree: jax.tree.map(
+    lambda x: [y.shape for y in x] if isinstance(x, Stacks) else jnp.shape(x),
+    tree,
+    is_leaf=lambda x: isinstance(x, Stacks),
+)
 
 
 def test_shampoo_state_layout_is_blocked_stats_and_roots():
@@ -19,11 +25,11 @@ def test_shampoo_state_layout_is_blocked_stats_and_roots():
       state.per_param,
       is_leaf=lambda x: hasattr(x, "stats"),
   )
-  assert layout["w"] == ([(1, 8, 8), (1, 4, 4)],) * 2
+  assert layout["w"] == ([(1, 1, 8, 8), (1, 1, 4, 4)],) * 2  # The block grid first.
   assert layout["b"] == ([(1, 4, 4)],) * 2  # 1-D: one factor
   assert layout["s"] == ([], [])  # scalar: graft only
-  assert layout["big"] == ([(750, 8, 8), (750, 8, 8)],) * 2  # 2 x 375 blocks
-  assert layout["stack"] == ([(1, 3, 3), (1, 6, 6), (1, 5, 5)],) * 2
+  assert layout["big"] == ([(2, 375, 8, 8), (2, 375, 8, 8)],) * 2  # 2 x 375 blocks
+  assert layout["stack"] == ([(1, 1, 1, 3, 3), (1, 1, 1, 6, 6), (1, 1, 1, 5, 5)],) * 2
   per_param = state.per_param["w"]
   assert per_param.graft_nu.shape == per_param.momentum.shape == (8, 4)
   assert state.count.shape == ()

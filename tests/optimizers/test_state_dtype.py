@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import bv_sharding as bvs
-from bv_sharding.optimizers.layout import stack_blocks
+from bv_sharding.optimizers.placement import Stacks
 from bv_sharding.optimizers.shampoo import scale_by_shampoo
 from bv_sharding.optimizers.state_dtype import with_state_dtype
 from configs import lm
@@ -87,12 +87,17 @@ def test_a_float32_state_is_bit_identical_with_the_wrapper():
       np.testing.assert_array_equal(x, y)
 
 
-def test_the_layout_finds_the_block_stacks_of_a_bfloat16_state():
+def test_a_bfloat16_state_keeps_its_block_stacks_and_their_tiling():
   params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
   tx = scale_by_shampoo(block_size=4, graft_type="sgd", beta1=0.0)
   narrow = with_state_dtype(tx, "bfloat16")
   state = jax.eval_shape(narrow.init, params)
   assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {jnp.dtype(jnp.bfloat16)}
-  found = [b and b.count for b in stack_blocks(narrow, params, state)]
-  assert found == [b and b.count for b in stack_blocks(tx, params, jax.eval_shape(tx.init, params))]
-  assert found == [None, 2, 2, 2, 2]
+  stacks = lambda s: [
+      (n.tiling, [x.shape for x in n])
+      for n in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, Stacks))
+      if isinstance(n, Stacks)
+  ]
+  found = stacks(state)
+  assert found == stacks(jax.eval_shape(tx.init, params))
+  assert [shapes for _, shapes in found] == [[(2, 1, 4, 4), (2, 1, 4, 4)]] * 2

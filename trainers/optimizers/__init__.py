@@ -8,12 +8,12 @@ Example:
 
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.optimizers import (
-    STORAGE_OPTIONS,
     BuiltOptimizer,
     OptimizerError,
     ParamLayout,
     ShampooParamState,
     ShampooState,
+    Stacks,
     kron,
     migrate_state,
     muon,
@@ -23,7 +23,6 @@ from bv_sharding.optimizers import (
     scale_by_muon,
     scale_by_shampoo,
     shampoo,
-    stack_specs,
 )
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.registry import (
@@ -35,12 +34,12 @@ from trainers.optimizers.registry import (
 
 __all__ = [
     "OPTIMIZERS",
-    "STORAGE_OPTIONS",
     "BuiltOptimizer",
     "OptimizerError",
     "ParamLayout",
     "ShampooParamState",
     "ShampooState",
+    "Stacks",
     "decay_mask",
     "from_config",
     "kron",
@@ -54,6 +53,5 @@ __all__ = [
     "scale_by_muon",
     "scale_by_shampoo",
     "shampoo",
-    "stack_specs",
     "state_decays",
 ]

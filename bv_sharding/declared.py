@@ -1,0 +1,106 @@
+"""State placement declared by a transformation: a spec per leaf of its state's node types.
+
+A transformation whose state is not placed well by following (:mod:`bv_sharding.following`:
+same shape, factors, dims kept) declares where it keeps it: it registers the node type that
+holds one param's state (a pytree class of its own, e.g. the block stacks of a Kron or
+Shampoo preconditioner) with a function ``place(node, param_shape, param_spec, mesh_sizes)``
+returning one spec (a ``PartitionSpec`` or tuple) per leaf of ``node``, in
+``jax.tree.leaves(node)`` order. ``bvs.plan`` (and ``bvs.infer_sharding``) finds each such
+node in the state, the param it belongs to by its path (as following does) and places the
+node's leaves where ``place`` says, whatever strategy entry matches them: the plan is then
+where the transformation runs its state. Keyed on the node's type, not on the transformation,
+so a plain ``jax.eval_shape(tx.init, params)`` tree (big_vision's ``train.py``) is placed the
+same. Every other state leaf is followed as before.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import bv_sharding as bvs
+  >>> class Rows(tuple):  # One param's state: stacks of its rows.
+  ...   pass
+  >>> jax.tree_util.register_pytree_node(Rows, lambda r: (tuple(r), None), lambda _, c: Rows(c))
+  >>> def place(node, param_shape, param_spec, mesh_sizes):
+  ...   return [(param_spec[0], None) for _ in jax.tree.leaves(node)]  # rows where the param's are
+  >>> bvs.ops.register_state(Rows, place)
+  >>> tree = {"params": {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)},
+  ...         "opt": {"w": Rows([jax.ShapeDtypeStruct((64, 64), jnp.float32)])}}
+  >>> mesh = bvs.make_abstract_mesh([("data", 8)], 8)
+  >>> entry = bvs.plan(tree, 'fsdp(axis="data", min_size_to_shard_mb=0)', mesh).by_name()["opt/w/0"]
+  >>> entry.spec, entry.why
+  (P('data', None), 'follows params/w (declared by Rows)')
+"""
+
+from collections.abc import Callable
+
+import jax
+
+from bv_sharding.errors import ShardingError
+from bv_sharding.specs import Spec, axes_of
+
+_PLACERS: dict[type, Callable] = {}
+
+
+def register_state(node_type: type, place: Callable) -> None:
+  """Declares where ``node_type``'s leaves are kept: ``place(node, param_shape, param_spec,
+  mesh_sizes) -> [spec per leaf of node]`` (module docstring). Registering a type again
+  replaces its function.
+
+  ``node_type`` must be a pytree node type (registered with ``jax.tree_util``), holding the
+  state of one param, found below that param's path in the state tree.
+  """
+  if not isinstance(node_type, type) or not callable(place):
+    raise ShardingError(
+        f"register_state({node_type!r}, {place!r}): expected a pytree node class and a "
+        "function place(node, param_shape, param_spec, mesh_sizes) -> specs"
+    )
+  _PLACERS[node_type] = place
+
+
+def is_declared(x) -> bool:
+  """Whether ``x`` is a node of a registered type."""
+  return type(x) in _PLACERS
+
+
+def declared_specs(tree, param_of: Callable, sizes: dict[str, int], name_of: Callable) -> dict:
+  """``{leaf name: (spec, param name, why)}`` for the leaves of every registered node in
+  ``tree`` whose param ``param_of(path components)`` finds (``(name, shape, spec)`` or None).
+
+  ``name_of(key_path)``: a leaf's name, as the plan names leaves.
+  """
+  found = {}
+  nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_declared)
+  for path, node in nodes:
+    if not is_declared(node):
+      continue
+    name = name_of(path)
+    param = param_of(tuple(name.split("/")))
+    if param is None:
+      continue
+    param_name, shape, spec = param
+    leaves = jax.tree_util.tree_flatten_with_path(node)[0]
+    specs = list(_PLACERS[type(node)](node, tuple(shape), tuple(spec), dict(sizes)))
+    if len(specs) != len(leaves):
+      raise ShardingError(
+          f"{type(node).__name__}'s placement gave {len(specs)} specs for the {len(leaves)} "
+          f"leaves of {name}; return one spec per leaf, in jax.tree.leaves order"
+      )
+    for (sub, leaf), leaf_spec in zip(leaves, specs):
+      leaf_spec = _checked(tuple(leaf_spec), leaf.shape, sizes, f"{name}: {type(node).__name__}")
+      found[name_of(path + sub)] = (leaf_spec, param_name, f"declared by {type(node).__name__}")
+  return found
+
+
+def _checked(spec: Spec, shape, sizes: dict[str, int], where: str) -> Spec:
+  """``spec`` padded to ``shape``'s rank, each dim divisible by the axes on it."""
+  if len(spec) > len(shape):
+    raise ShardingError(f"{where}: spec {spec} has more dims than the leaf's shape {shape}")
+  spec = spec + (None,) * (len(shape) - len(spec))
+  for dim, entry in zip(shape, spec):
+    axes = axes_of(entry)
+    n = 1
+    for axis in axes:
+      if axis not in sizes:
+        raise ShardingError(f"{where}: spec {spec} names axis {axis!r}, not one of {list(sizes)}")
+      n *= sizes[axis]
+    if dim % n:
+      raise ShardingError(f"{where}: spec {spec} splits a dim of {dim} {n} ways, for shape {shape}")
+  return spec

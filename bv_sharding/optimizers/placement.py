@@ -1,0 +1,179 @@
+"""Where Kron's and Shampoo's block stacks are kept: a state node that declares it to the plan.
+
+A blocked param's stacks (Kron's Qs, Shampoo's statistics and roots) are held in a
+:class:`Stacks` node: a tuple of the stacks, each ``(*grid, ...)`` with the param's block
+grid first (:attr:`~bv_sharding.optimizers.layout.ShardBlocks.grid_shape`), and the
+:class:`Tiling` that cut the param (block size, scanned, dealt, blocking). The state is
+then a function of the params and the optimizer's settings alone, never of the mesh.
+:class:`Stacks` is registered with :func:`bv_sharding.ops.register_state`: ``bvs.plan``
+places each stack where the optimizer runs it
+(:meth:`~bv_sharding.optimizers.layout.ShardBlocks.stored_spec` of the param's blocks on the
+plan's mesh), from the state's tree alone (``jax.eval_shape(tx.init, params)``).
+
+Its leaves are named by index, like a list's (``Qs_preconditioners/w/0``), and it is a
+tuple, so tools that walk lists and tuples (big_vision's ``tree_flatten_with_names``)
+name them the same.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import bv_sharding as bvs
+  >>> from bv_sharding.optimizers import ParamLayout, scale_by_kron
+  >>> mesh = bvs.make_abstract_mesh([("data", 4)], 4)
+  >>> params = {"w": jax.ShapeDtypeStruct((512, 256), jnp.float32)}
+  >>> strategy = 'fsdp(axis="data", min_size_to_shard_mb=0)'
+  >>> layout = ParamLayout.from_plan(bvs.plan({"params": params}, strategy, mesh))
+  >>> tx = scale_by_kron(block_size=128, layout=layout)
+  >>> state = jax.eval_shape(tx.init, params)
+  >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # a 4 x 2 grid of 128-tiles
+  [(4, 2, 128, 128), (4, 2, 128, 128)]
+  >>> plan = bvs.plan({"params": params, "opt": state}, strategy, mesh)
+  >>> plan.by_name()["opt/Qs_preconditioners/w/0"].spec  # each device its own rows' tiles
+  P('data', None, None, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import jax
+import numpy as np
+
+from bv_sharding import ops
+from bv_sharding.errors import OptimizerError
+from bv_sharding.following import find_param
+from bv_sharding.names import leaf_name
+from bv_sharding.optimizers.layout import ShardBlocks, same_blocking, shard_blocks, tiles_text
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """How an optimizer cuts a param into blocks (see
+  :func:`~bv_sharding.optimizers.layout.shard_blocks`): ``block_size``, ``scanned`` (dim 0 a
+  layer axis), ``deal`` (a never-sharded param dealt over the devices), ``blocking``
+  (``"tiles"`` or ``"local"``) and ``unit_dims_dropped`` (Shampoo: the param's unit dims
+  are dropped before blocking).
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+      >>> Tiling(4, unit_dims_dropped=True).blocks((8, 1, 6), ("data",), mesh).grid_shape
+      (2, 2)
+  """
+
+  block_size: int
+  scanned: bool = False
+  deal: bool = False
+  blocking: str = "tiles"
+  unit_dims_dropped: bool = False
+
+  def blocks(self, shape, spec, mesh) -> ShardBlocks:
+    """The :class:`~bv_sharding.optimizers.layout.ShardBlocks` of a param of ``shape``
+    sharded as ``spec`` on ``mesh`` (a ``Mesh``, an ``AbstractMesh`` or None)."""
+    shape = tuple(shape)
+    spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    if self.unit_dims_dropped:
+      spec = tuple(e for d, e in zip(shape, spec) if d > 1)
+      shape = tuple(d for d in shape if d > 1)
+    return shard_blocks(
+        shape, spec, mesh, self.block_size, self.scanned, self.deal, blocking=self.blocking
+    )
+
+
+class Stacks(tuple):
+  """One param's block stacks in an optimizer state, and the :attr:`tiling` that cut them.
+
+  A pytree node (children: the stacks, keyed by index; static: the tiling) whose placement
+  is declared to the plan (module docstring).
+
+  Example:
+      >>> import jax.numpy as jnp
+      >>> s = Stacks([jnp.zeros((2, 3, 4, 4))], Tiling(4))
+      >>> len(s), s.tiling.block_size, jax.tree.map(lambda x: x.shape, s).tiling == s.tiling
+      (1, 4, True)
+  """
+
+  tiling: Tiling
+
+  def __new__(cls, stacks: Iterable, tiling: Tiling):
+    node = super().__new__(cls, stacks)
+    node.tiling = tiling
+    return node
+
+  def __repr__(self) -> str:
+    return f"Stacks({list(self)!r}, {self.tiling!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    Stacks,
+    lambda s: ([(jax.tree_util.SequenceKey(i), x) for i, x in enumerate(s)], s.tiling),
+    lambda tiling, children: Stacks(children, tiling),
+    lambda s: (tuple(s), s.tiling),
+)
+
+
+def _placed(node: Stacks, param_shape, param_spec, mesh_sizes: dict[str, int]) -> list:
+  """Each stack's :meth:`~bv_sharding.optimizers.layout.ShardBlocks.stored_spec`."""
+  mesh = _abstract_mesh(mesh_sizes)
+  blocks = node.tiling.blocks(param_shape, param_spec, mesh)
+  return [blocks.stored_spec(np.shape(x), mesh_sizes) for x in node]
+
+
+ops.register_state(Stacks, _placed)
+
+
+def _abstract_mesh(sizes: dict[str, int]):
+  return jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes))
+
+
+def state_blocks(state, params, layout) -> list[tuple[str, ShardBlocks]]:
+  """``(name, blocks)`` of every :class:`Stacks` node of ``state``: the param's blocks under
+  ``layout`` (a :class:`~bv_sharding.optimizers.ParamLayout`), named as in a plan of
+  ``{"params", "opt"}``.
+
+  Example:
+      >>> import jax.numpy as jnp
+      >>> from bv_sharding.optimizers import ParamLayout, scale_by_shampoo
+      >>> from jax.sharding import PartitionSpec as P
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+      >>> layout = ParamLayout({"w": P("data")}, jax.sharding.AbstractMesh((2,), ("data",)))
+      >>> state = jax.eval_shape(scale_by_shampoo(block_size=4, layout=layout).init, params)
+      >>> [(name, b.grid_shape) for name, b in state_blocks(state, params, layout)]
+      [('opt/per_param/w/stats', (2, 1)), ('opt/per_param/w/roots', (2, 1))]
+  """
+  named = jax.tree_util.tree_flatten_with_path(params)[0]
+  by_path = {tuple(leaf_name(p).split("/")): i for i, (p, _) in enumerate(named)}
+  specs = jax.tree.structure(params).flatten_up_to(layout.specs)
+  found = []
+  nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, Stacks))[0]
+  for path, node in nodes:
+    if not isinstance(node, Stacks):
+      continue
+    name = f"opt/{leaf_name(path)}"
+    index, _ = find_param(tuple(name.split("/")), by_path)
+    if index is not None:
+      found.append((name, node.tiling.blocks(named[index][1].shape, specs[index], layout.mesh)))
+  return found
+
+
+def check_same_tiles(state, params, saved_layout, layout) -> None:
+  """Raises ``OptimizerError`` naming the first stack of ``state`` whose blocks under
+  ``saved_layout`` are not the same tiles as under ``layout`` (``blocking="local"`` on
+  another mesh): its factors would precondition other blocks.
+
+  Example:
+      >>> import jax.numpy as jnp
+      >>> from bv_sharding.optimizers import ParamLayout, scale_by_shampoo
+      >>> from jax.sharding import PartitionSpec as P
+      >>> params = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+      >>> on = lambda n: ParamLayout({"w": P("data")}, jax.sharding.AbstractMesh((n,), ("data",)))
+      >>> tx = scale_by_shampoo(block_size=4, blocking="local", layout=on(2))
+      >>> check_same_tiles(jax.eval_shape(tx.init, params), params, on(2), on(4))
+      Traceback (most recent call last):
+      ...
+      bv_sharding.errors.OptimizerError: opt/per_param/w/stats: (4, 4) blocks of a (8, 4) param in (2, 1) shards before, (2, 4) blocks of a (8, 4) param in (4, 1) shards now
+  """
+  for (name, old), (_, new) in zip(
+      state_blocks(state, params, saved_layout), state_blocks(state, params, layout), strict=True
+  ):
+    if not same_blocking(old, new):
+      raise OptimizerError(f"{name}: {tiles_text(old)} before, {tiles_text(new)} now")
