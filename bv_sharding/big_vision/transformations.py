@@ -110,7 +110,7 @@ def boxes_unboxed(build: Callable[..., optax.GradientTransformation]) -> Callabl
     >>> boxed = {"w": nn.LogicallyPartitioned(jnp.ones((4, 4)), ("embed", "mlp"))}
     >>> state = boxes_unboxed(scale_by_shampoo)(block_size=2).init(boxed)
     >>> state.per_param["w"].roots[0].shape
-    (4, 2, 2)
+    (2, 2, 2, 2)
   """
 
   @functools.wraps(build)

@@ -392,7 +392,9 @@ class ShardBlocks:
     """Where a block stack of ``shape`` (``(*grid, ...)``) is stored on a mesh of ``sizes``.
 
     Shard-local blocks (:attr:`shard_local`): the param's spec (or its dealt piece's) on the
-    grid dims, so each device stores the factors of its own blocks. Tiles dealt to owners
+    grid dims, so each device stores the factors of its own blocks; a never-sharded param's
+    (computed whole on every device) spread over every mesh axis, at the ideal, and gathered
+    for the step. Tiles dealt to owners
     (:attr:`owners`) or pooled over the mesh (:attr:`pooled`): the grid whole, the param's axes
     (a pool's: every mesh axis) spread over the blocks' own dims, at the ideal; each step an
     all-to-all moves them to where they are fitted, and back.
@@ -407,6 +409,8 @@ class ShardBlocks:
         ((0, 'data', 2), P(None, None, 'data', None))
     """
     grid = len(self.grid_shape)
+    if self.shard_local and not stack_axes(self.spec):  # A never-sharded param's, computed
+      return P(*_spread(tuple(shape), stack_axes((), sizes), sizes))  # whole: stored spread.
     if self.shard_local:
       return P(*self.spec, *(None,) * (len(shape) - grid))
     axes = stack_axes((), sizes) if self.pooled else stack_axes(self.spec)
