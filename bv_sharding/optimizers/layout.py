@@ -64,6 +64,11 @@ from bv_sharding.ops import axis_size, stack_axes
 from bv_sharding.optimizers.axes import auto_mesh
 from bv_sharding.optimizers.tensor_ops import blockify, unblockify
 
+# A never-sharded param's block stack of at least this many elements is stored spread over
+# the mesh (:meth:`ShardBlocks.stored_spec`): 4 MiB in float32, big_vision's fsdp threshold.
+# Counted in elements, not bytes, so the plan and the optimizer agree whatever the state dtype.
+SPREAD_MIN_ELEMENTS = 2**20
+
 BLOCKINGS = ("tiles", "local")  # The param's fixed tile grid (default), or each shard's own blocks.
 
 
@@ -392,9 +397,12 @@ class ShardBlocks:
     """Where a block stack of ``shape`` (``(*grid, ...)``) is stored on a mesh of ``sizes``.
 
     Shard-local blocks (:attr:`shard_local`): the param's spec (or its dealt piece's) on the
-    grid dims, so each device stores the factors of its own blocks; a never-sharded param's
-    (computed whole on every device) spread over every mesh axis, at the ideal, and gathered
-    for the step. Tiles dealt to owners
+    grid dims, so each device stores the factors of its own blocks. A never-sharded param's
+    blocks are computed whole on every device; a stack of theirs that reaches
+    :data:`SPREAD_MIN_ELEMENTS` is stored spread over every mesh axis, at the ideal, and
+    gathered for the step (no big state stranded beside a param big_vision's ``fsdp`` leaves
+    whole), smaller ones stay whole like their param (a ``replicate()`` strategy keeps small
+    models' state replicated, as data parallelism does). Tiles dealt to owners
     (:attr:`owners`) or pooled over the mesh (:attr:`pooled`): the grid whole, the param's axes
     (a pool's: every mesh axis) spread over the blocks' own dims, at the ideal; each step an
     all-to-all moves them to where they are fitted, and back.
@@ -409,8 +417,9 @@ class ShardBlocks:
         ((0, 'data', 2), P(None, None, 'data', None))
     """
     grid = len(self.grid_shape)
-    if self.shard_local and not stack_axes(self.spec):  # A never-sharded param's, computed
-      return P(*_spread(tuple(shape), stack_axes((), sizes), sizes))  # whole: stored spread.
+    if self.shard_local and not stack_axes(self.spec):  # A never-sharded param's.
+      big = math.prod(shape) >= SPREAD_MIN_ELEMENTS
+      return P(*_spread(tuple(shape), stack_axes((), sizes) if big else (), sizes))
     if self.shard_local:
       return P(*self.spec, *(None,) * (len(shape) - grid))
     axes = stack_axes((), sizes) if self.pooled else stack_axes(self.spec)
