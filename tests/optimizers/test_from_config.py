@@ -142,6 +142,20 @@ def test_shipped_lm_config_accepts_big_vision_names_and_spelling():
     assert isinstance(tx, optax.GradientTransformation)
 
 
+def test_the_librarys_big_vision_names_follow_the_params_layout():
+  # Shard-local blocks are cut from the layout: 2-row shards of a 16-row param on 8 devices
+  # give a grid of 8 blocks down its rows, where the param without a layout gives 2.
+  params = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+  mesh = bvs.make_abstract_mesh([("data", 8)], 8)
+  layout = bvs.optimizers.ParamLayout({"w": jax.P("data")}, mesh)
+  config = section(
+      optax_name="bv_sharding.scale_by_kron", lr=0.1, optax={"block_size": 8, "blocking": "local"}
+  )
+  stacks = lambda tx: [x.shape for x in jax.tree.leaves(jax.eval_shape(tx.init, params))]
+  assert (8, 1, 2, 2) in stacks(from_config(config, layout)[0])
+  assert (8, 1, 2, 2) not in stacks(from_config(config)[0])
+
+
 def test_no_schedule_key_is_big_visions_constant_learning_rate():
   _, learning_rates = from_config(section(optax_name="scale_by_adam", lr=0.3))
   assert [float(learning_rates["lr"](s)) for s in (0, 9)] == pytest.approx([0.3, 0.3])

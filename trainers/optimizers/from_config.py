@@ -69,7 +69,7 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   if name in registry.OPTIMIZERS:
     tx = _registry_optimizer(config, name, kwargs, entries, schedules, layout)
   else:
-    tx = _big_vision_chain(config, name, kwargs, schedules)
+    tx = _big_vision_chain(config, name, kwargs, schedules, layout)
   tx = with_state_dtype(tx, precision.of_config(config).state)
   if config.get("rewarmup_steps"):  # Ramps in an optimizer born mid-run (rebirth.py).
     tx = optax.chain(tx, ramp_in(config.rewarmup_steps))
@@ -96,7 +96,9 @@ def _registry_optimizer(config, name, kwargs, entries, schedules, layout):
     raise OptimizerError(f"config.optax_name / config.optax: {e}") from None
 
 
-def _big_vision_chain(config, name: str, kwargs: dict, schedules) -> optax.GradientTransformation:
+def _big_vision_chain(
+    config, name: str, kwargs: dict, schedules, layout
+) -> optax.GradientTransformation:
   try:
     factory(name)
   except ConfigError:
@@ -108,7 +110,7 @@ def _big_vision_chain(config, name: str, kwargs: dict, schedules) -> optax.Gradi
         f"{closest(name.removeprefix('optax.'), known)}"
     ) from None
   try:
-    return bv_optax.chain(config, transformation(name, kwargs), schedules)
+    return bv_optax.chain(config, transformation(name, kwargs, layout), schedules)
   except ConfigError as e:
     raise OptimizerError(str(e)) from None
 
