@@ -70,7 +70,7 @@ from trainers import (
     validation,
 )
 from trainers.input import batching, prefetch, records
-from trainers.rundir import checkpoint, events, parts, profiling, provenance, workdir
+from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
@@ -116,6 +116,7 @@ def main(argv):
       process_id=_PROCESS_ID.value,
   )
   workdir.check(_WORKDIR.value)
+  lock.check_free(_WORKDIR.value)  # Another run on this workdir stops this one here.
   start_backend()
   same_job.check(config, job_facts())  # Every host runs this job.
   is_main_process = jax.process_index() == 0
@@ -139,7 +140,10 @@ def main(argv):
   eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
-  # Every check passed: only now is the workdir touched.
+  # Every check passed: only now is the workdir touched, by the run that holds it.
+  held = lock.hold(_WORKDIR.value) if is_main_process else None
+  if held and held.earlier:
+    logging.warning("took over the lock of a run that ended: %s", held.earlier)
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
   ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, plan, is_main_process)
   scans.save()
@@ -166,6 +170,8 @@ def main(argv):
       trace.close()
       curves.close()
       metrics.close()
+      if held:
+        held.release()
 
 
 def start_backend() -> None:
