@@ -53,6 +53,7 @@ import argparse
 import ast
 import functools
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -178,6 +179,35 @@ def fraction(text: str) -> float:
   if not 0 <= value <= 1:
     raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1], e.g. 0.02")
   return value
+
+
+def non_negative(text: str) -> float:
+  """A finite number >= 0: an argparse ``type`` (e.g. of ``trainers.sample --temperature``).
+
+  Example: ``non_negative("0.8")`` == 0.8; ``non_negative("nan")`` raises ArgumentTypeError.
+  """
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 <= value < math.inf:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+  return value
+
+
+def new_file(text: str) -> str:
+  """A file path whose directory exists and is writable: an argparse ``type`` (e.g. of
+  ``trainers.plan --png``), so a command stops before its work, not at its end.
+
+  Example: ``new_file("plan.png")`` == "plan.png"; ``new_file("/no/such/dir/x.png")`` raises
+  ArgumentTypeError.
+  """
+  folder = os.path.dirname(text) or "."
+  if not text or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: its directory {folder} does not exist or is not writable"
+    )
+  return text
 
 
 def parse_flags(argv: list[str], flag_values=flags.FLAGS) -> list[str]:

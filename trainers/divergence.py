@@ -51,11 +51,21 @@ class LossWatch:
     self.last: tuple[int, float] | None = None
     self.skipped = 0
 
-  def observe(self, step: int, loss: float) -> bool:
+  def observe(self, step: int, loss: float, l2_params: float = 0.0) -> bool:
     """True for a finite loss; False for a skipped step; raises when the run must stop.
+
+    ``l2_params``: the norm of the params the step's update made; a non-finite one stops
+    the run under either policy (the update already happened: nothing is left to skip).
 
     Example: ``LossWatch("skip", 1e-3).observe(7, float("inf"))`` is False.
     """
+    if math.isfinite(loss) and not math.isfinite(l2_params):
+      message = (
+          f"step {step}: the loss was {loss:.6g} but the updated params are not finite (their "
+          f"norm is {l2_params}). Lower config.lr (now {self.lr}), set config.grad_clip_norm, "
+          "or check config.optax (a decay of 1 divides by zero)"
+      )
+      self._stop({"step": step, "loss": loss, "l2_params": l2_params, "stopped": message})
     if math.isfinite(loss):
       self.last, self.skipped = (step, loss), 0
       return True
@@ -63,9 +73,13 @@ class LossWatch:
     if self.policy == "skip" and self.skipped < MAX_SKIPPED:
       return False
     message = self.message(step, loss)
+    self._stop({"step": step, "loss": loss, "stopped": message})
+
+  def _stop(self, record: dict) -> None:
+    """Writes ``record`` (its ``stopped`` says why) and stops the run."""
     if self.write is not None:
-      self.write({"step": step, "loss": loss, "stopped": message})
-    raise NonFiniteLossError(message)
+      self.write(record)
+    raise NonFiniteLossError(record["stopped"])
 
   def message(self, step: int, loss: float) -> str:
     """Why the run stopped: the step, the loss, the last finite loss and what to change."""

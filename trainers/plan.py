@@ -76,7 +76,9 @@ def parser() -> cli.Parser:
   p.add_argument("--dcn_mesh", help="overrides config.dcn_mesh (across TPU slices)")
   p.add_argument("--num_devices", type=int, help="devices to plan for (sizes -1 axes)")
   p.add_argument("--format", choices=("text", "json"), default="text")
-  p.add_argument("--png", help="draw per-device memory and the largest leaves to this file")
+  p.add_argument(
+      "--png", type=cli.new_file, help="draw per-device memory and the largest leaves to this file"
+  )
   p.add_argument(
       "--diff",
       action="append",

@@ -82,14 +82,26 @@ def pick(logits: np.ndarray, rng: np.random.Generator, temperature: float, top_k
     1
     >>> pick(np.array([0.0, 3.0, 1.0]), np.random.default_rng(0), 1.0, 1)
     1
+    >>> pick(np.array([0.0, 3.0, 1.0]), np.random.default_rng(0), 1.0, 1_000_000) in (0, 1, 2)
+    True
   """
   if temperature <= 0:
     return int(np.argmax(logits))
   scaled = logits.astype(np.float64) / temperature
-  if top_k:
+  if 0 < top_k < len(scaled):  # A k of the vocabulary's size or more keeps every token.
     scaled[scaled < np.sort(scaled)[-top_k]] = -np.inf
   p = np.exp(scaled - scaled.max())
   return int(rng.choice(len(p), p=p / p.sum()))
+
+
+def finite(logits: np.ndarray, source: str) -> np.ndarray:
+  """``logits``, or ``ConfigError`` if any is NaN or infinite (params of a diverged run)."""
+  if not np.all(np.isfinite(logits)):
+    raise ConfigError(
+        f"{source} gives non-finite logits (its params hold NaN or inf: the run diverged); "
+        "sample a checkpoint saved before it did"
+    )
+  return logits
 
 
 def decode_step(model, plan: bvs.Plan):
@@ -128,13 +140,6 @@ def generate(step, params, prompt: list[int], window: int, steps: int, choose, e
   return new
 
 
-def non_negative(text: str) -> float:
-  """A number >= 0: an argparse ``type``."""
-  if float(text) < 0:
-    raise ValueError(text)
-  return float(text)
-
-
 @cli.command
 def main(argv=None) -> None:
   """``python -m trainers.sample --workdir W --prompt TEXT``: prints the prompt's continuation."""
@@ -142,14 +147,14 @@ def main(argv=None) -> None:
   parser.add_argument("--workdir", required=True, help="a trainer's workdir (its checkpoints)")
   parser.add_argument("--prompt", default="", help="the text to continue")
   parser.add_argument("--max_new_tokens", type=cli.at_least(1), default=100)
-  parser.add_argument("--temperature", type=non_negative, default=0.8, help="0: greedy")
+  parser.add_argument("--temperature", type=cli.non_negative, default=0.8, help="0: greedy")
   parser.add_argument(
       "--top_k", type=cli.at_least(0), default=0, help="sample among the K likeliest (0: all)"
   )
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seed", type=cli.at_least(0), default=0)
   parser.add_argument(
       "--devices_per_process",
-      type=int,
+      type=cli.at_least(1),
       default=distributed.simulated_devices(),
       help="simulated CPU devices (GPU/TPU backends ignore it)",
   )
@@ -176,7 +181,7 @@ def main(argv=None) -> None:
     print(f"sampling from {source} on {jax.device_count()} devices", file=sys.stderr)
     step = decode_step(run.model, run.plan)
     rng = np.random.default_rng(args.seed)
-    choose = lambda logits: pick(logits[:vocab], rng, args.temperature, args.top_k)
+    choose = lambda logits: pick(finite(logits[:vocab], source), rng, args.temperature, args.top_k)
     window = min(config.seq_len, run.model.config.max_len)
     new = generate(step, params, prompt, window, args.max_new_tokens, choose, eot)
   print(args.prompt + tokenizers_lib.decode(tok, new))

@@ -356,7 +356,7 @@ class Pending:
     values = jax.device_get([metrics for _, metrics in queue])
     for (step, _), metrics in zip(queue, values):
       metrics = {key: float(value) for key, value in metrics.items()}
-      if not self.watch.observe(step, metrics["loss"]):  # Raises under "stop".
+      if not self.watch.observe(step, metrics["loss"], metrics["l2_params"]):  # May raise.
         logging.warning("step %d: loss %s, update skipped", step, metrics["loss"])
       self.log(step, metrics, params)
 

@@ -23,6 +23,7 @@ Example:
 
 import functools
 import inspect
+import numbers
 import operator
 from collections.abc import Callable, Mapping
 
@@ -38,6 +39,7 @@ __all__ = [
     "boxes_unboxed",
     "factory",
     "momentum_hp",
+    "not_a_number",
     "scale_by_adafactor",
     "takes_layout",
     "transformation",
@@ -187,12 +189,34 @@ def transformation(name: str, kwargs: Mapping, layout=None) -> optax.GradientTra
         f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {e}. "
         f"Signature: {name.removeprefix('optax.')}{inspect.signature(build)}"
     ) from None
+  mistyped = not_a_number(inspect.signature(build), kwargs)
+  if mistyped:
+    raise ConfigError(f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {mistyped}")
   try:
     return build(**kwargs)
   except OptimizerError as e:
     raise ConfigError(
         f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {e}"
     ) from None
+
+
+def not_a_number(signature: inspect.Signature, kwargs: Mapping) -> str | None:
+  """What is wrong with the first of ``kwargs`` that is not a number where ``signature``'s
+  default is one (a string from the command line, ``--config.optax.b1=abc``); None: nothing.
+
+  Example:
+    >>> not_a_number(inspect.signature(optax.scale_by_adam), {"b1": "abc"})
+    "b1='abc' is not a number (the default is 0.9)"
+  """
+  for arg, value in kwargs.items():
+    parameter = signature.parameters.get(arg)
+    if parameter is not None and _is_number(parameter.default) and not _is_number(value):
+      return f"{arg}={value!r} is not a number (the default is {parameter.default!r})"
+  return None
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _shown(kwargs: Mapping) -> dict:

@@ -7,10 +7,12 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 
 from tests.helpers import assert_snake_case_help, help_text, run_module, train
 from trainers import convert, sample
+from trainers.errors import ConfigError
 from trainers.input import sources
 
 WORDS = "the quick brown fox jumps over lazy dog and cat runs far away from home".split()
@@ -83,6 +85,27 @@ def test_a_workdir_without_a_run_is_one_line(tmp_path, capsys):
   err = capsys.readouterr().err
   assert exited.value.code == 1 and err.startswith(f"ConfigError: --workdir={tmp_path} has no")
   assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "fragment"),
+    [
+        ("--temperature=nan", "--temperature: 'nan' is not a finite number >= 0"),
+        ("--seed=-1", "--seed: '-1' is not an integer >= 0"),
+        ("--devices_per_process=0", "--devices_per_process: '0' is not an integer >= 1"),
+    ],
+)
+def test_a_bad_sampling_flag_is_one_line(tmp_path, capsys, flag, fragment):
+  with pytest.raises(SystemExit) as exited:
+    sample.main([f"--workdir={tmp_path}", flag])
+  err = capsys.readouterr().err
+  assert exited.value.code == 1 and err.startswith("ConfigError: argument ") and fragment in err
+  assert len(err.splitlines()) == 1
+
+
+def test_non_finite_logits_are_one_line_naming_the_checkpoint():
+  with pytest.raises(ConfigError, match="runs/x/checkpoints/4 gives non-finite logits"):
+    sample.finite(np.array([0.0, np.nan]), "runs/x/checkpoints/4")
 
 
 def test_help_shows_snake_case_flags_only(capsys):

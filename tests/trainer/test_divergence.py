@@ -32,11 +32,14 @@ def test_diverging_run_stops_with_valid_metrics_and_keeps_the_earlier_run(tmp_pa
   workdir = used_workdir(tmp_path / "run")
   status, out, records = train(workdir, *SHORT, "--config.lr=1e9", "--config.optax.b1=0.5")
   assert status == 1, out[-3000:]
+  # The update of step 3 overflows the params (their norm inf) while its loss is finite: the
+  # run stops there, before a later step's loss turns nan or a checkpoint saves them.
   line = next(x for x in out.splitlines() if x.startswith("NonFiniteLossError:"))
-  assert "the loss is nan" in line and "the last finite loss was" in line and "config.lr" in line
+  assert "step 3: the loss was" in line and "the updated params are not finite" in line
+  assert "config.lr (now 1000000000.0)" in line
   assert f"moved config.json, metrics.jsonl into {workdir}/attempt-1 (nothing deleted)" in out
   assert_untouched(workdir / "attempt-1")
-  assert records[0]["step"] == 1 and records[-1]["loss"] is None
+  assert records[0]["step"] == 1 and records[-1]["l2_params"] is None
   assert records[-1]["stopped"] in line
   assert "NaN" not in (workdir / "metrics.jsonl").read_text()
   assert json.loads((workdir / "config.json").read_text())["optax"] == {"b1": 0.5}
@@ -67,3 +70,15 @@ def test_loss_watch_policies():
   )
   with pytest.raises(NonFiniteLossError, match="no step had a finite loss"):
     skip.observe(divergence.MAX_SKIPPED, math.nan)
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_params_made_non_finite_by_a_finite_loss_step_stop_the_run(policy):
+  # Adam with b1=1 divides by 1 - b1**t = 0: the loss was finite, the params it left are not.
+  written = []
+  watch = divergence.LossWatch(policy, lr=3.0, write=written.append)
+  assert watch.observe(1, 2.5, l2_params=10.0)
+  with pytest.raises(NonFiniteLossError, match="step 2: the loss was 2.4 but the updated params"):
+    watch.observe(2, 2.4, l2_params=math.nan)
+  assert written[0]["step"] == 2 and "config.optax" in written[0]["stopped"]
+  assert written[0]["loss"] == 2.4

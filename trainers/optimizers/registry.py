@@ -23,6 +23,7 @@ import jax
 import optax
 
 from bv_sharding.big_vision.schedules import make_schedule
+from bv_sharding.big_vision.transformations import not_a_number
 from bv_sharding.optimizers import auto_axes_update, kron, muon, refill, shampoo
 from trainers.errors import OptimizerError, closest
 
@@ -188,6 +189,9 @@ def _check_arguments(name: str, entry: _Entry, kwargs: Mapping[str, Any]) -> Non
     raise OptimizerError(
         f"Bad arguments for optimizer {name!r}: {e}{hints}. Signature: {name}{signature}"
     ) from None
+  mistyped = not_a_number(signature, kwargs)
+  if mistyped:
+    raise OptimizerError(f"optimizer {name!r}: {mistyped}")
 
 
 def make_optimizer(
