@@ -168,3 +168,16 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_names_it(tmp_path):
   assert held.earlier["pid"] == holder.pid
   held.release()
   lock.check_free(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("given", "fragment"),
+    [("", "--workdir is empty"), ("gs:/bucket/run", "missing a slash; write gs://bucket/run")],
+)
+def test_an_empty_or_mangled_workdir_is_refused_before_anything_exists(
+    tmp_path, monkeypatch, given, fragment
+):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ConfigError, match=fragment):
+    workdir.check(given)
+  assert os.listdir(tmp_path) == []

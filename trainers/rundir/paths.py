@@ -32,6 +32,7 @@ from trainers.errors import ConfigError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 SCHEMES = ("gs",)
+_MANGLED = re.compile(rf"^({'|'.join(SCHEMES)}):/?(?!/)(.*)$")
 # What a gs:// workdir needs: epath reaches GCS through fsspec's gcsfs; TensorBoard's files and
 # the trainer's go through epath too.
 GCS_PACKAGES = ("gcsfs",)
@@ -44,6 +45,18 @@ ADC = "application_default_credentials.json"  # gcloud auth application-default 
 def is_url(path) -> bool:
   """Whether ``path`` is a URL (``scheme://...``) rather than a local path."""
   return bool(_URL.match(os.fspath(path)))
+
+
+def mangled_url(location) -> str | None:
+  """The URL ``location`` was likely meant as, where it starts with a supported scheme and a
+  colon but not ``://`` (``gs:/bucket/run``, ``gs:bucket/run``); else None.
+
+  Example:
+    >>> mangled_url("gs:/bucket/run"), mangled_url("gs:bucket"), mangled_url("runs/gs:1")
+    ('gs://bucket/run', 'gs://bucket', None)
+  """
+  match = _MANGLED.match(os.fspath(location))
+  return None if match is None else f"{match.group(1)}://{match.group(2)}"
 
 
 def path(location) -> epath.Path:

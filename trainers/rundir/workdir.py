@@ -50,8 +50,14 @@ def check(path: str) -> None:
 
   A URL is checked by :func:`paths.check` (its scheme, backend and credentials; no network).
 
-  Example: ``check("/etc/passwd")`` raises: it is a file.
+  Example: ``check("/etc/passwd")`` raises: it is a file; so do ``check("")`` and
+  ``check("gs:/bucket/run")`` (a URL missing a slash, which would become a local ``gs:`` folder).
   """
+  if not path:
+    raise ConfigError("--workdir is empty; name a directory (e.g. runs/lm) or a gs:// URL")
+  mangled = paths.mangled_url(path)
+  if mangled:
+    raise ConfigError(f"--workdir={path} looks like a URL missing a slash; write {mangled}")
   if paths.is_url(path):
     paths.check(path)
     return
