@@ -149,8 +149,9 @@ def snake_case(args: list[str], names) -> list[str]:
   return out
 
 
-def at_least(low: int):
-  """An argparse ``type``: integers >= ``low`` (e.g. of ``trainers.convert --workers``).
+def at_least(low: int, high: int | None = None, why: str = ""):
+  """An argparse ``type``: integers >= ``low`` (e.g. of ``trainers.convert --workers``), and
+  <= ``high`` if given (``why`` says why).
 
   Example: ``at_least(1)("4")`` == 4; ``at_least(1)("0")`` raises ArgumentTypeError.
   """
@@ -162,6 +163,8 @@ def at_least(low: int):
       value = low - 1
     if value < low:
       raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {low}")
+    if high is not None and value > high:
+      raise argparse.ArgumentTypeError(f"{text!r} is over {high}{why}")
     return value
 
   return parse

@@ -67,6 +67,9 @@ from trainers.input import tokenizer as tokenizers_lib
 BATCH = 2**20  # Bytes of text per batch a worker encodes.
 SPLITS = ("train", "val")
 TOKENIZER = "tokenizer.json"  # A trained tokenizer, in the output directory.
+# The most ids --vocab_size may ask for: a BPE trainer allocates per id before it starts (2**32
+# ids took 283 GB), and the largest vocabularies in use have 2**18.
+MAX_VOCAB = 2**20
 
 
 class Progress:
@@ -310,7 +313,11 @@ def main(argv=None) -> None:
   parser.add_argument(
       "--train_tokenizer", action="store_true", help="train a BPE on the corpus first"
   )
-  parser.add_argument("--vocab_size", type=cli.at_least(1), help="the trained tokenizer's ids")
+  parser.add_argument(
+      "--vocab_size",
+      type=cli.at_least(1, MAX_VOCAB, ", more ids than a BPE needs (the largest in use: 262144)"),
+      help="the trained tokenizer's ids",
+  )
   parser.add_argument("--eot_token", default="", help="the end-of-text token (default: found)")
   parser.add_argument("--text_field", default="text", help="JSONL/Parquet: the text's field")
   parser.add_argument(

@@ -297,7 +297,16 @@ def test_the_files_of_a_conversion_go_together(tmp_path, given_tokenizer):
         ),
         (
             ["{tmp}/corpus/d.parquet", "{tmp}/out"],
-            "ConfigError: {tmp}/corpus/d.parquet has no column 'text' (its columns: ['body']);",
+            "ConfigError: {tmp}/corpus/d.parquet has no column 'text' (its columns: ['body', "
+            "'n']);",
+        ),
+        (
+            ["{tmp}/corpus/d.parquet", "{tmp}/out", "--text_field=n"],
+            "ConfigError: {tmp}/corpus/d.parquet: column 'n' holds int64, not text;",
+        ),
+        (
+            ["{tmp}/corpus", "{tmp}/out", "--train_tokenizer", "--vocab_size=4294967296"],
+            "ConfigError: argument --vocab_size: '4294967296' is over 1048576, more ids than",
         ),
         (["{tmp}/corpus/e.txt", "{tmp}/out"], "ConfigError: the corpus (1 files) holds no text;"),
         (
@@ -320,7 +329,7 @@ def test_bad_input_is_one_line_and_exit_1(tmp_path, capsys, args, line):
   (corpus / "a.txt").write_text("hello")
   (corpus / "b.bin").write_bytes(b"\xff\xfe\x00 not text")
   (corpus / "c.jsonl").write_text('{"body": "one"}\n{"text": "two"}\n')
-  parquet.write_table(pa.table({"body": ["one"]}), corpus / "d.parquet")
+  parquet.write_table(pa.table({"body": ["one"], "n": [1]}), corpus / "d.parquet")
   (corpus / "e.txt").write_text("")
   with pytest.raises(SystemExit) as exited:
     convert.main([a.format(tmp=tmp_path) for a in args])

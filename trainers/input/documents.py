@@ -255,6 +255,7 @@ def _parquet_pieces(path: str, start: int, corpus: Corpus) -> Iterator[Piece]:
   at a time."""
   field = corpus.text_field
   try:
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
     from pyarrow import parquet  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise ConfigError(
@@ -268,6 +269,11 @@ def _parquet_pieces(path: str, start: int, corpus: Corpus) -> Iterator[Piece]:
   if field not in names:
     raise ConfigError(
         f"{path} has no column {field!r} (its columns: {names}); name it with --text_field"
+    )
+  kind = table.schema_arrow.field(field).type
+  if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    raise ConfigError(
+        f"{path}: column {field!r} holds {kind}, not text; name a string column with --text_field"
     )
   rows, size = max(table.metadata.num_rows, 1), os.path.getsize(path)
   done = 0
