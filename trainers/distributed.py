@@ -10,10 +10,20 @@ Example:
   'single process'
 """
 
+import contextlib
 import os
+import socket
+import sys
+import threading
 
 import jax
 from jax._src import clusters  # jax has no public API for its cluster detection (0.10).
+
+from trainers.errors import ConfigError
+
+# jax's own deadline comes this much after ours: past it, jax aborts the process (SIGABRT,
+# a C++ stack trace), which Python cannot catch.
+_GRACE = 10
 
 
 def simulated_devices() -> int:
@@ -44,18 +54,80 @@ def detected_cluster() -> str | None:
   return found.name if found else None
 
 
-def start(coordinator: str | None, num_processes: int, process_id: int, auto: bool) -> str:
+def start(
+    coordinator: str | None, num_processes: int, process_id: int, auto: bool, timeout: int = 300
+) -> str:
   """Starts jax.distributed if asked or detected; says how ("flags", the cluster, or single).
 
-  Must run before anything starts the backend.
+  Must run before anything starts the backend. With flags, a coordinator port already in use
+  raises ``ConfigError`` naming it, and a job whose processes have not all connected after
+  ``timeout`` seconds ends this process with one line and exit status 1 (:func:`waiting`).
 
   Example: ``start("10.0.0.1:1234", 2, 0, auto=True) == "flags"``.
   """
   if coordinator:
-    jax.distributed.initialize(coordinator, num_processes, process_id)
+    if process_id == 0:  # The coordinator serves on the port: jax crashes if it is taken.
+      check_port_free(coordinator)
+    with waiting(coordinator, num_processes, process_id, timeout):
+      jax.distributed.initialize(
+          coordinator, num_processes, process_id, initialization_timeout=timeout + _GRACE
+      )
     return "flags"
   cluster = detected_cluster() if auto else None
   if cluster is None:
     return "single process"
   jax.distributed.initialize()
   return f"auto-detected {cluster}"
+
+
+def check_port_free(coordinator: str) -> None:
+  """Raises ``ConfigError`` if this host cannot serve on ``coordinator``'s port (``host:port``).
+
+  Example:
+    >>> with socket.socket() as taken:
+    ...   taken.bind(("127.0.0.1", 0)); taken.listen()
+    ...   check_port_free(f"127.0.0.1:{taken.getsockname()[1]}")
+    Traceback (most recent call last):
+    ...
+    bv_sharding.errors.ConfigError: --coordinator_address=127.0.0.1:...: port ... is in use on this host; give the job a free port (trainers.launch picks one)
+  """
+  port = int(coordinator.rsplit(":", 1)[1])
+  with socket.socket() as probe:
+    try:
+      probe.bind(("", port))
+    except OSError:
+      raise ConfigError(
+          f"--coordinator_address={coordinator}: port {port} is in use on this host; give the "
+          "job a free port (trainers.launch picks one)"
+      ) from None
+
+
+@contextlib.contextmanager
+def waiting(coordinator: str, num_processes: int, process_id: int, timeout: float):
+  """Ends this process with one line on stderr and exit status 1 if the block is still
+  running after ``timeout`` seconds (jax.distributed waiting for a process that never came).
+
+  Example: ``with waiting("127.0.0.1:1234", 2, 0, 300): jax.distributed.initialize(...)``.
+  """
+  who = (
+      f"process 0 waited for the other {num_processes - 1} (ids 1..{num_processes - 1})"
+      if process_id == 0
+      else f"process {process_id} waited for the job's other processes"
+  )
+
+  def give_up():
+    sys.stderr.write(
+        f"ConfigError: --coordinator_address={coordinator}: {who} of {num_processes} for "
+        f"{timeout:g} s; start every process with the same address, or raise "
+        "--distributed_timeout\n"
+    )
+    sys.stderr.flush()
+    os._exit(1)
+
+  timer = threading.Timer(timeout, give_up)
+  timer.daemon = True
+  timer.start()
+  try:
+    yield
+  finally:
+    timer.cancel()

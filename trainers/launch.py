@@ -9,9 +9,13 @@ status is the first failure's (124 if ``--timeout`` seconds pass first). A bad i
 below 1, a non-positive timeout, an unknown flag) ends it before anything is spawned, as one
 line, ``ConfigError: ...``, with exit status 1 (``--debug``: the traceback).
 SIGTERM is passed on to every process (they save a checkpoint at the same step and exit 0).
+The processes die with the launcher, however it ends (``kill -9`` included): none is left
+training on its own.
 """
 
 import argparse
+import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -22,6 +26,7 @@ import time
 from trainers import cli, validation
 
 TIMED_OUT = 124
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def free_port() -> int:
@@ -67,6 +72,17 @@ def stream(prefix: str, pipe) -> None:
     sys.stdout.flush()
 
 
+def die_with(parent: int) -> None:
+  """In a child before it runs its command: the kernel kills it (SIGKILL) when ``parent``
+  exits in any way, ``kill -9`` included (Linux's ``PR_SET_PDEATHSIG``; elsewhere a no-op),
+  so no trainer outlives its launcher. A parent already gone kills it at once."""
+  if not sys.platform.startswith("linux"):
+    return
+  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  if os.getppid() != parent:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run(cmds: list[list[str]], timeout: float) -> int:
   """Runs ``cmds`` together; 0 if all succeed, else the first failure's status.
 
@@ -76,8 +92,15 @@ def run(cmds: list[list[str]], timeout: float) -> int:
     >>> run([[sys.executable, "-c", "raise SystemExit(3)"], [sys.executable, "-c", "pass"]], 60)
     3
   """
+  launcher = os.getpid()
   procs = [
-      subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      subprocess.Popen(
+          cmd,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+          preexec_fn=lambda: die_with(launcher),
+      )
       for cmd in cmds
   ]
   # A preemption notice (SIGTERM) reaches every process, as it reaches every host of a pod.

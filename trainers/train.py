@@ -92,6 +92,11 @@ _PROCESS_ID = flags.DEFINE_integer(
     int(os.environ.get("BV_PROCESS_ID", 0)),
     "This process's id in [0, num_processes).",
 )
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout",
+    300,
+    "Seconds jax.distributed waits for every process to connect before the run stops.",
+)
 _AUTO = flags.DEFINE_bool(
     "distributed_auto",
     True,
@@ -180,7 +185,13 @@ def start_backend() -> None:
   Both must happen before anything starts the backend.
   """
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-  how = distributed.start(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _AUTO.value)
+  how = distributed.start(
+      _COORDINATOR.value,
+      _NUM_PROCESSES.value,
+      _PROCESS_ID.value,
+      _AUTO.value,
+      _DISTRIBUTED_TIMEOUT.value,
+  )
   logging.info("jax.distributed: %s", how)
   logging.info(
       "process %d of %d, %d devices (%d here)",

@@ -1,9 +1,22 @@
 """trainers/launch.py: 2 jax.distributed processes x 4 devices train exactly as 1 x 8; a bad input
 ends it before anything is spawned."""
 
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 
-from tests.helpers import assert_snake_case_help, help_text, metrics, quick_lm, run_module, train
+from tests.helpers import (
+    ROOT,
+    assert_snake_case_help,
+    help_text,
+    metrics,
+    quick_lm,
+    run_module,
+    train,
+)
 from trainers import launch
 from trainers.errors import ConfigError
 
@@ -85,3 +98,56 @@ def test_rejects_counts_before_spawning(tmp_path, capsys):
 
 def test_help_shows_snake_case_flags_only(capsys):
   assert_snake_case_help(help_text(launch.main, capsys), "--devices_per_process", "--timeout")
+
+
+def test_no_process_outlives_a_killed_launcher():
+  # launch.run over two sleepers, in a launcher process of its own, then kill -9 of it.
+  code = (
+      "import sys; from trainers import launch; "
+      "launch.run([[sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); "
+      "time.sleep(600)']] * 2, 600)"
+  )
+  launcher = subprocess.Popen(
+      [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT
+  )
+  children = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+  assert all(alive(pid) for pid in children)
+  launcher.kill()
+  launcher.wait()
+  deadline = time.monotonic() + 10
+  while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(alive(pid) for pid in children)
+
+
+def alive(pid: int) -> bool:
+  """Whether process ``pid`` runs (a zombie, dead but not yet reaped by init, does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def test_a_taken_coordinator_port_and_a_missing_peer_are_one_line(tmp_path):
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    status, out, _ = train(tmp_path, f"--coordinator_address={address}", "--num_processes=2")
+  assert status == 1 and out.splitlines()[-1] == (
+      f"ConfigError: --coordinator_address={address}: port {address.split(':')[1]} is in use "
+      "on this host; give the job a free port (trainers.launch picks one)"
+  )
+  address = f"127.0.0.1:{launch.free_port()}"
+  start = time.monotonic()
+  status, out, _ = train(
+      tmp_path, f"--coordinator_address={address}", "--num_processes=2", "--distributed_timeout=3"
+  )
+  assert status == 1 and time.monotonic() - start < 60
+  assert out.splitlines()[-1] == (
+      f"ConfigError: --coordinator_address={address}: process 0 waited for the other 1 (ids "
+      "1..1) of 2 for 3 s; start every process with the same address, or raise "
+      "--distributed_timeout"
+  )
+  assert not (tmp_path / "metrics.jsonl").exists()
