@@ -121,6 +121,10 @@ def test_uncovered_params_and_project_names_with_regex_schedules_raise():
         (dict(lr_mults=[(".*", 0.0)]), ["config.lr_mults", "must be > 0"]),
         (dict(optax_name="big_vision.momentum_hpp"), ["library's", "'big_vision.momentum_hp'"]),
         (dict(schedule=None), ["config.schedule is None"]),
+        (dict(optax_name="adamw", optax=dict(b1="abc")), ["b1='abc' is not a number", "0.9"]),
+        (dict(optax=dict(b1="abc")), ["config.optax={'b1': 'abc'}", "b1='abc' is not a number"]),
+        (dict(optax_name="adamw", optax=dict(b1=1.5)), ["b1=1.5 of optimizer 'adamw'", "[0, 1)"]),
+        (dict(optax_name="shampoo", optax=dict(beta2=1)), ["beta2=1 of optimizer 'shampoo'"]),
     ],
 )
 def test_config_mistakes_name_the_key_and_the_fix(values, fragments):

@@ -192,6 +192,13 @@ def _check_arguments(name: str, entry: _Entry, kwargs: Mapping[str, Any]) -> Non
   mistyped = not_a_number(signature, kwargs)
   if mistyped:
     raise OptimizerError(f"optimizer {name!r}: {mistyped}")
+  for arg in (a for a in entry.decays.values() if isinstance(a, str)):
+    value = kwargs.get(arg, signature.parameters[arg].default)
+    if value is not None and not 0 <= value < 1:
+      raise OptimizerError(
+          f"{arg}={value!r} of optimizer {name!r}: a decay must be in [0, 1) (at 1 an average "
+          "never forgets and its bias correction divides by zero; above 1 it grows without bound)"
+      )
 
 
 def make_optimizer(
