@@ -69,6 +69,7 @@ from trainers import (
     utilization,
     validation,
 )
+from trainers.errors import ConfigError
 from trainers.input import batching, prefetch, records
 from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
 
@@ -267,8 +268,15 @@ def open_workdir(
   """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
   earlier run's files aside unless resuming."""
   ckpt = checkpoint.Checkpoints(path, config, migration, plan)
+  latest = ckpt.latest_step()
+  if latest is not None and latest > config.total_steps:
+    raise ConfigError(
+        f"config.total_steps={config.total_steps} is below step {latest} of the checkpoint in "
+        f"{path}: there is nothing left to train; raise config.total_steps to continue, or give "
+        "a new --workdir"
+    )
   if is_main_process:
-    note = workdir.prepare(path, resuming=ckpt.latest_step() is not None)
+    note = workdir.prepare(path, resuming=latest is not None)
     if note:
       logging.warning("%s", note)
   return ckpt, workdir.MetricsWriter(path)

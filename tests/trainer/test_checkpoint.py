@@ -482,6 +482,23 @@ def test_checkpoint_of_another_model_fails_before_anything_is_written(tmp_path, 
 
 
 @pytest.mark.timeout(300)
+def test_a_resume_with_total_steps_below_the_checkpoint_fails_before_anything_is_written(
+    tmp_path, reference
+):
+  workdir = copy_at(reference, tmp_path / "run", STEPS)
+  before = (workdir / "metrics.jsonl").read_text()
+  status, out = finish(start(workdir, total=STEPS - 2))
+  assert status == 1, out[-3000:]
+  assert out.splitlines()[-1] == (
+      f"ConfigError: config.total_steps={STEPS - 2} is below step {STEPS} of the checkpoint in "
+      f"{workdir}: there is nothing left to train; raise config.total_steps to continue, or give "
+      "a new --workdir"
+  )
+  assert (workdir / "metrics.jsonl").read_text() == before
+  assert sorted(os.listdir(workdir / "starts")) == ["0"]
+
+
+@pytest.mark.timeout(300)
 def test_model_init_without_a_checkpoint_fails_before_training(tmp_path):
   status, out = finish(start(tmp_path / "run", f"--config.model_init={tmp_path}/nothing"))
   assert status != 0 and "ConfigError" in out
