@@ -184,6 +184,24 @@ def fraction(text: str) -> float:
   return value
 
 
+def open_fraction(text: str) -> float:
+  """A number strictly between 0 and 1: an argparse ``type`` (e.g. of ``trainers.convert
+  --val_fraction``, where 0 or 1 would leave one split empty).
+
+  Example: ``open_fraction("0.01")`` == 0.01; ``open_fraction("0")`` raises ArgumentTypeError.
+  """
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 < value < 1:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a fraction strictly between 0 and 1 (0 or 1 leaves a split empty), "
+        "e.g. 0.01"
+    )
+  return value
+
+
 def non_negative(text: str) -> float:
   """A finite number >= 0: an argparse ``type`` (e.g. of ``trainers.sample --temperature``).
 

@@ -272,6 +272,22 @@ def checked_dtype(dtype: str, vocab: int) -> str:
   return dtype
 
 
+def check_outside(pattern: str, out_dir: str, corpus: documents.Corpus) -> None:
+  """Raises ``ConfigError`` if ``out_dir`` lies inside the corpus (a directory ``pattern`` or
+  one holding a corpus file): a later conversion would read its outputs back as text. An
+  ``out_dir`` that is a file is left to :func:`make_dir`."""
+  if os.path.isfile(out_dir):
+    return
+  out = os.path.realpath(out_dir) + os.sep
+  root = os.path.realpath(os.path.expanduser(pattern))
+  inside = os.path.isdir(root) and out.startswith(root + os.sep)
+  if inside or any(os.path.realpath(f).startswith(out) for f in corpus.files):
+    raise ConfigError(
+        f"out_dir={out_dir!r} is inside the corpus {pattern!r}: a later conversion would read "
+        "its outputs back as text; write them outside it"
+    )
+
+
 def train_tokenizer(corpus: documents.Corpus, path: str, vocab_size: int) -> str:
   """Trains a BPE of ``vocab_size`` ids on ``corpus`` into ``path``; returns ``path``."""
   began = time.monotonic()
@@ -308,7 +324,7 @@ def main(argv=None) -> None:
   parser = cli.Parser("python -m trainers.convert", __doc__)
   parser.add_argument("text", help="text files (a file, a glob or a directory), JSONL or Parquet")
   parser.add_argument("out_dir", help="where train.bin, val.bin and their .json go")
-  parser.add_argument("--val_fraction", type=cli.fraction, default=0.01)
+  parser.add_argument("--val_fraction", type=cli.open_fraction, default=0.01)
   parser.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: bytes)")
   parser.add_argument(
       "--train_tokenizer", action="store_true", help="train a BPE on the corpus first"
@@ -332,6 +348,7 @@ def main(argv=None) -> None:
     )
   separator = args.separator.replace("\\n", "\n")
   corpus = documents.Corpus.of(args.text, args.text_field, separator)
+  check_outside(args.text, args.out_dir, corpus)
   counts = convert(
       corpus,
       args.out_dir,

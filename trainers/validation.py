@@ -73,7 +73,7 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
     )
   _check_dtypes(config)
   _check_accumulation(config)
-  _check_profile_steps(config.get("profile_steps"))
+  _check_profile_steps(config.get("profile_steps"), config.get("total_steps"))
   _check_names("config.data_axes", config.get("data_axes", ()))
   _check_pairs(
       "config.sharding_rules", config.get("sharding_rules") or (), '[("act_batch", "data")]'
@@ -189,8 +189,9 @@ def _check_accumulation(config) -> None:
     )
 
 
-def _check_profile_steps(steps) -> None:
-  """``config.profile_steps`` is None or two integers ``start < stop``, ``start`` at least 1."""
+def _check_profile_steps(steps, total_steps) -> None:
+  """``config.profile_steps`` is None or two integers ``start < stop``, ``start`` at least 1
+  and at most ``total_steps`` (a later start traces nothing)."""
   if steps is None:
     return
   if not (
@@ -202,6 +203,11 @@ def _check_profile_steps(steps) -> None:
     raise ConfigError(
         f"config.profile_steps={steps!r}: must be two integers 1 <= start < stop (steps "
         'start..stop-1 are traced), e.g. --config.profile_steps="(10, 13)", or None'
+    )
+  if _is_int(total_steps) and steps[0] > total_steps:
+    raise ConfigError(
+        f"config.profile_steps={steps!r} starts after config.total_steps={total_steps}: no step "
+        f"would be traced; start at most at {total_steps}"
     )
 
 

@@ -288,6 +288,18 @@ def test_the_files_of_a_conversion_go_together(tmp_path, given_tokenizer):
             ["{tmp}/corpus", "{tmp}/out", "--val_fraction=1.5"],
             "ConfigError: argument --val_fraction",
         ),
+        (
+            ["{tmp}/corpus", "{tmp}/out", "--val_fraction=0"],
+            "ConfigError: argument --val_fraction: '0' is not a fraction strictly between 0 and 1",
+        ),
+        (
+            ["{tmp}/corpus/a.txt", "{tmp}/out", "--val_fraction=1"],
+            "ConfigError: argument --val_fraction: '1' is not a fraction strictly between 0 and 1",
+        ),
+        (
+            ["{tmp}/corpus", "{tmp}/corpus/tokens"],
+            "ConfigError: out_dir='{tmp}/corpus/tokens' is inside the corpus '{tmp}/corpus':",
+        ),
         (["{tmp}/corpus"], "ConfigError: the following arguments are required: out_dir; see"),
         (["{tmp}/corpus", "{tmp}/out", "--dtype=int8"], "ConfigError: argument --dtype: invalid"),
         (["{tmp}/corpus/b.bin", "{tmp}/out"], "ConfigError: {tmp}/corpus/b.bin is not UTF-8 text;"),

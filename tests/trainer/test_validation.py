@@ -146,6 +146,7 @@ def test_valid_configs_and_boundaries_pass():
         ({"profile_steps": (0, 2)}, "config.profile_steps"),
         ({"profile_steps": (2,)}, "config.profile_steps"),
         ({"profile_steps": (2.0, 4)}, "config.profile_steps"),
+        ({"profile_steps": (500, 503)}, "starts after config.total_steps="),
     ],
 )
 def test_structured_keys(overrides, key):
