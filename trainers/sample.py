@@ -70,6 +70,12 @@ def run_tokenizer(config) -> tuple:
         f"{name}.json names tokenizer {path}, which does not exist; put it back (or convert "
         "the corpus again)"
     )
+  if path and record.get("tokenizer_sha256") not in (None, tokenizers_lib.sha256(path)):
+    raise ConfigError(
+        f"{path} is not the tokenizer {name} was made with (its sha256 differs from the one "
+        f"{name}.json records): its ids would decode to other text; put the original back (or "
+        "convert the corpus again)"
+    )
   tok = tokenizers_lib.load(path)
   return tok, record.get("eot_id"), record.get("vocab_size", tokenizers_lib.BYTE_VOCAB)
 

@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from configs import lm_data
 from tests.helpers import assert_snake_case_help, help_text, run_module, train
 from trainers import convert, sample
 from trainers.errors import ConfigError
@@ -112,3 +113,21 @@ def test_help_shows_snake_case_flags_only(capsys):
   assert_snake_case_help(
       help_text(sample.main, capsys), "--max_new_tokens", "--devices_per_process"
   )
+
+
+def test_a_tokenizer_swapped_after_conversion_is_one_line(tmp_path):
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "a.txt").write_text(" ".join(WORDS * 20) + ".\n")
+  data = tmp_path / "data"
+  convert.main([str(tmp_path / "docs"), str(data), "--train_tokenizer", "--vocab_size=300"])
+  config = lm_data.get_config(f"train={data}/train.bin,val={data}/val.bin")
+  assert sample.run_tokenizer(config)[2] <= 300  # The recorded one: accepted.
+  path = sources.sidecar(f"{data}/train.bin")["tokenizer"]
+  other = json.loads(open(path).read())
+  other["model"]["vocab"] = {
+      t: (i + 1) % len(other["model"]["vocab"]) for t, i in other["model"]["vocab"].items()
+  }
+  with open(path, "w") as f:
+    json.dump(other, f)
+  with pytest.raises(ConfigError, match=f"{path} is not the tokenizer .*train.bin was made with"):
+    sample.run_tokenizer(config)
