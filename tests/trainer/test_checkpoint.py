@@ -562,3 +562,74 @@ def test_block_stacks_restore_onto_fewer_devices(tmp_path, optax_name, block_siz
     assert "optimizer state re-initialised (its blocks differ on this mesh: opt/" in out
   losses = [r["loss"] for r in metrics(workdir)]
   assert len(losses) == 6 and np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
+def flip_bytes(path: pathlib.Path, count: int = 64) -> None:
+  """Inverts ``count`` bytes in the middle of file ``path`` (the disk's damage)."""
+  data = bytearray(path.read_bytes())
+  middle = len(data) // 2
+  data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+  path.write_bytes(bytes(data))
+
+
+def largest_data_file(step_dir: pathlib.Path, item: str) -> pathlib.Path:
+  return max((step_dir / item).rglob("d/*"), key=lambda p: p.stat().st_size)
+
+
+# Damage to the newest steps, each of which a read must find, and the newest step whose params
+# check out after it (load_params reads params only: damage to the opt state is not its to see).
+GOOD_PARAMS = {
+    "bits in a params file": 4,
+    "bits in an opt file": 8,
+    "a renamed step folder": 4,
+    "an empty stray step folder": 8,
+    "a truncated metadata file": 4,
+}
+DAMAGE = {
+    "bits in a params file": lambda ckpts: flip_bytes(largest_data_file(ckpts / "8", "params")),
+    "bits in an opt file": lambda ckpts: flip_bytes(largest_data_file(ckpts / "8", "opt")),
+    "a renamed step folder": lambda ckpts: os.rename(ckpts / "8", ckpts / "12"),
+    "an empty stray step folder": lambda ckpts: (ckpts / "12").mkdir(),
+    "a truncated metadata file": lambda ckpts: (ckpts / "8" / "params" / "_METADATA").write_text(
+        (ckpts / "8" / "params" / "_METADATA").read_text()[:40]
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_step_is_never_loaded_and_the_previous_good_one_is(tmp_path, reference, damage):
+  """As ``trainers.sample`` and ``config.model_init`` read params (``load_params``)."""
+  workdir = copy_at(reference, tmp_path / "run", 8)
+  shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
+  DAMAGE[damage](workdir / "checkpoints")
+  run = lm_in("float32")
+  with jax.set_mesh(run.mesh):
+    params, source = checkpoint.load_params(str(workdir), run.plan)
+  good = GOOD_PARAMS[damage]
+  assert source == f"{workdir}/checkpoints/{good}"
+  same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), params, saved(reference, good))
+  assert all(jax.tree.leaves(same))
+  newest = max(int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit())
+  if newest != good:  # Named, the damaged step is refused in one error naming it.
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=f"checkpoints/{newest}"):
+      checkpoint.load_params(str(workdir / "checkpoints" / str(newest)), run.plan)
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_resumes_from_the_newest_step_that_checks_out_and_says_why(tmp_path, reference):
+  workdir = copy_at(reference, tmp_path / "run", 8)
+  shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
+  DAMAGE["bits in an opt file"](workdir / "checkpoints")
+  out = train(workdir)
+  assert f"checkpoint {workdir}/checkpoints/8: opt/" in out
+  assert "does not match the checksum saved with it" in out
+  assert f"resumed at step 4 from {workdir}/checkpoints/4" in out
+  assert_same_run(workdir, reference)
+  assert (workdir / "checkpoints" / "damaged-8" / "opt").is_dir()  # Moved aside, not deleted.
+  # Every step damaged: one line, nothing trained.
+  for step in ("4", "8"):
+    flip_bytes(largest_data_file(workdir / "checkpoints" / step, "params"))
+  status, out = finish(start(workdir))
+  assert status == 1 and out.splitlines()[-1].startswith(
+      f"DamagedCheckpointError: no checkpoint in {workdir}/checkpoints checks out ("
+  ), out[-2000:]

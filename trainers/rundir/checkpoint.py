@@ -2,9 +2,16 @@
 
 A checkpoint (``workdir/checkpoints/<step>/``) holds three orbax items: ``params``,
 ``opt`` (the optimizer state) and ``meta`` (step, the step the optimizer state was
-born at, and the optimizer's record: what the run's :class:`Migration` wrote). Data and
-RNG are pure functions of (seed, step), so the step is all the rest of the run needs
-to continue exactly.
+born at, the optimizer's record: what the run's :class:`Migration` wrote, and every array's
+checksum: :mod:`~trainers.rundir.checksums`). Data and RNG are pure functions of (seed,
+step), so the step is all the rest of the run needs to continue exactly.
+
+A step that does not check out is never loaded: unreadable files (a truncated or missing
+one, an empty stray folder), an array whose checksum is not the one saved with it (bytes
+changed on disk), or a folder named after another step than its meta records. The run says
+which step and what failed, moves the step into ``damaged-<step>/`` (nothing is deleted) and
+resumes from the newest step that checks out; with none left it stops in one line.
+``load_params`` (``config.model_init``, ``trainers.sample``) falls back the same way.
 
 Restoring never reads the saved shardings: the target is ``plan.abstract()``, the
 current config's plan, so a checkpoint moves between meshes and process counts.
@@ -39,6 +46,7 @@ Example:
 """
 
 import collections
+import contextlib
 import dataclasses
 import logging as logging_lib
 import os
@@ -57,13 +65,19 @@ from orbax.checkpoint import checkpoint_managers as policies
 from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
 from orbax.checkpoint._src.metadata import array_metadata_store
 
-from bv_sharding import Plan
+from bv_sharding import Error, Plan
 from trainers import steps
 from trainers.errors import ConfigError
-from trainers.rundir import paths, saver
+from trainers.rundir import checksums, paths, saver
 
 CHECKPOINTS = "checkpoints"
 PARAMS, OPT, META = "params", "opt", "meta"
+DAMAGED = "damaged-{}"  # Where a step that does not check out is moved (never deleted).
+
+
+class DamagedCheckpointError(ConfigError):
+  """A checkpoint step that does not check out: unreadable, an array whose checksum is not the
+  one saved with it, or a folder not named after the step it holds."""
 
 
 class CheckpointMismatchError(ConfigError):
@@ -119,7 +133,7 @@ def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
   Example: ``leaf_table({"w": jnp.zeros(2)}) == {"w": ((2,), "float32")}``.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {_name(path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
+  return {checksums.name(path): (tuple(x.shape), str(x.dtype)) for path, x in flat}
 
 
 def first_difference(want: dict, have: dict) -> str | None:
@@ -227,9 +241,9 @@ class Checkpoints:
     The state lands in ``plan``'s shardings. A checkpoint of another model raises
     ``CheckpointMismatchError`` naming the first differing leaf.
     """
-    step = self.latest_step()
-    if step is not None:
-      state, start = restore(self.manager, step, plan, tx, self.migration)
+    restored = self._newest_good(plan, tx)
+    if restored is not None:
+      state, start = restored
     elif self.config.get("model_init"):
       params, source = load_params(self.config.model_init, plan)
       state = {"params": params, "opt": steps.init_opt(tx, plan, params)}
@@ -243,6 +257,38 @@ class Checkpoints:
       state, start = fresh(), Start(0, "scratch")
     self.opt_start, self.step = start.opt_start, start.step
     return state, start
+
+  def _newest_good(self, plan: Plan, tx) -> tuple | None:
+    """``restore`` of the newest step that checks out, None without one; each step that does
+    not is logged and moved aside into ``damaged-<step>`` (``DamagedCheckpointError`` when
+    none is left)."""
+    damaged = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        return restore(self.manager, step, plan, tx, self.migration)
+      except DamagedCheckpointError as e:
+        logging.warning("%s; trying the previous checkpoint", e)
+        damaged.append(str(e))
+        self._move_aside(step)
+    if damaged:
+      raise DamagedCheckpointError(
+          f"no checkpoint in {self.directory} checks out ({'; '.join(damaged)}); they were moved "
+          f"into {DAMAGED.format('<step>')}: run again to start fresh"
+      )
+    return None
+
+  def _move_aside(self, step: int) -> None:
+    """Process 0 moves damaged step ``step`` into ``damaged-<step>``; every process waits."""
+    if jax.process_index() == 0:
+      directory = paths.path(self.directory)
+      aside = directory / DAMAGED.format(step)
+      n = 1
+      while aside.exists():  # An earlier run's step of this number was damaged too.
+        aside, n = directory / f"{DAMAGED.format(step)}.{n}", n + 1
+      paths.move(directory / str(step), aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"moved aside {step}")
+    self.manager.reload()
 
   def step_done(self, step: int, state, before_save: Callable = lambda: None) -> bool:
     """Saves if ``step`` is due or preemption was signalled; True when the run must stop now.
@@ -258,8 +304,9 @@ class Checkpoints:
     if preempted or self.manager.should_save(step):
       follows = before_save()
       self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
+      meta = self._meta(step, state)
       state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
-      self.saver.submit(save_after, follows, self.manager, step, state, self._meta(step), preempted)
+      self.saver.submit(save_after, follows, self.manager, step, state, meta, preempted)
     if preempted:
       self.saver.wait()
       self.manager.close()  # Waits for the write.
@@ -272,11 +319,14 @@ class Checkpoints:
     follows = before_save()
     self.saver.wait()
     if self.manager.latest_step() != self.step:
-      save_after(follows, self.manager, self.step, state, self._meta(self.step), force=True)
+      meta = self._meta(self.step, state)
+      save_after(follows, self.manager, self.step, state, meta, force=True)
     self.manager.close()
 
-  def _meta(self, step: int) -> dict:
-    return {**self.migration.record(), "step": step, "opt_start": self.opt_start}
+  def _meta(self, step: int, state) -> dict:
+    """The meta item of ``state``'s checkpoint at ``step``: with each array's checksum."""
+    sums = checksums.of(state)
+    return {**self.migration.record(), "step": step, "opt_start": self.opt_start, "sums": sums}
 
 
 def open_manager(
@@ -382,8 +432,71 @@ def tree_restore(target) -> ocp.args.PyTreeRestore:
 
 
 def restore_item(manager: ocp.CheckpointManager, step: int, item: str, target):
-  """One item (``PARAMS`` or ``OPT``) of the checkpoint at ``step``, onto ``target``."""
-  return manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(target)}))[item]
+  """One item (``PARAMS`` or ``OPT``) of the checkpoint at ``step``, onto ``target``.
+
+  Its arrays are read in the dtypes they were saved in, checked against the checksums saved
+  with them (:mod:`~trainers.rundir.checksums`; a checkpoint that has none is read as it is),
+  then cast to ``target``'s. Raises ``DamagedCheckpointError`` naming the step and the leaf.
+  """
+  with reading(manager, step):
+    saved = leaf_table(manager.item_metadata(step)[item].tree)
+    raw = jax.tree_util.tree_map_with_path(
+        lambda path, t: _in_saved_dtype(t, saved.get(checksums.name(path))),
+        target,
+        is_leaf=lambda x: x is ocp.PLACEHOLDER,
+    )
+    tree = manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(raw)}))[item]
+    sums = read_meta(manager, step).get("sums", {})
+  prefixed = {f"{item}/{leaf}": s for leaf, s in checksums.of(tree).items()}
+  leaf = checksums.mismatch(sums, prefixed)
+  if leaf is not None:
+    raise DamagedCheckpointError(
+        f"checkpoint {manager.directory / str(step)}: {leaf} does not match the checksum saved "
+        "with it (its data files were changed after the save)"
+    )
+  return jax.tree.map(_cast, tree, target, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+
+
+def _in_saved_dtype(target, saved: tuple | None):
+  """``target`` (a ``ShapeDtypeStruct``) in the dtype of ``saved`` (``leaf_table``'s entry)."""
+  if target is ocp.PLACEHOLDER or saved is None:
+    return target
+  return jax.ShapeDtypeStruct(target.shape, jnp.dtype(saved[1]), sharding=target.sharding)
+
+
+def _cast(x, target):
+  """``x`` in ``target``'s dtype, in its own sharding."""
+  if target is ocp.PLACEHOLDER or x.dtype == target.dtype:
+    return x
+  return jax.jit(lambda a: a.astype(target.dtype))(x)
+
+
+@contextlib.contextmanager
+def reading(manager: ocp.CheckpointManager, step: int):
+  """Turns an error reading step ``step`` (orbax's, TensorStore's, a file's: anything but the
+  project's own) into ``DamagedCheckpointError`` naming the step and what failed."""
+  try:
+    yield
+  except Error:
+    raise
+  except Exception as e:  # Whatever a damaged file makes the readers raise.
+    what = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    raise DamagedCheckpointError(
+        f"checkpoint {manager.directory / str(step)} cannot be read ({type(e).__name__}: {what})"
+    ) from None
+
+
+def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+  """The meta item of step ``step``; ``DamagedCheckpointError`` if it is unreadable or records
+  another step (a renamed folder)."""
+  with reading(manager, step):
+    meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+  if meta.get("step", step) != step:
+    raise DamagedCheckpointError(
+        f"checkpoint {manager.directory / str(step)} holds step {meta['step']}: its folder "
+        "was renamed"
+    )
+  return meta
 
 
 def save_after(follows, manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool):
@@ -410,7 +523,8 @@ def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> dict[
   """The :func:`casts` restoring the saved params onto ``plan``'s makes (another
   ``config.param_dtype``); raises ``CheckpointMismatchError`` unless they fit otherwise."""
   want = leaf_table(plan.abstract()[PARAMS])
-  saved = leaf_table(manager.item_metadata(step)[PARAMS].tree)
+  with reading(manager, step):
+    saved = leaf_table(manager.item_metadata(step)[PARAMS].tree)
   difference = first_difference(want, saved)
   if difference:
     raise CheckpointMismatchError(
@@ -428,10 +542,11 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   Saved floating-point arrays in another dtype (``config.param_dtype``,
   ``config.state_dtype``) are cast to the plan's as they are read, logged in one line too.
   """
+  meta = read_meta(manager, step)
   param_casts = check_params(manager, step, plan)
   target = plan.abstract()
-  meta = manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
-  saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
+  with reading(manager, step):
+    saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
 
   def differs(tree=None):
     mismatch = first_difference(leaf_table(target[OPT] if tree is None else tree), saved_opt)
@@ -471,14 +586,10 @@ def restore_leaves(manager: ocp.CheckpointManager, step: int, item: str, targets
   names), each read onto its target's shape, dtype and sharding; the rest is not read."""
   tree = manager.item_metadata(step)[item].tree
   target = jax.tree_util.tree_map_with_path(
-      lambda path, _: targets.get(_name(path), ocp.PLACEHOLDER), tree
+      lambda path, _: targets.get(checksums.name(path), ocp.PLACEHOLDER), tree
   )
   flat, _ = jax.tree_util.tree_flatten_with_path(restore_item(manager, step, item, target))
-  return {_name(path): x for path, x in flat if _name(path) in targets}
-
-
-def _name(path) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/")
+  return {checksums.name(path): x for path, x in flat if checksums.name(path) in targets}
 
 
 def load_params(path: str, plan: Plan) -> tuple[Any, str]:
@@ -492,15 +603,23 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
   directory, step = _locate(_absolute(path))
   manager = open_manager(directory, read_only=True) if directory.is_dir() else None
   complete = manager.all_steps() if manager else []
-  step = max(complete, default=None) if step is None else step
-  if step not in complete:
+  if step is not None and step not in complete or not complete:
     raise ConfigError(
         f"config.model_init={path}: no complete checkpoint at {directory}; name a workdir, "
         f"its {CHECKPOINTS}/ directory or one of its step directories"
     )
-  if note := cast_note({"params": check_params(manager, step, plan)}):
-    logging.info("%s", note)
-  params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS])
+  tried = [step] if step is not None else sorted(complete, reverse=True)
+  for i, step in enumerate(tried):
+    try:
+      read_meta(manager, step)
+      if note := cast_note({"params": check_params(manager, step, plan)}):
+        logging.info("%s", note)
+      params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS])
+      break
+    except DamagedCheckpointError as e:
+      if i == len(tried) - 1:
+        raise
+      logging.warning("%s; trying the previous checkpoint", e)
   manager.close()
   return params, os.fspath(directory / str(step))
 
