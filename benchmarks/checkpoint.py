@@ -18,6 +18,11 @@ pages of the one before unseen; sampled every millisecond), as a multiple of the
 this process holds; "of which bookkeeping" the same for the trainer's save of the state's
 skeleton (the same leaves, shardings and shards, one element each: what orbax and TensorStore
 keep per leaf and per shard whatever the bytes). Prints a markdown table.
+
+A second table: the median time to restore the state (params and optimizer state) as orbax
+alone reads it and as the trainer does (its arrays read in their saved dtypes and checked
+against the checksums saved with them, ``trainers/rundir/checksums.py``), taking turns, and
+the median time of the checksums a save computes in the loop thread.
 """
 
 import os
@@ -35,11 +40,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 from benchmarks.throughput import init_state, lm_config, setup
 from benchmarks.timing import WARMUP, seconds_per_step
 from trainers import cli
-from trainers.rundir import checkpoint, saver
+from trainers.rundir import checkpoint, checksums, saver
+from trainers.rundir.checkpoint import tree_restore
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # Untimed saves each way first: they compile the trainer's copy and start orbax's threads, once
@@ -159,6 +166,41 @@ def measure(config, saves: int) -> dict:
   return found
 
 
+def measure_restore(config, restores: int) -> dict:
+  """Median seconds of restoring a saved state as orbax alone reads it and as the trainer
+  does (its arrays checked against their saved checksums), taking turns after an untimed
+  first of each; and the median seconds of the checksums a save computes in the loop."""
+  config.ckpt_steps, config.total_steps = 1, 10**6
+  mesh, run, _, _ = setup(config, 1)
+  target = run.plan.abstract()
+  timed = {"orbax": [], "checked": [], "sums": []}
+  with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as d:
+    state = init_state(run)
+    ckpt = checkpoint.Checkpoints(d, config, run.migration, run.plan)
+    ckpt.close(state)
+    manager = checkpoint.open_manager(ckpt.directory, read_only=True)
+    step = manager.latest_step()
+    ways = {
+        "orbax": lambda: [
+            manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(target[item])}))
+            for item in (checkpoint.PARAMS, checkpoint.OPT)
+        ],
+        "checked": lambda: [
+            checkpoint.restore_item(manager, step, item, target[item])
+            for item in (checkpoint.PARAMS, checkpoint.OPT)
+        ],
+        "sums": lambda: checksums.of(state),
+    }
+    for i in range(restores + 1):
+      for way, restore in ways.items():
+        tick = time.perf_counter()
+        jax.block_until_ready(restore())
+        if i:
+          timed[way].append(time.perf_counter() - tick)
+    manager.close()
+  return {way: float(np.median(t)) for way, t in timed.items()}
+
+
 def multiple(extra: int, state_mib: float) -> str:
   """``extra`` bytes as a multiple of the state, and in MiB.
 
@@ -172,6 +214,7 @@ def main(argv=None):
   parser = cli.Parser("python -m benchmarks.checkpoint", __doc__)
   parser.add_argument("--sizes", default="tiny,small,medium")
   parser.add_argument("--saves", type=int, default=5, help="timed saves per way of saving")
+  parser.add_argument("--restores", type=int, default=5, help="timed restores per way")
   args = parser.parse_args(argv)
   jax.config.update("jax_num_cpu_devices", 8)
   checkpoint.quiet_orbax()
@@ -190,6 +233,17 @@ def main(argv=None):
         f"{m['trainer']:.3f} | {1000 * (m['trainer'] - m['copy']):+.0f} | "
         f"{m['trainer write']:.2f} | {multiple(m['trainer memory'], m['mib'])} | "
         f"{multiple(m['bookkeeping'], m['mib'])} |",
+        flush=True,
+    )
+  print(
+      "\n| size | orbax restore s | checked restore s | checked / orbax | checksums at a save ms |"
+  )
+  print("|---|---|---|---|---|")
+  for size in args.sizes.split(","):
+    r = measure_restore(lm_config(size, "adamw"), args.restores)
+    print(
+        f"| {size} | {r['orbax']:.3f} | {r['checked']:.3f} | {r['checked'] / r['orbax']:.3f} | "
+        f"{1000 * r['sums']:.1f} |",
         flush=True,
     )
 

@@ -303,6 +303,10 @@ def fail(error: Exception, argv=None) -> None:
     raise error
   message = " ".join(str(error).split("\n"))
   sys.stderr.write(f"{type(error).__name__}: {message}\n")
+  if getattr(error, "exit_at_once", False):  # Threads still failing: no shutdown to report on.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
   sys.exit(1)
 
 

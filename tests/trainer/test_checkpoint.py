@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -633,3 +634,34 @@ def test_the_trainer_resumes_from_the_newest_step_that_checks_out_and_says_why(t
   assert status == 1 and out.splitlines()[-1].startswith(
       f"DamagedCheckpointError: no checkpoint in {workdir}/checkpoints checks out ("
   ), out[-2000:]
+
+
+def no_room_to_write(limit: int = 200_000):
+  """In a child before it runs: files cannot grow past ``limit`` bytes (writes then fail with
+  EFBIG, as on a full disk with ENOSPC), without the signal that would kill it."""
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.timeout(300)
+def test_a_save_that_finds_no_room_is_one_line_and_the_last_checkpoint_resumes(tmp_path, reference):
+  workdir = copy_at(reference, tmp_path / "run", 4)
+  cmd = [sys.executable, "-m", "trainers.train", f"--workdir={workdir}", *RUN]
+  done = subprocess.run(
+      [*cmd, f"--config.total_steps={STEPS}"],
+      cwd=ROOT,
+      env=ENV,
+      capture_output=True,
+      text=True,
+      preexec_fn=no_room_to_write,
+      timeout=240,
+  )
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert done.stderr.splitlines()[-1] == (
+      f"CheckpointWriteError: saving a checkpoint into {workdir}/checkpoints failed: file too "
+      "large (errno 27). A checkpoint of this state needs about 5.6 MiB there: free it, or give "
+      "another --workdir (the last checkpoint, step 4 is intact)"
+  )
+  assert f'File "{ROOT}/trainers' not in done.stderr  # No traceback of ours.
+  train(workdir)  # Room again: it resumes from step 4 and ends as the uninterrupted run.
+  assert_same_run(workdir, reference)

@@ -50,6 +50,7 @@ import contextlib
 import dataclasses
 import logging as logging_lib
 import os
+import re
 import signal
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -78,6 +79,37 @@ DAMAGED = "damaged-{}"  # Where a step that does not check out is moved (never d
 class DamagedCheckpointError(ConfigError):
   """A checkpoint step that does not check out: unreadable, an array whose checksum is not the
   one saved with it, or a folder not named after the step it holds."""
+
+
+class CheckpointWriteError(ConfigError):
+  """A save that could not write its files: a full disk, a quota, a file size limit.
+
+  orbax's writer threads are still failing when it is raised, so the command exits at once
+  after its one line (``cli.fail``), without the interpreter's shutdown reporting on them.
+  """
+
+  exit_at_once = True
+
+
+# The errno codes of a write that found no room, as TensorStore and the OS report them.
+NO_ROOM = {28: "no space left on device", 27: "file too large", 122: "disk quota exceeded"}
+_OS_ERROR = re.compile(r"os_error_code='(\d+)'|\[Errno (\d+)\]")
+
+
+def no_room(error: BaseException) -> int | None:
+  """The errno of ``error`` when it is a write that found no room (:data:`NO_ROOM`), else None.
+
+  Example:
+    >>> no_room(ValueError("Failed to write 5 bytes: File too large [os_error_code='27']"))
+    27
+    >>> no_room(OSError(28, "No space left on device")), no_room(ValueError("other"))
+    (28, None)
+  """
+  code = getattr(error, "errno", None)
+  if code is None:
+    found = _OS_ERROR.search(str(error))
+    code = found and int(found.group(1) or found.group(2))
+  return code if code in NO_ROOM else None
 
 
 class CheckpointMismatchError(ConfigError):
@@ -220,6 +252,7 @@ class Checkpoints:
     self.directory = os.fspath(_absolute(workdir) / CHECKPOINTS)
     self.config, self.migration = config, migration
     abstract = plan.abstract() if plan else {}
+    self.state_bytes = plan.total_bytes if plan else 0
     self.manager = open_manager(
         self.directory,
         ckpt_steps=config.get("ckpt_steps"),
@@ -303,13 +336,15 @@ class Checkpoints:
     preempted = self.preemption.reached(step)
     if preempted or self.manager.should_save(step):
       follows = before_save()
-      self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
+      with self.writing():
+        self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
       meta = self._meta(step, state)
       state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
       self.saver.submit(save_after, follows, self.manager, step, state, meta, preempted)
     if preempted:
-      self.saver.wait()
-      self.manager.close()  # Waits for the write.
+      with self.writing():
+        self.saver.wait()
+        self.manager.close()  # Waits for the write.
       logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
     return preempted
 
@@ -317,11 +352,33 @@ class Checkpoints:
     """Saves ``state`` at the last step done (unless saved already; after ``before_save()``
     and the wait it returns, as for :meth:`step_done`); waits for every write."""
     follows = before_save()
-    self.saver.wait()
-    if self.manager.latest_step() != self.step:
-      meta = self._meta(self.step, state)
-      save_after(follows, self.manager, self.step, state, meta, force=True)
-    self.manager.close()
+    with self.writing():
+      self.saver.wait()
+      if self.manager.latest_step() != self.step:
+        meta = self._meta(self.step, state)
+        save_after(follows, self.manager, self.step, state, meta, force=True)
+      self.manager.close()
+
+  @contextlib.contextmanager
+  def writing(self):
+    """Turns a save's write that found no room (:func:`no_room`) into ``CheckpointWriteError``:
+    the directory, why, the bytes a checkpoint needs and the last complete one."""
+    try:
+      yield
+    except Error:
+      raise
+    except Exception as e:
+      code = no_room(e)
+      if code is None:
+        raise
+      need = f"about {self.state_bytes / 2**20:.1f} MiB" if self.state_bytes else "room"
+      done = _complete_steps(self.directory)
+      last = f"step {max(done)} is intact" if done else "no checkpoint was completed yet"
+      raise CheckpointWriteError(
+          f"saving a checkpoint into {self.directory} failed: {NO_ROOM[code]} (errno {code}). "
+          f"A checkpoint of this state needs {need} there: free it, or give another --workdir "
+          f"(the last checkpoint, {last})"
+      ) from None
 
   def _meta(self, step: int, state) -> dict:
     """The meta item of ``state``'s checkpoint at ``step``: with each array's checksum."""
@@ -624,6 +681,12 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
   return params, os.fspath(directory / str(step))
 
 
+def _complete_steps(directory: str) -> list[int]:
+  """The steps of ``directory``'s complete checkpoints (folders named by a number)."""
+  folder = paths.path(directory)
+  return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+
+
 def _absolute(location: str) -> epath.Path:
   """A workdir or checkpoint ``location`` as an absolute ``epath.Path`` (a URL as it is)."""
   return paths.path(location if paths.is_url(location) else os.path.abspath(location))
@@ -668,11 +731,18 @@ class Preemption:
 class _NoOrbaxInfo(logging_lib.Filter):
 
   def filter(self, record):
-    return record.levelno >= logging_lib.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+    if f"{os.sep}orbax{os.sep}" not in record.pathname:
+      return True
+    if record.levelno < logging_lib.WARNING:
+      return False
+    error = record.exc_info[1] if record.exc_info else ValueError(record.getMessage())
+    return no_room(error) is None  # Reported in one line as CheckpointWriteError.
 
 
 def quiet_orbax() -> None:
-  """Drops orbax's INFO lines (dozens per save) from the log; its warnings and errors stay."""
+  """Drops orbax's INFO lines (dozens per save) from the log, and its errors about a write that
+  found no room (each thread's traceback: :meth:`Checkpoints.writing` says it in one line);
+  its other warnings and errors stay."""
   logger = logging_lib.getLogger("absl")
   if not any(isinstance(f, _NoOrbaxInfo) for f in logger.filters):
     logger.addFilter(_NoOrbaxInfo())
