@@ -56,7 +56,7 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -170,50 +170,34 @@ def at_least(low: int, high: int | None = None, why: str = ""):
   return parse
 
 
-def fraction(text: str) -> float:
-  """A number in [0, 1]: an argparse ``type`` (e.g. of ``trainers.plan --max_unsharded_fraction``).
+def number_in(accepts: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+  """An argparse ``type``: numbers ``accepts`` takes; any other text raises
+  ArgumentTypeError saying it is not ``expected``.
 
-  Example: ``fraction("0.02")`` == 0.02; ``fraction("2")`` raises ArgumentTypeError.
+  Example: ``number_in(lambda v: v > 0, "a number > 0")("2")`` == 2.0.
   """
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 <= value <= 1:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1], e.g. 0.02")
-  return value
+
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      value = math.nan
+    if not accepts(value):
+      raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
+    return value
+
+  return parse
 
 
-def open_fraction(text: str) -> float:
-  """A number strictly between 0 and 1: an argparse ``type`` (e.g. of ``trainers.convert
-  --val_fraction``, where 0 or 1 would leave one split empty).
-
-  Example: ``open_fraction("0.01")`` == 0.01; ``open_fraction("0")`` raises ArgumentTypeError.
-  """
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 < value < 1:
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a fraction strictly between 0 and 1 (0 or 1 leaves a split empty), "
-        "e.g. 0.01"
-    )
-  return value
-
-
-def non_negative(text: str) -> float:
-  """A finite number >= 0: an argparse ``type`` (e.g. of ``trainers.sample --temperature``).
-
-  Example: ``non_negative("0.8")`` == 0.8; ``non_negative("nan")`` raises ArgumentTypeError.
-  """
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 <= value < math.inf:
-    raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
-  return value
+# A number in [0, 1] (e.g. ``trainers.plan --max_unsharded_fraction``).
+fraction = number_in(lambda v: 0 <= v <= 1, "a fraction in [0, 1], e.g. 0.02")
+# Strictly between 0 and 1 (``trainers.convert --val_fraction``: 0 or 1 leaves a split empty).
+open_fraction = number_in(
+    lambda v: 0 < v < 1,
+    "a fraction strictly between 0 and 1 (0 or 1 leaves a split empty), e.g. 0.01",
+)
+# A finite number >= 0 (``trainers.sample --temperature``).
+non_negative = number_in(lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
 def new_file(text: str) -> str:
