@@ -68,9 +68,10 @@ def with_learning_rate(
   decay (``mask``: the params that get it) and the learning rate.
 
   Example:
-      >>> tx = with_learning_rate(optax.identity(), 0.5, 0.0, None)
-      >>> tx.update({"w": jnp.ones(2)}, tx.init({}))[0]["w"].tolist()
-      [-0.5, -0.5]
+      >>> tx = with_learning_rate(optax.identity(), 0.5, 1.0, None)
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx.update(params, tx.init(params), params)[0]["w"].tolist()  # -0.5 * (1 + 1.0 * 1)
+      [-1.0, -1.0]
   """
   return optax.chain(
       tx,
