@@ -71,8 +71,8 @@ def build(config, mesh) -> Run:
 
   The params are planned once: their plan gives the layout the optimizer follows (Kron
   and Shampoo fit each fixed tile of a param where its shards are, Muon orthogonalises each
-  matrix on an owner device; ``bv_sharding/optimizers/layout.py``), and the state's plan reuses its
-  entries.
+  matrix on an owner device; ``bv_sharding/optimizers/layout.py`` and ``tiles.py``), and the
+  state's plan reuses its entries.
 
   Example: ``build(config, bvs.make_mesh(config.mesh)).plan.report()``.
   """

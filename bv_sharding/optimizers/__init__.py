@@ -21,7 +21,7 @@ Example:
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers.axes import auto_axes_update
 from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
-from bv_sharding.optimizers.layout import ParamLayout, same_blocking
+from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.migration import BuiltOptimizer, migrate_state
 from bv_sharding.optimizers.muon import muon, scale_by_muon
 from bv_sharding.optimizers.placement import Stacks, Tiling
@@ -33,6 +33,7 @@ from bv_sharding.optimizers.shampoo import (
     shampoo,
 )
 from bv_sharding.optimizers.state_dtype import compute_dtype, with_state_dtype
+from bv_sharding.optimizers.tiles import same_blocking
 
 __all__ = [
     "BuiltOptimizer",

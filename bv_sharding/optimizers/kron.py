@@ -28,7 +28,7 @@ tiles inside each device's shard are stored on that device and fitted and applie
 ``shard_map`` where they live (no collective but scalars); tiles that span shards are dealt
 to owners among their
 holders, or pooled with every param's tiles of their shape and dealt over the mesh
-(all params' blocks go through one :func:`~bv_sharding.optimizers.layout.run_all`).
+(all params' blocks go through one :func:`~bv_sharding.optimizers.blocked.run_blocked`).
 Without it the param is one shard (blocks row-major over the block grid).
 Padding (dims not a multiple of ``block_size``) is zero in grads and probes, so
 Q's padded rows and columns stay decoupled from the real ones: a padded block
@@ -75,9 +75,11 @@ import optax
 from optax import tree_utils as otu
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers.layout import BLOCKINGS, BlockRun, ParamLayout, ShardBlocks, run_all
-from bv_sharding.optimizers.placement import Stacks, Tiling
+from bv_sharding.optimizers import blocked
+from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.placement import Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
+from bv_sharding.optimizers.tiles import ShardBlocks
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
 _BALANCE_PROBABILITY = 0.01
@@ -318,29 +320,24 @@ def _probe_vectors(key: jax.Array, grads: list[jax.Array]):
   return do_balance, probes
 
 
-def leaf_blocks(
-    param: jax.Array,
-    scanned: bool,
-    block_size: int | None,
-    spec: Any = (),
-    mesh: Any = None,
-    blocking: str = "tiles",
-) -> ShardBlocks | None:
-  """The blocking of ``param`` (:func:`~bv_sharding.optimizers.layout.shard_blocks`), or None
-  if it keeps one preconditioner.
+def leaf_tiling(
+    param: jax.Array, scanned: bool, block_size: int | None, blocking: str = "tiles"
+) -> Tiling | None:
+  """How ``param`` is cut into blocks (:func:`~bv_sharding.optimizers.tiles.shard_blocks`), or
+  None if it keeps one preconditioner.
 
   Params with fewer than 2 dims (not counting a scanned layer axis), and every
   param when ``block_size`` is None, are not blocked.
 
   Example:
-      >>> leaf_blocks(jnp.ones((4, 3)), False, 2).count
+      >>> leaf_tiling(jnp.ones((4, 3)), False, 2).blocks((4, 3), (), None).count
       4
-      >>> print(leaf_blocks(jnp.ones((2, 3)), True, 2))  # 1-D per layer
+      >>> print(leaf_tiling(jnp.ones((2, 3)), True, 2))  # 1-D per layer
       None
   """
   if block_size is None or param.ndim - scanned < 2:
     return None
-  return Tiling(block_size, scanned, blocking=blocking).blocks(param.shape, spec, mesh)
+  return Tiling(block_size, scanned, blocking=blocking)
 
 
 def _stack_shape(param, scanned: bool, blocks: ShardBlocks | None):
@@ -401,18 +398,21 @@ def _damped(target: jax.Array, probe: jax.Array, damping: jax.Array) -> jax.Arra
   return target + damping.astype(target.dtype) * probe
 
 
-def _fit_blocks(arrays, qs, damping, *flags, own_target: bool, settings):
-  """:func:`_fit_and_precondition` on block stacks, as :func:`~bv_sharding.optimizers.layout.run_all`
-  calls it: ``arrays`` (momentum, [target,] probe) and the fit's target formed here."""
+def _fit_blocks(arrays, stacks, damping, *flags, own_target: bool, settings):
+  """:func:`_fit_and_precondition` on block stacks, as
+  :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it: ``arrays`` (momentum, [target,]
+  probe), ``stacks`` (the Qs) and the fit's target formed here."""
   m, *t, v = arrays
+  (qs,) = stacks
   fit = (qs, m, _damped(t[0] if own_target else m, v, damping), v)
   new_qs, direction = _fit_and_precondition(*fit, *flags, True, settings)
-  return [direction], new_qs
+  return [direction], [new_qs]
 
 
 def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, settings):
-  """:func:`_fit_and_precondition` of one param: a :class:`BlockRun` of ``fit`` on its
-  block stack (``blocks``, run with the other params' by ``run_all``), or, unblocked,
+  """:func:`_fit_and_precondition` of one param: a
+  :class:`~bv_sharding.optimizers.shard_run.BlockRun` of ``fit`` on its block stack
+  (``blocks``, run with the other params' by ``run_blocked``), or, unblocked,
   ``(qs, direction)`` fitted on the param itself.
 
   ``scalars``: (damping, do_update, do_balance); the fit's target is ``target`` plus
@@ -425,32 +425,29 @@ def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, setti
     return _fit_and_precondition(*fitted, *flags, stacked, settings)
   own_target = fit.keywords["own_target"]
   arrays = [momentum, target, probe] if own_target else [momentum, probe]
-  return BlockRun(blocks, fit, arrays, list(qs), [damping, *flags])
+  return blocked.BlockRun(blocks, fit, arrays, [qs], [damping, *flags])
 
 
-def _layers_and_blocks(params, settings) -> tuple[list[bool], list[ShardBlocks | None]]:
-  """Per leaf of ``params``: whether it is scanned, and its :class:`ShardBlocks` (or None).
+def _layers_and_blocks(params, settings) -> tuple[list[bool], list[Tiling | None], list]:
+  """Per leaf of ``params``: whether it is scanned, its :func:`leaf_tiling` and its
+  :class:`ShardBlocks` (both None where it is not blocked).
 
-  ``settings``: a :class:`_Settings` (its scanned_layers, block_size and layout).
+  ``settings``: a :class:`_Settings` (its scanned_layers, block_size, blocking and layout).
   """
-  scanned_layers, block_size, layout = settings.scanned_layers, settings.block_size, settings.layout
-  blocking = settings.blocking
   treedef = jax.tree.structure(params)
   leaves = treedef.flatten_up_to(params)
   scanned = [False] * len(leaves)
-  if scanned_layers is not None:
-    scanned = treedef.flatten_up_to(scanned_layers)
-  if layout is None:
-    return scanned, [leaf_blocks(p, s, block_size) for p, s in zip(leaves, scanned)]
-  specs = treedef.flatten_up_to(layout.specs)
-  blocks = [
-      leaf_blocks(p, s, block_size, spec, layout.mesh, blocking)
-      for p, s, spec in zip(leaves, scanned, specs)
+  if settings.scanned_layers is not None:
+    scanned = treedef.flatten_up_to(settings.scanned_layers)
+  tilings = [
+      leaf_tiling(p, s, settings.block_size, settings.blocking) for p, s in zip(leaves, scanned)
   ]
-  return scanned, blocks
+  return scanned, tilings, blocked.param_blocks(params, settings.layout, tilings)
 
 
-def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, settings) -> list[jax.Array]:
+def _init_leaf(
+    param, scanned: bool, tiling: Tiling | None, blocks: ShardBlocks | None, settings
+) -> list[jax.Array]:
   """One param's Qs (:func:`init_qs`), stacked over its layers or blocks."""
   stack, shape = _stack_shape(param, scanned, blocks)
   tri = triangular_dims(
@@ -458,21 +455,16 @@ def _init_leaf(param, scanned: bool, blocks: ShardBlocks | None, settings) -> li
   )
   dtype = param.dtype if settings.precond_dtype is None else settings.precond_dtype
   qs = init_qs(shape, tri, settings.preconditioner_init_scale, dtype)
-  if stack is not None:
-    qs = [jnp.broadcast_to(q, tuple(stack) + q.shape) for q in qs]
-  return qs if blocks is None else Stacks(qs, _tiling(scanned, settings))
-
-
-def _tiling(scanned: bool, settings) -> Tiling:
-  """How a blocked param is cut (``settings``: a :class:`_Settings`)."""
-  return Tiling(settings.block_size, scanned, blocking=settings.blocking)
+  if blocks is not None:
+    return blocked.grid_stacks(qs, blocks, tiling)
+  return qs if stack is None else [jnp.broadcast_to(q, tuple(stack) + q.shape) for q in qs]
 
 
 def _kron_init(params, settings: _Settings) -> dict[str, Any]:
   """``scale_by_kron``'s state for ``params`` (see the module docstring)."""
   leaves, treedef = jax.tree.flatten(params)
-  scanned, blocks = _layers_and_blocks(params, settings)
-  qs = [_init_leaf(*leaf, settings) for leaf in zip(leaves, scanned, blocks)]
+  scanned, tilings, blocks = _layers_and_blocks(params, settings)
+  qs = [_init_leaf(*leaf, settings) for leaf in zip(leaves, scanned, tilings, blocks)]
   return dict(
       count=jnp.zeros([], jnp.int32),
       mu=otu.tree_zeros_like(params, dtype=settings.mu_dtype) if settings.b1 > 0 else None,
@@ -532,21 +524,20 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
   # The fit's target is its own array unless it is the momentum (or, without momentum, the grad).
   own_target = settings.b1 > 0 and not settings.momentum_into_precond_update
   fit = functools.partial(_fit_blocks, own_target=own_target, settings=settings)
-  scanned, blocks = _layers_and_blocks(updates, settings)
+  scanned, _, blocks = _layers_and_blocks(updates, settings)
   leaves = [
       _kron_leaf(
           q, m, t, v, (_damping(t), do_update, do_balance), b, s or b is not None, fit, settings
       )
       for q, m, t, v, s, b in zip(qs, momentum, targets, probes, scanned, blocks)
   ]
-  ran = run_all([x if isinstance(x, BlockRun) else None for x in leaves])
+  ran = blocked.run_blocked([x if isinstance(x, blocked.BlockRun) else None for x in leaves])
   new_qs, out = [], []
-  for leaf, result, g, s in zip(leaves, ran, grads, scanned):
-    if isinstance(leaf, BlockRun):
-      (direction,), q = result
-      q = Stacks(q, _tiling(s, settings))
-    else:
+  for leaf, result, g in zip(leaves, ran, grads):
+    if result is None:
       q, direction = leaf
+    else:
+      (direction,), (q,) = result
     new_qs.append(q)
     out.append(_clip_rms(direction).astype(g.dtype))
   new_state = dict(
@@ -616,12 +607,7 @@ def scale_by_kron(
   settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if block_size is not None and block_size < 1:
     raise OptimizerError(f"block_size={block_size}; expected None or >= 1")
-  if blocking not in BLOCKINGS:
-    raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
-  return optax.GradientTransformation(
-      functools.partial(_kron_init, settings=settings),
-      functools.partial(_kron_update, settings=settings),
-  )
+  return blocked.transformation(_kron_init, _kron_update, settings)
 
 
 def kron(
@@ -655,7 +641,7 @@ def kron(
       >>> opt = kron(3e-4, weight_decay=0.1, preconditioner_update_probability=1.0)
       >>> state = opt.init({"w": jnp.ones((2, 2))})
   """
-  return optax.chain(
+  return blocked.with_learning_rate(
       scale_by_kron(
           b1=b1,
           preconditioner_update_probability=preconditioner_update_probability,
@@ -674,6 +660,7 @@ def kron(
           layout=layout,
           blocking=blocking,
       ),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+      learning_rate,
+      weight_decay,
+      mask,
   )

@@ -2,13 +2,13 @@
 
 A blocked param's stacks (Kron's Qs, Shampoo's statistics and roots) are held in a
 :class:`Stacks` node: a tuple of the stacks, each ``(*grid, ...)`` with the param's block
-grid first (:attr:`~bv_sharding.optimizers.layout.ShardBlocks.grid_shape`), and the
+grid first (:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.grid_shape`), and the
 :class:`Tiling` that cut the param (block size, scanned, dealt, blocking). The state is
 then a function of the params and the optimizer's settings alone, never of the mesh.
 :class:`Stacks` is registered with :func:`bv_sharding.ops.register_state`: ``bvs.plan``
-places each stack where the optimizer runs it
-(:meth:`~bv_sharding.optimizers.layout.ShardBlocks.stored_spec` of the param's blocks on the
-plan's mesh), from the state's tree alone (``jax.eval_shape(tx.init, params)``).
+places each stack where the optimizer runs it (:func:`stored_spec` of the param's blocks on
+the plan's mesh), from the state's tree alone (``jax.eval_shape(tx.init, params)``), and the
+optimizer's run keeps it there (:func:`stored`).
 
 Its leaves are named by index, like a list's (``Qs_preconditioners/w/0``), and it is a
 tuple, so tools that walk lists and tuples (big_vision's ``tree_flatten_with_names``)
@@ -34,22 +34,37 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bv_sharding import ops
 from bv_sharding.errors import OptimizerError
 from bv_sharding.following import find_param
 from bv_sharding.names import leaf_name
-from bv_sharding.optimizers.layout import ShardBlocks, same_blocking, shard_blocks, tiles_text
+from bv_sharding.ops import stack_axes
+from bv_sharding.optimizers.tiles import (
+    ShardBlocks,
+    same_blocking,
+    shard_blocks,
+    spec_entry,
+    tiles_text,
+)
+
+# A never-sharded param's block stack of at least this many elements is stored spread over
+# the mesh (:func:`stored_spec`): 4 MiB in float32, big_vision's fsdp threshold. Counted in
+# elements, not bytes, so the plan and the optimizer agree whatever the state dtype.
+SPREAD_MIN_ELEMENTS = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   """How an optimizer cuts a param into blocks (see
-  :func:`~bv_sharding.optimizers.layout.shard_blocks`): ``block_size``, ``scanned`` (dim 0 a
+  :func:`~bv_sharding.optimizers.tiles.shard_blocks`): ``block_size``, ``scanned`` (dim 0 a
   layer axis), ``deal`` (a never-sharded param dealt over the devices), ``blocking``
   (``"tiles"`` or ``"local"``) and ``unit_dims_dropped`` (Shampoo: the param's unit dims
   are dropped before blocking).
@@ -67,7 +82,7 @@ class Tiling:
   unit_dims_dropped: bool = False
 
   def blocks(self, shape, spec, mesh) -> ShardBlocks:
-    """The :class:`~bv_sharding.optimizers.layout.ShardBlocks` of a param of ``shape``
+    """The :class:`~bv_sharding.optimizers.tiles.ShardBlocks` of a param of ``shape``
     sharded as ``spec`` on ``mesh`` (a ``Mesh``, an ``AbstractMesh`` or None)."""
     shape = tuple(shape)
     spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
@@ -111,11 +126,81 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def stored_spec(blocks: ShardBlocks, shape, sizes: dict[str, int]) -> P:
+  """Where a block stack of ``shape`` (``(*grid, ...)``) of ``blocks`` is stored on a mesh of
+  ``sizes``.
+
+  Shard-local blocks (:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.shard_local`): the
+  param's spec (or its dealt piece's) on the grid dims, so each device stores the factors of
+  its own blocks. A never-sharded param's blocks are computed whole on every device; a stack
+  of theirs that reaches :data:`SPREAD_MIN_ELEMENTS` is stored spread over every mesh axis, at
+  the ideal, and gathered for the step (no big state stranded beside a param big_vision's
+  ``fsdp`` leaves whole), smaller ones stay whole like their param (a ``replicate()`` strategy
+  keeps small models' state replicated, as data parallelism does). Tiles dealt to owners
+  (:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.owners`) or pooled over the mesh
+  (:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.pooled`): the grid whole, the param's
+  axes (a pool's: every mesh axis) spread over the blocks' own dims, at the ideal; each step
+  an all-to-all moves them to where they are fitted, and back.
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> local = shard_blocks((8, 6), P("data"), mesh, 2)
+      >>> stored_spec(local, (4, 3, 2, 2), {"data": 4})
+      P('data', None, None, None)
+      >>> owned = shard_blocks((8, 6), P("data"), mesh, 4)  # 4-row tiles over 2-row shards
+      >>> owned.owners, stored_spec(owned, (2, 2, 4, 4), {"data": 4})
+      ((0, 'data', 2), P(None, None, 'data', None))
+  """
+  grid = len(blocks.grid_shape)
+  if blocks.shard_local and not stack_axes(blocks.spec):  # A never-sharded param's.
+    big = math.prod(shape) >= SPREAD_MIN_ELEMENTS
+    return P(*spread(tuple(shape), stack_axes((), sizes) if big else (), sizes))
+  if blocks.shard_local:
+    return P(*blocks.spec, *(None,) * (len(shape) - grid))
+  axes = stack_axes((), sizes) if blocks.pooled else stack_axes(blocks.spec)
+  return P(*(None,) * grid, *spread(tuple(shape)[grid:], axes, sizes))
+
+
+def stored(blocks: ShardBlocks, stacks):
+  """``stacks`` (stored form) constrained to :func:`stored_spec` on ``blocks``' run mesh."""
+  if blocks.mesh is None:
+    return stacks
+  sizes = dict(blocks.mesh.shape)
+  place = lambda x: jax.lax.with_sharding_constraint(
+      x, NamedSharding(blocks.mesh, stored_spec(blocks, x.shape, sizes))
+  )
+  return jax.tree.map(place, stacks)
+
+
+def spread(shape, axes, sizes: dict[str, int]) -> tuple:
+  """``axes`` together on the first dim of ``shape`` they divide (one all-to-all from the
+  pool's dim 0), else each on the first dim it divides (with those already there).
+
+  Example:
+      >>> spread((3, 8), ("data", "model"), {"data": 4, "model": 2})
+      (None, ('data', 'model'))
+      >>> spread((4, 6), ("data", "model"), {"data": 4, "model": 2})
+      ('data', 'model')
+  """
+  together = next(
+      (d for d, n in enumerate(shape) if n % math.prod(sizes[a] for a in axes) == 0), None
+  )
+  if together is not None:
+    return tuple(spec_entry(axes if d == together else ()) for d in range(len(shape)))
+  placed = [[] for _ in shape]
+  for axis in axes:
+    for dim, extent in enumerate(shape):
+      if extent % (math.prod(sizes[a] for a in placed[dim]) * sizes[axis]) == 0:
+        placed[dim].append(axis)
+        break
+  return tuple(spec_entry(p) for p in placed)
+
+
 def _placed(node: Stacks, param_shape, param_spec, mesh_sizes: dict[str, int]) -> list:
-  """Each stack's :meth:`~bv_sharding.optimizers.layout.ShardBlocks.stored_spec`."""
+  """Each stack's :func:`stored_spec`."""
   mesh = _abstract_mesh(mesh_sizes)
   blocks = node.tiling.blocks(param_shape, param_spec, mesh)
-  return [blocks.stored_spec(np.shape(x), mesh_sizes) for x in node]
+  return [stored_spec(blocks, np.shape(x), mesh_sizes) for x in node]
 
 
 ops.register_state(Stacks, _placed)

@@ -32,8 +32,8 @@ each device's shard are stored on it and their statistics, roots and
 preconditioning run in ``shard_map`` where the tile lives (only the grafting norms
 cross devices); tiles that span shards are dealt to owners, or pooled with the
 other params' tiles of their shape and dealt over the mesh (one
-:func:`~bv_sharding.optimizers.layout.run_all` per update). A never-sharded param is
-dealt (:func:`factor_blocks`): each device preconditions one piece of it and the
+:func:`~bv_sharding.optimizers.blocked.run_blocked` per update). A never-sharded param is
+dealt (:func:`factor_tiling`): each device preconditions one piece of it and the
 pieces' directions are all-gathered.
 
 Roots come from ``eigh`` and are computed on every step, then kept with
@@ -63,9 +63,11 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers.layout import BLOCKINGS, BlockRun, ParamLayout, ShardBlocks, run_all
+from bv_sharding.optimizers import blocked
+from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
+from bv_sharding.optimizers.tiles import ShardBlocks
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
 _NORM_EPS = 1e-25
@@ -131,32 +133,29 @@ def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsil
   return _precondition_blocks(blocks, roots), stats, roots
 
 
-def factor_blocks(shape, block_size: int, spec=(), mesh=None, blocking="tiles") -> ShardBlocks:
-  """The blocking of a param of ``shape``, unit dims dropped (``blocking``: see
-  :func:`~bv_sharding.optimizers.layout.shard_blocks`).
+def factor_tiling(block_size: int, blocking: str = "tiles") -> Tiling:
+  """How Shampoo cuts a param into blocks: unit dims dropped (``blocking``: see
+  :func:`~bv_sharding.optimizers.tiles.shard_blocks`).
 
   A never-sharded param (e.g. a norm scale) is dealt: cut into one piece per device,
   so its statistics are split over the devices and each is updated, inverted and
   applied on its owner; only the piece's preconditioned gradient is gathered. With
   ``blocking="tiles"`` only when each piece is whole tiles (the math stays the same);
-  otherwise its tiles are pooled (:attr:`~bv_sharding.optimizers.layout.ShardBlocks.pooled`).
+  otherwise its tiles are pooled (:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.pooled`).
 
   Example:
-      >>> factor_blocks((8, 1, 3), 4).sizes
+      >>> factor_tiling(4).blocks((8, 1, 3), (), None).sizes
       (4, 3)
       >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
-      >>> factor_blocks((256,), 1024, (), mesh, "local").sizes  # 256 / 4 devices
+      >>> on = lambda block_size, blocking="tiles": factor_tiling(block_size, blocking).blocks(
+      ...     (256,), (), mesh)
+      >>> on(1024, "local").sizes  # 256 / 4 devices
       (64,)
-      >>> factor_blocks((256,), 64, (), mesh).dealt, factor_blocks((256,), 1024, (), mesh).dealt
+      >>> on(64).dealt, on(1024).dealt
       (True, False)
-      >>> factor_blocks((256,), 1024, (), mesh).pooled  # 256 wide: one tile, for 4 devices
+      >>> on(1024).pooled  # 256 wide: one tile, for 4 devices
       True
   """
-  return _tiling(block_size, blocking).blocks(shape, spec, mesh)
-
-
-def _tiling(block_size: int, blocking: str) -> Tiling:
-  """How Shampoo cuts a param: unit dims dropped, a never-sharded param dealt."""
   return Tiling(block_size, deal=True, blocking=blocking, unit_dims_dropped=True)
 
 
@@ -188,26 +187,18 @@ class _Settings:
 
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
-  """Each leaf's :func:`factor_blocks`, flattened like ``params``."""
-  block_size, layout = settings.block_size, settings.layout
-  leaves, treedef = jax.tree.flatten(params)
-  if layout is None:
-    return [factor_blocks(p.shape, block_size) for p in leaves]
-  specs = treedef.flatten_up_to(layout.specs)
-  return [
-      factor_blocks(p.shape, block_size, s, layout.mesh, settings.blocking)
-      for p, s in zip(leaves, specs)
-  ]
+  """Each leaf's blocks (:func:`factor_tiling`), flattened like ``params``."""
+  tiling = factor_tiling(settings.block_size, settings.blocking)
+  return blocked.param_blocks(params, settings.layout, [tiling] * len(jax.tree.leaves(params)))
 
 
 def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamState:
   """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments, all
   in the param's dtype."""
-  eye = [
-      jnp.broadcast_to(jnp.eye(b, dtype=param.dtype), (*blocks.grid_shape, b, b))
-      for b in blocks.sizes
-  ]
-  stacks = lambda xs: Stacks(xs, _tiling(settings.block_size, settings.blocking))
+  eye = [jnp.eye(b, dtype=param.dtype) for b in blocks.sizes]
+  stacks = lambda xs: blocked.grid_stacks(
+      xs, blocks, factor_tiling(settings.block_size, settings.blocking)
+  )
   return ShampooParamState(
       stats=stacks([settings.matrix_epsilon * e for e in eye]),
       roots=stacks(eye),
@@ -241,9 +232,9 @@ def _graft(
 
 
 def _shampoo_run(arrays, factors, refresh, *, step):
-  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.layout.run_all` calls it."""
+  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it."""
   direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
-  return [direction], (stats, roots)
+  return [direction], [stats, roots]
 
 
 def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
@@ -283,7 +274,8 @@ def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Setting
 
 
 def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Settings):
-  """``scale_by_shampoo``'s update: every param's blocks in one :func:`run_all`."""
+  """``scale_by_shampoo``'s update: every param's blocks in one
+  :func:`~bv_sharding.optimizers.blocked.run_blocked`."""
   del params
   grads, treedef = jax.tree.flatten(updates)
   per_param = treedef.flatten_up_to(state.per_param)
@@ -292,12 +284,12 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
   fn = functools.partial(_shampoo_run, step=step)
   runs = [
-      BlockRun(b, fn, [g.reshape(b.shape)], (list(s.stats), list(s.roots)), [refresh])
+      blocked.BlockRun(b, fn, [g.reshape(b.shape)], [s.stats, s.roots], [refresh])
       if s.stats
       else None
       for g, s, b in zip(grads, per_param, blocks)
   ]
-  ran = run_all(runs)
+  ran = blocked.run_blocked(runs)
   results = []
   for g, s, result in zip(grads, per_param, ran):
     factors = None
@@ -346,7 +338,7 @@ def scale_by_shampoo(
       device's shard are updated there.
     blocking: "tiles" (the param's fixed grid of ``block_size`` tiles on any mesh)
       or "local" (each shard's own blocks, mesh-dependent math; see
-      :func:`~bv_sharding.optimizers.layout.shard_blocks`).
+      :func:`~bv_sharding.optimizers.tiles.shard_blocks`).
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
@@ -359,12 +351,7 @@ def scale_by_shampoo(
     raise OptimizerError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
   if block_size < 1 or update_preconditioners_freq < 1:
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
-  if blocking not in BLOCKINGS:
-    raise OptimizerError(f"blocking={blocking!r}; expected one of {BLOCKINGS}")
-  return optax.GradientTransformation(
-      functools.partial(_shampoo_init, settings=settings),
-      functools.partial(_shampoo_update, settings=settings),
-  )
+  return blocked.transformation(_shampoo_init, _shampoo_update, settings)
 
 
 def shampoo(
@@ -394,7 +381,7 @@ def shampoo(
       >>> params = {"w": jnp.ones((4, 4))}
       >>> updates, _ = opt.update(params, opt.init(params), params)
   """
-  return optax.chain(
+  return blocked.with_learning_rate(
       scale_by_shampoo(
           block_size=block_size,
           beta1=beta1,
@@ -409,6 +396,7 @@ def shampoo(
           layout=layout,
           blocking=blocking,
       ),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+      learning_rate,
+      weight_decay,
+      mask,
   )

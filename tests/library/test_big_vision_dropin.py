@@ -28,6 +28,7 @@ import bv_sharding.big_vision.optax as bv_optax
 import bv_sharding.big_vision.sharding as bv_sharding
 from bv_sharding.big_vision.layout import layout_of, mesh_of
 from bv_sharding.optimizers import Stacks
+from bv_sharding.optimizers.placement import stored_spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RULES = [("act_batch", "data"), ("mlp", "model"), ("embed", None)]
@@ -260,7 +261,7 @@ def _stack_placements(opt_shape, params_shape, planned, mesh) -> list[tuple]:
     param = next(p for p in params if any(names[i : i + len(p)] == p for i in range(len(names))))
     blocks = node.tiling.blocks(params[param].shape, param_specs[param], mesh)
     for x in node:
-      found.append((names, specs[at].spec, blocks.stored_spec(x.shape, dict(mesh.shape))))
+      found.append((names, specs[at].spec, stored_spec(blocks, x.shape, dict(mesh.shape))))
       at += 1
   return found
 

@@ -1,4 +1,5 @@
-"""Shard-local Kron and Shampoo blocks (bv_sharding/optimizers/layout.py) on 8 simulated devices.
+"""Shard-local Kron and Shampoo blocks (bv_sharding/optimizers/tiles.py, shard_run.py, pools.py)
+on 8 simulated devices.
 
 The sharded update (``shard_map`` over each param's spec) must equal the unsharded
 computation of the same blocking, move nothing but scalars between devices, and give
@@ -15,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import bv_sharding as bvs
 from benchmarks import traffic
 from bv_sharding.optimizers import ParamLayout, kron, same_blocking, shampoo
-from bv_sharding.optimizers.layout import shard_blocks
+from bv_sharding.optimizers.tiles import shard_blocks
 
 STEPS = 4
 

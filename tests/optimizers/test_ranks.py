@@ -6,7 +6,7 @@ divides on a mesh of 8, and over both axes of a 4x2 mesh, and planned as the tra
 (``trainers/build.py``): the steps run, their updates are finite, the block stacks stay where the
 plan stores them, and the params take the same steps as on one device. At the defaults
 (256-tiles for Kron, 1024 for Shampoo) each of these tiny params is one tile that spans shards,
-so its tiles are pooled over the mesh (``bv_sharding/optimizers/layout.py``).
+so its tiles are pooled over the mesh (``bv_sharding/optimizers/pools.py``).
 """
 
 import functools

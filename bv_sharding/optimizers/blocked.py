@@ -1,0 +1,149 @@
+"""Blocked preconditioners: the skeleton Kron and Shampoo share.
+
+A blocked preconditioner cuts each param into blocks on the params' layout (its
+:class:`~bv_sharding.optimizers.placement.Tiling`, :func:`param_blocks`), keeps one stack of
+factors per block dim in its state, born with the param's block grid first
+(:func:`grid_stacks`: a :class:`~bv_sharding.optimizers.placement.Stacks` node, placed by the
+plan), and each step runs every param's per-block work in one go (:func:`run_blocked`): the
+param-shaped arrays are cut into blocks where they live, the work runs on them and on the
+factors (:mod:`bv_sharding.optimizers.shard_run`, or pooled over the mesh:
+:mod:`bv_sharding.optimizers.pools`; :func:`run_all`), and the results come back param-shaped,
+the new factors stored. :func:`transformation` makes the optax transformation and
+:func:`with_learning_rate` the full optimizer.
+
+Example:
+    >>> from bv_sharding.optimizers.placement import Tiling
+    >>> params = {"w": jnp.ones((4, 4))}
+    >>> [blocks] = param_blocks(params, None, [Tiling(2)])
+    >>> qs = grid_stacks([jnp.eye(2), jnp.eye(2)], blocks, Tiling(2))
+    >>> [q.shape for q in qs]
+    [(2, 2, 2, 2), (2, 2, 2, 2)]
+    >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
+    >>> [((out,), new)] = run_blocked([BlockRun(blocks, double, [params["w"]], [qs])])
+    >>> float(out.sum()), new[0].tiling == qs.tiling
+    (32.0, True)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.placement import Stacks, Tiling
+from bv_sharding.optimizers.pools import pool_key, run_pool
+from bv_sharding.optimizers.shard_run import BlockRun, run_alone
+from bv_sharding.optimizers.tiles import BLOCKINGS, ShardBlocks
+
+
+def transformation(init: Callable, update: Callable, settings) -> optax.GradientTransformation:
+  """``init(params, settings=)`` and ``update(updates, state, params, settings=)`` as an optax
+  transformation, once ``settings.blocking`` is known.
+
+  Example:
+      >>> from types import SimpleNamespace
+      >>> transformation(None, None, SimpleNamespace(blocking="rows"))
+      Traceback (most recent call last):
+      ...
+      bv_sharding.errors.OptimizerError: blocking='rows'; expected one of ('tiles', 'local')
+  """
+  if settings.blocking not in BLOCKINGS:
+    raise OptimizerError(f"blocking={settings.blocking!r}; expected one of {BLOCKINGS}")
+  return optax.GradientTransformation(
+      functools.partial(init, settings=settings),
+      functools.partial(update, settings=settings),
+  )
+
+
+def with_learning_rate(
+    tx: optax.GradientTransformation, learning_rate, weight_decay: float, mask
+) -> optax.GradientTransformation:
+  """The full optimizer of a ``scale_by_*`` transformation ``tx``: ``tx``, decoupled weight
+  decay (``mask``: the params that get it) and the learning rate.
+
+  Example:
+      >>> tx = with_learning_rate(optax.identity(), 0.5, 1.0, None)
+      >>> params = {"w": jnp.ones(2)}
+      >>> tx.update(params, tx.init(params), params)[0]["w"].tolist()  # -0.5 * (1 + 1.0 * 1)
+      [-1.0, -1.0]
+  """
+  return optax.chain(
+      tx,
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )
+
+
+def param_blocks(
+    params, layout: ParamLayout | None, tilings: Sequence[Tiling | None]
+) -> list[ShardBlocks | None]:
+  """Each leaf's blocks, cut by its tiling (None: not blocked) on ``layout``'s spec and mesh
+  (``layout`` None: the param one shard), flattened like ``params``."""
+  leaves, treedef = jax.tree.flatten(params)
+  specs = [()] * len(leaves) if layout is None else treedef.flatten_up_to(layout.specs)
+  mesh = None if layout is None else layout.mesh
+  return [
+      None if tiling is None else tiling.blocks(x.shape, spec, mesh)
+      for x, spec, tiling in zip(leaves, specs, tilings)
+  ]
+
+
+def grid_stacks(factors: Sequence[jax.Array], blocks: ShardBlocks, tiling: Tiling) -> Stacks:
+  """Each of one block's ``factors`` for every block: ``(*grid, *factor)`` stacks."""
+  return Stacks([jnp.broadcast_to(f, (*blocks.grid_shape, *f.shape)) for f in factors], tiling)
+
+
+def run_blocked(
+    runs: Sequence[BlockRun | None],
+) -> list[tuple[list[jax.Array], list[Stacks]] | None]:
+  """:func:`run_all` of runs whose ``stacks`` are a sequence of :class:`Stacks`: each run's
+  ``(outs, new stacks)``, each new stack a :class:`Stacks` with its old one's tiling."""
+  bare = [None if r is None else r._replace(stacks=[list(s) for s in r.stacks]) for r in runs]
+  return [
+      None
+      if result is None
+      else (result[0], [Stacks(new, old.tiling) for new, old in zip(result[1], run.stacks)])
+      for run, result in zip(runs, run_all(bare))
+  ]
+
+
+def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any] | None]:
+  """Each run's ``(outs, new_stacks)`` (``runs[i]`` None: nothing to run, its result None).
+
+  ``stacks`` go in and come back stored (``(*grid, ...)``,
+  :func:`~bv_sharding.optimizers.placement.stored_spec`). Runs whose blocks are
+  :attr:`~bv_sharding.optimizers.tiles.ShardBlocks.pooled` and that share ``fn`` (the same
+  object), the tile shape and the stacks' structure, shapes and dtypes form one pool on a
+  concrete mesh (:func:`~bv_sharding.optimizers.pools.run_pool`): their block stacks (arrays
+  and stacks) are concatenated, padded to a multiple of the device count and split over every
+  mesh axis, and ``fn`` runs once on the pool. A scalar every run of a pool passes as the same
+  object stays a scalar; other scalars reach ``fn`` as one value per block (``(n,)``). Other
+  runs run alone (:func:`~bv_sharding.optimizers.shard_run.run_alone`).
+
+  Example:
+      >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
+      >>> blocks = Tiling(2).blocks((4, 4), (), None)
+      >>> [((out,), _)] = run_all([BlockRun(blocks, double, [jnp.ones((4, 4))], ())])
+      >>> float(out.sum())
+      32.0
+  """
+  results: list = [None] * len(runs)
+  groups: dict[tuple, list[int]] = {}
+  for i, run in enumerate(runs):
+    if run is None:
+      continue
+    if run.blocks.in_pool:
+      groups.setdefault(pool_key(run), []).append(i)
+    else:
+      results[i] = run_alone(run)
+  for members in groups.values():
+    outs, new_stacks = run_pool([runs[i] for i in members])
+    for i, out, new in zip(members, outs, new_stacks):
+      results[i] = (out, new)
+  return results

@@ -1,0 +1,183 @@
+"""Pooled tiles: tiles of several params, one stack dealt over the whole mesh.
+
+Where a param's ``block_size`` tiles span several shards and no holder can own whole ones
+(fewer tiles than holders, or tiles not aligned with the shards), its blocks are
+:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.pooled`: the param's global tile grid. The
+runs of pooled params that share ``fn``, the tile shape and their stacks' structure, shapes and
+dtypes (:func:`pool_key`) form one pool: :func:`run_pool` concatenates their block stacks
+(arrays and factor stacks), pads them to a multiple of the device count (:func:`padded`) and
+splits them over every mesh axis, so each device fits and applies its ``1/N`` of all those
+tiles, in one ``shard_map``. Each array is first resharded to its param's tile layout
+(:func:`_tile_spec`) and each stored stack is kept spread at the ideal
+(:func:`~bv_sharding.optimizers.placement.stored_spec`), so that the move to the pool and back
+is one all-to-all per array, of about a shard's bytes.
+
+Example:
+    >>> from bv_sharding.optimizers.tiles import shard_blocks
+    >>> mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+    >>> shard_blocks((8, 6), P("data", "model"), mesh, 4).pooled  # 3 of a 4-tile's 6 columns
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bv_sharding.ops import stack_axes
+from bv_sharding.optimizers.placement import spread, stored
+from bv_sharding.optimizers.shard_run import BlockRun
+from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
+
+
+def _stacks_key(blocks: ShardBlocks, stacks) -> tuple:
+  """What a pool's members share: tile shape, devices, stacks' structure and each stack's
+  shape past its grid (a pool of mixed dtypes joins in the widest)."""
+  grid = len(blocks.grid_shape)
+  return (
+      blocks.sizes,
+      blocks.devices,
+      jax.tree.structure(stacks),
+      tuple(tuple(x.shape[grid:]) for x in jax.tree.leaves(stacks)),
+  )
+
+
+def padded(stack: jax.Array, length: int) -> jax.Array:
+  """``stack`` padded to ``length`` along dim 0 with copies of its last block.
+
+  Example:
+      >>> padded(jnp.arange(2.0), 4).tolist()
+      [0.0, 1.0, 1.0, 1.0]
+  """
+  return jnp.concatenate([stack, jnp.repeat(stack[-1:], length - stack.shape[0], axis=0)])
+
+
+def pool_key(run: BlockRun) -> tuple:
+  """What runs share to join one pool: ``fn`` (the same object), the mesh, the dtypes and
+  :func:`_stacks_key`."""
+  dtypes = tuple(x.dtype for x in [*run.arrays, *jax.tree.leaves(run.stacks)])
+  return (run.fn, run.blocks.mesh, dtypes) + _stacks_key(run.blocks, run.stacks)
+
+
+def run_pool(runs: Sequence[BlockRun]):
+  """``(outs per run, new stacks per run)``: ``fn`` once on the runs' blocks, in ``shard_map``
+  over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
+
+  Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
+  split over the mesh axes along a tile dim, and so are its stacks (stored spread,
+  :func:`~bv_sharding.optimizers.placement.stored_spec`), so that joining them is local and
+  the pool's move to dim 0 (and back) is one all-to-all per array. Each stack is split along
+  a block dim of its own: a 3-D or 4-D param's tile stack ``(n, *sizes)`` and its factor
+  stacks (``(n, b, b)``, ``(n, b)``) differ in rank.
+  """
+  mesh = runs[0].blocks.mesh
+  sizes = dict(mesh.shape)
+  axes = stack_axes((), sizes)
+  dealt = P(spec_entry(axes))
+  place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
+  along = lambda x: place(x, P(None, *spread(x.shape[1:], axes, sizes)))
+  counts = [run.blocks.count for run in runs]
+  total = sum(counts) + -sum(counts) % mesh.size
+
+  def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
+    stack = jnp.concatenate([along(x) for x in parts])
+    return place(along(padded(stack, total)), dealt)
+
+  tile_specs = [_tile_spec(run.blocks, sizes) for run in runs]
+  # Each array resharded to its run's tile layout, then cut into its tiles.
+  tiles = [[r.blocks.split(place(x, t)) for x in r.arrays] for r, t in zip(runs, tile_specs)]
+  arrays = [pool(parts) for parts in zip(*tiles)]
+  flat = [jax.tree.map(r.blocks.to_run, r.stacks) for r in runs]
+  stacks = jax.tree.map(lambda *parts: pool(parts), *flat)
+  shared, per_block = [], []
+  for values in zip(*[r.scalars for r in runs]):
+    same = all(v is values[0] for v in values)
+    shared.append(values[0] if same else None)
+    per_block.append(
+        None
+        if same
+        else jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values, counts)])
+    )
+
+  def body(arrays, stacks, per_block):
+    start = jax.lax.axis_index(axes) * (total // mesh.size)
+    mine = lambda v: jax.lax.dynamic_slice_in_dim(
+        jnp.pad(v, (0, total - v.shape[0])), start, total // mesh.size
+    )
+    scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
+    return runs[0].fn(arrays, stacks, *scalars)
+
+  body = jax.shard_map(
+      body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
+  )
+  outs, new_stacks = body(arrays, stacks, per_block)
+  outs = [along(o) for o in outs]
+  new_stacks = jax.tree.map(along, new_stacks)
+  merged, cuts, start = [], [], 0
+  for run, n, tile_spec in zip(runs, counts, tile_specs):
+    cut = lambda x, start=start, n=n, blocks=run.blocks: blocks.from_run(x[start : start + n])
+    spec = P(*run.blocks.spec)
+    merged.append(
+        [place(place(run.blocks.merge(x[start : start + n]), tile_spec), spec) for x in outs]
+    )
+    cuts.append(stored(run.blocks, jax.tree.map(cut, new_stacks)))
+    start += n
+  return merged, cuts
+
+
+def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
+  """Where a pooled param is cut into tiles: all its mesh axes (in mesh order) on the
+  first dim whose shards they keep in step with the tiles (each shard whole tiles, or
+  whole pieces of one tile); without such a dim, its spec with each axis out of step
+  moved to a dim it keeps in step, else dropped (gathered over).
+
+  Cutting the param into tiles is then a reshape XLA partitions as it is, and the tiles
+  reach the pool (split over the mesh axes on dim 0) in one all-to-all; a moved axis costs
+  another (each of about a shard's bytes).
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+      >>> blocks = ShardBlocks((768, 256), (1, 1), 256, spec=("model", "data"), pooled=True)
+      >>> _tile_spec(blocks, dict(mesh.shape))  # 384-row shards: all on the columns
+      P(None, ('data', 'model'))
+  """
+  dims = range(int(blocks.scanned), len(blocks.shape))
+  entries = [list(stack_axes((e,))) for e in blocks.spec]
+  own = {a for d in dims for a in entries[d]}
+  ordered = [a for a in sizes if a in own]
+  in_step = lambda d, axes: _in_step(
+      blocks.shape[d], math.prod(sizes[a] for a in axes), blocks.block_size
+  )
+  together = next((d for d in dims if in_step(d, ordered)), None)
+  if together is not None:
+    return P(
+        *(
+            spec_entry(ordered if d == together else entries[d] if d not in dims else [])
+            for d in range(len(entries))
+        )
+    )
+  moved = [a for d in dims for a in entries[d] if not in_step(d, entries[d])]
+  for d in dims:
+    entries[d] = [a for a in entries[d] if a not in moved]
+  for axis in moved:
+    d = next((d for d in dims if in_step(d, [*entries[d], axis])), None)
+    if d is not None:
+      entries[d].append(axis)
+  return P(*(spec_entry(e) for e in entries))
+
+
+def _in_step(extent: int, shards: int, block_size: int) -> bool:
+  """Whether ``shards`` even shards of a dim of ``extent`` hold whole tiles or whole
+  pieces of one tile each."""
+  if extent % shards:
+    return False
+  local = extent // shards
+  return local % block_size == 0 or (
+      block_size % local == 0 and extent % min(block_size, extent) == 0
+  )

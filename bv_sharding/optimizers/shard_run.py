@@ -1,0 +1,202 @@
+"""Running one param's blocks where they live: in ``jax.shard_map`` over the param's spec.
+
+A :class:`BlockRun` is one param's per-block work: ``fn`` on the blocks of ``arrays``
+(param-shaped: a gradient, a momentum, a probe) and on the param's block ``stacks`` (its
+factors, stored ``(*grid, ...)``: :mod:`bv_sharding.optimizers.placement`). On a concrete
+``Mesh``, :func:`run_alone` runs it in ``jax.shard_map`` over the param's spec:
+
+* shard-local blocks: each device the blocks of its own shard, its stored stacks a reshape
+  away from their run order: no collective but the scalars computed outside (norms, counters);
+* a dealt param (never sharded, cut into one piece per device): each device the blocks of its
+  piece, the pieces' results gathered;
+* tiles dealt to owners among their holders
+  (:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.owners`): the holders exchange the tiles'
+  pieces so that each owner fits and applies whole tiles, and send the results back.
+
+On an ``AbstractMesh`` (or without a layout) the same blocks are computed on global arrays:
+the unsharded reference, and shapes for planning. Pooled tiles run with other params' in
+:mod:`bv_sharding.optimizers.pools`; :func:`~bv_sharding.optimizers.blocked.run_all` runs
+every param's.
+
+Example:
+    >>> blocks = ShardBlocks((8, 6), (2, 1), block_size=2)  # no mesh: on global arrays
+    >>> fn = lambda arrays, stacks: ([-arrays[0]], [s + 1 for s in stacks])
+    >>> (out,), (q,) = run_alone(BlockRun(blocks, fn, [jnp.ones((8, 6))], [jnp.zeros((4, 3))]))
+    >>> out.shape, q.shape, float(q.sum())
+    ((8, 6), (4, 3), 12.0)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from bv_sharding.ops import stack_axes
+from bv_sharding.optimizers.placement import stored, stored_spec
+from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
+
+
+class BlockRun(NamedTuple):
+  """One param's per-block work: ``fn(block_stacks, stacks, *scalars) -> (out_block_stacks,
+  new_stacks)`` on the blocks of ``arrays`` and on ``stacks`` (see :func:`run_alone`)."""
+
+  blocks: ShardBlocks
+  fn: Callable
+  arrays: Sequence[jax.Array]
+  stacks: Any
+  scalars: Sequence[jax.Array] = ()
+
+
+def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:
+  """``(outs, new_stacks)`` of ``run``, whose blocks are not pooled with others'
+  (:func:`~bv_sharding.optimizers.blocked.run_all` calls it).
+
+  ``fn(block_stacks, stacks, *scalars) -> (out_block_stacks, new_stacks)`` per shard: the
+  ``arrays`` are param-shaped and split into blocks for ``fn``, its outputs merged back to
+  param shape; ``stacks`` go in and come back stored. On a mesh this is a ``shard_map`` over
+  the param's spec, the scalars replicated.
+
+  Example:
+      >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
+      >>> blocks = ShardBlocks((4, 4), (1, 1), block_size=2)
+      >>> (out,), _ = run_alone(BlockRun(blocks, double, [jnp.ones((4, 4))], ()))
+      >>> float(out.sum())
+      32.0
+  """
+  blocks, fn, arrays, stacks, scalars = run
+
+  def body(arrays, stacks, scalars, local):
+    outs, new_stacks = fn([blocks.split(x, local) for x in arrays], stacks, *scalars)
+    return [blocks.merge(o, local) for o in outs], new_stacks
+
+  if blocks.mesh is None:
+    outs, new_stacks = body(arrays, jax.tree.map(blocks.to_run, stacks), scalars, local=False)
+    return outs, jax.tree.map(blocks.from_run, new_stacks)
+  if blocks.owners is not None:
+    return _run_owned(blocks, fn, arrays, stacks, scalars)
+  fn = _on_stored(blocks, fn)
+  if blocks.dealt:
+    return _run_dealt(blocks, fn, arrays, stacks, scalars)
+  param = P(*blocks.spec)  # A stored stack's grid dims too: each device its own blocks.
+  mapped = jax.shard_map(
+      functools.partial(body, local=True),
+      mesh=blocks.mesh,
+      in_specs=(param, param, P()),
+      out_specs=(param, param),
+      check_vma=False,
+  )
+  return mapped(list(arrays), stacks, list(scalars))
+
+
+def _on_stored(blocks: ShardBlocks, fn: Callable) -> Callable:
+  """``fn`` of run-order stacks as a function of one device's stored stacks (in
+  ``shard_map``): its blocks' factors, a reshape away from its run order."""
+  per, n = blocks.per_shard, len(blocks.shards)
+
+  def on_stored(arrays, stacks, *scalars):
+    outs, new_stacks = fn(
+        arrays, jax.tree.map(lambda x: x.reshape(-1, *x.shape[n:]), stacks), *scalars
+    )
+    return outs, jax.tree.map(lambda x: x.reshape(*per, *x.shape[1:]), new_stacks)
+
+  return on_stored
+
+
+def _run_dealt(blocks: ShardBlocks, fn: Callable, arrays, stacks, scalars):
+  """A dealt param's run: each device the blocks of its piece, results gathered."""
+  axes = stack_axes(blocks.spec)
+  per_device = blocks.count // math.prod(blocks.shards)
+
+  def body(arrays, stacks, scalars):
+    start = jax.lax.axis_index(axes) * per_device
+    mine = [jax.lax.dynamic_slice_in_dim(blocks.split(x), start, per_device) for x in arrays]
+    return fn(mine, stacks, *scalars)
+
+  mapped = jax.shard_map(
+      body,
+      mesh=blocks.mesh,
+      in_specs=(P(), P(*blocks.spec), P()),
+      out_specs=(blocks.stack_spec, P(*blocks.spec)),
+      check_vma=False,
+  )
+  outs, new_stacks = mapped(list(arrays), stacks, list(scalars))
+  return [blocks.merge(o) for o in outs], new_stacks
+
+
+def _run_owned(blocks: ShardBlocks, fn: Callable, arrays, stacks, scalars):
+  """A run with :attr:`~bv_sharding.optimizers.tiles.ShardBlocks.owners`: pieces of tiles to
+  their owners and back."""
+  dim, axis, holders = blocks.owners
+  block_dim = 1 + dim - int(blocks.scanned)  # The dim in a (n, *sizes) stack.
+  size = dict(blocks.mesh.shape)[axis]
+
+  def to_owners(pieces):  # (n_local, *piece) -> (n_local / holders, *tile)
+    chunks = pieces.reshape(holders, -1, *pieces.shape[1:])  # Chunk r: what r owns.
+    got = jnp.moveaxis(_exchange(chunks, axis, holders, size), 0, block_dim)
+    return got.reshape(*got.shape[:block_dim], -1, *got.shape[block_dim + 2 :])
+
+  def from_owners(tiles):
+    rows = tiles.shape[block_dim] // holders
+    parts = tiles.reshape(*tiles.shape[:block_dim], holders, rows, *tiles.shape[block_dim + 1 :])
+    back = _exchange(jnp.moveaxis(parts, block_dim, 0), axis, holders, size)
+    return back.reshape(-1, *back.shape[2:])
+
+  sizes, axes, grid = dict(blocks.mesh.shape), stack_axes(blocks.spec), len(blocks.grid_shape)
+  leaves, treedef = jax.tree.flatten(stacks)
+  specs = [stored_spec(blocks, x.shape, sizes) for x in leaves]
+  # The tail dim of each stored stack that holds all the param's axes: one all-to-all moves
+  # it to its owners' run order (dim 0 over those axes), and back. Else XLA moves it.
+  dims = [next((d for d, e in enumerate(s) if e == spec_entry(axes)), None) for s in specs]
+  by_exchange = all(d is not None for d in dims)
+
+  # In shard_map: a stored stack in run order, and back (each its own way: see above).
+  there = lambda x, d: jax.lax.all_to_all(blocks.to_run(x), axes, 0, 1 + d - grid, tiled=True)
+  back = lambda x, d: blocks.from_run(jax.lax.all_to_all(x, axes, 1 + d - grid, 0, tiled=True))
+  if not by_exchange:
+    there = back = lambda x, d: x
+    specs, leaves = [blocks.stack_spec] * len(leaves), [blocks.to_run(x) for x in leaves]
+
+  def body(arrays, leaves, scalars):
+    tiles = [to_owners(blocks.split(x, local=True)) for x in arrays]
+    stacks = treedef.unflatten([there(x, d) for x, d in zip(leaves, dims)])
+    outs, new_stacks = fn(tiles, stacks, *scalars)
+    new_leaves = [back(x, d) for x, d in zip(jax.tree.leaves(new_stacks), dims)]
+    return [blocks.merge(from_owners(o), local=True) for o in outs], new_leaves
+
+  param = P(*blocks.spec)
+  mapped = jax.shard_map(
+      body,
+      mesh=blocks.mesh,
+      in_specs=(param, specs, P()),
+      out_specs=(param, specs),
+      check_vma=False,
+  )
+  outs, new_leaves = mapped(list(arrays), leaves, list(scalars))
+  if not by_exchange:
+    new_leaves = [blocks.from_run(x) for x in new_leaves]
+  return outs, stored(blocks, treedef.unflatten(new_leaves))
+
+
+def _exchange(chunks: jax.Array, axis: str, holders: int, size: int) -> jax.Array:
+  """In ``shard_map``: ``out[p]`` is the chunk that holder ``p`` of this device's group
+  (``holders`` consecutive indices of ``axis``) sent it, having sent ``chunks[r]`` to
+  holder ``r``: an all-to-all among each group (the whole axis: one all-to-all)."""
+  if holders == size:
+    return jax.lax.all_to_all(chunks, axis, 0, 0)
+  me = jax.lax.axis_index(axis) % holders
+  out = jax.lax.dynamic_update_index_in_dim(
+      jnp.zeros_like(chunks), jax.lax.dynamic_index_in_dim(chunks, me, 0), me, 0
+  )
+  groups = range(0, size, holders)
+  for shift in range(1, holders):
+    send = jax.lax.dynamic_index_in_dim(chunks, (me + shift) % holders, 0, keepdims=False)
+    pairs = [(g + p, g + (p + shift) % holders) for g in groups for p in range(holders)]
+    got = jax.lax.ppermute(send, axis, pairs)
+    out = jax.lax.dynamic_update_index_in_dim(out, got, (me - shift) % holders, 0)
+  return out
