@@ -20,9 +20,10 @@ skeleton (the same leaves, shardings and shards, one element each: what orbax an
 keep per leaf and per shard whatever the bytes). Prints a markdown table.
 
 A second table: the median time to restore the state (params and optimizer state) as orbax
-alone reads it and as the trainer does (its arrays read in their saved dtypes and checked
-against the checksums saved with them, ``trainers/rundir/checksums.py``), taking turns, and
-the median time of the checksums a save computes in the loop thread.
+alone reads its two items and as the trainer restores it (``checkpoint.restore``: the meta
+item, the params' check, each array read in its saved dtype and checked against the checksum
+saved with it, ``trainers/rundir/checksums.py``), taking turns, and the median time of the
+checksums a save computes in the loop thread.
 """
 
 import os
@@ -167,9 +168,10 @@ def measure(config, saves: int) -> dict:
 
 
 def measure_restore(config, restores: int) -> dict:
-  """Median seconds of restoring a saved state as orbax alone reads it and as the trainer
-  does (its arrays checked against their saved checksums), taking turns after an untimed
-  first of each; and the median seconds of the checksums a save computes in the loop."""
+  """Median seconds of restoring a saved state as orbax alone reads it (its two items) and as
+  the trainer does (``checkpoint.restore``: its meta item, the params' check, the arrays
+  checked against their saved checksums), taking turns after an untimed first of each; and
+  the median seconds of the checksums a save computes in the loop."""
   config.ckpt_steps, config.total_steps = 1, 10**6
   mesh, run, _, _ = setup(config, 1)
   target = run.plan.abstract()
@@ -182,13 +184,12 @@ def measure_restore(config, restores: int) -> dict:
     step = manager.latest_step()
     ways = {
         "orbax": lambda: [
-            manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(target[item])}))
+            manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(target[item])}))[
+                item
+            ]
             for item in (checkpoint.PARAMS, checkpoint.OPT)
         ],
-        "checked": lambda: [
-            checkpoint.restore_item(manager, step, item, target[item])
-            for item in (checkpoint.PARAMS, checkpoint.OPT)
-        ],
+        "checked": lambda: checkpoint.restore(manager, step, run.plan, run.tx, run.migration)[0],
         "sums": lambda: checksums.of(state),
     }
     for i in range(restores + 1):

@@ -488,12 +488,13 @@ def tree_restore(target) -> ocp.args.PyTreeRestore:
   return ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
 
 
-def restore_item(manager: ocp.CheckpointManager, step: int, item: str, target):
+def restore_item(manager: ocp.CheckpointManager, step: int, item: str, target, meta=None):
   """One item (``PARAMS`` or ``OPT``) of the checkpoint at ``step``, onto ``target``.
 
   Its arrays are read in the dtypes they were saved in, checked against the checksums saved
   with them (:mod:`~trainers.rundir.checksums`; a checkpoint that has none is read as it is),
   then cast to ``target``'s. Raises ``DamagedCheckpointError`` naming the step and the leaf.
+  ``meta``: the step's meta item, where the caller has read it already.
   """
   with reading(manager, step):
     saved = leaf_table(manager.item_metadata(step)[item].tree)
@@ -503,7 +504,7 @@ def restore_item(manager: ocp.CheckpointManager, step: int, item: str, target):
         is_leaf=lambda x: x is ocp.PLACEHOLDER,
     )
     tree = manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(raw)}))[item]
-    sums = read_meta(manager, step).get("sums", {})
+    sums = (read_meta(manager, step) if meta is None else meta).get("sums", {})
   prefixed = {f"{item}/{leaf}": s for leaf, s in checksums.of(tree).items()}
   leaf = checksums.mismatch(sums, prefixed)
   if leaf is not None:
@@ -610,10 +611,10 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
     return mismatch and f"{OPT}/{mismatch}"
 
   load = lambda targets=None: restore_item(
-      manager, step, OPT, target[OPT] if targets is None else targets
+      manager, step, OPT, target[OPT] if targets is None else targets, meta
   )
   opt, why = migration.migrate(meta, differs, load)
-  params = restore_item(manager, step, PARAMS, target[PARAMS])
+  params = restore_item(manager, step, PARAMS, target[PARAMS], meta)
   source = str(manager.directory / str(step))
   opt_casts = casts(leaf_table(target[OPT]), saved_opt) if opt is not None else {}
   if note := cast_note({"params": param_casts, "opt state": opt_casts}):
@@ -668,10 +669,10 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
   tried = [step] if step is not None else sorted(complete, reverse=True)
   for i, step in enumerate(tried):
     try:
-      read_meta(manager, step)
+      meta = read_meta(manager, step)
       if note := cast_note({"params": check_params(manager, step, plan)}):
         logging.info("%s", note)
-      params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS])
+      params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS], meta)
       break
     except DamagedCheckpointError as e:
       if i == len(tried) - 1:
