@@ -6,10 +6,10 @@ With ``blocking="tiles"`` (the default) a param's blocks are its fixed grid of
 device), and a checkpoint saved on 8 devices resumes on 2, 4 and 4x2 with its whole
 optimizer state carried over: the resumed losses are the 8-device run's.
 
-The configs' tiny Llama has one layer here instead of two (``ONE_LAYER``): every kind of
-tile the two layers have, in half the compile. Kron's 256-tiles: on 2 devices the MLP
-kernels' (two per kernel) dealt to owners and the other matrices' pooled, on 4, 8 and 4x2
-all pooled; Shampoo's blocks pooled on every mesh of more than one device.
+The configs' tiny Llama has one layer here instead of two (``helpers.one_layer``): every
+kind of tile the two layers have, in half the compile. Kron's 256-tiles: on 2 devices the
+MLP kernels' (two per kernel) dealt to owners and the other matrices' pooled, on 4, 8 and
+4x2 all pooled; Shampoo's blocks pooled on every mesh of more than one device.
 
 Each mesh's run is made once; a resumed run compiles the very program of the run from
 scratch on its mesh, which the shared compilation cache holds.
@@ -21,7 +21,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import metrics, train
+from tests.helpers import metrics, one_layer, train
 
 # Shampoo preconditions from step 10 (its registry default): the resumed steps 11-20 are
 # preconditioned from the statistics the checkpoint carried.
@@ -47,15 +47,6 @@ MESHES = {
     "8": ("lm", 8),
     "4x2": ("lm_tp_fsdp", 8),
 }
-# configs/<name>.py with a one-layer model, as a user's config file derives from another.
-ONE_LAYER = """from configs import {name}
-
-
-def get_config(arg=None):
-  config = {name}.get_config(arg)
-  config.model.n_layers = 1
-  return config
-"""
 RESIZED = ("2", "4", "4x2")
 OPTIMIZERS = ("kron", "shampoo")
 
@@ -89,7 +80,7 @@ def runs_of(root, optimizer: str) -> dict:
   of the 8-device run's step-``SAVED`` checkpoint resumed on ``mesh``."""
   out = {}
   for name in {name for name, _ in MESHES.values()}:
-    (root / f"{name}_one_layer.py").write_text(ONE_LAYER.format(name=name))
+    one_layer(root, name)
   # Two trainers at a time: each spends much of its start single-threaded.
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     done = {mesh: pool.submit(run, root / mesh, optimizer, mesh) for mesh in MESHES}
