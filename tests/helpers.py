@@ -5,12 +5,14 @@ inherit this process's environment (``conftest.py`` gives OpenBLAS one thread an
 points every run at the session's jax compilation cache).
 """
 
+import fcntl
 import functools
 import importlib.util
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -53,6 +55,25 @@ def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: in
       # big_vision's schedules need the warmup to end before the run does.
       f"--config.schedule.warmup_steps={min(10, total_steps // 2)}",
   )
+
+
+# configs/<base>.py with a one-layer model, as a user's config file derives from another: the
+# same tiny Llama in about half the compile (`one_layer`).
+ONE_LAYER = """from configs import {base}
+
+
+def get_config(arg=None):
+  config = {base}.get_config(arg)
+  config.model.n_layers = 1
+  return config
+"""
+
+
+def one_layer(directory, base: str = "lm") -> pathlib.Path:
+  """``directory/<base>_one_layer.py``: ``configs/<base>.py`` with a one-layer model, written."""
+  path = pathlib.Path(directory, f"{base}_one_layer.py")
+  path.write_text(ONE_LAYER.format(base=base))
+  return path
 
 
 def tiny_llama(get_config, batch_size: int = 32, **keys):
@@ -123,6 +144,26 @@ def assert_untouched(path: pathlib.Path) -> None:
   assert sorted(p.name for p in path.iterdir()) == sorted(EARLIER)
   for name, content in EARLIER.items():
     assert (path / name).read_bytes() == content
+
+
+def made_once(tmp_path_factory, name: str, make) -> pathlib.Path:
+  """``path``, made by ``make(path)`` once in the session (``path`` does not exist before):
+  the first pytest-xdist worker to ask makes it while the others wait for it, then every
+  test reads it as it is (one that changes it works on a copy). A failed ``make`` is tried
+  again by the next test that asks."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # The workers' base temps share a parent.
+    root = root.parent
+  shared = root / "made-once"
+  shared.mkdir(exist_ok=True)
+  path, done = shared / name, shared / f"{name}.done"
+  with open(shared / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file closes.
+    if not done.exists():
+      shutil.rmtree(path, ignore_errors=True)
+      make(path)
+      done.touch()
+  return path
 
 
 def load_tool(name: str):

@@ -140,6 +140,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("any-mesh-saved")  # One worker makes `saved` for both.
 @pytest.mark.parametrize("devices", [2, 4])
 def test_a_state_saved_on_8_devices_continues_on_fewer_as_the_uninterrupted_run(saved, devices):
   directory, runs = saved

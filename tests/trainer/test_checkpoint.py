@@ -28,13 +28,13 @@ from jax.sharding import SingleDeviceSharding
 
 import bv_sharding as bvs
 from configs import lm
-from tests.helpers import ROOT, environment, metrics, run_module
+from tests.helpers import ROOT, environment, made_once, metrics, one_layer, run_module
 from trainers import build, models, optimizers, steps
 from trainers.rundir import checkpoint, events
 
 STEPS = 8
+CONFIG = "configs/lm.py"
 RUN = (
-    "--config=configs/lm.py",
     "--config.batch_size=16",
     "--config.seq_len=32",
     "--config.log_every=1",
@@ -50,10 +50,11 @@ RUN = (
 ENV = environment()
 
 
-def start(workdir, *overrides, total=STEPS, log=None):
+def start(workdir, *overrides, total=STEPS, log=None, config=CONFIG):
   """The trainer as a user starts it, in the background; output goes to `log` (workdir.log)."""
   log = pathlib.Path(log or pathlib.Path(workdir).with_suffix(".log"))
-  cmd = [sys.executable, "-m", "trainers.train", f"--workdir={workdir}", *RUN]
+  cmd = [sys.executable, "-m", "trainers.train", f"--workdir={workdir}", f"--config={config}"]
+  cmd += RUN
   cmd += [f"--config.total_steps={total}", *overrides]
   with open(log, "a") as f:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
@@ -71,8 +72,8 @@ def finish(proc, timeout=300):
   return status, proc.log.read_text()
 
 
-def train(workdir, *overrides, total=STEPS, timeout=300):
-  status, out = finish(start(workdir, *overrides, total=total), timeout)
+def train(workdir, *overrides, total=STEPS, timeout=300, config=CONFIG):
+  status, out = finish(start(workdir, *overrides, total=total, config=config), timeout)
   assert status == 0, out[-4000:]
   return out
 
@@ -80,7 +81,7 @@ def train(workdir, *overrides, total=STEPS, timeout=300):
 def launch(workdir, *overrides, total=STEPS, timeout=300):
   """The same run as 2 jax.distributed processes x 4 devices."""
   args = ["--processes=2", "--devices-per-process=4", "--timeout=280", "--", f"--workdir={workdir}"]
-  args += [*RUN, f"--config.total_steps={total}", *overrides]
+  args += [f"--config={CONFIG}", *RUN, f"--config.total_steps={total}", *overrides]
   done = run_module("trainers.launch", *args, timeout=timeout)
   assert done.returncode == 0, done.stdout[-4000:]
   return done.stdout
@@ -127,9 +128,8 @@ def assert_same_run(workdir, reference):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("reference") / "run"
-  train(workdir)
-  return workdir
+  """The uninterrupted run, made once for both pytest-xdist workers (tests read or copy it)."""
+  return made_once(tmp_path_factory, "checkpoint-reference", train)
 
 
 @pytest.mark.timeout(600)
@@ -204,7 +204,8 @@ def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
   """Under trainers.launch (2 processes x 4 devices) jax's preemption sync point picks the step."""
   workdir, log = tmp_path / "run", tmp_path / "launch.log"
   cmd = [sys.executable, "-m", "trainers.launch", "--processes=2", "--devices-per-process=4"]
-  cmd += ["--timeout=500", "--", f"--workdir={workdir}", *RUN, "--config.total_steps=40"]
+  cmd += ["--timeout=500", "--", f"--workdir={workdir}", f"--config={CONFIG}", *RUN]
+  cmd += ["--config.total_steps=40"]
   with open(log, "w") as f:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
   proc.log = log
@@ -395,14 +396,12 @@ CHANGE = ("--config.eval_every=1", "--config.ckpt_steps=20")
 @pytest.fixture(scope="module")
 def first_20_steps(tmp_path_factory):
   """optax_name -> a workdir holding its first 20 steps under ``CHANGE``, run once in the
-  module (a test continues a copy of it)."""
-  made = {}
+  session (a test continues a copy of it)."""
 
   def run(optax_name: str) -> pathlib.Path:
-    if optax_name not in made:
-      made[optax_name] = tmp_path_factory.mktemp(f"first-20-{optax_name}") / "run"
-      train(made[optax_name], f"--config.optax_name={optax_name}", *CHANGE, total=20, timeout=600)
-    return made[optax_name]
+    flags = (f"--config.optax_name={optax_name}", *CHANGE)
+    make = lambda workdir: train(workdir, *flags, total=20, timeout=600)
+    return made_once(tmp_path_factory, f"first-20-{optax_name}", make)
 
   return run
 
@@ -412,20 +411,9 @@ def first_20_steps(tmp_path_factory):
     ("before", "after", "logged"),
     [
         ("kron", "adamw", "born afresh: opt/1/0/count, opt/1/0/mu/*, opt/1/0/nu/*"),
-        # The two changes from adamw on one pytest-xdist worker, which makes adamw's first 20
-        # steps once for both.
-        pytest.param(
-            "adamw",
-            "lamb",
-            "opt/1/0/count -> opt/1/0/count; born afresh: nothing",
-            marks=pytest.mark.xdist_group("adamw-first-20"),
-        ),
-        pytest.param(
-            "adamw",
-            "sgd",
-            "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding",
-            marks=pytest.mark.xdist_group("adamw-first-20"),
-        ),
+        # adamw's first 20 steps made once for both changes from it (made_once).
+        ("adamw", "lamb", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
+        ("adamw", "sgd", "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding"),
         ("lamb", "adamw", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
         ("muon", "shampoo", "/momentum; born afresh: opt/1/0/count,"),
     ],
@@ -520,8 +508,10 @@ def test_unwritable_workdir_fails_before_training(tmp_path):
 
 @functools.cache
 def blocked_lm(optax_name: str, block_size: int, devices: int) -> build.Run:
-  """configs/lm.py's tiny Llama with ``optax_name`` on ``devices``, built as the trainer builds it."""
+  """``one_layer``'s configs/lm.py (a one-layer tiny Llama) with ``optax_name`` on ``devices``,
+  built as the trainer builds it."""
   config = lm.get_config()
+  config.model.n_layers = 1
   config.optax_name, config.optax, config.total_steps = optax_name, {"block_size": block_size}, 8
   config.schedule.warmup_steps = 2
   return build.build(config, bvs.make_mesh([("data", devices)], devices=jax.devices()[:devices]))
@@ -548,13 +538,16 @@ def assert_state_as_saved_after_restore(workdir, optax_name, block_size, devices
 def test_block_stacks_restore_onto_fewer_devices(tmp_path, optax_name, block_size, devices, how):
   """8 devices -> fewer: 8x8 tiles stay the same tiles (the state kept as saved); Shampoo's
   shard-local blocks ("local") of 1024 are each device's whole shard, other blocks on fewer
-  devices (state re-initialised)."""
-  workdir = tmp_path / "run"
+  devices (state re-initialised). The tiny Llama with one layer: every kind of param of two,
+  in about half the compile."""
+  workdir, config = tmp_path / "run", one_layer(tmp_path)
   run = [f"--config.optax_name={optax_name}", f"--config.optax.block_size={block_size}"]
   run += ["--config.optax.blocking=local"] if how == "re-initialised" else []
   # Kron's and Shampoo's train steps take minutes to compile on a loaded 2-core host.
-  train(workdir, *run, total=4, timeout=900)
-  out = train(workdir, *run, f"--devices_per_process={devices}", total=6, timeout=900)
+  train(workdir, *run, total=4, timeout=900, config=config)
+  out = train(
+      workdir, *run, f"--devices_per_process={devices}", total=6, timeout=900, config=config
+  )
   assert "resumed at step 4 from" in out, out[-3000:]
   if how == "kept":
     assert "restored on mesh {'data': 2} as saved" in out and "re-initialised" not in out, out
