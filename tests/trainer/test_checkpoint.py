@@ -639,7 +639,7 @@ def no_room_to_write(limit: int = 200_000):
 @pytest.mark.timeout(300)
 def test_a_save_that_finds_no_room_is_one_line_and_the_last_checkpoint_resumes(tmp_path, reference):
   workdir = copy_at(reference, tmp_path / "run", 4)
-  cmd = [sys.executable, "-m", "trainers.train", f"--workdir={workdir}", *RUN]
+  cmd = [sys.executable, "-m", "trainers.train", f"--workdir={workdir}", f"--config={CONFIG}", *RUN]
   done = subprocess.run(
       [*cmd, f"--config.total_steps={STEPS}"],
       cwd=ROOT,
