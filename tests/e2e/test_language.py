@@ -6,6 +6,7 @@ falls, evals report bits per byte), then `python -m trainers.sample` on 2 device
 import json
 import math
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -78,6 +79,24 @@ def test_sampling_on_other_devices_writes_the_corpus_words(trained):
   text = done.stdout.strip()
   assert text.startswith("the quick") and len(text) > len("the quick") + 10, text
   assert set(text.split()[:-1]) <= set(WORDS), text  # The last word may be cut short.
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xdist_group("language-trained")
+def test_sampling_a_damaged_checkpoint_is_one_line_naming_it(trained, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained[0], workdir)
+  data = max((workdir / "checkpoints/30/params").rglob("d/*"), key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(b ^ 0xFF for b in raw[len(raw) // 2 :][:64])
+  data.write_bytes(bytes(raw))
+  done = run_module("trainers.sample", f"--workdir={workdir}", "--prompt=the", timeout=100)
+  assert done.returncode == 1 and done.stdout == "", done.stderr[-3000:]
+  last = done.stderr.splitlines()[-1]
+  assert last.startswith(f"DamagedCheckpointError: checkpoint {workdir}/checkpoints/30: params/")
+  assert last.endswith(
+      "does not match the checksum saved with it (its data files were changed after the save)"
+  )
 
 
 def test_a_workdir_without_a_run_is_one_line(tmp_path, capsys):
