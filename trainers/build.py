@@ -26,6 +26,7 @@ Example:
 """
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ import optax
 import bv_sharding as bvs
 from trainers import divergence, models, optimizers, steps
 from trainers.input import tasks
+from trainers.models import axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,16 @@ def build(config, mesh) -> Run:
   example = example_input(task, batch)
   model, init = model_and_init(config, example)
   strategy, rules = config.sharding_strategy, config.sharding_rules
-  params = bvs.plan({"params": jax.eval_shape(init)}, strategy, mesh, rules=rules)
+  shapes = jax.eval_shape(init)
+  unused = axes.unused_rules(rules, shapes)
+  if unused:
+    warnings.warn(
+        f"config.sharding_rules names {unused}, which no param or activation of this model has "
+        f"(so they shard nothing); check the spelling against the model's names",
+        bvs.ShardingWarning,
+        stacklevel=2,
+    )
+  params = bvs.plan({"params": shapes}, strategy, mesh, rules=rules)
   layout = optimizers.ParamLayout.from_plan(params)
   tx, learning_rates = optimizer(config, layout)
   # Complete: block stacks are where the optimizer runs them (their Stacks declare it).

@@ -39,7 +39,9 @@ def test_run_is_a_frozen_record_of_what_the_trainer_needs():
 def test_params_are_decided_once_and_the_state_plan_reuses_their_entries(monkeypatch):
   decided, plans = [], []
   decide, plan = planning._decide_param, bvs.plan
-  monkeypatch.setattr(planning, "_decide_param", lambda leaf, pats: decided.append(leaf.name) or decide(leaf, pats))
+  monkeypatch.setattr(
+      planning, "_decide_param", lambda leaf, pats: decided.append(leaf.name) or decide(leaf, pats)
+  )
   monkeypatch.setattr(bvs, "plan", lambda *a, **k: plans.append(plan(*a, **k)) or plans[-1])
   config = tiny_lm("kron")
   run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
@@ -67,3 +69,10 @@ def test_a_replicated_strategy_replicates_the_layout_the_optimizer_blocks_by():
   run = build.build(config, mesh)
   assert not any(any(spec) for spec in layout_specs(run))
   assert not any(e.sharded for e in run.plan.entries)
+
+
+def test_a_rule_no_param_or_activation_names_is_a_warning():
+  config = tiny_lm()
+  config.sharding_rules = (("act_batch", "data"), ("layers", ()), ("mlpp", "data"))
+  with pytest.warns(bvs.ShardingWarning, match=r"config.sharding_rules names \['mlpp'\], which no"):
+    build.build(config, bvs.make_abstract_mesh(config.mesh, 8))

@@ -29,6 +29,24 @@ ACT_EMBED = (ACT_BATCH, "act_len", "act_embed")  # The token stream: (batch, len
 ACT_HEADS = (ACT_BATCH, "act_len", "act_heads", None)  # (batch, length, heads, head_dim).
 ACT_MLP = (ACT_BATCH, "act_len", "act_mlp")  # The MLP's hidden units.
 ACT_VOCAB = (ACT_BATCH, "act_len", "act_vocab")  # Logits.
+ACTIVATION_NAMES = frozenset(n for t in (ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB) for n in t if n)
+LAYERS = "layers"  # The leading dim of scanned layers' params (``config.model.scan_layers``).
+
+
+def unused_rules(rules, params) -> list[str]:
+  """The logical names of ``rules`` (``(name, mesh axes)`` pairs) that no activation of the
+  models (:data:`ACTIVATION_NAMES`), no scanned layer axis (:data:`LAYERS`) and no param of
+  ``params`` (its flax boxes' names) has: legal, but most likely a misspelt name, which then
+  shards nothing.
+
+  Example:
+    >>> params = {"w": nn.LogicallyPartitioned(jnp.zeros((2, 2)), ("embed", "mlp"))}
+    >>> unused_rules([("act_batch", "data"), ("mlp", "model"), ("mlpp", "model")], params)
+    ['mlpp']
+  """
+  boxes = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  names = {n for b in boxes if isinstance(b, nn.Partitioned) for n in b.names if n}
+  return [name for name, _ in rules if name not in names | ACTIVATION_NAMES | {LAYERS}]
 
 
 def explicit_spec(names, shape) -> PartitionSpec | None:

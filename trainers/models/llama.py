@@ -52,7 +52,16 @@ import jax.numpy as jnp
 
 import bv_sharding as bvs
 from trainers.models import _presets
-from trainers.models.axes import ACT_EMBED, ACT_HEADS, ACT_MLP, ACT_VOCAB, constrain, matmul, take
+from trainers.models.axes import (
+    ACT_EMBED,
+    ACT_HEADS,
+    ACT_MLP,
+    ACT_VOCAB,
+    LAYERS,
+    constrain,
+    matmul,
+    take,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +315,7 @@ class Llama(nn.Module):
           length=cfg.n_layers,
           variable_axes={"params": 0, "cache": 0},
           split_rngs={"params": True},
-          metadata_params={nn.PARTITION_NAME: "layers"},
+          metadata_params={nn.PARTITION_NAME: LAYERS},
       )
       x, _ = layers(cfg, *dtypes, decode=self.decode, name=self.STACK)(x, None)
     else:
