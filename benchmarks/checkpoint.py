@@ -220,33 +220,63 @@ def main(argv=None):
   jax.config.update("jax_num_cpu_devices", 8)
   checkpoint.quiet_orbax()
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices, AdamW, batch 16\n")
-  print(
-      "| size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy "
-      "| written s | extra host memory / state | trainer: blocked s | blocked - copy ms "
-      "| written s | extra host memory / state | of which bookkeeping |"
+  sizes = args.sizes.split(",")
+  table(
+      "size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy | written s "
+      "| extra host memory / state | trainer: blocked s | blocked - copy ms | written s "
+      "| extra host memory / state | of which bookkeeping",
+      [
+          lambda size=size: save_row(size, measure(lm_config(size, "adamw"), args.saves))
+          for size in sizes
+      ],
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-  for size in args.sizes.split(","):
-    m = measure(lm_config(size, "adamw"), args.saves)
-    print(
-        f"| {size} | {m['mib']:.1f} | {m['step']:.3f} | {m['copy']:.3f} | {m['orbax']:.3f} | "
-        f"{m['orbax'] / m['copy']:.1f} | {m['orbax write']:.2f} | {multiple(m['orbax memory'], m['mib'])} | "
-        f"{m['trainer']:.3f} | {1000 * (m['trainer'] - m['copy']):+.0f} | "
-        f"{m['trainer write']:.2f} | {multiple(m['trainer memory'], m['mib'])} | "
-        f"{multiple(m['bookkeeping'], m['mib'])} |",
-        flush=True,
-    )
-  print(
-      "\n| size | orbax restore s | checked restore s | checked / orbax | checksums at a save ms |"
+  print()
+  table(
+      "size | orbax restore s | checked restore s | checked / orbax | checksums at a save ms",
+      [
+          lambda size=size: restore_row(
+              size, measure_restore(lm_config(size, "adamw"), args.restores)
+          )
+          for size in sizes
+      ],
   )
-  print("|---|---|---|---|---|")
-  for size in args.sizes.split(","):
-    r = measure_restore(lm_config(size, "adamw"), args.restores)
-    print(
-        f"| {size} | {r['orbax']:.3f} | {r['checked']:.3f} | {r['checked'] / r['orbax']:.3f} | "
-        f"{1000 * r['sums']:.1f} |",
-        flush=True,
-    )
+
+
+def table(header: str, rows: list) -> None:
+  """A markdown table of ``header``'s columns ("a | b"), each row printed as it is measured
+  (``rows``: functions returning its cells)."""
+  print(f"| {header} |\n|{'---|' * (header.count('|') + 1)}", flush=True)
+  for row in rows:
+    print(f"| {' | '.join(row())} |", flush=True)
+
+
+def save_row(size: str, m: dict) -> list[str]:
+  return [
+      size,
+      f"{m['mib']:.1f}",
+      f"{m['step']:.3f}",
+      f"{m['copy']:.3f}",
+      f"{m['orbax']:.3f}",
+      f"{m['orbax'] / m['copy']:.1f}",
+      f"{m['orbax write']:.2f}",
+      multiple(m["orbax memory"], m["mib"]),
+      f"{m['trainer']:.3f}",
+      f"{1000 * (m['trainer'] - m['copy']):+.0f}",
+      f"{m['trainer write']:.2f}",
+      multiple(m["trainer memory"], m["mib"]),
+      multiple(m["bookkeeping"], m["mib"]),
+  ]
+
+
+def restore_row(size: str, r: dict) -> list[str]:
+  ratio = r["checked"] / r["orbax"]
+  return [
+      size,
+      f"{r['orbax']:.3f}",
+      f"{r['checked']:.3f}",
+      f"{ratio:.3f}",
+      f"{1000 * r['sums']:.1f}",
+  ]
 
 
 if __name__ == "__main__":
