@@ -48,6 +48,7 @@ Example:
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging as logging_lib
 import os
 import re
@@ -526,7 +527,13 @@ def _cast(x, target):
   """``x`` in ``target``'s dtype, in its own sharding."""
   if target is ocp.PLACEHOLDER or x.dtype == target.dtype:
     return x
-  return jax.jit(lambda a: a.astype(target.dtype))(x)
+  return _astype(x, jnp.dtype(target.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _astype(x, dtype):
+  """``x.astype(dtype)``, one compiled program per shape and dtypes (not one per call)."""
+  return x.astype(dtype)
 
 
 @contextlib.contextmanager
@@ -622,7 +629,7 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   if opt is not None:
     logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
     return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
-  read = lambda targets: restore_leaves(manager, step, OPT, targets)
+  read = lambda targets: restore_leaves(manager, step, OPT, targets, meta)
   born = steps.init_opt(tx, plan, params)
   opt, carried, renewed = migration.reborn(born, step, meta, saved_opt, read)
   logging.info(
@@ -639,14 +646,17 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   return {"params": params, "opt": opt}, Start(step, source, step)
 
 
-def restore_leaves(manager: ocp.CheckpointManager, step: int, item: str, targets: dict) -> dict:
+def restore_leaves(
+    manager: ocp.CheckpointManager, step: int, item: str, targets: dict, meta=None
+) -> dict:
   """``{name: array}``: the leaves of ``item`` that ``targets`` names (:func:`leaf_table`'s
-  names), each read onto its target's shape, dtype and sharding; the rest is not read."""
+  names), each read onto its target's shape, dtype and sharding; the rest is not read.
+  ``meta``: as for :func:`restore_item`."""
   tree = manager.item_metadata(step)[item].tree
   target = jax.tree_util.tree_map_with_path(
       lambda path, _: targets.get(checksums.name(path), ocp.PLACEHOLDER), tree
   )
-  flat, _ = jax.tree_util.tree_flatten_with_path(restore_item(manager, step, item, target))
+  flat, _ = jax.tree_util.tree_flatten_with_path(restore_item(manager, step, item, target, meta))
   return {checksums.name(path): x for path, x in flat if checksums.name(path) in targets}
 
 
