@@ -26,7 +26,9 @@ from the plan at step ``s`` with these differences from a fresh one:
   (a tenth of the run's own, at ``beta`` 0.9): from a saved sum of the same field
   (``(1 - beta') m``), else SGD's from any saved ``mu`` of each param (its bias-corrected
   mean), Shampoo's (a sum of Adam-grafted steps) from Adam's direction in a saved ``mu``,
-  ``nu``, ``count`` group. Each saved moment is read with the decays the saving run recorded
+  ``nu``, ``count`` group, else from a first moment alone (a ``mu``, or SGD's trace) in the
+  gradients' units, marked so for Shampoo to divide by its first gradient's RMS
+  (:func:`in_grad_units`). Each saved moment is read with the decays the saving run recorded
   in its checkpoint (``registry.state_decays``, :meth:`BuiltOptimizer.record`: Lion's ``mu``
   decays by its ``b2``), the new optimizer's standing in for a checkpoint that recorded none.
 * **A sum of grads no saved leaf gives is born at zero and refilled** (:func:`refill`,
@@ -35,10 +37,10 @@ from the plan at step ``s`` with these differences from a fresh one:
   each param's updates are scaled by :func:`refill_scale` of the weight it misses, so the
   first ones are at a full sum's scale (a fresh run's at that step, not at step 0), and the
   log lists the trace among the leaves born afresh, marked :data:`REFILLED`. Shampoo's
-  momentum from a source without an Adam group (Kron, Lion, SGD, Adafactor, Muon's
-  matrices) is born at zero and not refilled: its graft is born afresh too, so its first
-  steps are Adam's ``g / |g|`` at the full learning rate, and scaled up to a full sum's they
-  raised a trained LM's eval loss (muon -> shampoo: 2.78 at step 20, 3.96 at 21; 2.72 unscaled).
+  momentum from a source without any first moment (Adafactor) is born at zero and not
+  refilled: its graft is born afresh too, so its first steps are Adam's ``g / |g|`` at the
+  full learning rate, and scaled up to a full sum's they raised a trained LM's eval loss
+  (muon -> shampoo, refilled before Muon's ``mu`` was used: 2.78 at step 20, 3.96 at 21).
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -59,12 +61,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bv_sharding.optimizers.shampoo import GRAD_UNITS
+
 # The moments a count beside them bias-corrects: EMAs of the grads and of their squares.
 _MOMENTS = ("mu", "nu")
 # Heavy-ball sums ``m = beta m + d`` by the field their leaves lie under, and the field of the
 # second moment that scales what they sum: SGD's trace sums grads (None), Shampoo's momentum
 # its Adam-grafted directions (their ``graft_nu``).
 _HEAVY_BALLS = {"trace": None, "momentum": "graft_nu"}
+_GRADS = "trace"  # The sum of grads: ``(1 - beta) trace`` is their mean, a first moment.
 # Leaves whose presence beside a "count" and a "mu" shows that the count bias-corrects the mu.
 _CORRECTED = ("nu", "Qs_preconditioners")
 
@@ -249,7 +254,9 @@ def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, d
   Roles: ``"sum"``, a saved sum under the same field (it sums the same thing); else ``"mu"``
   and ``"count"`` of a saved :func:`moment_groups` group, with its ``"nu"`` for a sum of
   Adam-scaled directions (Shampoo's momentum of its grafted steps: Adam's direction is
-  ``mu_hat / sqrt(nu_hat)``); a sum of grads (``trace``) takes any ``mu`` (an EMA of the grads).
+  ``mu_hat / sqrt(nu_hat)``), else a ``mu`` alone or, as ``"grads"``, a saved sum of grads
+  (SGD's trace; :func:`in_grad_units`); a sum of grads (``trace``) takes any ``mu`` (an EMA of
+  the grads).
 
   Example:
     >>> adam = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32"), "0/nu/w": ((2,), "f32")}
@@ -257,7 +264,7 @@ def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, d
     {'1/0/trace/w': {'mu': '0/mu/w', 'count': '0/count'}}
     >>> lion = {"0/count": ((), "int32"), "0/mu/w": ((2,), "f32")}
     >>> heavy_ball_sources(lion, {"0/per_param/w/momentum": ((2,), "f32")}, ["w"])
-    {}
+    {'0/per_param/w/momentum': {'mu': '0/mu/w', 'count': '0/count'}}
   """
   longest_first = sorted(params, key=len, reverse=True)
   sums = {}
@@ -275,12 +282,26 @@ def heavy_ball_sources(saved: dict, new: dict, params: list[str]) -> dict[str, d
     if (field, param, shape) in sums:
       sources[name] = {"sum": sums[field, param, shape]}
       continue
-    wanted = ("mu",) if _HEAVY_BALLS[field] is None else ("mu", "nu")
-    for prefix, group in groups.items():
-      if all(param in group.get(m, {}) and saved[group[m][param]][0] == shape for m in wanted):
+    # A sum of grafted steps takes Adam's direction where a group has it, else a first
+    # moment alone, born in the gradients' units (:func:`in_grad_units`).
+    choices = (("mu",),) if _HEAVY_BALLS[field] is None else (("mu", "nu"), ("mu",))
+    for wanted in choices:
+      prefix = _holding(groups, wanted, param, shape, saved)
+      if prefix is not None:
+        group = groups[prefix]
         sources[name] = {**{m: group[m][param] for m in wanted}, "count": _count(prefix)}
         break
+    if name not in sources and (_GRADS, param, shape) in sums:  # SGD's trace: a first moment.
+      sources[name] = {"grads": sums[_GRADS, param, shape]}
   return sources
+
+
+def _holding(groups: dict, wanted: tuple, param: str, shape: tuple, saved: dict) -> str | None:
+  """The first group of ``groups`` holding every moment ``wanted`` of ``param`` in ``shape``."""
+  fits = lambda group: all(
+      param in group.get(m, {}) and saved[group[m][param]][0] == shape for m in wanted
+  )
+  return next((prefix for prefix, group in groups.items() if fits(group)), None)
 
 
 def born_sum(values: dict, decays: dict, beta: float) -> jax.Array:
@@ -301,6 +322,8 @@ def born_sum(values: dict, decays: dict, beta: float) -> jax.Array:
   """
   if "sum" in values:
     return values["sum"].astype(jnp.float32) * (1.0 - decays["sum"]) / (1.0 - beta)
+  if "grads" in values:
+    return values["grads"].astype(jnp.float32) * (1.0 - decays["grads"]) / (1.0 - beta)
   count = jnp.maximum(values["count"], 1)
   mean = values["mu"].astype(jnp.float32) / (1.0 - decays["mu"] ** count)
   if "nu" in values:
@@ -316,10 +339,10 @@ def source_decays(field: str, new: dict, saved: dict) -> dict[str, float]:
 
   Example:
     >>> source_decays("momentum", {"momentum": 0.9, "graft_nu": 0.99}, {"mu": 0.8})
-    {'sum': 0.9, 'mu': 0.8, 'nu': 0.99}
+    {'sum': 0.9, 'grads': 0.9, 'mu': 0.8, 'nu': 0.99}
   """
-  recorded = {"sum": field, "mu": "mu", "nu": "nu"}
-  stands_for = {"sum": field, "mu": field, "nu": _HEAVY_BALLS[field]}
+  recorded = {"sum": field, "grads": _GRADS, "mu": "mu", "nu": "nu"}
+  stands_for = {"sum": field, "grads": field, "mu": field, "nu": _HEAVY_BALLS[field]}
   return {r: saved.get(recorded[r], new.get(stands_for[r])) for r in recorded}
 
 
@@ -347,6 +370,28 @@ def heavy_balls(state, sources: dict, read: Callable[[dict], dict], decays: tupl
     return jax.device_put(summed.astype(x.dtype), x.sharding)
 
   return treedef.unflatten([born(n, x) if n in sources else x for n, x in zip(names, leaves)])
+
+
+def in_grad_units(sources: dict, names: list[str]) -> list[str]:
+  """The second-moment leaves (``graft_nu``) beside the sums of grafted steps (Shampoo's
+  ``momentum``) that ``sources`` bears from a first moment alone: such a sum is born in the
+  gradients' units (no second moment to divide by), and its second moment filled with
+  :data:`~bv_sharding.optimizers.shampoo.GRAD_UNITS` marks it so; Shampoo divides the sum by
+  its param's first gradient's RMS at its first update.
+
+  Example:
+    >>> lion = {"0/per_param/w/momentum": {"mu": "0/mu/w", "count": "0/count"}}
+    >>> in_grad_units(lion, ["0/per_param/w/graft_nu", "0/per_param/w/momentum"])
+    ['0/per_param/w/graft_nu']
+  """
+  marked = []
+  for name, roles in sources.items():
+    field = _heavy_ball(name)
+    if _HEAVY_BALLS[field] is not None and not {"sum", "nu"} & set(roles):
+      parts = name.split("/")
+      parts[parts.index(field)] = _HEAVY_BALLS[field]
+      marked += [n for n in ["/".join(parts)] if n in names]
+  return marked
 
 
 class RefillState(NamedTuple):
@@ -450,6 +495,11 @@ def reborn(state, step: int, saved: dict, read, params, learning_rate=None, deca
       n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b
   }
   state = heavy_balls(carry(stepped, carried, read), summed, read, decays)
+  marked = in_grad_units(summed, names)
+  leaves, treedef = jax.tree.flatten(state)
+  state = treedef.unflatten(
+      [_filled(x, GRAD_UNITS) if n in marked else x for n, x in zip(names, leaves)]
+  )
   kept = set(carried) | set(summed) | moved
   carried = {**carried, **{leaf: next(iter(roles.values())) for leaf, roles in summed.items()}}
   left = renewed(names, kept, paths)

@@ -21,6 +21,11 @@ State layout (tearfree-like)::
             graft_nu=<like param> or None,               # None for graft "sgd"
             momentum=<like param> or None))              # None when beta1 == 0
 
+A momentum born mid-run from a first moment alone (an optimizer change, ``rebirth.py``) is in
+the gradients' units, where Shampoo's sums grafted steps (``g / sqrt(E[g^2])``): such a state
+has ``count`` 0 and ``graft_nu`` filled with :data:`GRAD_UNITS`, and its first update divides
+the momentum by the RMS of the param's gradient and starts ``graft_nu`` at zero.
+
 ``grid``: the blocks along each dim of the param (unit dims dropped), each block at its
 place: the state is the same on any mesh (:mod:`bv_sharding.optimizers.placement`).
 
@@ -71,6 +76,8 @@ from bv_sharding.optimizers.tiles import ShardBlocks
 
 _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
 _NORM_EPS = 1e-25
+# A graft second moment that marks the momentum beside it as born in the gradients' units.
+GRAD_UNITS = -1.0
 
 
 class ShampooParamState(NamedTuple):
@@ -231,6 +238,26 @@ def _graft(
   return g / (jnp.sqrt(denom) + epsilon), nu
 
 
+def _from_grad_units(g: jax.Array, momentum: jax.Array, nu: jax.Array, count):
+  """``(momentum, nu)``: at ``count`` 0, a momentum whose ``nu`` is marked :data:`GRAD_UNITS`
+  divided by the RMS of ``g`` (the units of the grafted steps it sums) and its ``nu`` zero;
+  otherwise both as they are (a fresh state: zeros).
+
+  Example:
+      >>> m, nu = _from_grad_units(jnp.array([3.0, 4.0]), jnp.ones(2), jnp.full(2, GRAD_UNITS), 0)
+      >>> [round(float(x), 3) for x in m], nu.tolist()
+      ([0.283, 0.283], [0.0, 0.0])
+  """
+
+  def convert(momentum, nu):
+    marked = nu < 0
+    rms = jnp.sqrt(jnp.mean(jnp.square(g.astype(jnp.float32))))
+    scaled = momentum.astype(jnp.float32) / jnp.maximum(rms, _NORM_EPS)
+    return jnp.where(marked, scaled, momentum).astype(momentum.dtype), jnp.where(marked, 0, nu)
+
+  return jax.lax.cond(count == 0, convert, lambda *state: state, momentum, nu)
+
+
 def _shampoo_run(arrays, factors, refresh, *, step):
   """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it."""
   direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
@@ -253,6 +280,9 @@ def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
 def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Settings):
   """One param's direction and new state; ``factors``: its blocks' (stats, roots, direction)."""
   graft = (settings.graft_type, settings.beta2, settings.epsilon)
+  if state.momentum is not None and state.graft_nu is not None:
+    momentum, nu = _from_grad_units(g, state.momentum, state.graft_nu, count)
+    state = state._replace(momentum=momentum, graft_nu=nu)
   graft_dir, nu = _graft(g, state.graft_nu, count + 1, *graft)
   stats, roots, direction = state.stats, state.roots, graft_dir
   if factors is not None:

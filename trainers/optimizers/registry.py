@@ -159,8 +159,9 @@ def state_decays(name: str, kwargs: Mapping[str, Any]) -> dict[str, float]:
 def _refilled(decays: dict) -> optax.GradientTransformation | None:
   """:func:`~bv_sharding.optimizers.rebirth.refill` of a sum of grads (SGD's ``trace``) ``decays``
   has: its updates at a full sum's scale after a birth at zero mid-run (none in a fresh run).
-  Shampoo's momentum is not refilled: born at zero, it sums steps of a graft born afresh too
-  (Adam's first steps, ``g / |g|`` each), and scaled up they raised the loss (rebirth.py)."""
+  Shampoo's momentum is not refilled: born at zero (from Adafactor, which keeps no first
+  moment), it sums steps of a graft born afresh too (Adam's first steps, ``g / |g|`` each), and
+  scaled up they raised the loss (rebirth.py)."""
   beta = decays.get("trace")
   return None if beta is None else refill(beta)
 
