@@ -269,7 +269,7 @@ def _read(url: str) -> _Found | None:
     holder["pid"] = int(holder["pid"])
   date = headers.get("Date")
   now = email.utils.parsedate_to_datetime(date) if date else datetime.datetime.now(datetime.UTC)
-  age = (now - datetime.datetime.fromisoformat(found["updated"])).total_seconds()
+  age = max(0.0, (now - datetime.datetime.fromisoformat(found["updated"])).total_seconds())
   return _Found(found["generation"], holder, float(holder.get("lease_s", LEASE_S)) - age)
 
 
