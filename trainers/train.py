@@ -78,6 +78,13 @@ flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Where config.json and metrics.jsonl go.", required=True
 )
+_LEASE = flags.DEFINE_float(
+    "workdir_lease",
+    lock.LEASE_S,
+    "Seconds a gs:// workdir's lock lasts unrenewed (the run renews it every quarter of that): "
+    "a killed run's lock is taken over this long after its last renewal.",
+    lower_bound=1.0,
+)
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address",
     os.environ.get("BV_COORDINATOR"),
@@ -147,7 +154,7 @@ def main(argv):
   evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
 
   # Every check passed: only now is the workdir touched, by the run that holds it.
-  held = lock.hold(_WORKDIR.value) if is_main_process else None
+  held = lock.hold(_WORKDIR.value, _LEASE.value) if is_main_process else None
   if held and held.earlier:
     logging.warning("took over the lock of a run that ended: %s", held.earlier)
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from http import HTTPStatus
@@ -25,14 +26,24 @@ import pytest
 from etils import epath
 from gcp_storage_emulator import server as emulator_server
 from gcp_storage_emulator import storage
+from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
-from gcp_storage_emulator.server import GET
+from gcp_storage_emulator.server import DELETE, GET, POST
 
 from tests.helpers import ROOT, environment, quick_lm, run_module
 from trainers import divergence, optimizers, train, utilization
 from trainers.errors import ConfigError
 from trainers.launch import free_port
-from trainers.rundir import checkpoint, events, parts, paths, profiling, provenance, workdir
+from trainers.rundir import (
+    checkpoint,
+    events,
+    lock,
+    parts,
+    paths,
+    profiling,
+    provenance,
+    workdir,
+)
 
 BUCKET = "bucket"
 
@@ -51,15 +62,52 @@ def with_generation(download):
   return handler
 
 
+def with_precondition(handler, object_name):
+  """gcp-storage-emulator's ``handler``, first checking the request's ``ifGenerationMatch`` as
+  GCS does (the emulator ignores it): unless the object's generation is that one ("0": the
+  object is absent), the answer is 412 Precondition Failed and nothing is written or deleted.
+  The workdir lock's writes and deletes are conditional (trainers/rundir/lock.py). The emulator
+  serves one request at a time, so the check and the write are one step, as in GCS."""
+
+  def handler_checked(request, response, storage, *args, **kwargs):
+    wanted = request.query.get("ifGenerationMatch")
+    if wanted:
+      try:
+        now = storage.get_file_obj(request.params["bucket_name"], object_name(request))
+      except NotFound:
+        now = {"generation": "0"}
+      if now["generation"] != wanted[0]:
+        response.status = HTTPStatus.PRECONDITION_FAILED
+        response.json({"error": {"code": 412, "message": "Precondition Failed"}})
+        return
+    handler(request, response, storage, *args, **kwargs)
+
+  return handler_checked
+
+
+def _uploaded(request) -> str:
+  """An upload's object name: in the query, or in a multipart or resumable upload's metadata."""
+  if "name" in request.query:
+    return request.query["name"][0]
+  return (request.data.get("meta") or request.data)["name"]
+
+
 @pytest.fixture(scope="module")
 def emulator():
   """The emulator's environment (also set in this process while the module runs)."""
-  handler = with_generation(objects.download)
-  routes = [methods for _, methods in emulator_server.HANDLERS if GET in methods]
-  patched = [m for m in routes if m[GET] is objects.download]
-  for methods in patched:
-    methods[GET] = handler
-  objects.download, original = handler, objects.download
+  swaps = [  # (method, the handler's name in objects, what serves it here)
+      (GET, "download", with_generation(objects.download)),
+      (POST, "insert", with_precondition(objects.insert, _uploaded)),
+      (DELETE, "delete", with_precondition(objects.delete, lambda r: r.params["object_id"])),
+  ]
+  undo = []
+  for method, name, handler in swaps:
+    original = getattr(objects, name)
+    routes = [m for _, m in emulator_server.HANDLERS if m.get(method) is original]
+    for methods in routes:
+      methods[method] = handler
+    setattr(objects, name, handler)  # The router's fallback for uploads reads objects.insert.
+    undo.append((method, name, original, routes))
   port = free_port()
   server = emulator_server.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
   server.start()
@@ -74,9 +122,10 @@ def emulator():
   before = {name: os.environ.get(name) for name in env}
   os.environ.update(env)
   yield env
-  objects.download = original
-  for methods in patched:
-    methods[GET] = original
+  for method, name, original, routes in undo:
+    setattr(objects, name, original)
+    for methods in routes:
+      methods[method] = original
   for name, value in before.items():
     if value is None:
       os.environ.pop(name)
@@ -158,6 +207,116 @@ def test_the_run_files_in_a_bucket(emulator):
       "metrics",
   ]
   assert [r["step"] for r in workdir.read_records(f"{run}/attempt-2/metrics.jsonl")] == [1, 2]
+
+
+def test_a_gs_workdir_lock_refuses_a_second_run_until_released(emulator):
+  run = f"gs://{BUCKET}/locked"
+  lock.check_free(run)
+  assert lock._read(run) is None  # check_free writes nothing.
+  first = lock.hold(run)
+  written = lock._read(run)
+  refusals = []
+  for attempt in (lock.check_free, lock.hold):
+    with pytest.raises(ConfigError) as refused:
+      attempt(run)
+    refusals.append(str(refused.value))
+  assert lock._read(run).holder == written.holder  # The refused runs wrote nothing.
+  for line in refusals:
+    assert f"is in use by another run (process {os.getpid()} on {socket.gethostname()}" in line
+    assert "its lease lapses in 60 s if it stopped" in line and "\n" not in line
+  first.release()
+  assert lock._read(run) is None
+  second = lock.hold(run)
+  assert second.earlier is None
+  second.release()
+
+
+def test_a_gs_workdir_lock_is_renewed_and_a_lost_one_is_left_to_its_taker(emulator):
+  """A 1 s lease, renewed every 0.25 s, is live after 1.5 s; another run's write (as a taker's
+  after this run stalled past its lease) makes the next renewal fail: the lock is lost, and the
+  release leaves the taker's object."""
+  run = f"gs://{BUCKET}/renewed"
+  held = lock.hold(run, lease_s=1.0)
+  first = lock._read(run).generation
+  time.sleep(1.5)
+  with pytest.raises(ConfigError):
+    lock.check_free(run)
+  assert lock._read(run).generation != first and held.lost is None
+  taker = {"pid": 7, "host": "host-b", "since": "now", "token": "b", "lease_s": 60}
+  while True:  # Between two renewals.
+    try:
+      lock._write(run, taker, lock._read(run).generation)
+      break
+    except FileExistsError:
+      pass
+  deadline = time.monotonic() + 5
+  while held.lost is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert held.lost["pid"] == 7
+  held.release()
+  assert lock._read(run).holder["token"] == "b"  # Not deleted: the taker's lock.
+  lock._delete(run, lock._read(run).generation)
+
+
+def test_a_lapsed_gs_lock_is_taken_over_and_of_two_racing_takers_one_wins(emulator, monkeypatch):
+  """The lock of a run that stopped renewing (killed: test_kill_then_resume_in_a_bucket_is_exact
+  kills a real one) refuses others until its 1 s lease lapses, then one taker wins it."""
+  run = f"gs://{BUCKET}/lapsed"
+  killed = {"pid": 4242, "host": "host-a", "since": "then", "token": "a", "lease_s": 1}
+  lock._write(run, killed, "0")
+  with pytest.raises(ConfigError, match="process 4242 on host-a, since then; its lease lapses"):
+    lock.hold(run)
+  deadline = time.monotonic() + 10
+  while True:  # The lease lapses 1 s after the last write (the server's whole-second Date).
+    try:
+      lock.check_free(run)
+      break
+    except ConfigError:
+      assert time.monotonic() < deadline
+      time.sleep(0.1)
+  # Two runs take it over at once: each has read the lapsed lock before either writes.
+  both_read, write = threading.Barrier(2, timeout=20), lock._write
+  monkeypatch.setattr(lock, "_write", lambda *args: (both_read.wait(), write(*args))[1])
+  outcomes = []
+
+  def take():
+    try:
+      outcomes.append(lock.hold(run))
+    except ConfigError as error:
+      outcomes.append(error)
+
+  takers = [threading.Thread(target=take) for _ in range(2)]
+  for taker in takers:
+    taker.start()
+  for taker in takers:
+    taker.join()
+  monkeypatch.setattr(lock, "_write", write)
+  won = [o for o in outcomes if isinstance(o, lock.Lease)]
+  refused = [str(o) for o in outcomes if isinstance(o, ConfigError)]
+  assert len(won) == 1 and len(refused) == 1, outcomes
+  assert won[0].earlier["pid"] == 4242  # The takeover names the run that stopped.
+  assert f"is in use by another run (process {os.getpid()} on " in refused[0]
+  assert lock._read(run).holder["token"] == won[0].record["token"]
+  won[0].release()
+
+
+def test_a_second_trainer_on_a_held_gs_workdir_stops_in_one_line(emulator):
+  run = f"gs://{BUCKET}/busy"
+  held = lock.hold(run)  # This process: the run that is using the workdir.
+  done = run_module(
+      "trainers.train",
+      f"--workdir={run}",
+      "--config=configs/lm.py",
+      *quick_lm(2, 1, 1000, 1),
+      timeout=120,
+      env=emulator,
+  )
+  out = done.stdout + done.stderr
+  assert done.returncode == 1 and "Traceback" not in out, out[-3000:]
+  line = next(x for x in out.splitlines() if x.startswith("ConfigError:"))
+  assert f"--workdir={run} is in use by another run (process {os.getpid()} on " in line
+  assert lock._read(run).holder["token"] == held.record["token"]  # It wrote nothing.
+  held.release()
 
 
 DELAY = 0.4  # Seconds the emulator takes for each object write, in this test.
@@ -316,7 +475,7 @@ def _steps(path: str) -> dict[int, float]:
 def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   run, total = f"gs://{BUCKET}/run", 60
   cmd = [sys.executable, "-m", "trainers.train", f"--workdir={run}", "--config=configs/lm.py"]
-  cmd += [*quick_lm(total, 1, 1000, 1), "--config.ckpt_steps=20"]
+  cmd += [*quick_lm(total, 1, 1000, 1), "--config.ckpt_steps=20", "--workdir_lease=1"]
   env = environment(**emulator)
   log = open(os.environ.get("BV_BUCKET_LOG", os.devnull), "w")
   first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -332,9 +491,16 @@ def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   first.wait()
   killed = _steps(f"{run}/metrics.jsonl")
   assert 20 < max(killed) < 40, "killed outside the steps after checkpoint 20"
+  while True:  # The killed run's lock stays until its 1 s lease lapses.
+    try:
+      lock.check_free(run)
+      break
+    except ConfigError:
+      time.sleep(0.1)
   done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   assert f"from {run}/checkpoints/" in done.stderr
+  assert f"took over the lock of a run that ended: {{'pid': {first.pid}" in done.stderr
   resumed = _steps(f"{run}/metrics.jsonl")
   assert sorted(resumed) == list(range(1, total + 1))
   again = [step for step in killed if step in resumed]
