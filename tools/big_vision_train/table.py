@@ -2,40 +2,37 @@
 
   python tools/big_vision_train/table.py OUT_DIR [adam kron shampoo muon]
 
-Reads big_vision's own ``big_vision_metrics.txt`` of each run (``OUT_DIR/<opt>/d8``, ``d4``,
-``d2``): ``training_loss`` at steps 5/10/15/20 on 8 devices and 25/30/35/40 for each resume,
-and the first step each resume logged (21 when it went on from the step-20 checkpoint).
+Reads the ``training_loss`` big_vision logs (``[STEP] training_loss = VALUE``) in each run's
+log (``OUT_DIR/<opt>/d8.log``, ``d4.log``, ``d2.log``): steps 5/10/15/20 on 8 devices and
+25/30/35/40 for each resume, with the first step each resume ran (21 when it went on from the
+step-20 checkpoint). The log, not ``big_vision_metrics.txt``: big_vision writes that file's
+rows on a thread that reads the step when it writes, so a row can carry the next step's number.
 Exits 1 when a run lacks a step.
 """
 
-import json
 import pathlib
+import re
 import sys
 
 FIRST, RESUMED = (5, 10, 15, 20), (25, 30, 35, 40)
+LINE = re.compile(r"\[(\d+)\]\x1b\[0m training_loss = (\S+)")
 
 
-def losses(workdir: pathlib.Path) -> dict[int, float]:
-  """``{step: training_loss}`` of a big_vision workdir (the last line of a step wins)."""
-  found = {}
-  path = workdir / "big_vision_metrics.txt"
-  for line in path.read_text().splitlines() if path.exists() else []:
-    row = json.loads(line)
-    if "training_loss" in row:
-      found[row["step"]] = row["training_loss"]
-  return found
+def losses(log: pathlib.Path) -> dict[int, float]:
+  """``{step: training_loss}`` logged in ``log`` (empty when it is missing)."""
+  text = log.read_text(errors="replace") if log.exists() else ""
+  return {int(step): float(value) for step, value in LINE.findall(text)}
 
 
 def row(out: pathlib.Path, name: str) -> tuple[str, bool]:
   """The table row of optimizer ``name`` and whether every step is there."""
   cells, complete = [name], True
   for devices, steps in (("d8", FIRST), ("d4", RESUMED), ("d2", RESUMED)):
-    found = losses(out / name / devices)
+    found = losses(out / name / f"{devices}.log")
     complete &= all(s in found for s in steps)
     cell = " / ".join(f"{found[s]:.3f}" if s in found else "-" for s in steps)
     if devices != "d8":
-      first = min((s for s in found if s > 20), default=None)
-      cell += f" (first step {first})"
+      cell += f" (from step {min(found, default=None)})"
     cells.append(cell)
   return "| " + " | ".join(cells) + " |", complete
 
