@@ -162,8 +162,14 @@ def main(argv):
   scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
   write = fan_out(metrics, curves) if is_main_process else None
-  # A wait for the records queued so far (a bucket's writers send them in the background).
-  written = lambda: parts.each([metrics.until_written(), curves.until_written()])
+
+  def written():
+    """A wait for the records queued so far (a bucket's writers send them in the background),
+    before each save; a run whose workdir lock another run took over stops here."""
+    if held:
+      held.check()
+    return parts.each([metrics.until_written(), curves.until_written()])
+
   watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     state, start = restore_or_init(ckpt, plan, tx, run.init)

@@ -253,6 +253,8 @@ def test_a_gs_workdir_lock_is_renewed_and_a_lost_one_is_left_to_its_taker(emulat
   while held.lost is None and time.monotonic() < deadline:
     time.sleep(0.05)
   assert held.lost["pid"] == 7
+  with pytest.raises(ConfigError, match="taken over by another run \\(process 7 on host-b"):
+    held.check()  # The loop's check before each save: this run saves nothing more.
   held.release()
   assert lock._read(run).holder["token"] == "b"  # Not deleted: the taker's lock.
   lock._delete(run, lock._read(run).generation)

@@ -87,6 +87,9 @@ class Held:
       self.file.close()
       self.file = None
 
+  def check(self) -> None:
+    """Nothing: a local lock lives as long as its holder (see :meth:`Lease.check`)."""
+
 
 class Lease:
   """A held ``gs://`` workdir lock: a daemon thread renews its lease every quarter of
@@ -117,6 +120,16 @@ class Lease:
       pass  # Gone, or taken over since: not this run's to delete.
     except Exception as error:  # The object stays, and lapses with its lease.
       logging.warning("could not delete the lock on --workdir=%s (%s)", self.url, error)
+
+  def check(self) -> None:
+    """Raises ``ConfigError`` naming the run that took this lock over, if one did: the run
+    then saves nothing more (the loop checks before every save)."""
+    if self.lost is not None:
+      taker = _named(self.lost) if self.lost else "its object was deleted"
+      raise ConfigError(
+          f"--workdir={self.url} was taken over by another run ({taker}) after this run's lease "
+          "lapsed: this run stops without saving; give one of the two runs another --workdir"
+      )
 
   def _renew(self) -> None:
     while not self._stop.wait(float(self.record["lease_s"]) / 4):
