@@ -269,6 +269,16 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def newest_named_step(self) -> int | None:
+    """The newest step whose meta item reads and records the step its folder is named after
+    (:func:`read_meta`), None without one: the newest a resume can start from (a renamed or
+    empty stray step folder is not; its data is checked when it is restored)."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      with contextlib.suppress(DamagedCheckpointError):
+        read_meta(self.manager, step)
+        return step
+    return None
+
   def restore_or_init(self, plan: Plan, tx: optax.GradientTransformation, fresh) -> tuple:
     """``(state, Start)``: the latest checkpoint, else ``config.model_init``, else ``fresh()``.
 
