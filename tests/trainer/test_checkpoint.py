@@ -619,11 +619,13 @@ DAMAGE = {
 }
 
 
-def damaged_copy(reference, workdir, damage: str):
-  """A copy of the reference workdir with its steps 4 and 8, damaged by ``DAMAGE[damage]``."""
+def damaged_copy(reference, workdir, damage: str | None):
+  """A copy of the reference workdir with its steps 4 and 8, damaged by ``DAMAGE[damage]``
+  (None: not yet)."""
   copy_at(reference, workdir, 8)
   shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
-  DAMAGE[damage].make(workdir / "checkpoints")
+  if damage is not None:
+    DAMAGE[damage].make(workdir / "checkpoints")
   return workdir
 
 
@@ -668,6 +670,43 @@ def test_a_damaged_step_is_never_loaded_and_the_previous_good_one_is(tmp_path, r
   if newest != good:  # Named, the damaged step is refused in one error naming it.
     with pytest.raises(checkpoint.DamagedCheckpointError, match=f"checkpoints/{newest}"):
       checkpoint.load_params(str(workdir / "checkpoints" / str(newest)), run.plan)
+
+
+def flip_bit(path: pathlib.Path) -> None:
+  """Flips one bit in the middle of file ``path``."""
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  path.write_bytes(bytes(data))
+
+
+def swap_words(path: pathlib.Path) -> None:
+  """Swaps two different 4-byte words 64 bytes apart in the middle of file ``path`` (in an
+  uncompressed data file: two elements, or parts of them, trade places)."""
+  data = bytearray(path.read_bytes())
+  i = len(data) // 2
+  while data[i : i + 4] == data[i + 64 : i + 68]:
+    i += 4
+  data[i : i + 4], data[i + 64 : i + 68] = data[i + 64 : i + 68], data[i : i + 4]
+  path.write_bytes(bytes(data))
+
+
+def truncate(path: pathlib.Path) -> None:
+  path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+# The least damage to step 8's largest params data file that a read must still find.
+LEAST_DAMAGE = {"one flipped bit": flip_bit, "two swapped words": swap_words, "a cut": truncate}
+
+
+@pytest.mark.parametrize("damage", LEAST_DAMAGE)
+def test_the_least_damage_to_a_params_file_is_found(tmp_path, reference, caplog, damage):
+  workdir = damaged_copy(reference, tmp_path / "run", None)
+  LEAST_DAMAGE[damage](largest_data_file(workdir / "checkpoints" / "8", "params"))
+  run = lm_in("float32")
+  with jax.set_mesh(run.mesh):
+    _, source = checkpoint.load_params(str(workdir), run.plan)
+  assert source == f"{workdir}/checkpoints/4"
+  assert f"checkpoint {workdir}/checkpoints/8" in caplog.text
 
 
 @pytest.mark.timeout(300)
