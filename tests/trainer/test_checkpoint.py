@@ -33,7 +33,7 @@ import bv_sharding as bvs
 from configs import lm
 from tests.helpers import ROOT, environment, made_once, metrics, one_layer, run_module
 from trainers import build, models, optimizers, steps
-from trainers.rundir import checkpoint, events
+from trainers.rundir import checkpoint, checksums, events
 
 STEPS = 8
 CONFIG = "configs/lm.py"
@@ -707,6 +707,32 @@ def test_the_least_damage_to_a_params_file_is_found(tmp_path, reference, caplog,
     _, source = checkpoint.load_params(str(workdir), run.plan)
   assert source == f"{workdir}/checkpoints/4"
   assert f"checkpoint {workdir}/checkpoints/8" in caplog.text
+
+
+@pytest.mark.parametrize("saved_with", ["format 1 sums", "no sums"])
+def test_checkpoints_saved_before_format_2_are_checked_as_saved(tmp_path, reference, saved_with):
+  """A meta without "sums_format" holds format 1 checksums (bit patterns times 2 i + 1): they
+  are checked in that format; one without "sums" (saved before checksums) is read unchecked."""
+  workdir = damaged_copy(reference, tmp_path / "run", None)
+  for step in (4, 8):
+    path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["sums"], meta["sums_format"]
+    if saved_with == "format 1 sums":
+      meta["sums"] = {
+          f"{item}/{leaf}": s
+          for item in ("params", "opt")
+          for leaf, s in checksums.of(
+              jax.tree.map(jnp.asarray, saved(workdir, step, item)), 1
+          ).items()
+      }
+    path.write_text(json.dumps(meta))
+  run = lm_in("float32")
+  with jax.set_mesh(run.mesh):
+    assert checkpoint.load_params(str(workdir), run.plan)[1].endswith("checkpoints/8")
+    flip_bytes(largest_data_file(workdir / "checkpoints" / "8", "params"))
+    _, source = checkpoint.load_params(str(workdir), run.plan)
+  assert source == f"{workdir}/checkpoints/{4 if saved_with == 'format 1 sums' else 8}"
 
 
 @pytest.mark.timeout(300)

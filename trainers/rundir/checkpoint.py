@@ -517,13 +517,11 @@ def restore_item(
   with them (:mod:`~trainers.rundir.checksums`, in the format the meta records; a checkpoint
   that has none is read as it is), then cast to ``target``'s. Raises ``DamagedCheckpointError``
   naming the step and the leaf. ``meta``: the step's meta item, ``saved``: the item's
-  :func:`leaf_table` as saved, where the caller has read them already. ``verify=False``: read
-  straight into ``target``'s dtypes, nothing checked (what the checks cost is measured
-  against it: ``benchmarks.checkpoint``).
+  :func:`leaf_table` as saved, where the caller has read them already. ``verify=False``: the
+  same read, nothing checked (what the checks cost is measured against it:
+  ``benchmarks.checkpoint``).
   """
   with reading(manager, step):
-    if not verify:
-      return manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(target)}))[item]
     if saved is None:
       saved = leaf_table(manager.item_metadata(step)[item].tree)
     raw = jax.tree_util.tree_map_with_path(
@@ -532,8 +530,9 @@ def restore_item(
         is_leaf=lambda x: x is ocp.PLACEHOLDER,
     )
     tree = manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(raw)}))[item]
-    meta = read_meta(manager, step) if meta is None else meta
-  sums = meta.get("sums", {})
+    if verify and meta is None:
+      meta = read_meta(manager, step)
+  sums = meta.get("sums", {}) if verify else {}
   if sums:
     prefixed = {
         f"{item}/{leaf}": s for leaf, s in checksums.of(tree, meta.get("sums_format", 1)).items()

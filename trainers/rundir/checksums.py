@@ -16,7 +16,8 @@ beyond the first add nothing, and one all-reduce adds the devices' partial sums 
 together (a sum of integers does not depend on the order it is taken in); arrays of another
 layout (unevenly sharded, not on one mesh) are summed by XLA's own partitioning. A save reads
 and writes nothing more; a restore computes the sums again on the arrays it read, in the dtype
-they were saved in.
+they were saved in. A save dispatches the program in the loop (:func:`start`) and fetches the
+sums on its own thread.
 
 Example:
   >>> import jax.numpy as jnp
