@@ -278,7 +278,7 @@ def restore_table(sizes: list[str], restores: int) -> None:
   table(
       "size | orbax restore s | trainer's restore s | with verification s | verification / "
       "restore (best of) | checksums ms | checksums / restore (best of) | save blocked ms | "
-      "with checksums ms | checksums / save",
+      "with checksums ms | checksums add to a save",
       [
           lambda size=size: restore_row(size, measure_restore(lm_config(size, "adamw"), restores))
           for size in sizes
