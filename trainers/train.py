@@ -282,9 +282,10 @@ def open_workdir(
   earlier run's files aside unless resuming."""
   ckpt = checkpoint.Checkpoints(path, config, migration, plan)
   latest = ckpt.latest_step()
-  if latest is not None and latest > config.total_steps:
+  newest = ckpt.newest_named_step()  # Not a renamed or empty stray folder's number.
+  if newest is not None and newest > config.total_steps:
     raise ConfigError(
-        f"config.total_steps={config.total_steps} is below step {latest} of the checkpoint in "
+        f"config.total_steps={config.total_steps} is below step {newest} of the checkpoint in "
         f"{path}: there is nothing left to train; raise config.total_steps to continue, or give "
         "a new --workdir"
     )

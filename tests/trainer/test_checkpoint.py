@@ -4,7 +4,8 @@ One uninterrupted 8-step run (`reference`, module-scoped) is the yardstick: runs
 killed with SIGKILL (at a random step, and during a checkpoint write) or stopped
 with SIGTERM, then started again on the same workdir, must log the same losses
 and end with the same params, bit for bit. Restores onto other meshes, process
-counts and optimizers start from copies of its checkpoints.
+counts and optimizers start from copies of its checkpoints, and so does each kind of damage
+(``DAMAGE``), resumed by the trainer and read by ``trainers.sample``, both run in this process.
 """
 
 import functools
@@ -18,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +33,7 @@ import bv_sharding as bvs
 from configs import lm
 from tests.helpers import ROOT, environment, made_once, metrics, one_layer, run_module
 from trainers import build, models, optimizers, steps
-from trainers.rundir import checkpoint, events
+from trainers.rundir import checkpoint, checksums, events
 
 STEPS = 8
 CONFIG = "configs/lm.py"
@@ -570,36 +573,96 @@ def largest_data_file(step_dir: pathlib.Path, item: str) -> pathlib.Path:
   return max((step_dir / item).rglob("d/*"), key=lambda p: p.stat().st_size)
 
 
-# Damage to the newest steps, each of which a read must find, and the newest step whose params
-# check out after it (load_params reads params only: damage to the opt state is not its to see).
-GOOD_PARAMS = {
-    "bits in a params file": 4,
-    "bits in an opt file": 8,
-    "a renamed step folder": 4,
-    "an empty stray step folder": 8,
-    "a truncated metadata file": 4,
-}
+class Damage(NamedTuple):
+  """One kind of damage to a workdir holding steps 4 and 8 (``make(checkpoints)``): the folder
+  it leaves that does not check out, what a read of it says, the step a resume starts from and
+  the newest step whose params check out (``load_params`` reads params only: damage to the opt
+  state is not its to see)."""
+
+  make: Callable[[pathlib.Path], None]
+  folder: str
+  says: str
+  resumes: int
+  params: int
+
+
 DAMAGE = {
-    "bits in a params file": lambda ckpts: flip_bytes(largest_data_file(ckpts / "8", "params")),
-    "bits in an opt file": lambda ckpts: flip_bytes(largest_data_file(ckpts / "8", "opt")),
-    "a renamed step folder": lambda ckpts: os.rename(ckpts / "8", ckpts / "12"),
-    "an empty stray step folder": lambda ckpts: (ckpts / "12").mkdir(),
-    "a truncated metadata file": lambda ckpts: (ckpts / "8" / "params" / "_METADATA").write_text(
-        (ckpts / "8" / "params" / "_METADATA").read_text()[:40]
+    "bits in a params file": Damage(
+        lambda ckpts: flip_bytes(largest_data_file(ckpts / "8", "params")),
+        "8",
+        ": params/",  # ... <leaf> does not match the checksum saved with it
+        4,
+        4,
+    ),
+    "bits in an opt file": Damage(
+        lambda ckpts: flip_bytes(largest_data_file(ckpts / "8", "opt")), "8", ": opt/", 4, 8
+    ),
+    "a renamed step folder": Damage(
+        lambda ckpts: os.rename(ckpts / "8", ckpts / "12"),
+        "12",
+        " holds step 8: its folder was renamed",
+        4,
+        4,
+    ),
+    "an empty stray step folder": Damage(
+        lambda ckpts: (ckpts / "12").mkdir(), "12", " cannot be read (", 8, 8
+    ),
+    "a truncated metadata file": Damage(
+        lambda ckpts: (ckpts / "8" / "params" / "_METADATA").write_text(
+            (ckpts / "8" / "params" / "_METADATA").read_text()[:40]
+        ),
+        "8",
+        " cannot be read (",
+        4,
+        4,
     ),
 }
+
+
+def damaged_copy(reference, workdir, damage: str | None):
+  """A copy of the reference workdir with its steps 4 and 8, damaged by ``DAMAGE[damage]``
+  (None: not yet)."""
+  copy_at(reference, workdir, 8)
+  shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
+  if damage is not None:
+    DAMAGE[damage].make(workdir / "checkpoints")
+  return workdir
+
+
+def train_here(workdir, caplog, *overrides, total=STEPS) -> str:
+  """``python -m trainers.train`` with ``RUN``, in this process (no interpreter to start, the
+  programs compiled already in memory or in the session's cache): its log (INFO and up)."""
+  from absl import flags
+
+  from trainers import cli
+  from trainers import train as trainer
+
+  argv = ["train", f"--workdir={workdir}", f"--config={CONFIG}", *RUN]
+  argv += [f"--config.total_steps={total}", *overrides]
+  on_sigterm, on_argv = signal.getsignal(signal.SIGTERM), sys.argv
+  sys.argv = argv  # Where the --config.key=value overrides are read from.
+  caplog.clear()
+  try:
+    cli.parse_flags(argv)
+    caplog.set_level("INFO", logger="absl")
+    cli.command(trainer.main)(argv)
+  finally:
+    sys.argv = on_argv
+    signal.signal(signal.SIGTERM, on_sigterm)  # The run's Preemption handler.
+    flags.FLAGS.unparse_flags()
+    for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+      delattr(flags.FLAGS, name)  # Each run defines the overrides it names.
+  return caplog.text
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_step_is_never_loaded_and_the_previous_good_one_is(tmp_path, reference, damage):
   """As ``trainers.sample`` and ``config.model_init`` read params (``load_params``)."""
-  workdir = copy_at(reference, tmp_path / "run", 8)
-  shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
-  DAMAGE[damage](workdir / "checkpoints")
+  workdir = damaged_copy(reference, tmp_path / "run", damage)
   run = lm_in("float32")
   with jax.set_mesh(run.mesh):
     params, source = checkpoint.load_params(str(workdir), run.plan)
-  good = GOOD_PARAMS[damage]
+  good = DAMAGE[damage].params
   assert source == f"{workdir}/checkpoints/{good}"
   same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), params, saved(reference, good))
   assert all(jax.tree.leaves(same))
@@ -609,24 +672,117 @@ def test_a_damaged_step_is_never_loaded_and_the_previous_good_one_is(tmp_path, r
       checkpoint.load_params(str(workdir / "checkpoints" / str(newest)), run.plan)
 
 
+def flip_bit(path: pathlib.Path) -> None:
+  """Flips one bit in the middle of file ``path``."""
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x10
+  path.write_bytes(bytes(data))
+
+
+def swap_words(path: pathlib.Path) -> None:
+  """Swaps two different 4-byte words 64 bytes apart in the middle of file ``path`` (in an
+  uncompressed data file: two elements, or parts of them, trade places)."""
+  data = bytearray(path.read_bytes())
+  i = len(data) // 2
+  while data[i : i + 4] == data[i + 64 : i + 68]:
+    i += 4
+  data[i : i + 4], data[i + 64 : i + 68] = data[i + 64 : i + 68], data[i : i + 4]
+  path.write_bytes(bytes(data))
+
+
+def truncate(path: pathlib.Path) -> None:
+  path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+# The least damage to step 8's largest params data file that a read must still find.
+LEAST_DAMAGE = {"one flipped bit": flip_bit, "two swapped words": swap_words, "a cut": truncate}
+
+
+@pytest.mark.parametrize("damage", LEAST_DAMAGE)
+def test_the_least_damage_to_a_params_file_is_found(tmp_path, reference, caplog, damage):
+  workdir = damaged_copy(reference, tmp_path / "run", None)
+  LEAST_DAMAGE[damage](largest_data_file(workdir / "checkpoints" / "8", "params"))
+  run = lm_in("float32")
+  with jax.set_mesh(run.mesh):
+    _, source = checkpoint.load_params(str(workdir), run.plan)
+  assert source == f"{workdir}/checkpoints/4"
+  assert f"checkpoint {workdir}/checkpoints/8" in caplog.text
+
+
+@pytest.mark.parametrize("saved_with", ["format 1 sums", "no sums"])
+def test_checkpoints_saved_before_format_2_are_checked_as_saved(tmp_path, reference, saved_with):
+  """A meta without "sums_format" holds format 1 checksums (bit patterns times 2 i + 1): they
+  are checked in that format; one without "sums" (saved before checksums) is read unchecked."""
+  workdir = damaged_copy(reference, tmp_path / "run", None)
+  for step in (4, 8):
+    path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["sums"], meta["sums_format"]
+    if saved_with == "format 1 sums":
+      meta["sums"] = {
+          f"{item}/{leaf}": s
+          for item in ("params", "opt")
+          for leaf, s in checksums.of(
+              jax.tree.map(jnp.asarray, saved(workdir, step, item)), 1
+          ).items()
+      }
+    path.write_text(json.dumps(meta))
+  run = lm_in("float32")
+  with jax.set_mesh(run.mesh):
+    assert checkpoint.load_params(str(workdir), run.plan)[1].endswith("checkpoints/8")
+    flip_bytes(largest_data_file(workdir / "checkpoints" / "8", "params"))
+    _, source = checkpoint.load_params(str(workdir), run.plan)
+  assert source == f"{workdir}/checkpoints/{4 if saved_with == 'format 1 sums' else 8}"
+
+
 @pytest.mark.timeout(300)
-def test_the_trainer_resumes_from_the_newest_step_that_checks_out_and_says_why(tmp_path, reference):
-  workdir = copy_at(reference, tmp_path / "run", 8)
-  shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
-  DAMAGE["bits in an opt file"](workdir / "checkpoints")
-  out = train(workdir)
-  assert f"checkpoint {workdir}/checkpoints/8: opt/" in out
-  assert "does not match the checksum saved with it" in out
-  assert f"resumed at step 4 from {workdir}/checkpoints/4" in out
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_the_trainer_resumes_from_the_newest_step_that_checks_out_and_says_why(
+    tmp_path, reference, caplog, damage
+):
+  workdir = damaged_copy(reference, tmp_path / "run", damage)
+  ckpts, kind = workdir / "checkpoints", DAMAGE[damage]
+  out = train_here(workdir, caplog)
+  assert f"checkpoint {ckpts}/{kind.folder}{kind.says}" in out, out[-3000:]
+  assert f"resumed at step {kind.resumes} from {ckpts}/{kind.resumes} " in out
   assert_same_run(workdir, reference)
-  assert (workdir / "checkpoints" / "damaged-8" / "opt").is_dir()  # Moved aside, not deleted.
-  # Every step damaged: one line, nothing trained.
-  for step in ("4", "8"):
-    flip_bytes(largest_data_file(workdir / "checkpoints" / step, "params"))
-  status, out = finish(start(workdir))
-  assert status == 1 and out.splitlines()[-1].startswith(
+  assert (ckpts / f"damaged-{kind.folder}").is_dir()  # Moved aside, not deleted.
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_stops_in_one_line_when_no_step_checks_out(tmp_path, reference, caplog, capsys):
+  workdir = damaged_copy(reference, tmp_path / "run", "bits in a params file")
+  flip_bytes(largest_data_file(workdir / "checkpoints" / "4", "params"))
+  before = (workdir / "metrics.jsonl").read_text()
+  with pytest.raises(SystemExit) as exited:
+    train_here(workdir, caplog)
+  err = capsys.readouterr().err
+  assert exited.value.code == 1 and err.splitlines() == [err.strip()], err
+  assert err.startswith(
       f"DamagedCheckpointError: no checkpoint in {workdir}/checkpoints checks out ("
-  ), out[-2000:]
+  ), err
+  assert (workdir / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_sampling_falls_back_to_the_newest_params_that_check_out_and_says_why(
+    tmp_path, reference, caplog, capsys, damage
+):
+  """``python -m trainers.sample``, in this process, on each damaged copy."""
+  from trainers import sample
+
+  workdir = damaged_copy(reference, tmp_path / "run", damage)
+  ckpts, kind = workdir / "checkpoints", DAMAGE[damage]
+  listed = sorted(os.listdir(ckpts))
+  caplog.set_level("WARNING", logger="absl")
+  sample.main([f"--workdir={workdir}", "--prompt=the", "--max_new_tokens=1", "--temperature=0"])
+  err = capsys.readouterr().err
+  assert f"sampling from {ckpts}/{kind.params} on 8 devices" in err, err
+  if kind.folder != str(kind.params):  # Damage to the opt state is not sampling's to see.
+    assert f"checkpoint {ckpts}/{kind.folder}{kind.says}" in caplog.text, caplog.text
+    assert "trying the previous checkpoint" in caplog.text
+  assert sorted(os.listdir(ckpts)) == listed  # Sampling moves nothing.
 
 
 def no_room_to_write(limit: int = 200_000):

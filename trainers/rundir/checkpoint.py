@@ -269,6 +269,16 @@ class Checkpoints:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def newest_named_step(self) -> int | None:
+    """The newest step whose meta item reads and records the step its folder is named after
+    (:func:`read_meta`), None without one: the newest a resume can start from (a renamed or
+    empty stray step folder is not; its data is checked when it is restored)."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      with contextlib.suppress(DamagedCheckpointError):
+        read_meta(self.manager, step)
+        return step
+    return None
+
   def restore_or_init(self, plan: Plan, tx: optax.GradientTransformation, fresh) -> tuple:
     """``(state, Start)``: the latest checkpoint, else ``config.model_init``, else ``fresh()``.
 
@@ -381,10 +391,13 @@ class Checkpoints:
           f"(the last checkpoint, {last})"
       ) from None
 
-  def _meta(self, step: int, state) -> dict:
-    """The meta item of ``state``'s checkpoint at ``step``: with each array's checksum."""
-    sums = checksums.of(state)
-    return {**self.migration.record(), "step": step, "opt_start": self.opt_start, "sums": sums}
+  def _meta(self, step: int, state) -> Callable[[], dict]:
+    """The meta item of ``state``'s checkpoint at ``step``, with each array's checksum: the
+    checksums' program dispatched now (before ``state`` is donated), the item made when the
+    returned function is called (on the save's thread, which waits for the sums)."""
+    sums = checksums.start(state)
+    record = {**self.migration.record(), "step": step, "opt_start": self.opt_start}
+    return lambda: {**record, "sums": sums(), "sums_format": checksums.FORMAT}
 
 
 def open_manager(
@@ -489,30 +502,47 @@ def tree_restore(target) -> ocp.args.PyTreeRestore:
   return ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
 
 
-def restore_item(manager: ocp.CheckpointManager, step: int, item: str, target, meta=None):
+def restore_item(
+    manager: ocp.CheckpointManager,
+    step: int,
+    item: str,
+    target,
+    meta=None,
+    saved: dict | None = None,
+    verify: bool = True,
+):
   """One item (``PARAMS`` or ``OPT``) of the checkpoint at ``step``, onto ``target``.
 
   Its arrays are read in the dtypes they were saved in, checked against the checksums saved
-  with them (:mod:`~trainers.rundir.checksums`; a checkpoint that has none is read as it is),
-  then cast to ``target``'s. Raises ``DamagedCheckpointError`` naming the step and the leaf.
-  ``meta``: the step's meta item, where the caller has read it already.
+  with them (:mod:`~trainers.rundir.checksums`, in the format the meta records; a checkpoint
+  that has none is read as it is), then cast to ``target``'s. Raises ``DamagedCheckpointError``
+  naming the step and the leaf. ``meta``: the step's meta item, ``saved``: the item's
+  :func:`leaf_table` as saved, where the caller has read them already. ``verify=False``: the
+  same read, nothing checked (what the checks cost is measured against it:
+  ``benchmarks.checkpoint``).
   """
   with reading(manager, step):
-    saved = leaf_table(manager.item_metadata(step)[item].tree)
+    if saved is None:
+      saved = leaf_table(manager.item_metadata(step)[item].tree)
     raw = jax.tree_util.tree_map_with_path(
         lambda path, t: _in_saved_dtype(t, saved.get(checksums.name(path))),
         target,
         is_leaf=lambda x: x is ocp.PLACEHOLDER,
     )
     tree = manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(raw)}))[item]
-    sums = (read_meta(manager, step) if meta is None else meta).get("sums", {})
-  prefixed = {f"{item}/{leaf}": s for leaf, s in checksums.of(tree).items()}
-  leaf = checksums.mismatch(sums, prefixed)
-  if leaf is not None:
-    raise DamagedCheckpointError(
-        f"checkpoint {manager.directory / str(step)}: {leaf} does not match the checksum saved "
-        "with it (its data files were changed after the save)"
-    )
+    if verify and meta is None:
+      meta = read_meta(manager, step)
+  sums = meta.get("sums", {}) if verify else {}
+  if sums:
+    prefixed = {
+        f"{item}/{leaf}": s for leaf, s in checksums.of(tree, meta.get("sums_format", 1)).items()
+    }
+    leaf = checksums.mismatch(sums, prefixed)
+    if leaf is not None:
+      raise DamagedCheckpointError(
+          f"checkpoint {manager.directory / str(step)}: {leaf} does not match the checksum "
+          "saved with it (its data files were changed after the save)"
+      )
   return jax.tree.map(_cast, tree, target, is_leaf=lambda x: x is ocp.PLACEHOLDER)
 
 
@@ -564,12 +594,15 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
   return meta
 
 
-def save_after(follows, manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool):
-  """:func:`save`, once ``follows()`` returned (None: at once): a save's own thread waits for
-  what its checkpoint must not be committed before (the records up to ``step``)."""
+def save_after(
+    follows, manager: ocp.CheckpointManager, step: int, state, meta: Callable[[], dict], force: bool
+):
+  """:func:`save` of the item ``meta()`` makes, once ``follows()`` returned (None: at once): a
+  save's own thread waits for what its checkpoint must not be committed before (the records up
+  to ``step``), and for the checksums."""
   if follows is not None:
     follows()
-  save(manager, step, state, meta, force)
+  save(manager, step, state, meta(), force)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bool) -> None:
@@ -584,12 +617,16 @@ def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bo
   manager.save(step, args=args, force=force)
 
 
-def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> dict[str, int]:
+def check_params(
+    manager: ocp.CheckpointManager, step: int, plan: Plan, saved: dict | None = None
+) -> dict[str, int]:
   """The :func:`casts` restoring the saved params onto ``plan``'s makes (another
-  ``config.param_dtype``); raises ``CheckpointMismatchError`` unless they fit otherwise."""
+  ``config.param_dtype``); raises ``CheckpointMismatchError`` unless they fit otherwise.
+  ``saved``: the params' :func:`leaf_table` as saved, where the caller has read it."""
   want = leaf_table(plan.abstract()[PARAMS])
-  with reading(manager, step):
-    saved = leaf_table(manager.item_metadata(step)[PARAMS].tree)
+  if saved is None:
+    with reading(manager, step):
+      saved = leaf_table(manager.item_metadata(step)[PARAMS].tree)
   difference = first_difference(want, saved)
   if difference:
     raise CheckpointMismatchError(
@@ -600,28 +637,38 @@ def check_params(manager: ocp.CheckpointManager, step: int, plan: Plan) -> dict[
   return casts(want, saved)
 
 
-def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration: Migration):
+def restore(
+    manager: ocp.CheckpointManager,
+    step: int,
+    plan: Plan,
+    tx,
+    migration: Migration,
+    verify: bool = True,
+):
   """``(state, Start)`` from ``step`` in ``plan``'s shardings; the optimizer state as
   ``migration`` says (kept, moved, or re-initialised from ``tx``), logged in one line.
 
   Saved floating-point arrays in another dtype (``config.param_dtype``,
   ``config.state_dtype``) are cast to the plan's as they are read, logged in one line too.
+  Every array is checked against its checksum (:func:`restore_item`; ``verify=False``: not).
+  The items' metadata is read once.
   """
   meta = read_meta(manager, step)
-  param_casts = check_params(manager, step, plan)
-  target = plan.abstract()
   with reading(manager, step):
-    saved_opt = leaf_table(manager.item_metadata(step)[OPT].tree)
+    metadata = manager.item_metadata(step)
+    saved_params, saved_opt = (leaf_table(metadata[item].tree) for item in (PARAMS, OPT))
+  param_casts = check_params(manager, step, plan, saved_params)
+  target = plan.abstract()
 
   def differs(tree=None):
     mismatch = first_difference(leaf_table(target[OPT] if tree is None else tree), saved_opt)
     return mismatch and f"{OPT}/{mismatch}"
 
   load = lambda targets=None: restore_item(
-      manager, step, OPT, target[OPT] if targets is None else targets, meta
+      manager, step, OPT, target[OPT] if targets is None else targets, meta, saved_opt, verify
   )
   opt, why = migration.migrate(meta, differs, load)
-  params = restore_item(manager, step, PARAMS, target[PARAMS], meta)
+  params = restore_item(manager, step, PARAMS, target[PARAMS], meta, saved_params, verify)
   source = str(manager.directory / str(step))
   opt_casts = casts(leaf_table(target[OPT]), saved_opt) if opt is not None else {}
   if note := cast_note({"params": param_casts, "opt state": opt_casts}):
@@ -629,7 +676,7 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
   if opt is not None:
     logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
     return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
-  read = lambda targets: restore_leaves(manager, step, OPT, targets, meta)
+  read = lambda targets: restore_leaves(manager, step, OPT, targets, meta, verify)
   born = steps.init_opt(tx, plan, params)
   opt, carried, renewed = migration.reborn(born, step, meta, saved_opt, read)
   logging.info(
@@ -647,16 +694,23 @@ def restore(manager: ocp.CheckpointManager, step: int, plan: Plan, tx, migration
 
 
 def restore_leaves(
-    manager: ocp.CheckpointManager, step: int, item: str, targets: dict, meta=None
+    manager: ocp.CheckpointManager,
+    step: int,
+    item: str,
+    targets: dict,
+    meta=None,
+    verify: bool = True,
 ) -> dict:
   """``{name: array}``: the leaves of ``item`` that ``targets`` names (:func:`leaf_table`'s
   names), each read onto its target's shape, dtype and sharding; the rest is not read.
-  ``meta``: as for :func:`restore_item`."""
-  tree = manager.item_metadata(step)[item].tree
+  ``meta``, ``verify``: as for :func:`restore_item`."""
+  with reading(manager, step):
+    tree = manager.item_metadata(step)[item].tree
   target = jax.tree_util.tree_map_with_path(
       lambda path, _: targets.get(checksums.name(path), ocp.PLACEHOLDER), tree
   )
-  flat, _ = jax.tree_util.tree_flatten_with_path(restore_item(manager, step, item, target, meta))
+  read = restore_item(manager, step, item, target, meta, leaf_table(tree), verify)
+  flat, _ = jax.tree_util.tree_flatten_with_path(read)
   return {checksums.name(path): x for path, x in flat if checksums.name(path) in targets}
 
 
@@ -680,9 +734,11 @@ def load_params(path: str, plan: Plan) -> tuple[Any, str]:
   for i, step in enumerate(tried):
     try:
       meta = read_meta(manager, step)
-      if note := cast_note({"params": check_params(manager, step, plan)}):
+      with reading(manager, step):
+        saved = leaf_table(manager.item_metadata(step)[PARAMS].tree)
+      if note := cast_note({"params": check_params(manager, step, plan, saved)}):
         logging.info("%s", note)
-      params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS], meta)
+      params = restore_item(manager, step, PARAMS, plan.abstract()[PARAMS], meta, saved)
       break
     except DamagedCheckpointError as e:
       if i == len(tried) - 1:
