@@ -5,9 +5,8 @@
   benchmarks/accelerator.sh               # the same on an accelerator, installed and time-bound
 
 For each size, optimizer and dtype, the trainer's run of ``configs/lm.py:size=S``
-(``trainers/build.py``: the config's optimizer, its plan, the train step of
-``trainers/steps.py``) is compiled once (``steps.compile_train_step``), and that one compiled
-step runs twice, after one untimed warm-up step (on the ``benchmarks.throughput`` batches):
+(``trainers/build.py``: the config's optimizer, its plan, the train step the trainer
+compiles, ``build.compile_step``), and that one compiled step runs twice, after one untimed warm-up step (on the ``benchmarks.throughput`` batches):
 
 * in the **bare loop**: ``--steps`` steps dispatched back to back, one wait at the end;
 * in the **training loop**, ``trainers.train.train`` as it runs from step 1 (its sharding
@@ -45,7 +44,7 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, memory, optimizers, train
+from trainers import cli, divergence, optimizers, train
 from trainers.models import llama
 from trainers.rundir import checkpoint, profiling
 
@@ -114,13 +113,11 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
   The bare loop and the training loop take turns ``repeats`` times on the same batches; each
   keeps its fastest turn (a host shared with other work slows some turns, never speeds one).
   """
-  mesh, run, train_step, batches = throughput.setup(config, WARMUP + num_steps)
-  compiled, figures = memory.compile_step(
-      config, run.plan, train_step, batches[0].sharding, batches[0]
-  )
+  mesh, run, step, batches = throughput.setup(config, WARMUP + num_steps)
+  compiled, figures = step.train, step.figures
   bare, loop = math.inf, math.inf
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    cost = train.step_cost(run, config, batches[0].sharding, batches[0])
+    cost = train.step_cost(run, step.batch_sharding)
     state = throughput.init_state(run)
     for batch in batches[:WARMUP]:
       state, _ = compiled(state, batch)

@@ -45,7 +45,6 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
 
-import itertools
 import math
 import time
 from collections.abc import Callable
@@ -121,7 +120,7 @@ _DEVICES = flags.DEFINE_integer(
 
 def main(argv):
   del argv
-  config = records.resolve(_CONFIG.value)  # vocab_size and dtype from the token files' record.
+  config = _CONFIG.value
   validation.check_config(
       config,
       devices_per_process=_DEVICES.value,
@@ -136,22 +135,20 @@ def main(argv):
   mesh = bvs.make_mesh(
       config.mesh, dcn_mesh=config.get("dcn_mesh"), axis_types=build.axis_types(config)
   )
-  batch_sharding = checked_batch_sharding(config, mesh)
-  # Task, model, the config's optimizer for the params' layout and one plan of
-  # {"params", "opt"}: trainers/build.py.
+  log_batch_split(config, mesh)
+  # The token files' record, task, model, the config's optimizer for the params' layout and
+  # one plan of {"params", "opt"}: trainers/build.py.
   run = build.build(config, mesh)
+  config = run.config
   share = multihost_utils.broadcast_one_to_all if jax.process_count() > 1 else None
   scans = records.ScanCache(_WORKDIR.value, is_main_process, share)  # Process 0 scans, once.
   run.task.check(run.model, scans)  # Token ids / labels fit the model, before init.
   plan, tx = check_plan(config, run.plan, is_main_process), run.tx
-  eval_batches = held_out_batches(run.task, config)
-  train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps)
   # Compiled once, from abstract inputs: its memory (activations too) checked before init.
-  shapes = batching.global_shapes(eval_batches[0], config.batch_size)
-  train_step = check_compiled(config, plan, train_step, batch_sharding, shapes)
-  cost = step_cost(run, config, batch_sharding, shapes)
-  eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
-  evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
+  step = check_compiled(run)
+  cost = step_cost(run, step.batch_sharding)
+  eval_batches = build.eval_batches(run)
+  evaluate = lambda params: mean_loss(step.eval, params, eval_batches, step.batch_sharding)
 
   # Every check passed: only now is the workdir touched, by the run that holds it.
   held = lock.hold(_WORKDIR.value, _LEASE.value) if is_main_process else None
@@ -178,13 +175,13 @@ def main(argv):
     local_batches = run.task.batches(
         run.task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
     )
-    train_batches = prefetch.to_device(local_batches, batch_sharding, run.task.prefetch)
+    train_batches = prefetch.to_device(local_batches, step.batch_sharding, run.task.prefetch)
     log = StepLog(config, run.task, run.learning_rates, start, evaluate, write, cost)
     todo = range(start.step + 1, config.total_steps + 1)
     trace = profiling.StepTrace(config.get("profile_steps"), _WORKDIR.value)
     try:
       pending = Pending(watch, log, written)
-      train(state, zip(todo, train_batches), train_step, (plan, pending, ckpt, trace))
+      train(state, zip(todo, train_batches), step.train, (plan, pending, ckpt, trace))
     finally:
       trace.close()
       curves.close()
@@ -222,17 +219,10 @@ def job_facts() -> dict[str, str]:
   return {"--workdir": _WORKDIR.value, "git revision": provenance.git_revision(), **facts}
 
 
-def checked_batch_sharding(config, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-  """The batch's sharding over the data axes, once the batch size divides over them."""
+def log_batch_split(config, mesh: jax.sharding.Mesh) -> None:
+  """Logs the mesh and the axes the batch splits over, once the batch size divides over them."""
   sharding = steps.checked_batch_sharding(config, mesh)
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), sharding.spec[0])
-  return sharding
-
-
-def held_out_batches(task, config) -> list:
-  """The ``config.eval_batches`` held-out batches: the same rows at every eval."""
-  batches = task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1)
-  return list(itertools.islice(batches, config.eval_batches))
 
 
 def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
@@ -247,19 +237,19 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   return plan
 
 
-def check_compiled(config, plan: bvs.Plan, train_step, batch_sharding, shapes):
-  """``train_step`` compiled for the planned state and a global batch of ``shapes``, once XLA's
-  figure for it fits each device (trainers/memory.py)."""
-  compiled, step = memory.compile_step(config, plan, train_step, batch_sharding, shapes)
+def check_compiled(run: build.Run) -> build.Step:
+  """``run``'s :class:`build.Step`, once XLA's figure for its compiled train step fits each
+  device (trainers/memory.py)."""
+  config, step = run.config, build.compile_step(run)
   have = memory.budget(jax.local_devices(), config.get("device_memory_gib"))
-  logging.info("%s", memory.check_step(step, have, plan, config, batch_sharding))
-  return compiled
+  logging.info("%s", memory.check_step(step.figures, have, run.plan, config, step.batch_sharding))
+  return step
 
 
-def step_cost(run: build.Run, config, batch_sharding, shapes) -> utilization.StepCost:
+def step_cost(run: build.Run, batch_sharding) -> utilization.StepCost:
   """The step's model FLOPs, traced (else the 6·N·tokens + attention formula), and this
   device's peak (:func:`utilization.step_cost`), logged."""
-  cost = utilization.step_cost(run, config, batch_sharding, shapes)
+  cost = utilization.step_cost(run, run.config, batch_sharding, run.batch_shapes)
   logging.info(
       "train step: %.4g model FLOPs (%s), %s peak bf16 FLOP/s %s",
       cost.flops,
