@@ -5,13 +5,13 @@
   benchmarks/accelerator.sh               # the same on an accelerator, installed and time-bound
 
 For each size, optimizer and dtype, the trainer's run of ``configs/lm.py:size=S``
-(``trainers/build.py``: the config's optimizer, its plan, the train step of
-``trainers/steps.py``) is compiled once (``steps.compile_train_step``), and that one compiled
-step runs twice, after one untimed warm-up step (on the ``benchmarks.throughput`` batches):
+(``trainers/build.py``: the config's optimizer, its plan, the train step the trainer
+compiles, ``build.compile_step``), and that one compiled step runs twice, after one untimed
+warm-up step (on the ``benchmarks.throughput`` batches):
 
 * in the **bare loop**: ``--steps`` steps dispatched back to back, one wait at the end;
-* in the **training loop**, ``trainers.train.train`` as it runs from step 1 (its sharding
-  check after the first step, its metrics reads, loss checks and log lines at the config's
+* in the **training loop**, ``trainers.loop.Loop`` as the trainer runs it from step 1 (its
+  sharding check after the first step, its metrics reads, loss checks and log lines at the config's
   log steps: 1 and 20 with ``log_every=20``), saving no checkpoint and evaluating nothing;
   it ends when the last step's state is ready.
 
@@ -45,9 +45,9 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, memory, optimizers, train
+from trainers import cli, divergence, loop, optimizers
 from trainers.models import llama
-from trainers.rundir import checkpoint, profiling
+from trainers.rundir import checkpoint
 
 DTYPES = {
     "float32": {},
@@ -78,34 +78,20 @@ def bench_config(size: str, optimizer: str, dtype: str, num_steps: int):
   return config
 
 
-class NoCheckpoints:
-  """The loop's checkpoints, saving nothing; ``close`` reads the last steps (``before_save``),
-  waits for the final ``state`` and keeps it."""
-
-  state = None
-
-  def step_done(self, step: int, state, before_save=None) -> bool:
-    del step, state, before_save
-    return False
-
-  def close(self, state, before_save=lambda: None) -> None:
-    before_save()
-    self.state = jax.block_until_ready(state)
-
-
 def loop_seconds(config, run, compiled, cost, state, batches) -> tuple[dict, float]:
-  """``(state, seconds per step)`` of ``trainers.train.train`` over ``batches`` from step 1.
+  """``(state, seconds per step)`` of the trainer's loop (``trainers.loop.Loop``) over
+  ``batches`` from step 1, until the last step's state is ready.
 
-  Its loss checks, metrics reads and log lines as configured; no checkpoint, eval or trace.
+  Its loss checks, metrics reads and log lines as configured; no hook: no checkpoint, eval
+  or trace.
   """
   watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=None)
   start = checkpoint.Start(step=0, source="scratch")
-  log = train.StepLog(config, run.task, run.learning_rates, start, None, None, cost)
-  ckpt = NoCheckpoints()
+  log = loop.StepLog(config, run.task, run.learning_rates, start, None, None, cost)
   began = time.perf_counter()
-  pieces = (run.plan, train.Pending(watch, log), ckpt, profiling.StepTrace(None, ""))
-  train.train(state, zip(itertools.count(1), batches), compiled, pieces)
-  return ckpt.state, (time.perf_counter() - began) / len(batches)
+  looped = loop.Loop(compiled, loop.Pending(watch, log), run.plan, config)
+  state = jax.block_until_ready(looped.run(state, zip(itertools.count(1), batches)))
+  return state, (time.perf_counter() - began) / len(batches)
 
 
 def measure(config, num_steps: int, repeats: int = 1) -> dict:
@@ -114,13 +100,11 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
   The bare loop and the training loop take turns ``repeats`` times on the same batches; each
   keeps its fastest turn (a host shared with other work slows some turns, never speeds one).
   """
-  mesh, run, train_step, batches = throughput.setup(config, WARMUP + num_steps)
-  compiled, figures = memory.compile_step(
-      config, run.plan, train_step, batches[0].sharding, batches[0]
-  )
-  bare, loop = math.inf, math.inf
+  mesh, run, step, batches = throughput.setup(config, WARMUP + num_steps)
+  compiled, figures = step.train, step.figures
+  bare, in_loop = math.inf, math.inf
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    cost = train.step_cost(run, config, batches[0].sharding, batches[0])
+    cost = loop.step_cost(run, step.batch_sharding)
     state = throughput.init_state(run)
     for batch in batches[:WARMUP]:
       state, _ = compiled(state, batch)
@@ -128,13 +112,13 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
       state, seconds = seconds_per_step(compiled, state, batches[WARMUP:], num_steps, warmup=0)
       bare = min(bare, seconds)
       state, seconds = loop_seconds(config, run, compiled, cost, state, batches[WARMUP:])
-      loop = min(loop, seconds)
-  rates = cost.record(1 / loop, config.batch_size * run.task.per_example, run.task.unit)
+      in_loop = min(in_loop, seconds)
+  rates = cost.record(1 / in_loop, config.batch_size * run.task.per_example, run.task.unit)
   return {
-      "steps_per_sec": 1 / loop,
+      "steps_per_sec": 1 / in_loop,
       **{c: rates[c] for c in ("tokens_per_sec", "tflops_per_device", "mfu")},
       "compiled_gib": None if figures is None else figures.total / 2**30,
-      "sync_overhead": loop / bare,
+      "sync_overhead": in_loop / bare,
   }
 
 

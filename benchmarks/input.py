@@ -75,9 +75,10 @@ def main(argv=None):
   config.input = sources.input_config(kind="tokens", train=path, eval_fraction=0.01)
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
-  task, tx, plan = run.task, run.tx, run.plan
+  task = run.task
   task.check(run.model)
-  sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
+  step = build.compile_step(run)
+  sharding = step.batch_sharding
   local = lambda: task.batches(task.train, global_batch=config.batch_size, seed=0)
   count = WARMUP + args.steps
   inputs = {
@@ -89,10 +90,9 @@ def main(argv=None):
   }
   times = {name: [] for name in inputs}
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    state = steps.init_state(run.init, tx, plan)
-    train_step = steps.make_train_step(run.loss, tx, plan, sharding)
+    state = steps.init_state(run.init, run.tx, run.plan)
     for _, name in itertools.product(range(args.rounds), inputs):
-      state, seconds = seconds_per_step(train_step, state, inputs[name](), args.steps)
+      state, seconds = seconds_per_step(step.train, state, inputs[name](), args.steps)
       times[name].append(seconds)
 
   print(

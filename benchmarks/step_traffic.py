@@ -1,8 +1,8 @@
 """Step traffic: wire bytes of the whole compiled train step, per optimizer, on 8 simulated devices.
 
-For configs/lm.py (small, medium) and configs/lm_tp_fsdp.py the real train step
-(trainers/steps.py, the trainer's plan and optimizer, the param layout included) is
-compiled, not run, and per optimizer the table gives: wire bytes per device of every
+For configs/lm.py (small, medium) and configs/lm_tp_fsdp.py the trainer's train step
+(``trainers/build.py``'s ``compile_step``: its plan and optimizer, the param layout
+included) is compiled, not run, and per optimizer the table gives: wire bytes per device of every
 collective (all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduce
 2*result*(g-1)/g), the ratio to the adamw step and to the FSDP minimum
 3*params*(N-1)/N (params gathered twice, grads reduce-scattered), the number of
@@ -44,7 +44,7 @@ import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
 from benchmarks import traffic, zoo  # noqa: E402
-from trainers import build, cli, steps  # noqa: E402
+from trainers import build, cli  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
 # "<name>:local": the optimizer with shard-local blocks (config.optax.blocking="local").
@@ -91,21 +91,16 @@ def update_flops(tx, state) -> float:
 
 
 def compile_step(config):
-  """Compiles the trainer's step: (HLO text, XLA's stderr while compiling, seconds, extras)."""
+  """Compiles the trainer's step (``build.compile_step``): (HLO text, XLA's stderr while
+  compiling, seconds, extras)."""
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
-  batch = next(run.task.batches(run.task.train, global_batch=config.batch_size, seed=0))
-  batch_sharding = steps.batch_sharding(
-      mesh, steps.data_axes(mesh, config.sharding_rules, config.data_axes)
-  )
+  start = time.perf_counter()
+  with captured_stderr() as log:
+    hlo = build.compile_step(run).train.as_text()
+  seconds = time.perf_counter() - start
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    step = steps.make_train_step(run.loss, run.tx, run.plan, batch_sharding)
-    state = run.plan.abstract()
-    start = time.perf_counter()
-    with captured_stderr() as log:
-      hlo = step.lower(state, jax.ShapeDtypeStruct(batch.shape, batch.dtype)).compile().as_text()
-    seconds = time.perf_counter() - start
-    flops = update_flops(run.tx, state)
+    flops = update_flops(run.tx, run.plan.abstract())
   return hlo, log[0], seconds, (mesh, run.plan, flops)
 
 

@@ -4,8 +4,8 @@
       [--turns 3]
 
 For each model size and optimizer, the trainer's run of ``configs/lm.py``
-(``trainers/build.py``: the config's whole optimizer section, its plan, the train step
-of ``trainers/steps.py``) runs twice: as configured, and as plain data parallelism
+(``trainers/build.py``: the config's whole optimizer section, its plan, its compiled
+train step) runs twice: as configured, and as plain data parallelism
 (:func:`replicated_run`): ``config.sharding_strategy = [(".*", "replicate()")]`` for every
 param and state leaf, and the optimizer built without the params' layout, so no device
 owns a matrix (Muon), a dealt block or a pool of tiles (Kron, Shampoo): every device does
@@ -53,18 +53,20 @@ def replicated_run(config, mesh) -> build.Run:
 
 
 def setup(config, num_batches: int, replicated: bool = False) -> tuple:
-  """``(mesh, run, train_step, batches)`` of ``config``'s run on this host's devices.
+  """``(mesh, run, step, batches)`` of ``config``'s run on this host's devices.
 
-  ``run`` is the :class:`trainers.build.Run` (:func:`replicated_run` if ``replicated``);
-  ``batches`` are ``num_batches`` global batches.
+  ``run`` is the :class:`trainers.build.Run` (:func:`replicated_run` if ``replicated``),
+  ``step`` its :class:`trainers.build.Step` (the trainer's compiled step); ``batches`` are
+  ``num_batches`` global batches.
   """
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = replicated_run(config, mesh) if replicated else build.build(config, mesh)
-  sharding = steps.batch_sharding(mesh, steps.data_axes(mesh, config.sharding_rules))
+  step = build.compile_step(run)
   local = run.task.batches(run.task.train, global_batch=config.batch_size, seed=0)
-  batches = [batching.to_global(b, sharding) for b in itertools.islice(local, num_batches)]
-  train_step = steps.make_train_step(run.loss, run.tx, run.plan, sharding)
-  return mesh, run, train_step, batches
+  batches = [
+      batching.to_global(b, step.batch_sharding) for b in itertools.islice(local, num_batches)
+  ]
+  return mesh, run, step, batches
 
 
 def init_state(run) -> dict:
@@ -76,11 +78,10 @@ def compiled_step(config, num_steps: int, replicated: bool = False) -> tuple:
   """``(mesh, compiled step, state, batches, FLOPs per device per step)`` of ``config``'s
   train step (:func:`setup`'s ``replicated``); the FLOPs are XLA's count of the compiled
   step that is timed."""
-  mesh, run, train_step, batches = setup(config, WARMUP + num_steps, replicated)
+  mesh, run, step, batches = setup(config, WARMUP + num_steps, replicated)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     state = init_state(run)
-    compiled = train_step.lower(state, batches[0]).compile()
-  return mesh, compiled, state, batches, float(compiled.cost_analysis().get("flops", 0.0))
+  return mesh, step.train, state, batches, float(step.train.cost_analysis().get("flops", 0.0))
 
 
 def fastest_rates(config, num_steps: int, turns: int) -> dict[bool, tuple[float, float]]:

@@ -1,16 +1,22 @@
-"""The run a config describes, built in one place: task, model, init, loss, optimizer and plan.
+"""The run a config describes, built in one place: task, model, init, loss, optimizer, plan
+and the compiled step.
 
 :func:`build` turns a config and a mesh (a ``Mesh`` to train on, or an ``AbstractMesh``
-to plan for devices that need not exist) into a frozen :class:`Run`. The trainer
-(``trainers/train.py``), the planning command (``trainers/plan.py``) and every benchmark
-build through it, so the command plans exactly what the trainer runs and a benchmark
-measures it; one that measures another placement or optimizer overrides the config
-(``config.sharding_strategy``, ``config.optax_name``) before building.
+to plan for devices that need not exist) into a frozen :class:`Run`; on a ``Mesh``,
+:func:`compile_step` gives its :class:`Step`: the batch's sharding, the train step jitted
+and compiled once ahead of time (with its memory figures) and the eval step. The trainer
+(``trainers/train.py``), the planning command (``trainers/plan.py``), the sampler and
+every benchmark build through it, so the command plans exactly what the trainer runs and a
+benchmark measures the trainer's very step; one that measures another placement or
+optimizer overrides the config (``config.sharding_strategy``, ``config.optax_name``)
+before building.
 
-The sequence: task -> one held-out row -> model and init -> the params' plan -> their
-layout -> the optimizer (``trainers/optimizers/``, under ``config.on_nonfinite``) -> the
-plan of ``{"params", "opt"}``, which reuses the params' entries instead of planning
-them again.
+The sequence: the token files' record (``records.resolve``) -> task -> one held-out
+batch -> model and init -> the params' plan -> their layout -> the optimizer
+(``trainers/optimizers/``, under ``config.on_nonfinite``) -> the plan of
+``{"params", "opt"}``, which reuses the params' entries instead of planning them again;
+then, on devices, the batch's sharding -> the jitted train and eval steps -> the train
+step compiled from abstract inputs.
 
 Example:
   >>> import bv_sharding as bvs
@@ -26,6 +32,7 @@ Example:
 """
 
 import dataclasses
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,8 +41,8 @@ import jax
 import optax
 
 import bv_sharding as bvs
-from trainers import divergence, models, optimizers, steps
-from trainers.input import tasks
+from trainers import divergence, memory, models, optimizers, steps
+from trainers.input import batching, records, tasks
 from trainers.models import axes
 
 
@@ -43,7 +50,9 @@ from trainers.models import axes
 class Run:
   """Everything a run of a config needs, built by :func:`build`.
 
-  ``init()`` returns the params (flax boxes kept), seeded by ``config.seed``;
+  ``config`` is the config built from, its token files' record resolved (``records.resolve``);
+  ``batch_shapes`` are the global batch's ``jax.ShapeDtypeStruct``s (of the first held-out
+  batch: a train batch's too); ``init()`` returns the params (flax boxes kept), seeded by ``config.seed``;
   ``loss(params, batch)`` is the task's mean loss of the model; ``tx`` is the config's
   optimizer under its non-finite policy, for the params' ``layout``; ``learning_rates``
   are the schedules ``tx`` applies, for logging; ``plan`` is that of ``{"params", "opt"}``;
@@ -51,7 +60,9 @@ class Run:
   (:class:`~trainers.optimizers.BuiltOptimizer`, asked by the checkpoints on restore).
   """
 
+  config: Any
   task: tasks.Task
+  batch_shapes: Any
   model: Any
   init: Callable[[], Any]
   loss: Callable[[Any, Any], Any]
@@ -78,13 +89,15 @@ def build(config, mesh) -> Run:
 
   Example: ``build(config, bvs.make_mesh(config.mesh)).plan.report()``.
   """
+  config = records.resolve(config)  # vocab_size and dtype from the token files' record.
   task = tasks.get_task(config)
-  batch = next(task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1))
+  batch = next(held_out(task, config))
+  shapes = batching.global_shapes(batch, config.batch_size)
   example = example_input(task, batch)
   model, init = model_and_init(config, example)
   strategy, rules = config.sharding_strategy, config.sharding_rules
-  shapes = jax.eval_shape(init)
-  unused = axes.unused_rules(rules, shapes)
+  params_shapes = jax.eval_shape(init)
+  unused = axes.unused_rules(rules, params_shapes)
   if unused:
     warnings.warn(
         f"config.sharding_rules names {unused}, which no param or activation of this model has "
@@ -92,7 +105,7 @@ def build(config, mesh) -> Run:
         bvs.ShardingWarning,
         stacklevel=2,
     )
-  params = bvs.plan({"params": shapes}, strategy, mesh, rules=rules)
+  params = bvs.plan({"params": params_shapes}, strategy, mesh, rules=rules)
   layout = optimizers.ParamLayout.from_plan(params)
   tx, learning_rates = optimizer(config, layout)
   # Complete: block stacks are where the optimizer runs them (their Stacks declare it).
@@ -107,7 +120,63 @@ def build(config, mesh) -> Run:
       optimizers.state_decays(config.optax_name, config.get("optax") or {}),
   )
   loss = loss_fn(task, model, plan)
-  return Run(task, model, init, loss, example, layout, tx, learning_rates, plan, migration)
+  return Run(
+      config, task, shapes, model, init, loss, example, layout, tx, learning_rates, plan, migration
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """A run's steps on its mesh's devices, built by :func:`compile_step`.
+
+  ``batch_sharding``: a global batch's (dim 0 over the data axes); ``jitted``: the train step
+  ``step(state, batch) -> (state, metrics)`` (``steps.make_train_step``, over
+  ``config.grad_accum_steps`` microbatches); ``train``: that step compiled once, ahead of
+  time, for the planned state and the run's ``batch_shapes`` (it runs as ``jitted`` does,
+  state donated, without compiling again); ``figures``: XLA's memory figures of it
+  (:class:`memory.StepMemory`, None where the backend gives none); ``eval``: the jitted
+  ``eval_step(params, batch) -> loss``.
+  """
+
+  batch_sharding: jax.sharding.NamedSharding
+  jitted: Callable
+  train: Any
+  figures: memory.StepMemory | None
+  eval: Callable
+
+
+def compile_step(run: Run) -> Step:
+  """The :class:`Step` of ``run`` (built on a ``Mesh``): what the trainer runs, the planning
+  command's ``--compile`` sizes and every benchmark times; nothing allocated.
+
+  Raises ``ConfigError`` if ``config.batch_size`` does not divide over the data axes.
+
+  Example: ``step = compile_step(run); state, metrics = step.train(state, batch)``.
+  """
+  config = run.config
+  sharding = steps.checked_batch_sharding(config, run.mesh)
+  jitted = steps.make_train_step(run.loss, run.tx, run.plan, sharding, config.grad_accum_steps)
+  compiled, figures = memory.compile_step(config, run.plan, jitted, sharding, run.batch_shapes)
+  return Step(
+      sharding, jitted, compiled, figures, steps.make_eval_step(run.loss, run.plan, sharding)
+  )
+
+
+def held_out(task, config):
+  """The held-out batches (this process's rows), the same ones on every call: the first
+  ``config.eval_batches`` are the run's evals.
+
+  Example: ``list(itertools.islice(held_out(task, config), config.eval_batches))``.
+  """
+  return task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1)
+
+
+def eval_batches(run: Run) -> list:
+  """The ``config.eval_batches`` held-out batches every eval of ``run`` reads.
+
+  Example: ``len(eval_batches(run)) == run.config.eval_batches``.
+  """
+  return list(itertools.islice(held_out(run.task, run.config), run.config.eval_batches))
 
 
 def axis_types(config) -> str:

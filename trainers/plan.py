@@ -48,9 +48,8 @@ import jax
 import numpy as np
 
 import bv_sharding as bvs
-from trainers import MiB, build, cli, distributed, memory, steps, utilization
+from trainers import MiB, build, cli, distributed, memory, utilization
 from trainers.errors import ConfigError
-from trainers.input import batching, records
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -97,7 +96,7 @@ def parser() -> cli.Parser:
 
 def setup(options, config_args) -> Setup:
   """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count."""
-  config = records.resolve(cli.config_from_args(config_args))  # The token files' vocab, dtype.
+  config = cli.config_from_args(config_args)  # build() resolves the token files' vocab, dtype.
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
   dcn = config.get("dcn_mesh") or ()
   dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn_mesh")
@@ -149,24 +148,16 @@ def compiled(s: Setup) -> dict:
   mesh = bvs.make_mesh(
       s.mesh, dcn_mesh=s.dcn_mesh, devices=devices, axis_types=build.axis_types(s.config)
   )
-  run, config = build.build(s.config, mesh), s.config
-  batch_sharding = steps.checked_batch_sharding(config, mesh)
-  train_step = steps.make_train_step(
-      run.loss, run.tx, run.plan, batch_sharding, config.grad_accum_steps
-  )
-  held_out = run.task.batches(
-      run.task.held_out, global_batch=config.batch_size, seed=config.seed + 1
-  )
-  shapes = batching.global_shapes(next(held_out), config.batch_size)
-  _, step = memory.compile_step(config, run.plan, train_step, batch_sharding, shapes)
-  have = memory.budget(devices, config.get("device_memory_gib"))
-  cost = utilization.step_cost(run, config, batch_sharding, shapes)
+  run = build.build(s.config, mesh)
+  step = build.compile_step(run)
+  have = memory.budget(devices, run.config.get("device_memory_gib"))
+  cost = utilization.step_cost(run, run.config, step.batch_sharding, run.batch_shapes)
   return {
       "devices": f"{len(devices)} {devices[0].device_kind}",
-      "grad_accum_steps": config.grad_accum_steps,
+      "grad_accum_steps": run.config.grad_accum_steps,
       "flops_per_step": cost.flops,
       "flops_source": cost.source,
-      **memory.report(step, have),
+      **memory.report(step.figures, have),
   }
 
 

@@ -167,7 +167,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if paths.is_url(args.workdir):
     paths.check(args.workdir)
-  config = records.resolve(run_config(args.workdir))
+  config = run_config(args.workdir)  # build() resolves its token files' vocab and dtype.
   if not (paths.path(args.workdir) / checkpoint.CHECKPOINTS).is_dir():
     raise ConfigError(f"--workdir={args.workdir} has no checkpoints/; train it first")
   tok, eot, vocab = run_tokenizer(config)

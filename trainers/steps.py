@@ -1,4 +1,4 @@
-"""The sharded pieces of a training loop, shared by ``trainers/train.py`` and the throughput benchmark.
+"""The sharded pieces of a training loop, which the run builder (``trainers/build.py``) assembles.
 
 The state is big_vision's ``{"params": ..., "opt": ...}``; one ``bvs.Plan`` over its
 abstract shape gives the shardings of init, of the train step and of eval.

@@ -19,11 +19,12 @@ checkpoints (every ``config.ckpt_steps``, at the end, on SIGTERM); a workdir hol
 resumes from it exactly (trainers/rundir/checkpoint.py). A NaN or infinite loss stops the run
 (``config.on_nonfinite="stop"``) or skips the update ("skip"; trainers/divergence.py).
 
-The train step is compiled once, ahead of time, from the plan's abstract state; its model
-FLOPs, counted from its traced program (every scanned layer and microbatch), give TFLOP/s and
-MFU per device (trainers/utilization.py). The loop never waits
-for the device between log steps: step k+1 is dispatched before anything of step k is read,
-and the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
+The train step is compiled once, ahead of time, from the plan's abstract state
+(``build.compile_step``); its model FLOPs, counted from its traced program (every scanned
+layer and microbatch), give TFLOP/s and MFU per device (trainers/utilization.py). The loop
+(trainers/loop.py, its profile trace, eval and checkpoints hung on as hooks) never waits for
+the device between log steps: step k+1 is dispatched before anything of step k is read, and
+the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
 at log, eval and checkpoint steps, on SIGTERM and at the end, then checked in step order.
 Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``. In a
 ``gs://`` workdir both go to the bucket from background threads, as new objects, and the loop
@@ -45,32 +46,25 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
 
-import itertools
-import math
-import time
-from collections.abc import Callable
-
 import flax.linen as nn
 import jax
-import numpy as np
 from absl import flags, logging
 from jax.experimental import multihost_utils
 
 import bv_sharding as bvs
-from bv_sharding.optimizers import ramp
 from trainers import (
     build,
     cli,
     distributed,
     divergence,
+    loop,
     memory,
     same_job,
     steps,
-    utilization,
     validation,
 )
 from trainers.errors import ConfigError
-from trainers.input import batching, prefetch, records
+from trainers.input import prefetch, records
 from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
 
 _CONFIG = cli.define_config_flag()
@@ -121,7 +115,7 @@ _DEVICES = flags.DEFINE_integer(
 
 def main(argv):
   del argv
-  config = records.resolve(_CONFIG.value)  # vocab_size and dtype from the token files' record.
+  config = _CONFIG.value
   validation.check_config(
       config,
       devices_per_process=_DEVICES.value,
@@ -136,22 +130,20 @@ def main(argv):
   mesh = bvs.make_mesh(
       config.mesh, dcn_mesh=config.get("dcn_mesh"), axis_types=build.axis_types(config)
   )
-  batch_sharding = checked_batch_sharding(config, mesh)
-  # Task, model, the config's optimizer for the params' layout and one plan of
-  # {"params", "opt"}: trainers/build.py.
+  log_batch_split(config, mesh)
+  # The token files' record, task, model, the config's optimizer for the params' layout and
+  # one plan of {"params", "opt"}: trainers/build.py.
   run = build.build(config, mesh)
+  config = run.config
   share = multihost_utils.broadcast_one_to_all if jax.process_count() > 1 else None
   scans = records.ScanCache(_WORKDIR.value, is_main_process, share)  # Process 0 scans, once.
   run.task.check(run.model, scans)  # Token ids / labels fit the model, before init.
   plan, tx = check_plan(config, run.plan, is_main_process), run.tx
-  eval_batches = held_out_batches(run.task, config)
-  train_step = steps.make_train_step(run.loss, tx, plan, batch_sharding, config.grad_accum_steps)
   # Compiled once, from abstract inputs: its memory (activations too) checked before init.
-  shapes = batching.global_shapes(eval_batches[0], config.batch_size)
-  train_step = check_compiled(config, plan, train_step, batch_sharding, shapes)
-  cost = step_cost(run, config, batch_sharding, shapes)
-  eval_step = steps.make_eval_step(run.loss, plan, batch_sharding)
-  evaluate = lambda params: mean_loss(eval_step, params, eval_batches, batch_sharding)
+  step = check_compiled(run)
+  cost = loop.step_cost(run, step.batch_sharding)
+  eval_batches = build.eval_batches(run)
+  evaluate = lambda params: loop.mean_loss(step.eval, params, eval_batches, step.batch_sharding)
 
   # Every check passed: only now is the workdir touched, by the run that holds it.
   held = lock.hold(_WORKDIR.value, _LEASE.value) if is_main_process else None
@@ -161,7 +153,7 @@ def main(argv):
   ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, plan, is_main_process)
   scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
-  write = fan_out(metrics, curves) if is_main_process else None
+  write = loop.fan_out(metrics, curves) if is_main_process else None
 
   def written():
     """A wait for the records queued so far (a bucket's writers send them in the background),
@@ -178,13 +170,16 @@ def main(argv):
     local_batches = run.task.batches(
         run.task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
     )
-    train_batches = prefetch.to_device(local_batches, batch_sharding, run.task.prefetch)
-    log = StepLog(config, run.task, run.learning_rates, start, evaluate, write, cost)
+    train_batches = prefetch.to_device(local_batches, step.batch_sharding, run.task.prefetch)
+    log = loop.StepLog(config, run.task, run.learning_rates, start, evaluate, write, cost)
     todo = range(start.step + 1, config.total_steps + 1)
     trace = profiling.StepTrace(config.get("profile_steps"), _WORKDIR.value)
     try:
-      pending = Pending(watch, log, written)
-      train(state, zip(todo, train_batches), train_step, (plan, pending, ckpt, trace))
+      looped = loop.Loop(step.train, loop.Pending(watch, log, written), plan, config)
+      looped.add_hook(trace.after, name="profile", before=trace.before)
+      looped.add_hook(looped.pending.evaluate, every=config.eval_every, name="eval")
+      looped.add_checkpointer(ckpt)  # Every config.ckpt_steps, at the end, on SIGTERM.
+      looped.run(state, zip(todo, train_batches))
     finally:
       trace.close()
       curves.close()
@@ -222,17 +217,10 @@ def job_facts() -> dict[str, str]:
   return {"--workdir": _WORKDIR.value, "git revision": provenance.git_revision(), **facts}
 
 
-def checked_batch_sharding(config, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-  """The batch's sharding over the data axes, once the batch size divides over them."""
+def log_batch_split(config, mesh: jax.sharding.Mesh) -> None:
+  """Logs the mesh and the axes the batch splits over, once the batch size divides over them."""
   sharding = steps.checked_batch_sharding(config, mesh)
   logging.info("mesh %s, batch split over %s", dict(mesh.shape), sharding.spec[0])
-  return sharding
-
-
-def held_out_batches(task, config) -> list:
-  """The ``config.eval_batches`` held-out batches: the same rows at every eval."""
-  batches = task.batches(task.held_out, global_batch=config.batch_size, seed=config.seed + 1)
-  return list(itertools.islice(batches, config.eval_batches))
 
 
 def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
@@ -247,32 +235,13 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   return plan
 
 
-def check_compiled(config, plan: bvs.Plan, train_step, batch_sharding, shapes):
-  """``train_step`` compiled for the planned state and a global batch of ``shapes``, once XLA's
-  figure for it fits each device (trainers/memory.py)."""
-  compiled, step = memory.compile_step(config, plan, train_step, batch_sharding, shapes)
+def check_compiled(run: build.Run) -> build.Step:
+  """``run``'s :class:`build.Step`, once XLA's figure for its compiled train step fits each
+  device (trainers/memory.py)."""
+  config, step = run.config, build.compile_step(run)
   have = memory.budget(jax.local_devices(), config.get("device_memory_gib"))
-  logging.info("%s", memory.check_step(step, have, plan, config, batch_sharding))
-  return compiled
-
-
-def step_cost(run: build.Run, config, batch_sharding, shapes) -> utilization.StepCost:
-  """The step's model FLOPs, traced (else the 6·N·tokens + attention formula), and this
-  device's peak (:func:`utilization.step_cost`), logged."""
-  cost = utilization.step_cost(run, config, batch_sharding, shapes)
-  logging.info(
-      "train step: %.4g model FLOPs (%s), %s peak bf16 FLOP/s %s",
-      cost.flops,
-      cost.source,
-      jax.devices()[0].device_kind,
-      "unknown (MFU null)" if cost.peak is None else f"{cost.peak:.4g}",
-  )
-  return cost
-
-
-def mean_loss(eval_step, params, batches, batch_sharding) -> float:
-  """The mean of ``eval_step`` over the held-out ``batches``."""
-  return float(np.mean([eval_step(params, batching.to_global(b, batch_sharding)) for b in batches]))
+  logging.info("%s", memory.check_step(step.figures, have, run.plan, config, step.batch_sharding))
+  return step
 
 
 def open_workdir(
@@ -294,16 +263,6 @@ def open_workdir(
     if note:
       logging.warning("%s", note)
   return ckpt, workdir.MetricsWriter(path)
-
-
-def fan_out(*writers) -> Callable[[dict], None]:
-  """One ``write(record)`` that gives the record to each writer's ``write``, in order."""
-
-  def write(record: dict) -> None:
-    for writer in writers:
-      writer.write(record)
-
-  return write
 
 
 def restore_or_init(ckpt: checkpoint.Checkpoints, plan: bvs.Plan, tx, init):
@@ -329,145 +288,6 @@ def note_start(
     logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)
     for record in workdir.read_records(metrics_path):
       curves.write(record)
-
-
-def train(state, numbered_batches, train_step, run) -> None:
-  """Takes a step per (step, batch) pair, then saves; returns early on SIGTERM.
-
-  ``run``: (plan, :class:`Pending`, checkpoints, :class:`profiling.StepTrace`). A logged
-  step's metrics are read once the next step is dispatched; an eval step's, and all pending
-  ones before a save, at once (eval and checkpoints need that step's state before the next
-  step takes it). So the device always has the next step queued while the host reads.
-  """
-  plan, pending, ckpt, trace = run
-  read_next = False
-  for i, (step, batch) in enumerate(numbered_batches):
-    trace.before(step)
-    state, metrics = train_step(state, batch)
-    if read_next:
-      pending.read()  # The steps before this one, now that it is queued.
-    pending.add(step, metrics)
-    trace.after(step, state)
-    if i == 0:
-      steps.check_state(plan, state, "after the first step")
-      logging.info("state shardings match the plan after the first step")
-    logged, is_eval = logs_step(step, pending.log.config)
-    if is_eval:
-      pending.read(state["params"])
-    read_next = logged and not is_eval
-    if ckpt.step_done(step, state, before_save=pending.settle):
-      return  # SIGTERM: every process saved this step.
-  ckpt.close(state, before_save=pending.settle)
-
-
-class Pending:
-  """The train step's metrics, left on the device until the loop reads them, in step order.
-
-  :meth:`read` fetches every pending step's metrics in one ``jax.device_get``, then gives
-  each loss to ``watch`` (which raises at the first non-finite one under "stop", before
-  any later step is logged or saved) and each step to ``log`` (a :class:`StepLog`).
-  :meth:`settle`, before a save, reads every queued step and returns ``written()``, a wait
-  for the records written so far (a bucket's writers send them in the background), which the
-  save calls on its own thread before it saves (``Checkpoints.step_done``). The rule: a
-  checkpoint at step ``s`` is committed only after every record up to ``s`` is in the
-  workdir, so a resume from it finds all of them (and moves any later ones aside,
-  ``workdir.keep_metrics_until``); the loop itself never waits on an object write, only on
-  the previous save at the next one, as for its write, and at exit.
-  """
-
-  def __init__(self, watch: divergence.LossWatch, log: "StepLog", written=lambda: parts.each([])):
-    self.watch, self.log, self.written = watch, log, written
-    self.queue: list[tuple[int, dict]] = []
-
-  def add(self, step: int, metrics: dict) -> None:
-    """Queues ``step``'s metrics (device arrays) without reading them."""
-    self.queue.append((step, metrics))
-
-  def read(self, params=None) -> None:
-    """Reads, checks and logs every queued step; ``params``: the last step's, for an eval."""
-    queue, self.queue = self.queue, []
-    values = jax.device_get([metrics for _, metrics in queue])
-    for (step, _), metrics in zip(queue, values):
-      metrics = {key: float(value) for key, value in metrics.items()}
-      if not self.watch.observe(step, metrics["loss"], metrics["l2_params"]):  # May raise.
-        logging.warning("step %d: loss %s, update skipped", step, metrics["loss"])
-      self.log(step, metrics, params)
-
-  def settle(self) -> Callable[[], None]:
-    """Reads every queued step; returns a wait until their records are written."""
-    self.read()
-    return self.written()
-
-
-def logs_step(step: int, config) -> tuple[bool, bool]:
-  """(whether ``step`` is logged, whether it is evaluated).
-
-  Logged: step 1, every ``config.log_every`` steps and every eval; evaluated: every
-  ``config.eval_every`` steps and the last. Example: with log_every=10, eval_every=25 and
-  total_steps=30, steps 1, 10, 20, 25 and 30 are logged; 25 and 30 evaluated.
-  """
-  is_eval = step % config.eval_every == 0 or step == config.total_steps
-  return is_eval or step == 1 or step % config.log_every == 0, is_eval
-
-
-class StepLog:
-  """Logs a line, and gives ``write`` a metrics record, at the steps :func:`logs_step` picks.
-
-  A record holds the step, the step's metrics (loss, ``l2_grads``, ``l2_params``,
-  ``l2_updates``), each learning rate applied at that step, the steps per second since the
-  last record, the ``cost``'s ``flops_per_step`` and ``flops_source``, per device
-  ``<unit>_per_sec`` (``tokens_per_sec``, ``images_per_sec``) and ``tflops_per_device``,
-  ``mfu`` (null where the device's peak is unknown) and, at evals, ``eval_loss``
-  (``evaluate(params)``) and, where the data's bytes per token are known (text: 1; token
-  files: their records), ``eval_bits_per_byte`` = eval_loss / ln 2 / bytes per token, which
-  compares runs across tokenizers.
-  """
-
-  def __init__(
-      self,
-      config,
-      task,
-      learning_rates,
-      start: checkpoint.Start,
-      evaluate,
-      write,
-      cost: utilization.StepCost,
-  ):
-    self.config, self.task, self.cost = config, task, cost
-    self.learning_rates, self.opt_start = learning_rates, start.opt_start
-    self.evaluate, self.write = evaluate, write
-    self.tick, self.tick_step = time.perf_counter(), start.step
-
-  def __call__(self, step: int, metrics: dict, params) -> None:
-    logged, is_eval = logs_step(step, self.config)
-    if not logged:
-      return
-    record = {"step": step, **metrics}  # metrics start with the loss.
-    # The schedules count global steps; an optimizer born mid-run is ramped in (rebirth.py).
-    scale = ramp(self.config.get("rewarmup_steps", 0), step - 1 - self.opt_start)
-    scale = scale if self.opt_start else 1.0
-    record.update({k: float(lr(step - 1)) * scale for k, lr in self.learning_rates.items()})
-    record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)
-    per_step = self.config.batch_size * self.task.per_example
-    record.update(self.cost.record(record["steps_per_sec"], per_step, self.task.unit))
-    mfu = "null" if record["mfu"] is None else f"{record['mfu']:.1%}"
-    line = (
-        f"step {step}/{self.config.total_steps} loss={record['loss']:.4f} "
-        f"l2_grads={record['l2_grads']:.3g} steps/s={record['steps_per_sec']:.2f} "
-        f"{self.task.unit}/s/device={record[self.task.unit + '_per_sec']:.0f} "
-        f"TFLOP/s/device={record['tflops_per_device']:.3g} MFU={mfu}"
-    )
-    if is_eval:
-      record["eval_loss"] = self.evaluate(params)
-      line += f" eval_loss={record['eval_loss']:.4f}"
-      if self.task.bytes_per_token:
-        bits = record["eval_loss"] / math.log(2) / self.task.bytes_per_token
-        record["eval_bits_per_byte"] = bits
-        line += f" eval_bits_per_byte={bits:.4f}"
-    logging.info("%s", line)
-    if self.write is not None:
-      self.write(record)
-    self.tick, self.tick_step = time.perf_counter(), step
 
 
 if __name__ == "__main__":

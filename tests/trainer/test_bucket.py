@@ -31,7 +31,7 @@ from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.server import DELETE, GET, POST
 
 from tests.helpers import ROOT, environment, quick_lm, run_module
-from trainers import divergence, optimizers, train, utilization
+from trainers import divergence, loop, optimizers, utilization
 from trainers.errors import ConfigError
 from trainers.launch import free_port
 from trainers.rundir import (
@@ -376,9 +376,9 @@ WRITE = 1.0  # Seconds each metrics object write takes there.
 def test_the_loop_never_waits_on_a_record_and_a_checkpoint_follows_its_records(
     emulator, tmp_path, monkeypatch
 ):
-  """trainers/train.py's loop with its records in a bucket whose metrics object writes take
+  """trainers/loop.py's loop with its records in a bucket whose metrics object writes take
   WRITE s each, a record every 5 steps and a (local) checkpoint at steps 15 and 30: no step
-  waits for a record (the save's own thread waits before it saves, trainers.train.Pending), no
+  waits for a record (the save's own thread waits before it saves, trainers.loop.Pending), no
   checkpoint is committed before the records up to its step are stored, and every record is
   there at exit. The loop waited before each save until this rule: at step 15, WRITE at least."""
   checkpoints = tmp_path / checkpoint.CHECKPOINTS
@@ -403,13 +403,13 @@ def test_the_loop_never_waits_on_a_record_and_a_checkpoint_follows_its_records(
   metrics, curves = workdir.MetricsWriter(run), events.EventWriter(run)
   task = types.SimpleNamespace(unit="tokens", per_example=8, bytes_per_token=None)
   cost = utilization.StepCost(1e9, "jaxpr", 8, None)
-  log = train.StepLog(
+  log = loop.StepLog(
       config,
       task,
       {},
       checkpoint.Start(0, "scratch"),
       lambda params: 0.0,
-      train.fan_out(metrics, curves),
+      loop.fan_out(metrics, curves),
       cost,
   )
   watch = divergence.LossWatch("stop", lr=1e-3)
@@ -436,8 +436,9 @@ def test_the_loop_never_waits_on_a_record_and_a_checkpoint_follows_its_records(
 
   state = {"params": {"w": jnp.ones(4)}, "opt": {"n": jnp.zeros((), jnp.int32)}}
   no_plan = types.SimpleNamespace(mismatches=lambda state: [])
-  steps = (no_plan, train.Pending(watch, log, written), ckpt, profiling.StepTrace(None, run))
-  train.train(state, paced(), timed, steps)
+  looped = loop.Loop(timed, loop.Pending(watch, log, written), no_plan, config)
+  looped.add_checkpointer(ckpt)
+  looped.run(state, paced())
   metrics.close()
   curves.close()
   gaps = [b - a for a, b in zip(began, began[1:])]

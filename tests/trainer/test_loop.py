@@ -1,4 +1,4 @@
-"""trainers/train.py's loop, driven in process by a recording step: no host sync between log
+"""trainers/loop.py's loop, driven in process by a recording step: no host sync between log
 steps, and the non-finite policy at the exact step."""
 
 import math
@@ -8,9 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from trainers import divergence, train, utilization
+from trainers import divergence, loop, utilization
 from trainers.errors import NonFiniteLossError
-from trainers.rundir import checkpoint, profiling
+from trainers.rundir import checkpoint
 
 
 class Value:
@@ -25,7 +25,8 @@ class Value:
 
 
 class Run:
-  """A recording train step whose loss is ``losses[step]`` (default 2.0), and its checkpoints."""
+  """A recording train step whose loss is ``losses[step]`` (default 2.0), and its checkpoints
+  (a hook as the trainer's checkpointer is: every step, and at the end)."""
 
   def __init__(self, losses=None, ckpt_steps=(), total=12, log_every=4, policy="stop"):
     self.events, self.losses, self.saved, self.records = [], losses or {}, [], []
@@ -33,7 +34,7 @@ class Run:
     config = ml_collections.ConfigDict(
         dict(log_every=log_every, eval_every=1000, total_steps=total, batch_size=2)
     )
-    log = train.StepLog(
+    log = loop.StepLog(
         config,
         types.SimpleNamespace(unit="tokens", per_example=8, bytes_per_token=None),
         {},
@@ -44,7 +45,10 @@ class Run:
     )
     watch = divergence.LossWatch(policy, lr=1e-3, write=self.records.append)
     plan = types.SimpleNamespace(mismatches=lambda state: [])
-    self.parts = (plan, train.Pending(watch, log), self, profiling.StepTrace(None, ""))
+    pending = loop.Pending(watch, log)
+    self.loop = loop.Loop(self.step, pending, plan, config)
+    self.loop.add_hook(pending.evaluate, every=config.eval_every, name="eval")
+    self.loop.add_checkpointer(self)
 
   def step(self, state, batch):
     self.events.append(("dispatch", batch))
@@ -64,7 +68,7 @@ class Run:
 
   def __call__(self):
     steps = range(1, self.total + 1)
-    train.train({"params": 0.0}, zip(steps, steps), self.step, self.parts)
+    self.loop.run({"params": 0.0}, zip(steps, steps))
 
 
 def test_step_k_plus_1_is_dispatched_before_step_k_is_read():
@@ -104,3 +108,21 @@ def test_skip_counts_nonfinite_steps_in_a_row_as_before():
   run = Run(losses=dict.fromkeys(nan_steps[1:], math.nan), total=20, policy="skip")
   run()  # One fewer in a row: the run goes on to the end.
   assert run.saved == ["end"] and run.records[-1]["step"] == 20
+
+
+def test_hooks_run_in_order_at_their_period_and_the_last_step_and_one_may_stop():
+  run = Run(total=7)
+  calls = []
+  run.loop.add_hook(lambda step, state: calls.append(("every 3", step)), every=3, name="third")
+  run.loop.add_hook(lambda step, state: calls.append(("each", step)) or step == 4, name="stop")
+  run.loop.add_hook(lambda step, state: calls.append(("never", step)), every=3)
+  run()
+  assert calls == [("each", 1), ("each", 2), ("every 3", 3), ("each", 3), ("never", 3), ("each", 4)]
+  assert run.saved == [] and [r["step"] for r in run.records] == [1]  # Stopped: no end hook.
+  assert [hook.name for hook in run.loop.hooks] == [
+      "eval",
+      "checkpoint",
+      "third",
+      "stop",
+      "<lambda>",
+  ]

@@ -209,7 +209,7 @@ class MetricsWriter:
   bucket, and each line is sent once. :meth:`until_written` gives a wait for the lines
   written so far: the trainer's checkpoint save calls it on its own thread before it saves,
   so a checkpoint is committed only after every record up to its step is in the bucket, and
-  the loop does not wait (``trainers/train.py``, :class:`Pending`); :meth:`close` waits for all.
+  the loop does not wait (``trainers/loop.py``, :class:`Pending`); :meth:`close` waits for all.
   """
 
   def __init__(self, path: str):
