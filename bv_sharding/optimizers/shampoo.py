@@ -24,7 +24,8 @@ State layout (tearfree-like)::
 A momentum born mid-run from a first moment alone (an optimizer change, ``rebirth.py``) is in
 the gradients' units, where Shampoo's sums grafted steps (``g / sqrt(E[g^2])``): such a state
 has ``count`` 0 and ``graft_nu`` filled with :data:`GRAD_UNITS`, and its first update divides
-the momentum by the RMS of the param's gradient and starts ``graft_nu`` at zero.
+each element of the momentum by a one-sample ``sqrt(E[g^2])`` (:func:`_from_grad_units`) and
+starts ``graft_nu`` at zero.
 
 ``grid``: the blocks along each dim of the param (unit dims dropped), each block at its
 place: the state is the same on any mesh (:mod:`bv_sharding.optimizers.placement`).
@@ -238,22 +239,26 @@ def _graft(
   return g / (jnp.sqrt(denom) + epsilon), nu
 
 
-def _from_grad_units(g: jax.Array, momentum: jax.Array, nu: jax.Array, count):
-  """``(momentum, nu)``: at ``count`` 0, a momentum whose ``nu`` is marked :data:`GRAD_UNITS`
-  divided by the RMS of ``g`` (the units of the grafted steps it sums) and its ``nu`` zero;
-  otherwise both as they are (a fresh state: zeros).
+def _from_grad_units(g: jax.Array, momentum: jax.Array, nu: jax.Array, count, beta1: float):
+  """``(momentum, nu)``: at ``count`` 0, a momentum ``m`` whose ``nu`` is marked
+  :data:`GRAD_UNITS` put in the units of the grafted steps it sums, each element divided by
+  ``sqrt(g^2 + mean^2)``, ``mean = (1 - beta1) m`` the first moment it was born from (a
+  one-sample ``E[g^2]`` that is never below ``mean^2``: no element's sum above ``1 / (1 -
+  beta1)``), and its ``nu`` zero; otherwise both as they are (a fresh state: zeros).
 
   Example:
-      >>> m, nu = _from_grad_units(jnp.array([3.0, 4.0]), jnp.ones(2), jnp.full(2, GRAD_UNITS), 0)
+      >>> marked = jnp.full(2, GRAD_UNITS)
+      >>> m, nu = _from_grad_units(jnp.array([0.0, 3.0]), jnp.full(2, 10.0), marked, 0, 0.9)
       >>> [round(float(x), 3) for x in m], nu.tolist()
-      ([0.283, 0.283], [0.0, 0.0])
+      ([10.0, 3.162], [0.0, 0.0])
   """
 
   def convert(momentum, nu):
     marked = nu < 0
-    rms = jnp.sqrt(jnp.mean(jnp.square(g.astype(jnp.float32))))
-    scaled = momentum.astype(jnp.float32) / jnp.maximum(rms, _NORM_EPS)
-    return jnp.where(marked, scaled, momentum).astype(momentum.dtype), jnp.where(marked, 0, nu)
+    m = momentum.astype(jnp.float32)
+    second = jnp.square(g.astype(jnp.float32)) + jnp.square((1.0 - beta1) * m)
+    scaled = jnp.where(second > 0, m / jnp.sqrt(jnp.where(second > 0, second, 1.0)), 0.0)
+    return jnp.where(marked, scaled, m).astype(momentum.dtype), jnp.where(marked, 0, nu)
 
   return jax.lax.cond(count == 0, convert, lambda *state: state, momentum, nu)
 
@@ -281,7 +286,7 @@ def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Setting
   """One param's direction and new state; ``factors``: its blocks' (stats, roots, direction)."""
   graft = (settings.graft_type, settings.beta2, settings.epsilon)
   if state.momentum is not None and state.graft_nu is not None:
-    momentum, nu = _from_grad_units(g, state.momentum, state.graft_nu, count)
+    momentum, nu = _from_grad_units(g, state.momentum, state.graft_nu, count, settings.beta1)
     state = state._replace(momentum=momentum, graft_nu=nu)
   graft_dir, nu = _graft(g, state.graft_nu, count + 1, *graft)
   stats, roots, direction = state.stats, state.roots, graft_dir

@@ -146,8 +146,8 @@ def test_a_heavy_ball_sum_is_born_from_a_saved_first_moment(runs):
   assert "0/0/count" in renewed and "0/0/per_param/*/graft_nu" in renewed
   assert "0/0/per_param/*/momentum" not in renewed
   # Kron's mu has no nu beside it: Shampoo's momentum is born from it in the gradients' units
-  # and its graft_nu marked so (shampoo.GRAD_UNITS): the first update divides it by the
-  # gradient's RMS, and starts at Shampoo's own scale (within 20%, where 0.29x at zero).
+  # and its graft_nu marked so (shampoo.GRAD_UNITS): the first update divides each element by
+  # sqrt(g^2 + mean^2), and starts at Shampoo's own scale (within 20%, where 0.29x at zero).
   rms, carried, renewed = changed(runs, "kron", "shampoo")
   assert carried["0/0/per_param/w/momentum"] == "0/0/mu/w"
   assert "0/0/per_param/*/momentum" not in renewed

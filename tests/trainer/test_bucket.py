@@ -442,7 +442,9 @@ def test_the_loop_never_waits_on_a_record_and_a_checkpoint_follows_its_records(
   metrics.close()
   curves.close()
   gaps = [b - a for a, b in zip(began, began[1:])]
-  assert max(gaps) < PACE + WRITE / 2, [round(g, 2) for g in gaps]  # Step 15's save too.
+  # A step that waited for a write would begin WRITE late at least; a loaded host delays some
+  # by up to half of it (0.61 s seen under a parallel suite with two other jobs).
+  assert max(gaps) < PACE + 0.8 * WRITE, [round(g, 2) for g in gaps]  # Step 15's save too.
   assert early == [] and [p.name for p in checkpoints.iterdir() if p.name.isdigit()] == ["30"]
   logged = [1, *range(5, total + 1, 5)]
   assert [r["step"] for r in workdir.read_records(metrics.path)] == logged

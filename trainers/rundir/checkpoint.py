@@ -340,7 +340,7 @@ class Checkpoints:
     ``before_save()`` runs first, in the loop (it reads the pending losses: a non-finite one
     raises), and returns what the checkpoint must follow: a wait (or None) that the save
     calls on its own thread before it saves, so the checkpoint is committed after it (the
-    records up to ``step`` in a bucket: :class:`~trainers.train.Pending`) while the loop goes
+    records up to ``step`` in a bucket: :class:`~trainers.loop.Pending`) while the loop goes
     on.
     """
     self.step = step
