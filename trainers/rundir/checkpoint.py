@@ -52,6 +52,8 @@ import functools
 import logging as logging_lib
 import os
 import re
+import resource
+import shutil
 import signal
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -346,6 +348,7 @@ class Checkpoints:
     self.step = step
     preempted = self.preemption.reached(step)
     if preempted or self.manager.should_save(step):
+      self.check_room()
       follows = before_save()
       with self.writing():
         self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
@@ -366,6 +369,7 @@ class Checkpoints:
     with self.writing():
       self.saver.wait()
       if self.manager.latest_step() != self.step:
+        self.check_room()
         meta = self._meta(self.step, state)
         save_after(follows, self.manager, self.step, state, meta, force=True)
       self.manager.close()
@@ -382,14 +386,36 @@ class Checkpoints:
       code = no_room(e)
       if code is None:
         raise
-      need = f"about {self.state_bytes / 2**20:.1f} MiB" if self.state_bytes else "room"
-      done = _complete_steps(self.directory)
-      last = f"step {max(done)} is intact" if done else "no checkpoint was completed yet"
-      raise CheckpointWriteError(
-          f"saving a checkpoint into {self.directory} failed: {NO_ROOM[code]} (errno {code}). "
-          f"A checkpoint of this state needs {need} there: free it, or give another --workdir "
-          f"(the last checkpoint, {last})"
-      ) from None
+      raise self._no_room(code, "failed") from None
+
+  def check_room(self) -> None:
+    """Raises ``CheckpointWriteError`` before a save that cannot fit in a local directory: less
+    free space than the state's bytes (ENOSPC), or a file size limit (``ulimit -f``) below them
+    (EFBIG), so orbax never starts a write that would fail on its threads."""
+    if paths.is_url(self.directory) or not self.state_bytes:
+      return
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    existing = next(
+        p
+        for p in (self.directory, *map(str, epath.Path(self.directory).parents))
+        if os.path.exists(p)
+    )
+    if shutil.disk_usage(existing).free < self.state_bytes:
+      raise self._no_room(28, "would fail")
+    if limit != resource.RLIM_INFINITY and limit < self.state_bytes:
+      raise self._no_room(27, f"would fail (this process's file size limit: {limit} bytes)")
+
+  def _no_room(self, code: int, outcome: str) -> CheckpointWriteError:
+    """The one line of a save that found (or would find) no room: the directory, why, the
+    bytes a checkpoint needs and the last complete one."""
+    need = f"about {self.state_bytes / 2**20:.1f} MiB" if self.state_bytes else "room"
+    done = _complete_steps(self.directory)
+    last = f"step {max(done)} is intact" if done else "no checkpoint was completed yet"
+    return CheckpointWriteError(
+        f"saving a checkpoint into {self.directory} {outcome}: {NO_ROOM[code]} (errno {code}). "
+        f"A checkpoint of this state needs {need} there: free it, or give another --workdir "
+        f"(the last checkpoint, {last})"
+    )
 
   def _meta(self, step: int, state) -> Callable[[], dict]:
     """The meta item of ``state``'s checkpoint at ``step``, with each array's checksum: the
