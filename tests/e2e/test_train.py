@@ -75,6 +75,8 @@ def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config, dtype
   assert "state shardings match the plan after init" in out
   assert "state shardings match the plan after the first step" in out
   assert "step 30/30 loss=" in out and "tokens/s/device=" in out and "MFU=null" in out
+  orbax = ("checkpoint_manager.py:", "checkpoint_handler.py:", "temporary_paths.py:")
+  assert [line for line in out.splitlines() if any(f in line for f in orbax)] == []
   config = json.loads(pathlib.Path(tmp_path, "config.json").read_text())
   assert (config["optax_name"], config["compute_dtype"], config["state_dtype"]) == (
       optimizer,

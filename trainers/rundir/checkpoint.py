@@ -252,6 +252,7 @@ class Checkpoints:
   """
 
   def __init__(self, workdir: str, config, migration: Migration, plan: Plan | None = None):
+    quiet_orbax()  # Before the manager is made: its creation logs a dozen INFO lines.
     self.directory = os.fspath(_absolute(workdir) / CHECKPOINTS)
     self.config, self.migration = config, migration
     abstract = plan.abstract() if plan else {}
@@ -266,7 +267,6 @@ class Checkpoints:
     self.preemption = Preemption()
     self.opt_start = self.step = 0
     self.saver = saver.BackgroundSaver()
-    quiet_orbax()
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
