@@ -239,28 +239,21 @@ def _graft(
   return g / (jnp.sqrt(denom) + epsilon), nu
 
 
-def _from_grad_units(g: jax.Array, momentum: jax.Array, nu: jax.Array, count, beta1: float):
-  """``(momentum, nu)``: at ``count`` 0, a momentum ``m`` whose ``nu`` is marked
-  :data:`GRAD_UNITS` put in the units of the grafted steps it sums, each element divided by
-  ``sqrt(g^2 + mean^2)``, ``mean = (1 - beta1) m`` the first moment it was born from (a
-  one-sample ``E[g^2]`` that is never below ``mean^2``: no element's sum above ``1 / (1 -
-  beta1)``), and its ``nu`` zero; otherwise both as they are (a fresh state: zeros).
+def _from_grad_units(momentum: jax.Array, g2: jax.Array, marked: jax.Array, beta1: float):
+  """``momentum`` with each ``marked`` element ``m`` (born in the gradients' units) put in the
+  units of the grafted steps it sums: divided by ``sqrt(g2 + mean^2)``, ``g2`` the first
+  gradient's square and ``mean = (1 - beta1) m`` the first moment it was born from (a
+  one-sample ``E[g^2]`` never below ``mean^2``: no element's sum above ``1 / (1 - beta1)``).
 
   Example:
-      >>> marked = jnp.full(2, GRAD_UNITS)
-      >>> m, nu = _from_grad_units(jnp.array([0.0, 3.0]), jnp.full(2, 10.0), marked, 0, 0.9)
-      >>> [round(float(x), 3) for x in m], nu.tolist()
-      ([10.0, 3.162], [0.0, 0.0])
+      >>> m = _from_grad_units(jnp.full(2, 10.0), jnp.array([0.0, 9.0]), jnp.full(2, True), 0.9)
+      >>> [round(float(x), 3) for x in m]
+      [10.0, 3.162]
   """
-
-  def convert(momentum, nu):
-    marked = nu < 0
-    m = momentum.astype(jnp.float32)
-    second = jnp.square(g.astype(jnp.float32)) + jnp.square((1.0 - beta1) * m)
-    scaled = jnp.where(second > 0, m / jnp.sqrt(jnp.where(second > 0, second, 1.0)), 0.0)
-    return jnp.where(marked, scaled, m).astype(momentum.dtype), jnp.where(marked, 0, nu)
-
-  return jax.lax.cond(count == 0, convert, lambda *state: state, momentum, nu)
+  m = momentum.astype(jnp.float32)
+  second = g2 + jnp.square((1.0 - beta1) * m)
+  scaled = jnp.where(second > 0, m / jnp.sqrt(jnp.where(second > 0, second, 1.0)), 0.0)
+  return jnp.where(marked, scaled, m).astype(momentum.dtype)
 
 
 def _shampoo_run(arrays, factors, refresh, *, step):
@@ -285,10 +278,14 @@ def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
 def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Settings):
   """One param's direction and new state; ``factors``: its blocks' (stats, roots, direction)."""
   graft = (settings.graft_type, settings.beta2, settings.epsilon)
+  marked = None  # A momentum born in the gradients' units (module docstring), at count 0.
   if state.momentum is not None and state.graft_nu is not None:
-    momentum, nu = _from_grad_units(g, state.momentum, state.graft_nu, count, settings.beta1)
-    state = state._replace(momentum=momentum, graft_nu=nu)
+    marked = (count == 0) & (state.graft_nu < 0)
+    state = state._replace(graft_nu=jnp.where(marked, 0, state.graft_nu))
   graft_dir, nu = _graft(g, state.graft_nu, count + 1, *graft)
+  if marked is not None:  # nu = (1 - beta2) g^2 where marked: the graft's nu, not g, is used.
+    g2 = nu.astype(jnp.float32) / (1.0 - settings.beta2)
+    state = state._replace(momentum=_from_grad_units(state.momentum, g2, marked, settings.beta1))
   stats, roots, direction = state.stats, state.roots, graft_dir
   if factors is not None:
     stats, roots, precond = factors
