@@ -127,7 +127,8 @@ def save_memory(ckpt, step: int, state) -> int:
 def measure(config, saves: int) -> dict:
   """State MiB, step s, copy s, and per way of saving: blocked s and peak extra host bytes."""
   config.ckpt_steps, config.total_steps = 1, 10**6
-  mesh, run, train_step, batches = setup(config, WARMUP + 3 * saves + 2 * FIRST_SAVES)
+  mesh, run, step, batches = setup(config, WARMUP + 3 * saves + 2 * FIRST_SAVES)
+  train_step = step.train
   rules = nn.logical_axis_rules(config.sharding_rules)
   timed = {"orbax": ([], [], []), "trainer": ([], [], [])}
   copies = []
@@ -255,35 +256,31 @@ def main(argv=None):
   checkpoint.quiet_orbax()
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices, AdamW, batch 16\n")
   sizes = args.sizes.split(",")
-  if "saves" in tables:
-    save_table(sizes, args.saves)
-  if "restores" in tables:
-    restore_table(sizes, args.restores)
-
-
-def save_table(sizes: list[str], saves: int) -> None:
-  table(
-      "size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy | written s "
-      "| extra host memory / state | trainer: blocked s | blocked - copy ms | written s "
-      "| extra host memory / state | of which bookkeeping",
-      [
-          lambda size=size: save_row(size, measure(lm_config(size, "adamw"), saves))
+  for name, (header, row, measured, count) in {
+      "saves": (SAVE_HEADER, save_row, measure, args.saves),
+      "restores": (RESTORE_HEADER, restore_row, measure_restore, args.restores),
+  }.items():
+    if name in tables:
+      rows = [
+          lambda size=size, row=row, measured=measured, count=count: row(
+              size, measured(lm_config(size, "adamw"), count)
+          )
           for size in sizes
-      ],
-  )
-  print()
+      ]
+      table(header, rows)
+      print()
 
 
-def restore_table(sizes: list[str], restores: int) -> None:
-  table(
-      "size | orbax restore s | trainer's restore s | with verification s | verification / "
-      "restore (best of) | checksums ms | checksums / restore (best of) | save blocked ms | "
-      "with checksums ms | checksums add to a save",
-      [
-          lambda size=size: restore_row(size, measure_restore(lm_config(size, "adamw"), restores))
-          for size in sizes
-      ],
-  )
+SAVE_HEADER = (
+    "size | state MiB | step s | copy s | orbax async: blocked s | blocked / copy | written s "
+    "| extra host memory / state | trainer: blocked s | blocked - copy ms | written s "
+    "| extra host memory / state | of which bookkeeping"
+)
+RESTORE_HEADER = (
+    "size | orbax restore s | trainer's restore s | with verification s | verification / "
+    "restore (best of) | checksums ms | checksums / restore (best of) | save blocked ms | "
+    "with checksums ms | checksums add to a save"
+)
 
 
 def table(header: str, rows: list) -> None:
