@@ -20,7 +20,7 @@ The two take turns ``--repeats`` times; each keeps its fastest turn.
 Dtype "float32" is the configs' default; "bfloat16" sets ``config.compute_dtype`` and
 ``config.state_dtype`` to bfloat16 (params stay float32: mixed precision). Columns, per device:
 steps/s and tokens/s of the training loop; TFLOP/s and MFU from the step's model FLOPs
-(``trainers/utilization.py``: the traced matmuls, every scanned layer counted, 3 x the forward
+(``trainers/figures/utilization.py``: the traced matmuls, every scanned layer counted, 3 x the forward
 pass plus the optimizer's update, rematerialised forward passes not counted; MFU "n/a" where
 the device's bf16 peak is unknown, e.g. on CPU); the compiled step's memory
 (``memory_analysis()``: arguments + temporaries + outputs - aliased, in GiB);
@@ -45,9 +45,11 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import cli, divergence, loop, optimizers
+from trainers import loop, optimizers
+from trainers.hooks import divergence
 from trainers.models import llama
 from trainers.rundir import checkpoint
+from trainers.settings import cli
 
 DTYPES = {
     "float32": {},

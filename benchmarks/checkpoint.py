@@ -51,9 +51,9 @@ import orbax.checkpoint as ocp
 
 from benchmarks.throughput import init_state, lm_config, setup
 from benchmarks.timing import WARMUP, seconds_per_step
-from trainers import cli
 from trainers.rundir import checkpoint, checksums, saver
 from trainers.rundir.checkpoint import tree_restore
+from trainers.settings import cli
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # Untimed saves each way first: they compile the trainer's copy and start orbax's threads, once

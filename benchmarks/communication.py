@@ -29,7 +29,7 @@ import optax  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
 from benchmarks import placements, shapes, traffic, zoo  # noqa: E402
-from trainers import cli  # noqa: E402
+from trainers.settings import cli  # noqa: E402
 
 MB = 1e6
 

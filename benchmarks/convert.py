@@ -20,9 +20,10 @@ import time
 
 import numpy as np
 
-from trainers import cli, convert
+from trainers import convert
 from trainers.input import documents
 from trainers.input import tokenizer as tokenizers_lib
+from trainers.settings import cli
 
 TRAIN_SAMPLE = 4 * 2**20
 

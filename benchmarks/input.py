@@ -32,8 +32,9 @@ import numpy as np
 import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import build, cli, steps
+from trainers import build, steps
 from trainers.input import batching, prefetch, sources, tasks
+from trainers.settings import cli
 
 
 def write_token_file(path: str, mib: int, vocab: int) -> None:

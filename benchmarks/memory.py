@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import bv_sharding as bvs
 from benchmarks import placements, zoo
 from configs import lm_7b_pod, lm_tp_fsdp
-from trainers import MiB, build, cli
+from trainers import MiB, build
 from trainers.models import get_model
+from trainers.settings import cli
 
 GiB = 1024 * MiB
 TRAINER_CONFIGS = {

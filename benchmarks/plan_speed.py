@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 import bv_sharding as bvs
-from trainers import cli, models, optimizers
+from trainers import models, optimizers
+from trainers.settings import cli
 
 POD = [("data", 64), ("model", 4)]
 STRATEGY = [(".*", 'tensor_parallel(axis="model")|llm_fsdp(axis="data")')]

@@ -30,7 +30,7 @@ import sys
 import ml_collections
 
 from benchmarks import zoo
-from trainers import cli
+from trainers.settings import cli
 
 RUNS = (
     "adamw@8",

@@ -44,7 +44,8 @@ import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
 from benchmarks import traffic, zoo  # noqa: E402
-from trainers import build, cli  # noqa: E402
+from trainers import build  # noqa: E402
+from trainers.settings import cli  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
 # "<name>:local": the optimizer with shard-local blocks (config.optax.blocking="local").

@@ -30,8 +30,9 @@ import jax
 import bv_sharding as bvs
 from benchmarks.timing import WARMUP, seconds_per_step
 from configs import lm
-from trainers import build, cli, optimizers, steps
+from trainers import build, optimizers, steps
 from trainers.input import batching
+from trainers.settings import cli
 
 REPLICATED = ((".*", "replicate()"),)
 

@@ -41,7 +41,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 1.0  # None: no clipping.
   # Refuse to start when more of the state's bytes is unsharded (None: no gate).
   config.max_unsharded_fraction = ml_collections.config_dict.placeholder(float)
-  # Memory each device may use, in GiB, for the checks before a run (trainers/memory.py);
+  # Memory each device may use, in GiB, for the checks before a run (trainers/figures/memory.py);
   # None: ask the devices (on CPU: the host's available memory shared by them).
   config.device_memory_gib = ml_collections.config_dict.placeholder(float)
   # Steps over which an optimizer state born mid-run (another optax_name on resume) is ramped

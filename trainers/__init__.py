@@ -4,9 +4,12 @@ Commands (``python -m trainers.<name>``): ``train``, ``plan`` (a run's plan with
 devices), ``launch`` (several ``jax.distributed`` processes on one host), ``convert``
 (documents to token files) and ``sample`` (text from a run's checkpoint). Each builds its run through :mod:`trainers.build`. Below them:
 
-  build, steps, validation,      the run record, the jitted steps, the checks before a run
-  cli, errors, divergence,       flags and one-line errors, the non-finite loss policy
-  distributed                    jax.distributed start-up
+  build, steps, loop             the run built once, the jitted steps, the loop
+  errors, precision              one-line errors; the dtypes a config asks for
+  settings/                      flags, config loading and the checks before a run
+  hooks/                         what the loop runs beside its steps (the non-finite loss policy)
+  figures/                       a step's FLOPs, memory per device and MFU
+  hosts/                         jax.distributed start-up; one job on every host
   input/                         sources, deterministic batches, prefetch, tasks
   models/, optimizers/           Llama and ViT; the optimizer registry, Kron, Shampoo, Muon
   rundir/                        workdir files, provenance, orbax checkpoints

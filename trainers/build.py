@@ -41,7 +41,9 @@ import jax
 import optax
 
 import bv_sharding as bvs
-from trainers import divergence, memory, models, optimizers, steps
+from trainers import models, optimizers, steps
+from trainers.figures import memory
+from trainers.hooks import divergence
 from trainers.input import batching, records, tasks
 from trainers.models import axes
 
@@ -257,7 +259,7 @@ def optimizer(config, layout=None) -> tuple[Any, dict[str, Callable]]:
 
   big_vision's ``optax_name``/``optax``/``lr``/``wd``/``schedule``/``grad_clip_norm`` or a
   project optimizer (``trainers/optimizers/from_config.py``), wrapped by
-  ``config.on_nonfinite`` (``trainers/divergence.py``); ``learning_rates`` are the very
+  ``config.on_nonfinite`` (``trainers/hooks/divergence.py``); ``learning_rates`` are the very
   schedules it applies, for logging. :func:`build` calls it with the params' layout; a
   restore onto another layout calls it again with that one.
 

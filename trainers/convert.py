@@ -59,10 +59,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from trainers import cli
 from trainers.errors import ConfigError
 from trainers.input import committed, documents, sources
 from trainers.input import tokenizer as tokenizers_lib
+from trainers.settings import cli
 
 BATCH = 2**20  # Bytes of text per batch a worker encodes.
 SPLITS = ("train", "val")

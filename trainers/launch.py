@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from trainers import cli, validation
+from trainers.settings import cli, validation
 
 TIMED_OUT = 124
 _PR_SET_PDEATHSIG = 1  # prctl(2)

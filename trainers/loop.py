@@ -3,7 +3,7 @@
 A :class:`Loop` dispatches a train step per ``(step, batch)`` pair and reads the step
 metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) in one fetch per log step, once
 the next step is queued (:class:`Pending`), checking each loss against the non-finite
-policy in step order (``trainers/divergence.py``) and logging the steps :func:`logs_step`
+policy in step order (``trainers/hooks/divergence.py``) and logging the steps :func:`logs_step`
 picks (:class:`StepLog`). Everything else attaches as a named hook with a period,
 ``loop.add_hook(fn, every=N, name=...)``: ``fn(step, state)`` runs after every ``N``-th
 step and the last one, in the order added, and returning True stops the loop. The trainer
@@ -15,7 +15,7 @@ the accelerator benchmark runs the same loop with none of them.
 
 Example:
   >>> import ml_collections
-  >>> from trainers import divergence
+  >>> from trainers.hooks import divergence
   >>> config = ml_collections.ConfigDict(dict(log_every=2, eval_every=3, total_steps=4))
   >>> log = lambda step, metrics, params: print("read", step, params)
   >>> pending = Pending(divergence.LossWatch("stop", 0.1), log)
@@ -43,7 +43,9 @@ import numpy as np
 from absl import logging
 
 from bv_sharding.optimizers import ramp
-from trainers import divergence, steps, utilization
+from trainers import steps
+from trainers.figures import utilization
+from trainers.hooks import divergence
 from trainers.input import batching
 
 

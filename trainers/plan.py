@@ -24,8 +24,8 @@ traced with ``jax.eval_shape``. It prints:
 CPU the trainer's simulated ones: ``$BV_DEVICES_PER_PROCESS``, default 8) from abstract
 inputs and prints XLA's figures per device (arguments, temporaries, outputs, aliased)
 against each device's memory (``config.device_memory_gib`` or the devices';
-``trainers/memory.py``), the check the trainer makes before init, and the step's model FLOPs
-as the trainer logs them (``trainers/utilization.py``; the same scanned or not); JSON: the
+``trainers/figures/memory.py``), the check the trainer makes before init, and the step's model FLOPs
+as the trainer logs them (``trainers/figures/utilization.py``; the same scanned or not); JSON: the
 ``compiled`` key. ``--dcn_mesh`` overrides ``config.dcn_mesh`` (a multi-slice pod: each axis
 ``ici * dcn`` long).
 ``--format json`` prints the same as JSON; ``--png FILE`` draws per-device memory by
@@ -48,8 +48,11 @@ import jax
 import numpy as np
 
 import bv_sharding as bvs
-from trainers import MiB, build, cli, distributed, memory, utilization
+from trainers import MiB, build
 from trainers.errors import ConfigError
+from trainers.figures import memory, utilization
+from trainers.hosts import distributed
+from trainers.settings import cli
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -132,8 +135,8 @@ def make_plan(s: Setup) -> bvs.Plan:
 
 def compiled(s: Setup) -> dict:
   """The compiled train step's memory per device on this host's devices, against each
-  device's memory (``trainers/memory.py``): what the trainer checks before init; and its
-  model FLOPs as the trainer counts them (``trainers/utilization.py``).
+  device's memory (``trainers/figures/memory.py``): what the trainer checks before init; and its
+  model FLOPs as the trainer counts them (``trainers/figures/utilization.py``).
 
   The devices must exist: ``s.num_devices`` of them (on CPU, the simulated ones).
   """

@@ -36,11 +36,13 @@ import ml_collections
 import numpy as np
 
 import bv_sharding as bvs
-from trainers import build, cli, distributed
+from trainers import build
 from trainers.errors import ConfigError
+from trainers.hosts import distributed
 from trainers.input import records, sources
 from trainers.input import tokenizer as tokenizers_lib
 from trainers.rundir import checkpoint, paths, workdir
+from trainers.settings import cli
 
 
 def run_config(path: str) -> ml_collections.ConfigDict:

@@ -187,7 +187,7 @@ def compile_train_step(
   global batch's ``shape`` and ``dtype``) in ``batch_sharding``. The executable runs as
   ``train_step`` does (``compiled(state, batch)``, state donated) without compiling again,
   and its ``memory_analysis()`` gives the step's bytes per device before any array exists
-  (``trainers/memory.py``). Call it under the mesh and logical rules the loop runs under.
+  (``trainers/figures/memory.py``). Call it under the mesh and logical rules the loop runs under.
 
   Example:
     >>> import optax

@@ -8,20 +8,20 @@ r"""Trains a model with params and optimizer state sharded by one ``config.shard
 
 Top to bottom: logging -> (jax.distributed) -> mesh -> the run (data, model, optimizer,
 one sharding plan for {"params", "opt"}: trainers/build.py) -> born-sharded init -> loop -> eval.
-Every config value is checked first (trainers/validation.py), the memory the plan needs
+Every config value is checked first (trainers/settings/validation.py), the memory the plan needs
 and that of the train step, compiled once from abstract inputs (activations too:
-trainers/memory.py; ``config.device_memory_gib`` plans another machine), before init;
+trainers/figures/memory.py; ``config.device_memory_gib`` plans another machine), before init;
 a bad one ends the run as one line, ``ConfigError: config.<key>=...``, before
 the workdir is touched or anything allocated (``--debug`` for the traceback). Process 0 then
 writes ``workdir/config.json`` and ``workdir/metrics.jsonl``; an earlier run's files there are
 moved into ``workdir/attempt-N/`` (trainers/rundir/workdir.py). Every process saves orbax
 checkpoints (every ``config.ckpt_steps``, at the end, on SIGTERM); a workdir holding one
 resumes from it exactly (trainers/rundir/checkpoint.py). A NaN or infinite loss stops the run
-(``config.on_nonfinite="stop"``) or skips the update ("skip"; trainers/divergence.py).
+(``config.on_nonfinite="stop"``) or skips the update ("skip"; trainers/hooks/divergence.py).
 
 The train step is compiled once, ahead of time, from the plan's abstract state
 (``build.compile_step``); its model FLOPs, counted from its traced program (every scanned
-layer and microbatch), give TFLOP/s and MFU per device (trainers/utilization.py). The loop
+layer and microbatch), give TFLOP/s and MFU per device (trainers/figures/utilization.py). The loop
 (trainers/loop.py, its profile trace, eval and checkpoints hung on as hooks) never waits for
 the device between log steps: step k+1 is dispatched before anything of step k is read, and
 the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
@@ -36,7 +36,7 @@ On CPU every process simulates ``--devices_per_process`` devices (default 8);
 BV_NUM_PROCESSES, BV_PROCESS_ID) start jax.distributed; without them a job jax
 detects (TPU pod, SLURM, ...) starts it from the environment (``--nodistributed_auto``: off).
 Before allocating, every process checks that all run the same job (config, data files,
-versions: trainers/same_job.py) and computed the same plan, and
+versions: trainers/hosts/same_job.py) and computed the same plan, and
 ``config.max_unsharded_fraction`` (if set) gates the plan's coverage.
 """
 
@@ -52,20 +52,14 @@ from absl import flags, logging
 from jax.experimental import multihost_utils
 
 import bv_sharding as bvs
-from trainers import (
-    build,
-    cli,
-    distributed,
-    divergence,
-    loop,
-    memory,
-    same_job,
-    steps,
-    validation,
-)
+from trainers import build, loop, steps
 from trainers.errors import ConfigError
+from trainers.figures import memory
+from trainers.hooks import divergence
+from trainers.hosts import distributed, same_job
 from trainers.input import prefetch, records
 from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
+from trainers.settings import cli, validation
 
 _CONFIG = cli.define_config_flag()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
@@ -237,7 +231,7 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
 
 def check_compiled(run: build.Run) -> build.Step:
   """``run``'s :class:`build.Step`, once XLA's figure for its compiled train step fits each
-  device (trainers/memory.py)."""
+  device (trainers/figures/memory.py)."""
   config, step = run.config, build.compile_step(run)
   have = memory.budget(jax.local_devices(), config.get("device_memory_gib"))
   logging.info("%s", memory.check_step(step.figures, have, run.plan, config, step.batch_sharding))

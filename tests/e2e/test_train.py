@@ -21,8 +21,9 @@ import pytest
 from absl import flags
 
 from tests.helpers import ROOT, SLURM, assert_snake_case_help, quick_lm, train
-from trainers import cli, launch
+from trainers import launch
 from trainers.rundir import events
+from trainers.settings import cli
 
 SHORT = quick_lm(total_steps=30, log_every=10, eval_every=30, eval_batches=2)
 
@@ -275,7 +276,7 @@ def slurm_env(process: int, port: int) -> dict:
 def test_processes_with_different_configs_stop_naming_the_first_differing_key(tmp_path):
   """Two SLURM-style tasks, no coordinator flags: jax.distributed starts from the environment,
   and process 1 (another optimizer) makes both stop before allocating, naming the key
-  (trainers/same_job.py, before the plans are compared)."""
+  (trainers/hosts/same_job.py, before the plans are compared)."""
   port = launch.free_port()
   common = [
       "--config=configs/lm.py",

@@ -31,8 +31,10 @@ from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.server import DELETE, GET, POST
 
 from tests.helpers import ROOT, environment, quick_lm, run_module
-from trainers import divergence, loop, optimizers, utilization
+from trainers import loop, optimizers
 from trainers.errors import ConfigError
+from trainers.figures import utilization
+from trainers.hooks import divergence
 from trainers.launch import free_port
 from trainers.rundir import (
     checkpoint,

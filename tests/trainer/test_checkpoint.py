@@ -636,8 +636,8 @@ def train_here(workdir, caplog, *overrides, total=STEPS) -> str:
   programs compiled already in memory or in the session's cache): its log (INFO and up)."""
   from absl import flags
 
-  from trainers import cli
   from trainers import train as trainer
+  from trainers.settings import cli
 
   argv = ["train", f"--workdir={workdir}", f"--config={CONFIG}", *RUN]
   argv += [f"--config.total_steps={total}", *overrides]

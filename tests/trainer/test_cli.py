@@ -1,4 +1,4 @@
-"""trainers/cli.py: loading a config (one line naming the file or key, no chained traceback), the
+"""trainers/settings/cli.py: loading a config (one line naming the file or key, no chained traceback), the
 commands' one dialect (snake_case flags, dashed spellings noted) and one way to report a bad input
 (one line, exit status 1, the traceback only under --debug).
 
@@ -14,8 +14,8 @@ from absl import flags
 
 import configs.lm
 from tests.helpers import DASHED_FLAG, ROOT, run_module
-from trainers import cli
 from trainers.errors import ConfigError
+from trainers.settings import cli
 
 
 def parser() -> cli.Parser:

@@ -8,8 +8,9 @@ import pytest
 import bv_sharding as bvs
 from configs import lm, lm_rules
 from configs.common import base_config, parse_arg
-from trainers import build, validation
+from trainers import build
 from trainers.errors import ConfigError
+from trainers.settings import validation
 
 
 @pytest.mark.parametrize(

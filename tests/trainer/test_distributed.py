@@ -1,5 +1,6 @@
-"""trainers/distributed.py: jax.distributed starts where the environment names a cluster;
-trainers/same_job.py: two real processes that differ in one key stop before init, naming it."""
+"""trainers/hosts/distributed.py: jax.distributed starts where the environment names a cluster;
+trainers/hosts/same_job.py: two real processes that differ in one key stop before init, naming it.
+"""
 
 import pathlib
 import shutil
@@ -10,7 +11,8 @@ import pytest
 
 from configs import lm
 from tests.helpers import ROOT, SLURM, environment
-from trainers import distributed, launch, same_job
+from trainers import launch
+from trainers.hosts import distributed, same_job
 
 
 def test_cluster_detection_reads_the_environment(monkeypatch):

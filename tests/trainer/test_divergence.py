@@ -1,4 +1,4 @@
-"""trainers/divergence.py: a non-finite loss stops the run (or its update is skipped), in process
+"""trainers/hooks/divergence.py: a non-finite loss stops the run (or its update is skipped), in process
 and through ``python -m trainers.train``."""
 
 import json
@@ -9,8 +9,8 @@ import optax
 import pytest
 
 from tests.helpers import assert_untouched, train, used_workdir
-from trainers import divergence
 from trainers.errors import NonFiniteLossError
+from trainers.hooks import divergence
 
 SHORT = (
     "--config.total_steps=6",

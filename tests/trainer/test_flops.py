@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
-from trainers import flops
+from trainers.figures import flops
 
 X = jax.ShapeDtypeStruct((64, 32), jnp.float32)
 W = jnp.ones((32, 32))

@@ -8,8 +8,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from trainers import divergence, loop, utilization
+from trainers import loop
 from trainers.errors import NonFiniteLossError
+from trainers.figures import utilization
+from trainers.hooks import divergence
 from trainers.rundir import checkpoint
 
 

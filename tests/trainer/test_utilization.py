@@ -7,7 +7,8 @@ import pytest
 
 import bv_sharding as bvs
 from configs import lm
-from trainers import build, steps, utilization
+from trainers import build, steps
+from trainers.figures import utilization
 
 
 def lm_cost(size: str, scan_layers: bool) -> tuple[float, str, float]:

@@ -1,4 +1,4 @@
-"""trainers/validation.py: bad input never costs a run, one error of ours before anything is written.
+"""trainers/settings/validation.py: bad input never costs a run, one error of ours before anything is written.
 
 Most cases call the trainer's own checks in-process (cheap); real ``python -m trainers.train``
 runs show the same through the entry point: one line naming the key, exit status 1, nothing
@@ -17,8 +17,9 @@ from jax.sharding import PartitionSpec as P
 import configs.lm
 import configs.vit_digits
 from tests.helpers import COMPILED_LM, assert_untouched, train, used_workdir
-from trainers import memory, validation
 from trainers.errors import ConfigError
+from trainers.figures import memory
+from trainers.settings import validation
 
 GiB = 2**30
 

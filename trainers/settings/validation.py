@@ -26,8 +26,9 @@ import ml_collections
 
 from bv_sharding import big_vision
 from bv_sharding.big_vision import schedules
-from trainers import memory, precision
+from trainers import precision
 from trainers.errors import ConfigError, closest
+from trainers.figures import memory
 
 COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
 POLICIES = ("stop", "skip")
@@ -136,8 +137,8 @@ def check_memory(
   params' bytes again). Each device's memory is ``memory_gib`` (``config.device_memory_gib``)
   when given, else jax's ``bytes_limit`` of each accelerator; CPU devices share the host, so
   their bytes together are compared with the host's available memory (``host_available``,
-  default from /proc/meminfo): :func:`trainers.memory.budget`. The compiled step's own
-  figure (activations too) is checked next, by :func:`trainers.memory.check_step`.
+  default from /proc/meminfo): :func:`trainers.figures.memory.budget`. The compiled step's own
+  figure (activations too) is checked next, by :func:`trainers.figures.memory.check_step`.
 
   Example: ``check_memory(plan, jax.local_devices())`` raises for configs/lm_7b_pod.py on 8
   CPU devices.

@@ -1,7 +1,7 @@
 """How much of its hardware a run uses: model FLOPs per step, TFLOP/s per device and MFU.
 
 MFU (model FLOPs utilization, PaLM appendix B) is the model FLOP/s a device achieves over its
-dense bf16 peak. The FLOPs of a step are its matmul FLOPs as traced (``trainers/flops.py``:
+dense bf16 peak. The FLOPs of a step are its matmul FLOPs as traced (``trainers/figures/flops.py``:
 every scanned layer and microbatch counted): 3 x the forward pass's plus the optimizer's
 update once (:func:`step_flops`), else the formula of :func:`formula_flops`;
 ``flops_source`` says which. Causal attention counts its full score and value matmuls, as
@@ -20,9 +20,11 @@ import math
 import flax.linen as nn
 import jax
 
-from trainers import flops, steps
+from trainers import steps
 
 # Dense (no sparsity) bf16 peak FLOP/s per chip, keyed by ``jax.Device.device_kind``; a kind
+from trainers.figures import flops
+
 # matches the longest key it starts with (case-insensitive). Figures from the vendors' spec
 # sheets: Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
 # v6e), NVIDIA's A100, H100, H200, B200, L4 and L40S datasheets (Tensor Core BF16, without
@@ -86,7 +88,7 @@ def formula_flops(
 def step_flops(loss, tx, state, batch, formula: float) -> tuple[float, str]:
   """(model FLOPs of one step over all devices, ``flops_source``): "jaxpr" or "formula".
 
-  Traced, not compiled (``trainers/flops.py``): 3 x the matmul FLOPs of ``loss(params,
+  Traced, not compiled (``trainers/figures/flops.py``): 3 x the matmul FLOPs of ``loss(params,
   batch)`` over the whole global batch (the forward pass; the backward's two matmuls per
   forward one make the 3, and rematerialised forward passes are not counted) plus those of
   one ``tx.update(grads, opt, params)``. Every scanned layer counts, and the microbatches of
