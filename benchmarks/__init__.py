@@ -1,0 +1,1 @@
+"""One command per measurement (``python -m benchmarks.<name>``), each printing a table."""

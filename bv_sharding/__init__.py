@@ -1,4 +1,4 @@
-"""bv_sharding: config-driven sharding plans for Flax params and any optax optimizer state.
+"""Config-driven sharding plans for Flax params and any optax optimizer state.
 
 Example:
   >>> import flax.linen as nn

@@ -1,0 +1,1 @@
+"""big_vision-style ``get_config(arg)`` files: a run's whole description as code."""

@@ -1,0 +1,1 @@
+"""The tests, by layer; each file is named after the module it tests."""

@@ -1,4 +1,4 @@
-"""The structure drawing (``tools/structure.py``): current, acyclic, never pointing up."""
+"""The structure drawing and README's map (``tools/structure.py``): current, acyclic, never pointing up."""
 
 import doctest
 
@@ -16,6 +16,23 @@ def test_the_committed_page_is_what_the_tool_writes_now():
       "docs/architecture.md is out of date: run `python tools/structure.py`"
   )
   assert structure.main(["--check"]) == 0
+
+
+def test_the_readme_map_is_what_the_tool_writes_now():
+  assert (
+      ROOT / structure.README
+  ).read_text() == structure.readme(), (
+      "README.md's map of the code is out of date: run `python tools/structure.py`"
+  )
+
+
+def test_the_map_names_every_folder_and_module_of_the_code():
+  lines = structure.code_map().splitlines()
+  words = {w for line in lines for w in line.split()}
+  for name, path in structure.modules().items():
+    leaf = path.parent.name + "/" if path.name == "__init__.py" else path.stem
+    assert leaf in words, f"{name} is missing from README's map"
+  assert max(map(len, lines)) <= structure.MAP_WIDTH
 
 
 def test_every_module_sits_in_one_declared_node():
@@ -76,3 +93,10 @@ def test_the_checks_find_an_upward_import_and_a_cycle(tree):
       "bv_sharding",
   ]
   assert structure.cycle(modules)[0] == structure.cycle(modules)[-1]
+
+
+def test_the_map_follows_a_new_module_and_its_folder_summary(tree):
+  (tree / "trainers" / "input" / "__init__.py").write_text('"""Batches. More."""\n')
+  (tree / "trainers" / "input" / "shuffle.py").write_text("")
+  lines = [line for name in ("trainers",) for line in structure.folder_lines(tree / name, 0, tree)]
+  assert lines == ["trainers/", "    steps", "  input/  Batches", "      batching shuffle sources"]

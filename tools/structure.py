@@ -5,10 +5,11 @@ node (the node naming its longest dotted prefix); a node's arrows go to the node
 modules import (any ``import`` statement, at the top of a file or inside a function). Nodes
 sit in layers, top to bottom: a module imports only from its own layer or the ones below,
 so the graph has no upward arrow, and it has no cycle. ``tests/test_structure.py`` checks
-both and that ``docs/architecture.md`` is what this writes now::
+both, and that ``docs/architecture.md`` and README's map of the code (each folder's summary,
+the first sentence of its ``__init__.py``, and its modules) are what this writes now::
 
-  python tools/structure.py            # writes docs/architecture.md
-  python tools/structure.py --check    # exits 1 when docs/architecture.md is out of date
+  python tools/structure.py            # writes docs/architecture.md and README's map
+  python tools/structure.py --check    # exits 1 when either is out of date
 
 Example:
   >>> held = {"a": "A", "a.b": "AB"}
@@ -256,18 +257,82 @@ def page(root: pathlib.Path = ROOT, layers=LAYERS) -> str:
   return "\n".join(parts) + "\n"
 
 
+MAP_ROOTS = ("bv_sharding", "trainers", "configs", "benchmarks", "tests", "tools", "examples")
+MAP_WIDTH = 100
+README = pathlib.Path("README.md")
+MAP_START = "<!-- map: written by tools/structure.py -->"
+MAP_END = "<!-- map end -->"
+
+
+def first_sentence(path: pathlib.Path) -> str:
+  """The first sentence of the docstring of the module at ``path``, as plain text, or ``""``."""
+  text = ast.get_docstring(ast.parse(path.read_text())) if path.exists() else None
+  first = " ".join((text or "").split("\n\n")[0].split()).split(". ")[0]
+  return first.replace(":mod:", "").replace("`", "").rstrip(".:")
+
+
+def wrapped(head: str, words: list[str], indent: str) -> list[str]:
+  """``head`` then ``words``, in lines of at most ``MAP_WIDTH``, later lines at ``indent``."""
+  lines, row = [], head
+  for word in words:
+    if len(row) + len(word) + 1 > MAP_WIDTH and row.strip():
+      lines.append(row)
+      row = indent
+    row += f" {word}"
+  return [line.rstrip() for line in (*lines, row)]
+
+
+def folder_lines(folder: pathlib.Path, depth: int, root: pathlib.Path) -> list[str]:
+  """``folder`` with its summary, then its modules: named in a package (its ``__init__.py``
+  has the summary; under ``tests/`` the names mirror the code and are left out), each with
+  its own summary in a folder of scripts; then its subfolders."""
+  indent, package = "  " * depth, (folder / "__init__.py").exists()
+  name = f"{indent}{folder.relative_to(root).as_posix()}/ "
+  lines = wrapped(name, first_sentence(folder / "__init__.py").split(), indent + "   ")
+  modules = sorted(p for p in folder.glob("*.py") if p.name != "__init__.py")
+  if not package:
+    for module in modules:
+      head = f"{indent}  {module.stem} "
+      lines += wrapped(head, first_sentence(module).split(), indent + "     ")
+  elif root.name != "tests" and folder.name != "tests":
+    lines += wrapped(indent + "   ", [m.stem for m in modules], indent + "   ") if modules else []
+  for sub in sorted(p for p in folder.iterdir() if p.is_dir() and any(p.glob("*.py"))):
+    lines += folder_lines(sub, depth + 1, folder)
+  return lines
+
+
+def code_map(root: pathlib.Path = ROOT) -> str:
+  """README's map of the code: each folder with its summary and its modules, top to bottom.
+
+  Example:
+    >>> print(code_map().splitlines()[0])
+    bv_sharding/  Config-driven sharding plans for Flax params and any optax optimizer state
+  """
+  return "\n".join(line for name in MAP_ROOTS for line in folder_lines(root / name, 0, root))
+
+
+def readme(root: pathlib.Path = ROOT) -> str:
+  """README.md with its map of the code as :func:`code_map` writes it now."""
+  text = (root / README).read_text()
+  head, rest = text.split(MAP_START + "\n", 1)
+  tail = rest.split(MAP_END, 1)[1]
+  return f"{head}{MAP_START}\n```\n{code_map(root)}\n```\n{MAP_END}{tail}"
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
+  parser.add_argument("--check", action="store_true", help="exit 1 if a page is out of date")
   args = parser.parse_args(argv)
-  text, path = page(), ROOT / PAGE
-  if args.check:
-    current = path.read_text() if path.exists() else ""
-    print(f"{PAGE} is {'current' if current == text else 'out of date'}")
-    return int(current != text)
-  path.write_text(text)
-  print(f"wrote {PAGE}")
-  return 0
+  stale = 0
+  for path, text in ((PAGE, page()), (README, readme())):
+    current = (ROOT / path).read_text() if (ROOT / path).exists() else ""
+    if args.check:
+      print(f"{path} is {'current' if current == text else 'out of date'}")
+      stale += current != text
+    elif current != text:
+      (ROOT / path).write_text(text)
+      print(f"wrote {path}")
+  return int(stale > 0)
 
 
 if __name__ == "__main__":

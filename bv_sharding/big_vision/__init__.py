@@ -1,4 +1,4 @@
-"""A drop-in for big_vision's two imports: its ``train.py`` runs with::
+"""A drop-in for big_vision's sharding and optax modules. Its ``train.py`` runs with::
 
     import bv_sharding.big_vision.sharding as bv_sharding
     import bv_sharding.big_vision.optax as bv_optax

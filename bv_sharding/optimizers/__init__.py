@@ -1,5 +1,4 @@
-"""Sharding-aware optimizers: PSGD Kron, Shampoo and Muon, their blocks on the params' layout,
-state dtypes and state migration.
+"""Sharding-aware Kron, Shampoo and Muon on the params' layout; state dtypes; migration.
 
 Each is an optax ``GradientTransformation`` in two forms: ``scale_by_*`` (no learning rate,
 for a chain such as big_vision's) and the full optimizer (``kron``, ``shampoo``, ``muon``).

@@ -1,0 +1,1 @@
+"""The benchmarks measure what the trainer runs."""

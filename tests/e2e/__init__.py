@@ -1,0 +1,1 @@
+"""The commands as users run them, and the docs' code blocks."""

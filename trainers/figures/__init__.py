@@ -1,1 +1,1 @@
-"""What a step costs, from its compiled program: matmul FLOPs, memory per device, TFLOP/s and MFU."""
+"""What a step costs, from its compiled program: FLOPs, memory per device, MFU."""

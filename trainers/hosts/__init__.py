@@ -1,1 +1,1 @@
-"""Many processes as one job: ``jax.distributed`` start-up and the check that every host runs the same job."""
+"""Many processes as one job: jax.distributed start-up, the same job on every host."""

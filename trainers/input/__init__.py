@@ -1,0 +1,1 @@
+"""Where batches come from: sources, batching, prefetch, tasks and token records."""

@@ -1,5 +1,7 @@
-"""Optimizers for the trainers: a name-based registry and config glue over the library's
-PSGD Kron, Shampoo and Muon (:mod:`bv_sharding.optimizers`).
+"""The trainer's optimizers by name; big_vision's optimizer section over the library's.
+
+The registry names optax's optimizers and the library's PSGD Kron, Shampoo and Muon
+(:mod:`bv_sharding.optimizers`).
 
 Example:
   >>> from trainers.optimizers import make_optimizer

@@ -1,0 +1,1 @@
+"""What a run leaves on disk and reads back: workdir files, provenance, checkpoints."""
