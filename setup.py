@@ -21,7 +21,7 @@ TEST = [
 ]
 # gs:// workdirs (trainers/rundir/paths.py): epath's GCS backend, and Google's client.
 GCS = ["gcsfs==2026.10.1", "google-cloud-storage>=3.4,<4"]
-# The tests' bucket: a pure-Python GCS emulator on 127.0.0.1 (tests/trainer/test_bucket.py).
+# The tests' bucket: a pure-Python GCS emulator on 127.0.0.1 (tests/trainer/test_workdir_bucket.py).
 TEST += [*GCS, "gcp-storage-emulator==2026.7.19"]
 
 setuptools.setup(

@@ -100,3 +100,18 @@ def test_the_map_follows_a_new_module_and_its_folder_summary(tree):
   (tree / "trainers" / "input" / "shuffle.py").write_text("")
   lines = [line for name in ("trainers",) for line in structure.folder_lines(tree / name, 0, tree)]
   assert lines == ["trainers/", "    steps", "  input/  Batches", "      batching shuffle sources"]
+
+
+# Checks of the project as a whole, not of one module.
+PROJECT_WIDE = {"docs", "doctests", "style", "warnings"}
+
+
+def test_every_test_file_is_named_after_the_module_it_tests():
+  names = {name.rpartition(".")[2] for name in structure.modules()}
+  names |= {p.stem for p in (ROOT / "tools").glob("*.py")} | PROJECT_WIDE
+  misnamed = [
+      path.relative_to(ROOT).as_posix()
+      for path in sorted((ROOT / "tests").rglob("test_*.py"))
+      if not any(path.stem[5:] == n or path.stem[5:].startswith(n + "_") for n in names)
+  ]
+  assert misnamed == [], "name each test file test_<module>[_<aspect>].py"

@@ -145,7 +145,7 @@ def saved(tmp_path_factory):
 def test_a_state_saved_on_8_devices_continues_on_fewer_as_the_uninterrupted_run(saved, devices):
   directory, runs = saved
   env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu"}
-  code = f"from tests.optimizers import test_any_mesh as t; t.continue_from(t.pathlib.Path({str(directory)!r}), {devices})"
+  code = f"from tests.optimizers import test_placement_any_mesh as t; t.continue_from(t.pathlib.Path({str(directory)!r}), {devices})"
   root = pathlib.Path(__file__).resolve().parents[2]
   subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root, timeout=540)
   for name, (tree, params) in runs.items():
