@@ -52,7 +52,7 @@ from trainers import MiB, build
 from trainers.errors import ConfigError
 from trainers.figures import memory, utilization
 from trainers.hosts import distributed
-from trainers.settings import cli
+from trainers.settings import cli, schema
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -99,15 +99,12 @@ def parser() -> cli.Parser:
 
 def setup(options, config_args) -> Setup:
   """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count."""
-  config = cli.config_from_args(config_args)  # build() resolves the token files' vocab, dtype.
+  config = schema.of(cli.config_from_args(config_args))  # build() resolves vocab, dtype.
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
-  dcn = config.get("dcn_mesh") or ()
+  dcn = config.dcn_mesh or ()
   dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn_mesh")
   num_devices = (
-      options.num_devices
-      or _fixed_size([*mesh, *dcn])
-      or config.get("num_devices")
-      or jax.device_count()
+      options.num_devices or _fixed_size([*mesh, *dcn]) or config.num_devices or jax.device_count()
   )
   given = [(flag, v) for flag, v in (("--mesh", options.mesh), ("--dcn_mesh", options.dcn_mesh))]
   args = (*config_args, *(f"{flag}={v}" for flag, v in given if v))
@@ -153,7 +150,7 @@ def compiled(s: Setup) -> dict:
   )
   run = build.build(s.config, mesh)
   step = build.compile_step(run)
-  have = memory.budget(devices, run.config.get("device_memory_gib"))
+  have = memory.budget(devices, run.config.device_memory_gib)
   cost = utilization.step_cost(run, run.config, step.batch_sharding, run.batch_shapes)
   return {
       "devices": f"{len(devices)} {devices[0].device_kind}",

@@ -17,6 +17,8 @@ Example:
 
 import dataclasses
 
+from trainers.settings import schema
+
 DTYPES = ("float32", "bfloat16")  # The names the dtype keys accept.
 KEYS = ("compute_dtype", "param_dtype", "state_dtype")
 
@@ -32,9 +34,10 @@ class Precision:
 
 def of_config(config) -> Precision:
   """The config's :class:`Precision`; a missing key is float32, ``state_dtype`` None the params'."""
-  param = config.get("param_dtype") or "float32"
+  config = schema.of(config)
+  param = config.param_dtype or "float32"
   return Precision(
-      compute=config.get("compute_dtype") or "float32",
+      compute=config.compute_dtype or "float32",
       param=param,
-      state=config.get("state_dtype") or param,
+      state=config.state_dtype or param,
   )

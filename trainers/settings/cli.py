@@ -51,6 +51,7 @@ Example:
 
 import argparse
 import ast
+import copy
 import functools
 import importlib.util
 import math
@@ -257,12 +258,33 @@ def parse_with_config(argv: list[str], flag_values) -> list[str]:
   """
   spec = config_spec(argv)
   defined = load_config(spec)
+  flag_values[CONFIG_FLAG].parser = Loaded(defined)  # The file is executed once, above.
   try:
     rest = flag_values(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise ConfigError(f"command line: {e}") from e
   check_overrides(defined, config_flags.get_override_values(flag_values[CONFIG_FLAG]), spec)
   return rest
+
+
+class Loaded(flags.ArgumentParser):
+  """The ``--config`` flag's parser, handing out a copy of a config loaded already, so the
+  file is executed once per load (the flag's own parser would execute it again); the
+  overrides then change that copy, and the loaded config stays as the file defined it
+  (:func:`check_overrides` compares with it).
+
+  Example: ``flag_values["config"].parser = Loaded(load_config(spec))``.
+  """
+
+  def __init__(self, config):
+    self.config = config
+
+  def parse(self, argument):
+    del argument  # The very file loaded: parse_with_config reads --config from the same argv.
+    return copy.deepcopy(self.config)
+
+  def flag_type(self):
+    return "config object"
 
 
 def config_from_args(args: list[str]):

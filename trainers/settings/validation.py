@@ -29,6 +29,7 @@ from bv_sharding.big_vision import schedules
 from trainers import precision
 from trainers.errors import ConfigError, closest
 from trainers.figures import memory
+from trainers.settings import schema
 
 COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
 POLICIES = ("stop", "skip")
@@ -51,41 +52,42 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
         f"--process_id={process_id!r}: must be an integer in [0, {num_processes}) "
         f"for --num_processes={num_processes}, e.g. --process_id=0"
     )
+  config = schema.of(config)
   for key in COUNTS:
-    check_count(f"config.{key}", config.get(key), example=_example(key))
-  check_int("config.seed", config.get("seed"), minimum=0, example=0)
-  check_int("config.rewarmup_steps", config.get("rewarmup_steps", 0), minimum=0, example=100)
-  if "seq_len" in config:  # Sequence models only.
-    check_count("config.seq_len", config.get("seq_len"), example=128)
-  check_number("config.lr", config.get("lr"), positive=True, example=3e-3)
-  check_number("config.wd", config.get("wd", 0.0), positive=False, example=1e-4)
-  clip = config.get("grad_clip_norm")
-  if clip is not None:
-    check_number("config.grad_clip_norm", clip, positive=True, example=1.0, none_ok=True)
-  _check_schedule(config.get("schedule"))
-  for key in ("ckpt_steps", "keep_ckpt_steps"):  # None: only at the end / keep only the latest.
-    if config.get(key) is not None:
-      check_count(f"config.{key}", config.get(key), example=100)
-  _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
-  _check_choice("config.mesh_axis_types", config.get("mesh_axis_types", "auto"), AXIS_TYPES)
-  if config.get("device_memory_gib") is not None:  # None: ask the devices.
+    check_count(f"config.{key}", getattr(config, key), example=_example(key))
+  check_int("config.seed", config.seed, minimum=0, example=0)
+  check_int("config.rewarmup_steps", config.rewarmup_steps, minimum=0, example=100)
+  if schema.sets(config, "seq_len"):  # Sequence models only.
+    check_count("config.seq_len", config.seq_len, example=128)
+  check_number("config.lr", config.lr, positive=True, example=3e-3)
+  check_number("config.wd", config.wd, positive=False, example=1e-4)
+  if config.grad_clip_norm is not None:
     check_number(
-        "config.device_memory_gib", config.get("device_memory_gib"), True, example=80, none_ok=True
+        "config.grad_clip_norm", config.grad_clip_norm, positive=True, example=1.0, none_ok=True
+    )
+  _check_schedule(config.schedule)
+  for key in ("ckpt_steps", "keep_ckpt_steps"):  # None: only at the end / keep only the latest.
+    if getattr(config, key) is not None:
+      check_count(f"config.{key}", getattr(config, key), example=100)
+  _check_choice("config.on_nonfinite", config.on_nonfinite, POLICIES)
+  _check_choice("config.mesh_axis_types", config.mesh_axis_types, AXIS_TYPES)
+  if config.device_memory_gib is not None:  # None: ask the devices.
+    check_number(
+        "config.device_memory_gib", config.device_memory_gib, True, example=80, none_ok=True
     )
   _check_dtypes(config)
   _check_accumulation(config)
-  _check_profile_steps(config.get("profile_steps"), config.get("total_steps"))
-  _check_names("config.data_axes", config.get("data_axes", ()))
-  _check_pairs(
-      "config.sharding_rules", config.get("sharding_rules") or (), '[("act_batch", "data")]'
-  )
-  strategy = config.get("sharding_strategy")
-  if not isinstance(strategy, str):
-    _check_pairs("config.sharding_strategy", strategy, '[(".*", \'fsdp(axis="data")\')]')
-  _check_pairs("config.mesh", config.get("mesh"), '[("data", -1)]')
-  if not _is_dict(config.get("optax", {})):
+  _check_profile_steps(config.profile_steps, config.total_steps)
+  _check_names("config.data_axes", config.data_axes)
+  _check_pairs("config.sharding_rules", config.sharding_rules or (), '[("act_batch", "data")]')
+  if not isinstance(config.sharding_strategy, str):
+    _check_pairs(
+        "config.sharding_strategy", config.sharding_strategy, '[(".*", \'fsdp(axis="data")\')]'
+    )
+  _check_pairs("config.mesh", config.mesh, '[("data", -1)]')
+  if not _is_dict(config.optax):
     raise ConfigError(
-        f"config.optax={config.get('optax')!r}: must be a dict of optimizer keyword arguments, "
+        f"config.optax={config.optax!r}: must be a dict of optimizer keyword arguments, "
         "e.g. --config.optax.b1=0.9"
     )
 
@@ -169,8 +171,8 @@ def _too_big(plan, need: int, have: int, where: str) -> str:
 def _check_dtypes(config) -> None:
   """``config.compute_dtype``/``param_dtype``/``state_dtype`` (None: the params') and the
   ``*_dtype`` keys of ``config.optax`` name dtypes of ``precision.DTYPES``."""
-  keys = {f"config.{key}": config.get(key) for key in precision.KEYS}
-  optax_kwargs = config.get("optax") or {}
+  keys = {f"config.{key}": getattr(config, key) for key in precision.KEYS}
+  optax_kwargs = config.optax or {}
   if _is_dict(optax_kwargs):
     keys.update({f"config.optax.{k}": v for k, v in optax_kwargs.items() if k.endswith("dtype")})
   for key, value in keys.items():
@@ -180,9 +182,9 @@ def _check_dtypes(config) -> None:
 
 def _check_accumulation(config) -> None:
   """``config.grad_accum_steps`` is a count that divides ``config.batch_size``."""
-  steps = config.get("grad_accum_steps", 1)
+  steps = config.grad_accum_steps
   check_count("config.grad_accum_steps", steps, example=2)
-  batch = config.get("batch_size")
+  batch = config.batch_size
   if _is_int(batch) and batch % steps:
     raise ConfigError(
         f"config.grad_accum_steps={steps}: must divide config.batch_size={batch} into equal "
