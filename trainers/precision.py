@@ -19,8 +19,7 @@ import dataclasses
 
 from trainers.settings import schema
 
-DTYPES = ("float32", "bfloat16")  # The names the dtype keys accept.
-KEYS = ("compute_dtype", "param_dtype", "state_dtype")
+DTYPES = schema.DTYPES  # The names the dtype keys accept.
 
 
 @dataclasses.dataclass(frozen=True)
