@@ -3,6 +3,7 @@ gives it; the typed config built from a ConfigDict, read as attributes; and no m
 trainer reading the ConfigDict by ``config.get`` outside the schema."""
 
 import dataclasses
+import re
 import subprocess
 
 import ml_collections
@@ -10,7 +11,8 @@ import pytest
 
 from configs import common, lm, vit_digits
 from tests.helpers import ROOT
-from trainers.settings import schema
+from trainers.errors import ConfigError
+from trainers.settings import schema, validation
 
 
 def test_every_key_of_common_is_declared_once_with_its_default():
@@ -62,3 +64,31 @@ def test_no_trainer_module_reads_the_config_by_get():
   found = [line for line in found if not line.startswith("trainers/settings/schema.py:")]
   # rundir/checkpoint.py's three go with the run-start policy leaving it (issue 33).
   assert found in ([], ["trainers/rundir/checkpoint.py:3"]), found
+
+
+# What ``config.<name>`` also spells in trainers/: files and methods, a model's own config,
+# the command line's examples (a misspelt key, a toy config's keys).
+NOT_KEYS = {"json", "source", "get", "to_json_best_effort", "to_dict", "max_len", "key", "value"}
+NOT_KEYS |= {"lrr", "size", "a"}
+
+
+def test_every_key_the_trainer_reads_is_declared():
+  read = {
+      m.group(1): str(path)
+      for path in sorted((ROOT / "trainers").rglob("*.py"))
+      for m in re.finditer(r"(?<![\w.])config\.([a-z_]+)", path.read_text())
+  }
+  assert {k: p for k, p in read.items() if k not in schema.keys() and k not in NOT_KEYS} == {}
+
+
+def test_every_key_has_a_meaning_and_the_checked_ones_reject_a_bad_value():
+  assert all(f.metadata["doc"] for f in schema.keys().values())
+  config = lm.get_config()
+  for name, f in schema.keys().items():
+    if f.metadata["check"] is not None:
+      bad = lm.get_config()
+      with bad.ignore_type():
+        setattr(bad, name, ["not", "a", "value"] if name != "data_axes" else ("data", "data"))
+      with pytest.raises(ConfigError, match=rf"config\.{name}="):
+        validation.check_config(bad)
+  validation.check_config(config)
