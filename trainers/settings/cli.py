@@ -258,11 +258,14 @@ def parse_with_config(argv: list[str], flag_values) -> list[str]:
   """
   spec = config_spec(argv)
   defined = load_config(spec)
-  flag_values[CONFIG_FLAG].parser = Loaded(defined)  # The file is executed once, above.
+  flag = flag_values[CONFIG_FLAG]
+  flag.parser, own = Loaded(defined), flag.parser  # The file is executed once, above.
   try:
     rest = flag_values(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise ConfigError(f"command line: {e}") from e
+  finally:
+    flag.parser = own
   check_overrides(defined, config_flags.get_override_values(flag_values[CONFIG_FLAG]), spec)
   return rest
 
@@ -273,7 +276,7 @@ class Loaded(flags.ArgumentParser):
   overrides then change that copy, and the loaded config stays as the file defined it
   (:func:`check_overrides` compares with it).
 
-  Example: ``flag_values["config"].parser = Loaded(load_config(spec))``.
+  Example: ``flag_values["config"].parser = Loaded(load_config(spec))`` while parsing.
   """
 
   def __init__(self, config):
