@@ -97,9 +97,11 @@ def parser() -> cli.Parser:
   return p
 
 
-def setup(options, config_args) -> Setup:
-  """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count."""
-  config = schema.of(cli.config_from_args(config_args))  # build() resolves vocab, dtype.
+def setup(options, config_args, loaded=None) -> Setup:
+  """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count;
+  ``loaded``: the config file's config, loaded already (``cli.load_config``)."""
+  config = cli.config_from_args(config_args, loaded)  # build() resolves vocab, dtype.
+  config = schema.of(config)
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
   dcn = config.dcn_mesh or ()
   dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn_mesh")
@@ -346,12 +348,13 @@ def main(argv: list[str] | None = None) -> int:
   options, config_args = p.parse_known_args(argv)
   if options.compile:
     simulate_devices()
-  first = setup(options, config_args)
+  loaded = cli.load_config(cli.config_spec(config_args))  # The file runs once, for both.
+  first = setup(options, config_args, loaded)
   rep = report(first, plan := make_plan(first))
   if options.diff:
     extra = [a if a.startswith("-") else f"--{a}" for a in options.diff]
     more, more_config = p.parse_known_args(extra, argparse.Namespace(**vars(options)))
-    second = setup(more, [*config_args, *more_config])
+    second = setup(more, [*config_args, *more_config], loaded)
     d = diff(rep, report(second, make_plan(second)))
     print(json.dumps(d, indent=1) if options.format == "json" else diff_text(d))
     return 0

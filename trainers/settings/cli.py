@@ -250,14 +250,15 @@ def define_config_flag(flag_values=flags.FLAGS, argv=None) -> flags.FlagHolder:
   )
 
 
-def parse_with_config(argv: list[str], flag_values) -> list[str]:
-  """Parses ``argv`` into ``flag_values`` after loading its ``--config`` file by itself, so
-  each mistake is a ``ConfigError``; returns the arguments that are not flags.
+def parse_with_config(argv: list[str], flag_values, loaded=None) -> list[str]:
+  """Parses ``argv`` into ``flag_values`` after loading its ``--config`` file by itself (or
+  taking ``loaded``, that file's config loaded already), so each mistake is a
+  ``ConfigError``; returns the arguments that are not flags.
 
   Example: ``parse_with_config(["train", "--config=configs/lm.py"], flags.FLAGS)``.
   """
   spec = config_spec(argv)
-  defined = load_config(spec)
+  defined = load_config(spec) if loaded is None else loaded
   flag = flag_values[CONFIG_FLAG]
   flag.parser, own = Loaded(defined), flag.parser  # The file is executed once, above.
   try:
@@ -290,15 +291,17 @@ class Loaded(flags.ArgumentParser):
     return "config object"
 
 
-def config_from_args(args: list[str]):
+def config_from_args(args: list[str], loaded=None):
   """The config of ``--config file.py[:arg]`` in ``args``, with its ``--config.key=value``
   overrides: the trainer's loading and checks, on flags of its own (for other commands).
+  ``loaded``: that file's config, loaded already (``load_config``), for a command that
+  applies two sets of overrides to one load (``trainers.plan --diff``).
 
   Example: ``config_from_args(["--config=configs/lm.py", "--config.lr=0.1"]).lr`` == 0.1.
   """
   argv, values = [sys.argv[0], *args], flags.FlagValues()
   config = define_config_flag(values, argv)
-  parse_with_config(argv, values)
+  parse_with_config(argv, values, loaded)
   return config.value
 
 
