@@ -1,4 +1,4 @@
-"""The trainer's config keys, declared once: each key's type, default and meaning.
+"""The trainer's config keys, declared once: each key's type, default, meaning and check.
 
 A config file (``configs/*.py``) returns an ``ml_collections.ConfigDict`` in big_vision's
 spellings; :func:`of` reads it once into a frozen :class:`Config` whose attributes are those
@@ -16,9 +16,13 @@ reads as ``base_config()`` would set it, except big_vision's ``wd`` and ``grad_c
 (absent: no decay, no clipping, as big_vision reads its configs) and ``ckpt_steps``
 (absent: saved at the end and on preemption only).
 
-``config.source`` is the ConfigDict read, untouched: what ``workdir/config.json`` records
-and what big_vision's optimizer section (``bv_sharding.big_vision``) reads. Building checks
-nothing and converts nothing; ``trainers/settings/validation.py`` checks the values.
+Each key's check is declared with it (:class:`Int`, :class:`Number`, :class:`Choice`,
+:class:`Pairs`, :class:`Names`, :class:`Dict`) and applied by
+``trainers/settings/validation.py``, which also checks what spans keys; building the typed
+config checks nothing and converts nothing. ``config.source`` is the ConfigDict read (its
+nested dicts shared with the typed config's, so ``records.resolve`` filling in
+``input.dtype`` shows in both): what ``workdir/config.json`` records and what big_vision's
+optimizer section (``bv_sharding.big_vision``) reads.
 
 Example:
   >>> import ml_collections
