@@ -15,7 +15,11 @@ _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no"
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """The keys every training config shares, at their usual values; each config sets the rest."""
+  """The keys every training config shares, at their usual values; each config sets the rest.
+
+  Every key is declared, with its type, meaning and check, in trainers/settings/schema.py
+  (``tests/trainer/test_schema.py`` checks that these values are its defaults).
+  """
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.eval_batches = 4  # Fixed held-out batches, the same at every eval.

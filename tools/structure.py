@@ -105,11 +105,13 @@ LAYERS = (
     ),
     Layer(
         "Trainer basics",
-        packages("trainers.errors", "trainers.precision"),
+        packages("trainers.errors", "trainers.precision", "trainers.settings.schema"),
         "`trainers.errors`: the trainer's error kinds (`ConfigError`, `OptimizerError`, "
         "`NonFiniteLossError`) under the library's `bv_sharding.Error`, and the did-you-mean "
         "hints their messages end with; `trainers.precision`: the dtypes a config asks for "
-        "(compute, stored params, optimizer state), read by the models and the optimizers.",
+        "(compute, stored params, optimizer state), read by the models and the optimizers; "
+        "`trainers.settings.schema`: the config's keys declared once (types, defaults), the "
+        "typed config every module above reads as attributes.",
     ),
     Layer(
         "Library",

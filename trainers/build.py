@@ -46,13 +46,15 @@ from trainers.figures import memory
 from trainers.hooks import divergence
 from trainers.input import batching, records, tasks
 from trainers.models import axes
+from trainers.settings import schema
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
   """Everything a run of a config needs, built by :func:`build`.
 
-  ``config`` is the config built from, its token files' record resolved (``records.resolve``);
+  ``config`` is the typed config built from (:class:`trainers.settings.schema.Config`), its
+  token files' record resolved (``records.resolve``);
   ``batch_shapes`` are the global batch's ``jax.ShapeDtypeStruct``s (of the first held-out
   batch: a train batch's too); ``init()`` returns the params (flax boxes kept), seeded by ``config.seed``;
   ``loss(params, batch)`` is the task's mean loss of the model; ``tx`` is the config's
@@ -91,7 +93,7 @@ def build(config, mesh) -> Run:
 
   Example: ``build(config, bvs.make_mesh(config.mesh)).plan.report()``.
   """
-  config = records.resolve(config)  # vocab_size and dtype from the token files' record.
+  config = records.resolve(schema.of(config))  # vocab_size, dtype from the files' record.
   task = tasks.get_task(config)
   batch = next(held_out(task, config))
   shapes = batching.global_shapes(batch, config.batch_size)
@@ -119,7 +121,7 @@ def build(config, mesh) -> Run:
       layout,
       abstract["opt"],
       learning_rates.get("lr"),
-      optimizers.state_decays(config.optax_name, config.get("optax") or {}),
+      optimizers.state_decays(config.optax_name, config.optax or {}),
   )
   loss = loss_fn(task, model, plan)
   return Run(
@@ -193,7 +195,7 @@ def axis_types(config) -> str:
     >>> axis_types(lm.get_config())
     'auto'
   """
-  return config.get("mesh_axis_types", "auto")
+  return schema.of(config).mesh_axis_types
 
 
 def example_input(task, batch) -> Any:
@@ -265,5 +267,6 @@ def optimizer(config, layout=None) -> tuple[Any, dict[str, Callable]]:
 
   Example: ``tx, lrs = optimizer(config); float(lrs["lr"](0))``.
   """
+  config = schema.of(config)
   tx, learning_rates = optimizers.from_config(config, layout)
-  return divergence.guard(tx, config.get("on_nonfinite", "stop")), learning_rates
+  return divergence.guard(tx, config.on_nonfinite), learning_rates

@@ -47,6 +47,7 @@ from trainers import steps
 from trainers.figures import utilization
 from trainers.hooks import divergence
 from trainers.input import batching
+from trainers.settings import schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +220,7 @@ class StepLog:
       write,
       cost: utilization.StepCost,
   ):
-    self.config, self.task, self.cost = config, task, cost
+    self.config, self.task, self.cost = schema.of(config), task, cost
     self.learning_rates, self.opt_start = learning_rates, start.opt_start
     self.evaluate, self.write = evaluate, write
     self.tick, self.tick_step = time.perf_counter(), start.step
@@ -230,7 +231,7 @@ class StepLog:
       return
     record = {"step": step, **metrics}  # metrics start with the loss.
     # The schedules count global steps; an optimizer born mid-run is ramped in (rebirth.py).
-    scale = ramp(self.config.get("rewarmup_steps", 0), step - 1 - self.opt_start)
+    scale = ramp(self.config.rewarmup_steps, step - 1 - self.opt_start)
     scale = scale if self.opt_start else 1.0
     record.update({k: float(lr(step - 1)) * scale for k, lr in self.learning_rates.items()})
     record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)

@@ -52,7 +52,7 @@ from trainers import MiB, build
 from trainers.errors import ConfigError
 from trainers.figures import memory, utilization
 from trainers.hosts import distributed
-from trainers.settings import cli
+from trainers.settings import cli, schema
 
 PARAMS = "params"
 COMPONENTS = ("params", "gradients", "optimizer_state")
@@ -97,17 +97,16 @@ def parser() -> cli.Parser:
   return p
 
 
-def setup(options, config_args) -> Setup:
-  """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count."""
-  config = cli.config_from_args(config_args)  # build() resolves the token files' vocab, dtype.
+def setup(options, config_args, loaded=None) -> Setup:
+  """Resolves the config, the mesh (``--mesh`` wins over ``config.mesh``) and the device count;
+  ``loaded``: the config file's config, loaded already (``cli.load_config``)."""
+  config = cli.config_from_args(config_args, loaded)  # build() resolves vocab, dtype.
+  config = schema.of(config)
   mesh = config.mesh if options.mesh is None else parse_mesh(options.mesh, "--mesh")
-  dcn = config.get("dcn_mesh") or ()
+  dcn = config.dcn_mesh or ()
   dcn = dcn if options.dcn_mesh is None else parse_mesh(options.dcn_mesh, "--dcn_mesh")
   num_devices = (
-      options.num_devices
-      or _fixed_size([*mesh, *dcn])
-      or config.get("num_devices")
-      or jax.device_count()
+      options.num_devices or _fixed_size([*mesh, *dcn]) or config.num_devices or jax.device_count()
   )
   given = [(flag, v) for flag, v in (("--mesh", options.mesh), ("--dcn_mesh", options.dcn_mesh))]
   args = (*config_args, *(f"{flag}={v}" for flag, v in given if v))
@@ -153,7 +152,7 @@ def compiled(s: Setup) -> dict:
   )
   run = build.build(s.config, mesh)
   step = build.compile_step(run)
-  have = memory.budget(devices, run.config.get("device_memory_gib"))
+  have = memory.budget(devices, run.config.device_memory_gib)
   cost = utilization.step_cost(run, run.config, step.batch_sharding, run.batch_shapes)
   return {
       "devices": f"{len(devices)} {devices[0].device_kind}",
@@ -349,12 +348,13 @@ def main(argv: list[str] | None = None) -> int:
   options, config_args = p.parse_known_args(argv)
   if options.compile:
     simulate_devices()
-  first = setup(options, config_args)
+  loaded = cli.load_config(cli.config_spec(config_args))  # The file runs once, for both.
+  first = setup(options, config_args, loaded)
   rep = report(first, plan := make_plan(first))
   if options.diff:
     extra = [a if a.startswith("-") else f"--{a}" for a in options.diff]
     more, more_config = p.parse_known_args(extra, argparse.Namespace(**vars(options)))
-    second = setup(more, [*config_args, *more_config])
+    second = setup(more, [*config_args, *more_config], loaded)
     d = diff(rep, report(second, make_plan(second)))
     print(json.dumps(d, indent=1) if options.format == "json" else diff_text(d))
     return 0

@@ -17,8 +17,9 @@ Example:
 
 import dataclasses
 
-DTYPES = ("float32", "bfloat16")  # The names the dtype keys accept.
-KEYS = ("compute_dtype", "param_dtype", "state_dtype")
+from trainers.settings import schema
+
+DTYPES = schema.DTYPES  # The names the dtype keys accept.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +33,10 @@ class Precision:
 
 def of_config(config) -> Precision:
   """The config's :class:`Precision`; a missing key is float32, ``state_dtype`` None the params'."""
-  param = config.get("param_dtype") or "float32"
+  config = schema.of(config)
+  param = config.param_dtype or "float32"
   return Precision(
-      compute=config.get("compute_dtype") or "float32",
+      compute=config.compute_dtype or "float32",
       param=param,
-      state=config.get("state_dtype") or param,
+      state=config.state_dtype or param,
   )

@@ -42,7 +42,7 @@ from trainers.hosts import distributed
 from trainers.input import records, sources
 from trainers.input import tokenizer as tokenizers_lib
 from trainers.rundir import checkpoint, paths, workdir
-from trainers.settings import cli
+from trainers.settings import cli, schema
 
 
 def run_config(path: str) -> ml_collections.ConfigDict:
@@ -169,7 +169,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if paths.is_url(args.workdir):
     paths.check(args.workdir)
-  config = run_config(args.workdir)  # build() resolves its token files' vocab and dtype.
+  config = schema.of(run_config(args.workdir))  # build() resolves the files' vocab, dtype.
   if not (paths.path(args.workdir) / checkpoint.CHECKPOINTS).is_dir():
     raise ConfigError(f"--workdir={args.workdir} has no checkpoints/; train it first")
   tok, eot, vocab = run_tokenizer(config)
@@ -179,9 +179,7 @@ def main(argv=None) -> None:
       raise ConfigError("--prompt is empty and bytes have no end-of-text id to start from")
     prompt = [eot]  # A new document.
   jax.config.update("jax_num_cpu_devices", args.devices_per_process)
-  mesh = bvs.make_mesh(
-      config.mesh, dcn_mesh=config.get("dcn_mesh"), axis_types=build.axis_types(config)
-  )
+  mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.dcn_mesh, axis_types=config.mesh_axis_types)
   run = build.build(config, mesh)
   checkpoint.quiet_orbax()
   with jax.set_mesh(mesh):

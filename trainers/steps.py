@@ -83,7 +83,7 @@ def checked_batch_sharding(config, mesh) -> NamedSharding:
 
   Example: ``checked_batch_sharding(config, bvs.make_mesh(config.mesh)).spec == P(("data",))``.
   """
-  axes = data_axes(mesh, config.sharding_rules, config.get("data_axes", ()))
+  axes = data_axes(mesh, config.sharding_rules, config.data_axes)
   batching.check_batch_size(config.batch_size, mesh, axes, jax.process_count())
   return batch_sharding(mesh, axes)
 

@@ -59,7 +59,7 @@ from trainers.hooks import divergence
 from trainers.hosts import distributed, same_job
 from trainers.input import prefetch, records
 from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
-from trainers.settings import cli, validation
+from trainers.settings import cli, schema, validation
 
 _CONFIG = cli.define_config_flag()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
@@ -109,7 +109,7 @@ _DEVICES = flags.DEFINE_integer(
 
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = schema.of(_CONFIG.value)  # Typed once: trainers/settings/schema.py.
   validation.check_config(
       config,
       devices_per_process=_DEVICES.value,
@@ -121,9 +121,7 @@ def main(argv):
   start_backend()
   same_job.check(config, job_facts())  # Every host runs this job.
   is_main_process = jax.process_index() == 0
-  mesh = bvs.make_mesh(
-      config.mesh, dcn_mesh=config.get("dcn_mesh"), axis_types=build.axis_types(config)
-  )
+  mesh = bvs.make_mesh(config.mesh, dcn_mesh=config.dcn_mesh, axis_types=config.mesh_axis_types)
   log_batch_split(config, mesh)
   # The token files' record, task, model, the config's optimizer for the params' layout and
   # one plan of {"params", "opt"}: trainers/build.py.
@@ -156,7 +154,7 @@ def main(argv):
       held.check()
     return parts.each([metrics.until_written(), curves.until_written()])
 
-  watch = divergence.LossWatch(config.get("on_nonfinite", "stop"), config.lr, write=write)
+  watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     state, start = restore_or_init(ckpt, plan, tx, run.init)
     if is_main_process:
@@ -167,7 +165,7 @@ def main(argv):
     train_batches = prefetch.to_device(local_batches, step.batch_sharding, run.task.prefetch)
     log = loop.StepLog(config, run.task, run.learning_rates, start, evaluate, write, cost)
     todo = range(start.step + 1, config.total_steps + 1)
-    trace = profiling.StepTrace(config.get("profile_steps"), _WORKDIR.value)
+    trace = profiling.StepTrace(config.profile_steps, _WORKDIR.value)
     try:
       looped = loop.Loop(step.train, loop.Pending(watch, log, written), plan, config)
       looped.add_hook(trace.after, name="profile", before=trace.before)
@@ -221,10 +219,10 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   """``plan`` of ``{"params", "opt"}``, once checked (coverage, same on every process, memory)."""
   if is_main_process:
     logging.info("sharding plan:\n%s", plan.report())
-  if config.get("max_unsharded_fraction") is not None:
+  if config.max_unsharded_fraction is not None:
     bvs.check_coverage(plan, config.max_unsharded_fraction)
   bvs.check_same_plan(plan)  # Before allocating: every process planned the same.
-  memory_gib = config.get("device_memory_gib")
+  memory_gib = config.device_memory_gib
   logging.info("%s", validation.check_memory(plan, jax.local_devices(), memory_gib=memory_gib))
   return plan
 
@@ -233,7 +231,7 @@ def check_compiled(run: build.Run) -> build.Step:
   """``run``'s :class:`build.Step`, once XLA's figure for its compiled train step fits each
   device (trainers/figures/memory.py)."""
   config, step = run.config, build.compile_step(run)
-  have = memory.budget(jax.local_devices(), config.get("device_memory_gib"))
+  have = memory.budget(jax.local_devices(), config.device_memory_gib)
   logging.info("%s", memory.check_step(step.figures, have, run.plan, config, step.batch_sharding))
   return step
 
@@ -243,7 +241,7 @@ def open_workdir(
 ):
   """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
   earlier run's files aside unless resuming."""
-  ckpt = checkpoint.Checkpoints(path, config, migration, plan)
+  ckpt = checkpoint.Checkpoints(path, config.source, migration, plan)
   latest = ckpt.latest_step()
   newest = ckpt.newest_named_step()  # Not a renamed or empty stray folder's number.
   if newest is not None and newest > config.total_steps:
@@ -276,7 +274,7 @@ def note_start(
 
   The TensorBoard files move with them, and the records kept are written into a fresh one.
   """
-  provenance.record_start(path, config, start.step, start.source)
+  provenance.record_start(path, config.source, start.step, start.source)
   moved = workdir.keep_metrics_until(metrics_path, start.step)
   if moved:
     logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)

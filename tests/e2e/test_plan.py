@@ -144,6 +144,19 @@ def test_diff_optimizers_prints_only_what_changes():
   assert "params MiB/device" not in out and "optimizer state MiB/device" in out
 
 
+def test_diff_executes_the_config_file_once(tmp_path):
+  """Both sides of --diff come from one load of the file, each with its own overrides."""
+  count = tmp_path / "count"
+  path = tmp_path / "counted.py"
+  path.write_text(
+      f"with open({str(count)!r}, 'a') as f:\n  f.write('executed\\n')\n"
+      "from configs.lm_7b_pod import get_config  # noqa: F401\n"
+  )
+  status, out, _ = run("--diff", "config.optax_name=kron", pod=("--config", str(path)))
+  assert status == 0 and "optimizer: adamw -> kron" in out
+  assert count.read_text().splitlines() == ["executed"]
+
+
 def test_diff_meshes():
   status, out, _ = run("--format=json", '--diff=--mesh=[("data", 32), ("model", 8)]')
   assert status == 0

@@ -225,3 +225,31 @@ def test_config_loading_errors_through_the_entry_point(tmp_path):
   )
   status, out = done.returncode, done.stdout + done.stderr
   assert status != 0 and "Traceback" in out and "syntax error" in out
+
+
+COUNTED = """import ml_collections
+with open({count!r}, "a") as f:
+  f.write("executed\\n")
+def get_config(arg=None):
+  return ml_collections.ConfigDict(
+      dict(lr=1e-3, size=arg, device_memory_gib=ml_collections.config_dict.placeholder(float)))
+"""
+
+
+def test_the_config_file_is_executed_once_per_load(tmp_path):
+  """load + overrides (config_from_args, the trainer's parse_flags): one execution each."""
+  count = tmp_path / "count"
+  path = write(tmp_path / "counted.py", COUNTED.format(count=str(count)))
+  config = cli.config_from_args(
+      [f"--config={path}:small", "--config.lr=0.1", "--config.device_memory_gib=80"]
+  )
+  assert (config.lr, config.size, config.device_memory_gib) == (0.1, "small", 80.0)
+  assert count.read_text().splitlines() == ["executed"]
+  argv = ["train", "--config", path, "--config.lr=0.2"]
+  values = flags.FlagValues()
+  holder = cli.define_config_flag(values, argv)
+  assert cli.parse_flags(argv, values) == ["train"]
+  assert holder.value.lr == 0.2
+  assert count.read_text().splitlines() == ["executed"] * 2
+  with pytest.raises(ConfigError, match=r"--config\.lrr: .* has no key config\.lrr"):
+    cli.config_from_args([f"--config={path}", "--config.lrr=0.1"])  # Checked against the file's.

@@ -93,7 +93,7 @@ def budget(devices: Sequence, memory_gib: float | None = None, host_available=No
   smallest ``bytes_limit`` of the accelerators, else the host's available memory (CPU;
   ``host_available``, default from /proc/meminfo) shared by the CPU devices.
 
-  Example: ``budget(jax.local_devices(), config.get("device_memory_gib"))``.
+  Example: ``budget(jax.local_devices(), config.device_memory_gib)``.
   """
   if memory_gib is not None:
     return Budget(round(memory_gib * GiB), 1, f"config.device_memory_gib={memory_gib}")
@@ -215,7 +215,7 @@ def suggestions(step: StepMemory, have: int, plan, config, rows: int) -> list[st
     ['--config.grad_accum_steps=2 (about 6.00 GiB of activations a microbatch)', ...]
   """
   found = []
-  count = config.get("grad_accum_steps", 1)
+  count = config.grad_accum_steps
   grads = 0 if plan is None else _params_bytes(plan)
   activations = max(step.temporaries - grads, 0)
   room = have - (step.total - activations)
@@ -227,7 +227,7 @@ def suggestions(step: StepMemory, have: int, plan, config, rows: int) -> list[st
           f"--config.grad_accum_steps={more[0]} (about "
           f"{size(count * activations // more[0])} of activations a microbatch)"
       )
-  model = config.get("model") or {}
+  model = config.model or {}
   if "remat" in model and not model["remat"]:
     found.append("--config.model.remat=True (recompute activations in the backward pass)")
   found.append(

@@ -24,6 +24,7 @@ from trainers import steps
 
 # Dense (no sparsity) bf16 peak FLOP/s per chip, keyed by ``jax.Device.device_kind``; a kind
 from trainers.figures import flops
+from trainers.settings import schema
 
 # matches the longest key it starts with (case-insensitive). Figures from the vendors' spec
 # sheets: Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p,
@@ -126,7 +127,7 @@ def run_formula_flops(run, config) -> float:
       sum(math.prod(e.shape) for e in run.plan.entries if e.name.startswith("params/")),
       config.batch_size * run.task.per_example,
       getattr(dims, "n_layers", 0),
-      config.get("seq_len", 0),
+      schema.of(config).seq_len or 0,
       getattr(dims, "d_model", 0),
   )
 

@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 import bv_sharding as bvs
 from trainers.errors import ConfigError
 from trainers.input import sources
+from trainers.settings import schema
 
 LINE_BYTES = 512  # What one process sends of its differing line.
 SHOWN = 100  # A value longer than this is not quoted.
@@ -75,9 +76,10 @@ def difference(mine: str, theirs: str, other: int) -> str:
 
 def job_lines(config, facts: dict[str, str]) -> list[str]:
   """``key=value`` lines: ``facts`` (sorted), the config's keys, its data files' sizes."""
+  config = schema.of(config)
   return [
       *(f"{name}={value}" for name, value in sorted(facts.items())),
-      *config_lines(config),
+      *config_lines(config.source),
       *data_lines(config),
   ]
 
@@ -95,7 +97,7 @@ def _flat(prefix: str, value) -> list[str]:
 
 def data_lines(config) -> list[str]:
   """``size of <file>=<bytes>`` for every file ``config.input.train``/``val`` names."""
-  if config.get("input") is None:  # Models without a data section (tests' toy tasks).
+  if config.input is None:  # Models without a data section (tests' toy tasks).
     return []
   spec = sources.input_spec(config.input)
   if spec.kind not in ("tokens", "text"):

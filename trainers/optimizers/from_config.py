@@ -39,6 +39,7 @@ from bv_sharding.optimizers import ramp_in, with_state_dtype
 from trainers import precision
 from trainers.errors import OptimizerError, closest
 from trainers.optimizers import registry
+from trainers.settings import schema
 
 
 def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict[str, Callable]]:
@@ -54,10 +55,11 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   ``blocking="local"``), Muon orthogonalises each matrix on an owner device.
   The state is stored in ``config.state_dtype`` (see the module docstring).
   """
+  config = schema.of(config)
   name = config.optax_name
   try:
-    kwargs = bv_optax.optax_kwargs(config)
-    entries = bv_optax.schedule_entries(config)
+    kwargs = bv_optax.optax_kwargs(config.source)  # big_vision's reading of its section.
+    entries = bv_optax.schedule_entries(config.source)
     schedules = [None if sched is None else _schedule(config, sched) for _, sched in entries]
   except ConfigError as e:
     raise OptimizerError(str(e)) from None
@@ -71,7 +73,7 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   else:
     tx = _big_vision_chain(config, name, kwargs, schedules, layout)
   tx = with_state_dtype(tx, precision.of_config(config).state)
-  if config.get("rewarmup_steps"):  # Ramps in an optimizer born mid-run (rebirth.py).
+  if config.rewarmup_steps:  # Ramps in an optimizer born mid-run (rebirth.py).
     tx = optax.chain(tx, ramp_in(config.rewarmup_steps))
   return tx, learning_rates
 
@@ -87,8 +89,8 @@ def _registry_optimizer(config, name, kwargs, entries, schedules, layout):
     return registry.make_optimizer(
         name,
         lambda step: config.lr * schedules[0](step),
-        weight_decay=config.get("wd") or 0.0,
-        clip_norm=config.get("grad_clip_norm"),
+        weight_decay=config.wd or 0.0,
+        clip_norm=config.grad_clip_norm,
         layout=layout,
         **kwargs,
     )
@@ -110,7 +112,7 @@ def _big_vision_chain(
         f"{closest(name.removeprefix('optax.'), known)}"
     ) from None
   try:
-    return bv_optax.chain(config, transformation(name, kwargs, layout), schedules)
+    return bv_optax.chain(config.source, transformation(name, kwargs, layout), schedules)
   except ConfigError as e:
     raise OptimizerError(str(e)) from None
 
@@ -119,7 +121,7 @@ def _schedule(config, schedule: dict) -> Callable:
   return make_schedule(
       1.0,
       config.total_steps,
-      batch_size=config.get("batch_size"),
-      data_size=config.get("data_size"),
+      batch_size=config.batch_size,
+      data_size=config.data_size,
       **schedule,
   )

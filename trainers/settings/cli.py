@@ -51,6 +51,7 @@ Example:
 
 import argparse
 import ast
+import copy
 import functools
 import importlib.util
 import math
@@ -249,31 +250,58 @@ def define_config_flag(flag_values=flags.FLAGS, argv=None) -> flags.FlagHolder:
   )
 
 
-def parse_with_config(argv: list[str], flag_values) -> list[str]:
-  """Parses ``argv`` into ``flag_values`` after loading its ``--config`` file by itself, so
-  each mistake is a ``ConfigError``; returns the arguments that are not flags.
+def parse_with_config(argv: list[str], flag_values, loaded=None) -> list[str]:
+  """Parses ``argv`` into ``flag_values`` after loading its ``--config`` file by itself (or
+  taking ``loaded``, that file's config loaded already), so each mistake is a
+  ``ConfigError``; returns the arguments that are not flags.
 
   Example: ``parse_with_config(["train", "--config=configs/lm.py"], flags.FLAGS)``.
   """
   spec = config_spec(argv)
-  defined = load_config(spec)
+  defined = load_config(spec) if loaded is None else loaded
+  flag = flag_values[CONFIG_FLAG]
+  flag.parser, own = Loaded(defined), flag.parser  # The file is executed once, above.
   try:
     rest = flag_values(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise ConfigError(f"command line: {e}") from e
+  finally:
+    flag.parser = own
   check_overrides(defined, config_flags.get_override_values(flag_values[CONFIG_FLAG]), spec)
   return rest
 
 
-def config_from_args(args: list[str]):
+class Loaded(flags.ArgumentParser):
+  """The ``--config`` flag's parser, handing out a copy of a config loaded already, so the
+  file is executed once per load (the flag's own parser would execute it again); the
+  overrides then change that copy, and the loaded config stays as the file defined it
+  (:func:`check_overrides` compares with it).
+
+  Example: ``flag_values["config"].parser = Loaded(load_config(spec))`` while parsing.
+  """
+
+  def __init__(self, config):
+    self.config = config
+
+  def parse(self, argument):
+    del argument  # The very file loaded: parse_with_config reads --config from the same argv.
+    return copy.deepcopy(self.config)
+
+  def flag_type(self):
+    return "config object"
+
+
+def config_from_args(args: list[str], loaded=None):
   """The config of ``--config file.py[:arg]`` in ``args``, with its ``--config.key=value``
   overrides: the trainer's loading and checks, on flags of its own (for other commands).
+  ``loaded``: that file's config, loaded already (``load_config``), for a command that
+  applies two sets of overrides to one load (``trainers.plan --diff``).
 
   Example: ``config_from_args(["--config=configs/lm.py", "--config.lr=0.1"]).lr`` == 0.1.
   """
   argv, values = [sys.argv[0], *args], flags.FlagValues()
   config = define_config_flag(values, argv)
-  parse_with_config(argv, values)
+  parse_with_config(argv, values, loaded)
   return config.value
 
 

@@ -1,9 +1,11 @@
 """Checks of every config value the trainer reads, before anything is written or allocated.
 
 ``check_config`` runs right after the flags are parsed (before jax's backend starts or the
-workdir is touched): counts >= 1, seeds >= 0, a positive finite learning rate, a positive
-clip norm or None, warmup >= 0, distinct data axes, well-formed strategy and rule lists,
-and >= 1 processes and devices. The input's own checks
+workdir is touched): each key's check as ``trainers/settings/schema.py`` declares it with
+the key (:func:`check_key`: counts >= 1, seeds >= 0, a positive finite learning rate, a
+positive clip norm or None, distinct data axes, well-formed strategy and rule lists), then
+those across keys or inside one (the schedule's durations >= 0, the microbatches dividing
+the batch, the profiled steps within the run), and >= 1 processes and devices. The input's own checks
 (``trainers/input/sources.py``) cover what needs the data (seq_len against the files), and
 ``check_memory`` compares the plan's bytes per device with the devices' memory before init.
 Each failure is one ``ConfigError`` naming ``config.<key>`` (or the flag) and a valid value.
@@ -29,13 +31,8 @@ from bv_sharding.big_vision import schedules
 from trainers import precision
 from trainers.errors import ConfigError, closest
 from trainers.figures import memory
+from trainers.settings import schema
 
-COUNTS = ("total_steps", "batch_size", "eval_batches", "log_every", "eval_every")
-POLICIES = ("stop", "skip")
-AXIS_TYPES = (
-    "auto",
-    "explicit",
-)  # config.mesh_axis_types: bvs.make_mesh's axis_types.  # config.on_nonfinite: end the run, or skip the update.
 LARGEST_LEAVES = 5
 
 
@@ -51,43 +48,39 @@ def check_config(config, *, devices_per_process=1, num_processes=1, process_id=0
         f"--process_id={process_id!r}: must be an integer in [0, {num_processes}) "
         f"for --num_processes={num_processes}, e.g. --process_id=0"
     )
-  for key in COUNTS:
-    check_count(f"config.{key}", config.get(key), example=_example(key))
-  check_int("config.seed", config.get("seed"), minimum=0, example=0)
-  check_int("config.rewarmup_steps", config.get("rewarmup_steps", 0), minimum=0, example=100)
-  if "seq_len" in config:  # Sequence models only.
-    check_count("config.seq_len", config.get("seq_len"), example=128)
-  check_number("config.lr", config.get("lr"), positive=True, example=3e-3)
-  check_number("config.wd", config.get("wd", 0.0), positive=False, example=1e-4)
-  clip = config.get("grad_clip_norm")
-  if clip is not None:
-    check_number("config.grad_clip_norm", clip, positive=True, example=1.0, none_ok=True)
-  _check_schedule(config.get("schedule"))
-  for key in ("ckpt_steps", "keep_ckpt_steps"):  # None: only at the end / keep only the latest.
-    if config.get(key) is not None:
-      check_count(f"config.{key}", config.get(key), example=100)
-  _check_choice("config.on_nonfinite", config.get("on_nonfinite", "stop"), POLICIES)
-  _check_choice("config.mesh_axis_types", config.get("mesh_axis_types", "auto"), AXIS_TYPES)
-  if config.get("device_memory_gib") is not None:  # None: ask the devices.
-    check_number(
-        "config.device_memory_gib", config.get("device_memory_gib"), True, example=80, none_ok=True
-    )
-  _check_dtypes(config)
+  config = schema.of(config)
+  for name, f in schema.keys().items():
+    if f.metadata["check"] and (schema.sets(config, name) or not f.metadata.get("optional")):
+      check_key(f"config.{name}", getattr(config, name), f.metadata["check"])
+  _check_schedule(config.schedule)
+  _check_optax_dtypes(config.optax)
   _check_accumulation(config)
-  _check_profile_steps(config.get("profile_steps"), config.get("total_steps"))
-  _check_names("config.data_axes", config.get("data_axes", ()))
-  _check_pairs(
-      "config.sharding_rules", config.get("sharding_rules") or (), '[("act_batch", "data")]'
-  )
-  strategy = config.get("sharding_strategy")
-  if not isinstance(strategy, str):
-    _check_pairs("config.sharding_strategy", strategy, '[(".*", \'fsdp(axis="data")\')]')
-  _check_pairs("config.mesh", config.get("mesh"), '[("data", -1)]')
-  if not _is_dict(config.get("optax", {})):
-    raise ConfigError(
-        f"config.optax={config.get('optax')!r}: must be a dict of optimizer keyword arguments, "
-        "e.g. --config.optax.b1=0.9"
-    )
+  _check_profile_steps(config.profile_steps, config.total_steps)
+
+
+def check_key(key: str, value, check) -> None:
+  """Raises unless ``value`` passes ``check``, a key's check as the schema declares it
+  (trainers/settings/schema.py: ``Int``, ``Number``, ``Choice``, ``Pairs``, ``Names``, ``Dict``).
+
+  Example: ``check_key("config.log_every", 0, schema.Int(20))`` raises naming config.log_every.
+  """
+  if getattr(check, "none_ok", False) and value is None:
+    return
+  match check:
+    case schema.Int(example, minimum):
+      check_int(key, value, minimum=minimum, example=example)
+    case schema.Number(example, positive, none_ok):
+      check_number(key, value, positive=positive, example=example, none_ok=none_ok)
+    case schema.Choice(choices):
+      _check_choice(key, value, choices)
+    case schema.Pairs(example, none_ok, text_ok):
+      if not (text_ok and isinstance(value, str)):
+        _check_pairs(key, value or () if none_ok else value, example)
+    case schema.Names():
+      _check_names(key, value)
+    case schema.Dict(what, example):
+      if not _is_dict(value):
+        raise ConfigError(f"{key}={value!r}: must be a dict of {what}, e.g. {example}")
 
 
 def check_count(key: str, value, example: int) -> None:
@@ -166,23 +159,18 @@ def _too_big(plan, need: int, have: int, where: str) -> str:
   )
 
 
-def _check_dtypes(config) -> None:
-  """``config.compute_dtype``/``param_dtype``/``state_dtype`` (None: the params') and the
-  ``*_dtype`` keys of ``config.optax`` name dtypes of ``precision.DTYPES``."""
-  keys = {f"config.{key}": config.get(key) for key in precision.KEYS}
-  optax_kwargs = config.get("optax") or {}
+def _check_optax_dtypes(optax_kwargs) -> None:
+  """The ``*_dtype`` keys of ``config.optax`` name dtypes of ``precision.DTYPES`` (the
+  config's own dtype keys are checked as the schema declares)."""
   if _is_dict(optax_kwargs):
-    keys.update({f"config.optax.{k}": v for k, v in optax_kwargs.items() if k.endswith("dtype")})
-  for key, value in keys.items():
-    if value is not None:
-      _check_choice(key, value, precision.DTYPES)
+    for key, value in optax_kwargs.items():
+      if key.endswith("dtype") and value is not None:
+        _check_choice(f"config.optax.{key}", value, precision.DTYPES)
 
 
 def _check_accumulation(config) -> None:
-  """``config.grad_accum_steps`` is a count that divides ``config.batch_size``."""
-  steps = config.get("grad_accum_steps", 1)
-  check_count("config.grad_accum_steps", steps, example=2)
-  batch = config.get("batch_size")
+  """``config.grad_accum_steps`` (a count, checked before) divides ``config.batch_size``."""
+  steps, batch = config.grad_accum_steps, config.batch_size
   if _is_int(batch) and batch % steps:
     raise ConfigError(
         f"config.grad_accum_steps={steps}: must divide config.batch_size={batch} into equal "
@@ -287,10 +275,6 @@ def _is_dict(value) -> bool:
 
 def _is_int(value) -> bool:
   return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _example(key: str) -> int:
-  return {"total_steps": 300, "batch_size": 32, "eval_batches": 4}.get(key, 20)
 
 
 def _flag(key: str) -> str:
