@@ -97,7 +97,7 @@ def peer_run(run: build.Run, pair: str) -> build.Run:
   """``run`` with the peer of ``pair`` as its optimizer: clipped as the config clips, at
   the config's learning rate schedule, its state planned by following the params."""
   config, (_, peer) = run.config, PAIRS[pair]
-  clip = config.get("grad_clip_norm")
+  clip = config.grad_clip_norm
   tx = optax.chain(
       optax.clip_by_global_norm(clip) if clip else optax.identity(),
       peer(run.learning_rates["lr"]),
