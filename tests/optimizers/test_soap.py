@@ -131,17 +131,15 @@ def _trajectory(mesh_name: str):
   params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
   params = jax.device_put(params, plan.shardings["params"])
 
-  def run(params, opt):
-    def step(carry, k):
-      params, opt = carry
-      updates, opt = tx.update(jax.grad(_loss)(params, k.astype(jnp.float32)), opt, params)
-      return (optax.apply_updates(params, updates), opt), None
-
-    return jax.lax.scan(step, (params, opt), jnp.arange(STEPS))[0]
+  def step(params, opt, k):
+    updates, opt = tx.update(jax.grad(_loss)(params, k), opt, params)
+    return optax.apply_updates(params, updates), opt
 
   with jax.set_mesh(mesh):
     opt = jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)
-    params, opt = jax.jit(run)(params, opt)
+    step = jax.jit(step)  # As a training loop runs it: the state comes back where it was put.
+    for k in range(STEPS):
+      params, opt = step(params, opt, jnp.float32(k))
   return jax.device_get(params), plan.mismatches({"params": params, "opt": opt})
 
 
