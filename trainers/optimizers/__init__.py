@@ -1,6 +1,6 @@
 """The trainer's optimizers by name; big_vision's optimizer section over the library's.
 
-The registry names optax's optimizers and the library's PSGD Kron, Shampoo and Muon
+The registry names optax's optimizers and the library's PSGD Kron, Shampoo, SOAP and Muon
 (:mod:`bv_sharding.optimizers`).
 
 Example:
