@@ -155,3 +155,11 @@ def test_same_trajectory_on_any_mesh_and_state_placed_as_planned(mesh):
     assert worst <= 1e-4, (mesh, name, worst)
   start = np.random.default_rng(0).standard_normal(SHAPES["dense"])
   assert float(np.max(np.abs(one["dense"] - start))) > 0.1  # It moved.
+
+
+def test_big_visions_spelling_builds_scale_by_soap():
+  tx = bvs.big_vision.transformations.transformation(
+      "bv_sharding.scale_by_soap", {"block_size": 4, "precondition_frequency": 2}
+  )
+  state = tx.init({"w": jnp.ones((8, 4))})
+  assert [b.shape for b in state.per_param["w"].bases] == [(2, 1, 4, 4), (2, 1, 4, 4)]
