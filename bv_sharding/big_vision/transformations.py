@@ -1,8 +1,8 @@
 """``config.optax_name`` resolved: a name the library owns, else an optax attribute.
 
 The library's names live in :data:`TRANSFORMATIONS`: big_vision's own ``big_vision.*``
-optimizers and the library's ``bv_sharding.scale_by_kron``, ``bv_sharding.scale_by_shampoo``
-and ``bv_sharding.scale_by_muon`` (:mod:`bv_sharding.optimizers`, in the form big_vision's
+optimizers and the library's ``bv_sharding.scale_by_kron``, ``bv_sharding.scale_by_shampoo``,
+``bv_sharding.scale_by_soap`` and ``bv_sharding.scale_by_muon`` (:mod:`bv_sharding.optimizers`, in the form big_vision's
 chain takes: no learning rate, no weight decay). An entry maps a name to a factory taking
 ``config.optax``'s keywords; a factory with a ``layout`` parameter is also given the
 params' :class:`~bv_sharding.optimizers.ParamLayout` (:func:`takes_layout`,
@@ -32,7 +32,13 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import ConfigError, OptimizerError, closest
-from bv_sharding.optimizers import ParamLayout, scale_by_kron, scale_by_muon, scale_by_shampoo
+from bv_sharding.optimizers import (
+    ParamLayout,
+    scale_by_kron,
+    scale_by_muon,
+    scale_by_shampoo,
+    scale_by_soap,
+)
 
 __all__ = [
     "TRANSFORMATIONS",
@@ -130,6 +136,7 @@ TRANSFORMATIONS: dict[str, Callable[..., optax.GradientTransformation]] = {
     "bv_sharding.scale_by_kron": boxes_unboxed(scale_by_kron),
     "bv_sharding.scale_by_muon": boxes_unboxed(scale_by_muon),
     "bv_sharding.scale_by_shampoo": boxes_unboxed(scale_by_shampoo),
+    "bv_sharding.scale_by_soap": boxes_unboxed(scale_by_soap),
 }
 
 

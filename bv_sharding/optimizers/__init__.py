@@ -1,7 +1,7 @@
-"""Sharding-aware Kron, Shampoo and Muon on the params' layout; state dtypes; migration.
+"""Sharding-aware Kron, Shampoo, SOAP and Muon on the params' layout; state dtypes; migration.
 
 Each is an optax ``GradientTransformation`` in two forms: ``scale_by_*`` (no learning rate,
-for a chain such as big_vision's) and the full optimizer (``kron``, ``shampoo``, ``muon``).
+for a chain such as big_vision's) and the full optimizer (``kron``, ``shampoo``, ``soap``, ``muon``).
 Given a :class:`ParamLayout` (the plan's param specs and the mesh) they compute each block
 where its shard lives. Their state is the same on any mesh (each block stack in the order of
 its blocks' places in the param), and ``bvs.plan`` places it where they run it
@@ -31,6 +31,7 @@ from bv_sharding.optimizers.shampoo import (
     scale_by_shampoo,
     shampoo,
 )
+from bv_sharding.optimizers.soap import SoapParamState, SoapState, scale_by_soap, soap
 from bv_sharding.optimizers.state_dtype import compute_dtype, with_state_dtype
 from bv_sharding.optimizers.tiles import same_blocking
 
@@ -40,6 +41,8 @@ __all__ = [
     "ParamLayout",
     "ShampooParamState",
     "ShampooState",
+    "SoapParamState",
+    "SoapState",
     "auto_axes_update",
     "compute_dtype",
     "kron",
@@ -53,7 +56,9 @@ __all__ = [
     "scale_by_kron",
     "scale_by_muon",
     "scale_by_shampoo",
+    "scale_by_soap",
     "shampoo",
+    "soap",
     "Stacks",
     "Tiling",
     "with_state_dtype",

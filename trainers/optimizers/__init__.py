@@ -1,6 +1,6 @@
 """The trainer's optimizers by name; big_vision's optimizer section over the library's.
 
-The registry names optax's optimizers and the library's PSGD Kron, Shampoo and Muon
+The registry names optax's optimizers and the library's PSGD Kron, Shampoo, SOAP and Muon
 (:mod:`bv_sharding.optimizers`).
 
 Example:
@@ -24,7 +24,9 @@ from bv_sharding.optimizers import (
     scale_by_kron,
     scale_by_muon,
     scale_by_shampoo,
+    scale_by_soap,
     shampoo,
+    soap,
 )
 from trainers.optimizers.from_config import from_config
 from trainers.optimizers.registry import (
@@ -54,6 +56,8 @@ __all__ = [
     "scale_by_kron",
     "scale_by_muon",
     "scale_by_shampoo",
+    "scale_by_soap",
     "shampoo",
+    "soap",
     "state_decays",
 ]

@@ -1,7 +1,8 @@
 """Optimizer registry: build any supported optimizer from a name and config.
 
 Names: optax's adamw, adafactor, lion, sgd, lamb and schedule_free, and the project's
-kron (PSGD Kron), shampoo and muon (``kron.py``, ``shampoo.py``, ``muon.py``); each
+kron (PSGD Kron), shampoo, soap and muon (``kron.py``, ``shampoo.py``, ``soap.py``,
+``muon.py``); each
 with decoupled weight decay, clipping and a schedule (:func:`make_optimizer`).
 
 Example:
@@ -24,7 +25,7 @@ import optax
 
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.big_vision.transformations import not_a_number
-from bv_sharding.optimizers import auto_axes_update, kron, muon, refill, shampoo
+from bv_sharding.optimizers import auto_axes_update, kron, muon, refill, shampoo, soap
 from trainers.errors import OptimizerError, closest
 
 # Last path components of norm scales and biases: small vectors that get no weight decay.
@@ -122,6 +123,11 @@ _REGISTRY: dict[str, _Entry] = {
         lr_scale=0.1,
         decays={"momentum": "beta1", "graft_nu": "beta2"},
     ),
+    # SOAP (Adam in the eigenbasis of Shampoo's statistics, on Shampoo's tiles): the authors'
+    # defaults (betas 0.95, bases refreshed every 10 steps) and their weight decay, applied after
+    # the step. Its moments lie in the rotated basis: no decays recorded, so a state born from
+    # another optimizer's moments starts at zero.
+    "soap": _Entry(soap, ("weight_decay", "mask")),
 }
 OPTIMIZERS = tuple(_REGISTRY)
 

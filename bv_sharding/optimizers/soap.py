@@ -1,0 +1,530 @@
+"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner, on Shampoo's tiles.
+
+SOAP (Vyas et al. 2024, arXiv 2409.11321; reference implementation github nikhilvyas/SOAP)
+keeps Shampoo's statistics ``S_i = EMA(G_(i) G_(i)^T)`` (decay ``shampoo_beta``) for each
+dim of a block, their eigenbases ``Q_i``, and runs Adam on the gradient rotated into them
+(``Q_i^T`` along each dim); Adam's direction is rotated back (``Q_i``). The first step only
+fits the statistics and takes their ``eigh`` (no update, as the reference: the projection
+never uses the current gradient); every ``precondition_frequency`` steps the bases are
+refreshed by one power iteration and a QR (``Q <- qr(S Q)``, the columns first sorted by
+their estimated eigenvalue and Adam's second moment permuted with them) and the first moment
+is carried into the new basis. A dim larger than ``max_precond_dim`` is not rotated, nor is
+a 1-D param unless ``precondition_1d`` (it trains with Adam); ``merge_dims`` first merges
+neighbouring dims while their product stays within ``max_precond_dim``.
+
+The blocks are Shampoo's (:func:`~bv_sharding.optimizers.shampoo.factor_tiling`: unit dims
+dropped, dims cut into ``block_size`` tiles, the same tiles on any mesh), run where they live
+by :func:`~bv_sharding.optimizers.blocked.run_blocked`. The padding of a partial tile is kept
+out of the basis: zero rows of a statistic get eigenvalue -1 (``_separated``), so each basis
+is the real coordinates' basis plus the padding's own, sorted last, and the rotated moments
+stay param-shaped.
+
+State::
+
+    SoapState(
+        count=int32[],
+        per_param=<params-like tree of> SoapParamState(
+            stats=Stacks[(*grid, b_i, b_i) per rotated dim],  # float32, born 0
+            bases=Stacks[(*grid, b_i, b_i) per rotated dim],  # float32, born I
+            mu=<like param>,   # Adam's moments in the rotated basis: the param's dtype,
+            nu=<like param>))  # bfloat16 allowed (config.state_dtype)
+
+``stats`` and ``bases`` are float32 whatever the params' dtype, and stay float32 under
+:func:`~bv_sharding.optimizers.state_dtype.with_state_dtype`: each step rotates the first
+moment out of and back into the bases, which must stay orthonormal to float32 precision, and
+the statistics' eigenvectors need more than bfloat16's 8 bits. ``mu`` and ``nu`` are Adam's
+moments (rotated) and may be stored in bfloat16 as Adam's are. The bases' ``eigh`` and
+``qr`` run in float32 on every step and are kept with ``jnp.where`` (no LAPACK call inside
+``lax.cond``, which can deadlock XLA:CPU with several devices; see ``shampoo.py``).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> opt = soap(3e-3, block_size=4)
+    >>> state = opt.init({"w": jnp.ones((8, 3)), "b": jnp.ones(3)})
+    >>> [s.shape for s in state[0].per_param["w"].bases], state[0].per_param["b"].bases
+    ([(2, 1, 4, 4), (2, 1, 3, 3)], Stacks([], Tiling(block_size=4, ...)))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers import blocked
+from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.placement import Stacks, Tiling
+from bv_sharding.optimizers.shampoo import factor_tiling
+from bv_sharding.optimizers.shard_run import BlockRun
+from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
+from bv_sharding.optimizers.tiles import ShardBlocks
+
+
+class SoapParamState(NamedTuple):
+  """Per-parameter SOAP state; see the module docstring."""
+
+  stats: Stacks
+  bases: Stacks
+  mu: jax.Array
+  nu: jax.Array
+
+
+class SoapState(NamedTuple):
+  """``count`` (steps taken, the first one included) and the per-param states."""
+
+  count: jax.Array
+  per_param: Any
+
+
+def merged_shape(shape, max_precond_dim: int) -> tuple[int, ...]:
+  """``shape`` with neighbouring dims merged while their product stays within
+  ``max_precond_dim`` (the reference's ``merge_dims``).
+
+  Example:
+      >>> merged_shape((2, 3, 6), 8), merged_shape((4, 16), 8), merged_shape((2, 2, 2), 100)
+      ((6, 6), (4, 16), (8,))
+  """
+  return tuple(math.prod(shape[a:b]) for a, b in _merged_groups(tuple(shape), max_precond_dim))
+
+
+def _merged_groups(shape, max_precond_dim: int) -> list[tuple[int, int]]:
+  """The ``[start, stop)`` dims each merged dim of :func:`merged_shape` gathers."""
+  groups, start, size = [], 0, 1
+  for i, d in enumerate(shape):
+    if size * d <= max_precond_dim:
+      size *= d
+      continue
+    if size > 1:
+      groups.append((start, i))
+      start, size = i, d
+    else:
+      groups.append((start, i + 1))
+      start, size = i + 1, 1
+  if size > 1 or not groups:
+    groups.append((start, len(shape)))
+  return [(a, b) for a, b in groups if a < b] or [(0, len(shape))]
+
+
+def merged_spec(shape, spec, max_precond_dim: int) -> tuple:
+  """The spec of :func:`merged_shape`'s dims: each merged dim sharded as its first dim.
+
+  Raises:
+    OptimizerError: a merged dim's other dims sharded (its shards are not a reshape away).
+
+  Example:
+      >>> merged_spec((2, 3, 6), ("data", None, None), 8)
+      ('data', None)
+  """
+  spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  out = []
+  for a, b in _merged_groups(tuple(shape), max_precond_dim):
+    if any(e is not None for e in spec[a + 1 : b]):
+      raise OptimizerError(
+          f"merge_dims: dims {a}..{b - 1} of a {tuple(shape)} param sharded as {spec} merge into "
+          "one, and only its first dim may be sharded; set merge_dims=False"
+      )
+    out.append(spec[a] if a < len(spec) else None)
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class MergedTiling(Tiling):
+  """Shampoo's :class:`~bv_sharding.optimizers.placement.Tiling` of the param with its dims
+  first merged (:func:`merged_shape`), for ``merge_dims``.
+
+  Example:
+      >>> MergedTiling(4, deal=True, unit_dims_dropped=True, max_precond_dim=8).blocks(
+      ...     (2, 3, 6), (), None).sizes
+      (4, 4)
+  """
+
+  max_precond_dim: int = 10000
+
+  def blocks(self, shape, spec, mesh) -> ShardBlocks:
+    merged = merged_shape(tuple(shape), self.max_precond_dim)
+    return super().blocks(merged, merged_spec(shape, spec, self.max_precond_dim), mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  """:func:`scale_by_soap`'s arguments, read by name by its init and update."""
+
+  betas: tuple[float, float]
+  shampoo_beta: float
+  eps: float
+  precondition_frequency: int
+  max_precond_dim: int
+  merge_dims: bool
+  precondition_1d: bool
+  normalize_grads: bool
+  correct_bias: bool
+  block_size: int
+  layout: ParamLayout | None
+  blocking: str
+
+
+def _tiling(settings: _Settings) -> Tiling:
+  tiling = factor_tiling(settings.block_size, settings.blocking)
+  if not settings.merge_dims:
+    return tiling
+  return MergedTiling(**dataclasses.asdict(tiling), max_precond_dim=settings.max_precond_dim)
+
+
+def rotated_dims(shape, max_precond_dim: int, merge_dims=False, precondition_1d=False):
+  """The dims SOAP rotates of a param of ``shape``, counted among the dims it blocks (merged
+  with ``merge_dims``, unit dims dropped): those within ``max_precond_dim``; none of a 1-D
+  param unless ``precondition_1d``.
+
+  Example:
+      >>> rotated_dims((3, 1, 16), 8), rotated_dims((5,), 8), rotated_dims((5,), 8, False, True)
+      ((0,), (), (0,))
+  """
+  if len(shape) == 1 and not precondition_1d:
+    return ()
+  if merge_dims and len(shape) > 1:
+    shape = merged_shape(shape, max_precond_dim)
+  kept = [d for d in shape if d > 1]
+  return tuple(i for i, d in enumerate(kept) if d <= max_precond_dim)
+
+
+def _leaf_plans(params, settings: _Settings) -> list[tuple[ShardBlocks | None, tuple]]:
+  """Each leaf's (blocks, rotated dims); blocks None where no dim is rotated."""
+  leaves = jax.tree.leaves(params)
+  dims = [
+      rotated_dims(x.shape, settings.max_precond_dim, settings.merge_dims, settings.precondition_1d)
+      for x in leaves
+  ]
+  tilings = [_tiling(settings) if d else None for d in dims]
+  return list(zip(blocked.param_blocks(params, settings.layout, tilings), dims))
+
+
+def _init_leaf(param, blocks: ShardBlocks | None, dims, settings: _Settings) -> SoapParamState:
+  """One param's state: statistics 0 and bases I (float32), zero moments like the param."""
+  tiling = _tiling(settings)
+  eyes = [jnp.eye(blocks.sizes[d], dtype=jnp.float32) for d in dims]
+  stacks = lambda xs: blocked.grid_stacks(xs, blocks, tiling) if dims else Stacks([], tiling)
+  return SoapParamState(
+      stats=stacks([jnp.zeros_like(e) for e in eyes]),
+      bases=stacks(eyes),
+      mu=jnp.zeros_like(param),
+      nu=jnp.zeros_like(param),
+  )
+
+
+def _soap_init(params, settings: _Settings) -> SoapState:
+  """``scale_by_soap``'s state for ``params``."""
+  leaves, treedef = jax.tree.flatten(params)
+  plans = _leaf_plans(params, settings)
+  per_param = [_init_leaf(p, b, d, settings) for p, (b, d) in zip(leaves, plans)]
+  return SoapState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
+
+
+def _rotate(x: jax.Array, bases, dims, back: bool) -> jax.Array:
+  """A block stack ``(n, *tile)`` in the bases (``Q^T`` along each rotated dim), or back
+  (``Q``).
+
+  Example:
+      >>> q = jnp.array([[[0.0, 1.0], [1.0, 0.0]]])
+      >>> _rotate(jnp.array([[1.0, 2.0]]), [q], (0,), back=False).tolist()
+      [[2.0, 1.0]]
+  """
+
+  def one(x, *qs):
+    for d, q in zip(dims, qs):
+      x = matmul_along(x, d, q if back else q.T)
+    return x
+
+  return jax.vmap(one)(x, *bases)
+
+
+def _separated(stats: jax.Array) -> jax.Array:
+  """A stack of statistics with each zero row's diagonal set to -1: a partial tile's padding
+  (and any dead row) gets its own eigenvectors, sorted after every real one.
+
+  Example:
+      >>> _separated(jnp.array([[[2.0, 0.0], [0.0, 0.0]]])).tolist()
+      [[[2.0, 0.0], [0.0, -1.0]]]
+  """
+  dead = jnp.all(stats == 0, axis=-1)
+  return stats - jax.vmap(jnp.diag)(dead.astype(stats.dtype))
+
+
+def _eigenbasis(stats: jax.Array) -> jax.Array:
+  """Each statistic's eigenvectors, largest eigenvalue first (one ``eigh`` per block:
+  ``lax.map``, as Shampoo's roots)."""
+  _, vectors = jax.lax.map(jnp.linalg.eigh, _separated(stats))
+  return vectors[..., ::-1]
+
+
+def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int):
+  """The refreshed basis ``qr(S Q)``, ``Q``'s columns sorted by their estimated eigenvalue
+  (largest first), and ``nu`` permuted along ``dim`` (of its tile) with them.
+
+  Example:
+      >>> s = jnp.diag(jnp.array([1.0, 4.0]))[None]
+      >>> q, nu = _power_qr(s, jnp.eye(2)[None], jnp.array([[10.0, 40.0]]), 0)
+      >>> jnp.abs(q).tolist(), nu.tolist()
+      ([[[0.0, 1.0], [1.0, 0.0]]], [[40.0, 10.0]])
+  """
+  stats = _separated(stats)
+  estimated = jnp.einsum("nij,nik,nkj->nj", basis, stats, basis)
+  order = jnp.argsort(-estimated, axis=-1)
+  basis = jnp.take_along_axis(basis, order[:, None, :], axis=2)
+  shape = [1] * nu.ndim
+  shape[0], shape[1 + dim] = order.shape
+  nu = jnp.take_along_axis(nu, order.reshape(shape), axis=1 + dim)
+  q = jax.lax.map(lambda m: jnp.linalg.qr(m)[0], stats @ basis)
+  return q, nu
+
+
+def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
+  """One block stack's step (module docstring): (Adam's direction in the old bases, rotated
+  back; new ``mu``, ``nu``, statistics and bases)."""
+  (b1, b2), shampoo_beta, eps = hyper
+  g = g.astype(jnp.float32)
+  old_mu, old_nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
+  rotated = _rotate(g, bases, dims, back=False)
+  mu = b1 * old_mu + (1.0 - b1) * rotated
+  nu = b2 * old_nu + (1.0 - b2) * jnp.square(rotated)
+  direction = _rotate(mu / (jnp.sqrt(nu) + eps), bases, dims, back=True)
+  grams = [jax.vmap(gram_along, (0, None))(g, d) for d in dims]
+  stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
+  sorted_nu, new_bases = nu, []
+  for i, (s, q) in enumerate(zip(stats, bases)):
+    refreshed, sorted_nu = _power_qr(s, q, sorted_nu, dims[i])
+    q = jnp.where(refresh, refreshed, q)
+    new_bases.append(jnp.where(first, _eigenbasis(s), q))
+  carried = _rotate(_rotate(mu, bases, dims, back=True), new_bases, dims, back=False)
+  mu = jnp.where(first, old_mu, jnp.where(refresh, carried, mu))
+  nu = jnp.where(first, old_nu, jnp.where(refresh, sorted_nu, nu))
+  return direction, mu, nu, stats, new_bases
+
+
+def _soap_run(arrays, factors, first, refresh, *, dims, hyper):
+  """:func:`_soap_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it."""
+  direction, mu, nu, stats, bases = _soap_blocks(
+      *arrays, *factors, first, refresh, dims=dims, hyper=hyper
+  )
+  return [direction, mu, nu], [stats, bases]
+
+
+def _adam(g, mu, nu, first, settings: _Settings):
+  """A param no dim of which is rotated: Adam's direction and moments (unchanged on the
+  first step)."""
+  (b1, b2), eps = settings.betas, settings.eps
+  g, old_mu, old_nu = (x.astype(jnp.float32) for x in (g, mu, nu))
+  mu = b1 * old_mu + (1.0 - b1) * g
+  nu = b2 * old_nu + (1.0 - b2) * jnp.square(g)
+  direction = mu / (jnp.sqrt(nu) + eps)
+  return direction, jnp.where(first, old_mu, mu), jnp.where(first, old_nu, nu)
+
+
+def _finish(direction, count, settings: _Settings):
+  """The param's step from its direction: normalised (``normalize_grads``), bias-corrected
+  (``correct_bias``: ``sqrt(1 - b2^t) / (1 - b1^t)``), zero on the first step.
+
+  Example:
+      >>> s = _Settings((0.5, 0.5), 0.5, 1e-8, 1, 10, False, False, False, True, 4, None, "tiles")
+      >>> [round(float(x), 4) for x in _finish(jnp.ones(2), jnp.array(1), s)], _finish(jnp.ones(2), 0, s).tolist()
+      ([1.4142, 1.4142], [0.0, 0.0])
+  """
+  (b1, b2), t = settings.betas, jnp.maximum(count, 1).astype(jnp.float32)
+  if settings.normalize_grads:
+    direction = direction / (1e-30 + jnp.sqrt(jnp.mean(jnp.square(direction))))
+  if settings.correct_bias:
+    direction = direction * jnp.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+  return jnp.where(count == 0, 0.0, direction)
+
+
+def _placing(layout: ParamLayout | None, treedef) -> list:
+  """Per param leaf, a function that keeps a param-shaped array (the rotated moments, which
+  come back from the tiles' run wherever it left them) in the param's sharding."""
+  if layout is None:
+    return [lambda x: x] * treedef.num_leaves
+  specs = treedef.flatten_up_to(layout.specs)
+  return [
+      functools.partial(
+          jax.lax.with_sharding_constraint, shardings=NamedSharding(layout.mesh, P(*spec))
+      )
+      for spec in specs
+  ]
+
+
+def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings):
+  """``scale_by_soap``'s update: every param's tiles in one
+  :func:`~bv_sharding.optimizers.blocked.run_blocked`."""
+  del params
+  grads, treedef = jax.tree.flatten(updates)
+  per_param = treedef.flatten_up_to(state.per_param)
+  plans = _leaf_plans(updates, settings)
+  count = state.count
+  first = count == 0
+  refresh = (count > 0) & (count % settings.precondition_frequency == 0)
+  hyper = (settings.betas, settings.shampoo_beta, settings.eps)
+  fns: dict[tuple, Any] = {}  # One function per kind of param: like tiles pool together.
+  runs = []
+  for g, s, (blocks, dims) in zip(grads, per_param, plans):
+    if not dims:
+      runs.append(None)
+      continue
+    fn = fns.setdefault(dims, functools.partial(_soap_run, dims=dims, hyper=hyper))
+    arrays = [x.reshape(blocks.shape) for x in (g, s.mu, s.nu)]
+    runs.append(BlockRun(blocks, fn, arrays, [s.stats, s.bases], [first, refresh]))
+  new_updates, new_per_param = [], []
+  place = _placing(settings.layout, treedef)
+  for g, s, result, put in zip(grads, per_param, blocked.run_blocked(runs), place):
+    stats, bases = s.stats, s.bases
+    if result is None:
+      direction, mu, nu = _adam(g, s.mu, s.nu, first, settings)
+    else:
+      (direction, mu, nu), (stats, bases) = result
+    cast = lambda x, like: x.reshape(like.shape).astype(like.dtype)
+    new_updates.append(cast(_finish(direction, count, settings), g))
+    new_per_param.append(SoapParamState(stats, bases, put(cast(mu, s.mu)), put(cast(nu, s.nu))))
+  return treedef.unflatten(new_updates), SoapState(
+      optax.safe_increment(count), treedef.unflatten(new_per_param)
+  )
+
+
+def scale_by_soap(
+    betas: tuple[float, float] = (0.95, 0.95),
+    shampoo_beta: float = -1,
+    eps: float = 1e-8,
+    precondition_frequency: int = 10,
+    max_precond_dim: int = 10000,
+    merge_dims: bool = False,
+    precondition_1d: bool = False,
+    normalize_grads: bool = False,
+    correct_bias: bool = True,
+    block_size: int = 1024,
+    layout: ParamLayout | None = None,
+    blocking: str = "tiles",
+) -> optax.GradientTransformation:
+  """SOAP's direction (no learning rate); arguments as the reference's ``SOAP``.
+
+  Args:
+    betas: Adam's ``(b1, b2)``, run in the rotated basis.
+    shampoo_beta: the statistics' EMA decay; negative: ``betas[1]``.
+    eps: Adam's epsilon (added to ``sqrt(nu)``).
+    precondition_frequency: the bases are refreshed (power iteration and QR) every this
+      many steps.
+    max_precond_dim: dims larger than this are not rotated.
+    merge_dims: merge neighbouring dims while their product is within ``max_precond_dim``.
+    precondition_1d: rotate 1-D params too (else they train with Adam).
+    normalize_grads: scale each param's direction to RMS 1.
+    correct_bias: Adam's bias correction ``sqrt(1 - b2^t) / (1 - b1^t)``.
+    block_size: tiles of at most this size per dim (Shampoo's,
+      :func:`~bv_sharding.optimizers.shampoo.factor_tiling`); each tile has its own
+      statistics and bases.
+    layout: the params' specs and mesh (:class:`ParamLayout`): tiles are run where they live.
+    blocking: "tiles" (the same tiles on any mesh) or "local" (each shard's own blocks).
+
+  Example:
+      >>> tx = scale_by_soap(block_size=2)
+      >>> state = tx.init({"w": jnp.ones((4, 2))})
+      >>> state.per_param["w"].bases[0].shape  # a 2 x 1 grid of 2 x 2 bases
+      (2, 1, 2, 2)
+  """
+  if shampoo_beta < 0:
+    shampoo_beta = betas[1]
+  settings = _Settings(
+      tuple(betas),
+      shampoo_beta,
+      eps,
+      precondition_frequency,
+      max_precond_dim,
+      merge_dims,
+      precondition_1d,
+      normalize_grads,
+      correct_bias,
+      block_size,
+      layout,
+      blocking,
+  )
+  if len(settings.betas) != 2 or not all(0 <= b < 1 for b in (*settings.betas, shampoo_beta)):
+    raise OptimizerError(f"betas={betas!r}, shampoo_beta={shampoo_beta!r}: decays in [0, 1)")
+  if block_size < 1 or precondition_frequency < 1 or max_precond_dim < 1:
+    raise OptimizerError("block_size, precondition_frequency and max_precond_dim must be >= 1")
+  return blocked.transformation(_soap_init, _soap_update, settings)
+
+
+class _DecayState(NamedTuple):
+  count: jax.Array
+
+
+def decay_after_step(learning_rate: optax.ScalarOrSchedule, weight_decay: float):
+  """The reference's decoupled weight decay, applied after the step: ``p <- (p + u)(1 - lr
+  wd)`` for the update ``u`` it follows; none on the first step (SOAP's, which moves
+  nothing).
+
+  Example:
+      >>> tx = decay_after_step(0.5, 0.1)
+      >>> p = {"w": jnp.ones(2)}
+      >>> state = tx.update(p, tx.init(p), p)[1]  # The first step: no decay.
+      >>> [round(float(u), 4) for u in tx.update(p, state, p)[0]["w"]]  # (1 + 1)(1 - 0.05) - 1
+      [0.9, 0.9]
+  """
+
+  def update(updates, state, params):
+    if params is None:
+      raise OptimizerError("SOAP's weight decay needs the params: update(updates, state, params)")
+    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+    rate = jnp.where(state.count == 0, 0.0, lr * weight_decay)
+    decayed = jax.tree.map(lambda u, p: (u - rate * (p + u)).astype(u.dtype), updates, params)
+    return decayed, _DecayState(optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(lambda _: _DecayState(jnp.zeros([], jnp.int32)), update)
+
+
+def soap(
+    learning_rate: optax.ScalarOrSchedule = 3e-3,
+    betas: tuple[float, float] = (0.95, 0.95),
+    shampoo_beta: float = -1,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    precondition_frequency: int = 10,
+    max_precond_dim: int = 10000,
+    merge_dims: bool = False,
+    precondition_1d: bool = False,
+    normalize_grads: bool = False,
+    correct_bias: bool = True,
+    mask: Any | None = None,
+    block_size: int = 1024,
+    layout: ParamLayout | None = None,
+    blocking: str = "tiles",
+) -> optax.GradientTransformation:
+  """SOAP with the learning rate and the reference's weight decay (:func:`decay_after_step`;
+  ``mask``: which params get it). The other arguments are :func:`scale_by_soap`'s.
+
+  Example:
+      >>> opt = soap(3e-3, block_size=128)
+      >>> params = {"w": jnp.ones((4, 4))}
+      >>> updates, _ = opt.update(params, opt.init(params), params)
+  """
+  tx = scale_by_soap(
+      betas=betas,
+      shampoo_beta=shampoo_beta,
+      eps=eps,
+      precondition_frequency=precondition_frequency,
+      max_precond_dim=max_precond_dim,
+      merge_dims=merge_dims,
+      precondition_1d=precondition_1d,
+      normalize_grads=normalize_grads,
+      correct_bias=correct_bias,
+      block_size=block_size,
+      layout=layout,
+      blocking=blocking,
+  )
+  decay = decay_after_step(learning_rate, weight_decay) if weight_decay else None
+  if decay is not None and mask is not None:
+    decay = optax.masked(decay, mask)
+  parts = [tx, optax.scale_by_learning_rate(learning_rate), decay]
+  return optax.chain(*[p for p in parts if p is not None])
