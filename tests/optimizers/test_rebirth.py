@@ -1,7 +1,7 @@
 """An optimizer change mid-run (bv_sharding/optimizers/rebirth.py): the new optimizer's first
 updates at the scale of its own run.
 
-Every ordered pair of the nine registry optimizers: 20 steps of the first on fixed grads
+Every ordered pair of the ten registry optimizers: 20 steps of the first on fixed grads
 (a signal, noise and a pull towards zero), the state reborn for the second at step 20 as
 the trainer's restore does it (``BuiltOptimizer.reborn``), 5 steps of the second; their
 updates' RMS against the second's own updates at steps 21..25 of a run that never changed.
