@@ -1,11 +1,13 @@
 """Durable runs through `python -m trainers.train`, with real orbax checkpoints on disk.
 
-One uninterrupted 8-step run (`reference`, module-scoped) is the yardstick: runs
-killed with SIGKILL (at a random step, and during a checkpoint write) or stopped
-with SIGTERM, then started again on the same workdir, must log the same losses
-and end with the same params, bit for bit. Restores onto other meshes, process
-counts and optimizers start from copies of its checkpoints, and so does each kind of damage
-(``DAMAGE``), resumed by the trainer and read by ``trainers.sample``, both run in this process.
+One uninterrupted 8-step run (`reference`, made once: ``tests/trainer/runs.py``) is the
+yardstick: runs killed with SIGKILL (at a random step, and during a checkpoint write), then
+started again on the same workdir, must log the same losses and end with the same params, bit
+for bit. Restores onto other meshes and process counts start from copies of its checkpoints,
+and so does each kind of damage (``DAMAGE``), resumed by the trainer and read by
+``trainers.sample``, both run in this process. What a resume makes of the state it reads
+(other optimizers and dtypes, ``config.model_init``) is tested in ``test_start.py``; SIGTERM in
+``test_preemption.py``.
 """
 
 import json
