@@ -27,8 +27,9 @@ state kept, moved or born afresh; ``config.model_init``; a fresh init) is the ru
 The training loop's use (it needs a workdir, so it is shown, not run here)::
 
   ckpt = Checkpoints(workdir, config, migration, plan)
-  state = ckpt.newest_good(read) or fresh()  # read(manager, step): start.restore
-  for step in range(start + 1, total + 1):
+  state, begun = ckpt.newest_good(read) or fresh()  # read(manager, step): start.restore
+  ckpt.begin(begun.step, begun.opt_start)  # What the next checkpoints' meta records.
+  for step in range(begun.step + 1, total + 1):
     state, loss = train_step(state, batch)
     ckpt.step_done(step, state)  # Saves every config.ckpt_steps.
   ckpt.close(state)
