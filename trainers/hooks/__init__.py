@@ -1,1 +1,2 @@
-"""What the loop does beside stepping, each on its own: the non-finite loss policy and the rest of its hooks."""
+"""What the loop runs beside its steps, each on its own: metrics (log lines, metrics.jsonl,
+TensorBoard), preemption (SIGTERM: save and stop) and the non-finite loss policy."""
