@@ -45,10 +45,9 @@ import jax
 
 from benchmarks import throughput
 from benchmarks.timing import seconds_per_step
-from trainers import loop, optimizers
-from trainers.hooks import divergence
+from trainers import loop, optimizers, start
+from trainers.hooks import divergence, metrics
 from trainers.models import llama
-from trainers.rundir import checkpoint
 from trainers.settings import cli
 
 DTYPES = {
@@ -84,14 +83,15 @@ def loop_seconds(config, run, compiled, cost, state, batches) -> tuple[dict, flo
   """``(state, seconds per step)`` of the trainer's loop (``trainers.loop.Loop``) over
   ``batches`` from step 1, until the last step's state is ready.
 
-  Its loss checks, metrics reads and log lines as configured; no hook: no checkpoint, eval
-  or trace.
+  Its loss checks, metrics reads and log lines as configured (the trainer's "metrics" hook,
+  writing no file); no other hook: no checkpoint, eval, trace or preemption.
   """
   watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=None)
-  start = checkpoint.Start(step=0, source="scratch")
-  log = loop.StepLog(config, run.task, run.learning_rates, start, None, None, cost)
+  begun = start.Start(step=0, source="scratch")
+  log = metrics.StepLog(config, run.task, run.learning_rates, begun, None, None, cost)
   began = time.perf_counter()
-  looped = loop.Loop(compiled, loop.Pending(watch, log), run.plan, config)
+  looped = loop.Loop(compiled, watch, run.plan, config)
+  looped.add_hook(name="metrics", every=config.log_every, read=log)
   state = jax.block_until_ready(looped.run(state, zip(itertools.count(1), batches)))
   return state, (time.perf_counter() - began) / len(batches)
 
@@ -106,7 +106,7 @@ def measure(config, num_steps: int, repeats: int = 1) -> dict:
   compiled, figures = step.train, step.figures
   bare, in_loop = math.inf, math.inf
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    cost = loop.step_cost(run, step.batch_sharding)
+    cost = metrics.step_cost(run, step.batch_sharding)
     state = throughput.init_state(run)
     for batch in batches[:WARMUP]:
       state, _ = compiled(state, batch)

@@ -21,7 +21,7 @@ skeleton (the same leaves, shardings and shards, one element each: what orbax an
 keep per leaf and per shard whatever the bytes). Prints a markdown table.
 
 A second table: what checking a checkpoint's integrity costs. The state (params and optimizer
-state) is restored as the trainer restores it (``checkpoint.restore``: the meta item, the
+state) is restored as the trainer restores it (``trainers.start.restore``: the meta item, the
 params' check) with and without verification (``verify``: each array read in its saved dtype
 and checked against the checksum saved with it, ``trainers/rundir/checksums.py``), taking turns
 (an untimed first of each; each turn starts with another way), and as orbax alone reads its two
@@ -51,6 +51,7 @@ import orbax.checkpoint as ocp
 
 from benchmarks.throughput import init_state, lm_config, setup
 from benchmarks.timing import WARMUP, seconds_per_step
+from trainers import start
 from trainers.rundir import checkpoint, checksums, saver
 from trainers.rundir.checkpoint import tree_restore
 from trainers.settings import cli
@@ -175,7 +176,7 @@ def measure(config, saves: int) -> dict:
 
 
 def measure_restore(config, restores: int) -> dict:
-  """Median seconds of restoring a saved state as the trainer does (``checkpoint.restore``)
+  """Median seconds of restoring a saved state as the trainer does (``start.restore``)
   with verification ("checked") and without ("unchecked"), and as orbax alone reads its two
   items ("orbax"); of the checksums of the state ("sums": dispatched and fetched); of the time
   the loop is blocked in the trainer's save (``Checkpoints.step_done``, after the previous
@@ -205,7 +206,7 @@ def measure_restore(config, restores: int) -> dict:
       with mock.patch.object(checksums, "start", checksums.start if verify else lambda _: dict):
         return timed(lambda: saves.step_done(next(steps), state))
 
-    read = lambda verify: checkpoint.restore(
+    read = lambda verify: start.restore(
         manager, step, run.plan, run.tx, run.migration, verify=verify
     )[0]
     orbax = lambda: [

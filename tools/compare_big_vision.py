@@ -1,4 +1,4 @@
-"""big_vision's own ``sharding``/``optax`` against ``bv_sharding.big_vision`` on one train state.
+"""big_vision's own ``sharding``/``optax`` against ``bv_sharding.big_vision`` on one state.
 
 Runs the part of big_vision's ``train.py`` the two modules serve, once with each: a
 big_vision ViT's params shaped with ``jax.eval_shape``, ``optax.make`` on a section with

@@ -1,4 +1,4 @@
-"""Record the SOAP authors' reference trajectory (github nikhilvyas/SOAP, PyTorch).
+"""Record the SOAP authors' reference trajectory (nikhilvyas/SOAP, PyTorch).
 
 Runs their ``SOAP`` optimizer for ``STEPS`` steps on a fixed quadratic problem
 (``0.5 * sum(h * (p - target)^2)`` over a few 2-D, 3-D and 1-D params, float32; step ``k``'s

@@ -83,17 +83,20 @@ LAYERS = (
         "by path; they import only the data sources they name and the errors they raise.",
     ),
     Layer(
-        "Run directory",
-        packages("trainers.rundir"),
-        "`trainers/rundir/`: what a run leaves on disk and reads back: the work directory's "
-        "files, provenance, orbax checkpoints of the train state the steps define.",
-    ),
-    Layer(
         "Run assembly",
         (Node("trainers core", ("trainers",), listed=True),),
         "The other modules at the top of `trainers/`: the run record built once from a "
-        "config, the jitted train and eval steps, the checks before a run, flags and one-line "
-        "errors, the non-finite loss policy, `jax.distributed` start-up.",
+        "config, where it starts (`start`: its checkpoint, `model_init` or a fresh init), the "
+        "jitted train and eval steps, the loop and its hooks (metrics, preemption, the "
+        "non-finite loss policy), the checks before a run, flags and one-line errors, "
+        "`jax.distributed` start-up.",
+    ),
+    Layer(
+        "Run directory",
+        packages("trainers.rundir"),
+        "`trainers/rundir/`: what a run leaves on disk and reads back: the work directory's "
+        "files, provenance, orbax checkpoints saved and read back onto a plan. What a run "
+        "makes of them (resume, `model_init`, a fresh init) is the run's (`trainers.start`).",
     ),
     Layer(
         "Parts",

@@ -4,10 +4,11 @@ Commands (``python -m trainers.<name>``): ``train``, ``plan`` (a run's plan with
 devices), ``launch`` (several ``jax.distributed`` processes on one host), ``convert``
 (documents to token files) and ``sample`` (text from a run's checkpoint). Each builds its run through :mod:`trainers.build`. Below them:
 
-  build, steps, loop             the run built once, the jitted steps, the loop
+  build, start, steps, loop      the run built once, where it starts, the jitted steps, the loop
   errors, precision              one-line errors; the dtypes a config asks for
   settings/                      flags, config loading and the checks before a run
-  hooks/                         what the loop runs beside its steps (the non-finite loss policy)
+  hooks/                         what the loop runs beside its steps: metrics, preemption, the
+                                 non-finite loss policy
   figures/                       a step's FLOPs, memory per device and MFU
   hosts/                         jax.distributed start-up; one job on every host
   input/                         sources, deterministic batches, prefetch, tasks

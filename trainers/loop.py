@@ -1,40 +1,40 @@
 """The training loop: the device always has the next step queued while the host reads.
 
 A :class:`Loop` dispatches a train step per ``(step, batch)`` pair and reads the step
-metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) in one fetch per log step, once
-the next step is queued (:class:`Pending`), checking each loss against the non-finite
-policy in step order (``trainers/hooks/divergence.py``) and logging the steps :func:`logs_step`
-picks (:class:`StepLog`). Everything else attaches as a named hook with a period,
-``loop.add_hook(fn, every=N, name=...)``: ``fn(step, state)`` runs after every ``N``-th
-step and the last one, in the order added, and returning True stops the loop. The trainer
-(``trainers/train.py``) hangs on it the profile trace (``trainers/rundir/profiling.py``),
-the eval (:meth:`Pending.evaluate`) and the checkpointer (:meth:`Loop.add_checkpointer`),
-which saves every ``config.ckpt_steps``, at the end and on preemption
-(``trainers/rundir/checkpoint.py``);
-the accelerator benchmark runs the same loop with none of them.
+metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) in one fetch, once the next step
+is queued (:class:`Pending`), checking each loss against the non-finite policy in step
+order (``trainers/hooks/divergence.py``). Everything else attaches as a named hook with a
+period, ``loop.add_hook(fn, every=N, name=...)``: ``fn(step, state)`` runs after every
+``N``-th step and the last one, in the order added, and returning True stops the loop; a
+hook's ``read(step, metrics, params)`` gets every step's metrics as they are read, which the
+loop does after step 1, at each reading hook's period and the last step. The trainer
+(``trainers/train.py``) hangs on it the profile trace (``trainers/rundir/profiling.py``), the
+eval (:meth:`Pending.evaluate`), the metrics (``trainers/hooks/metrics.py``: log lines,
+metrics.jsonl and TensorBoard every ``config.log_every`` steps), the checkpointer
+(:meth:`Loop.add_checkpointer`: every ``config.ckpt_steps`` and at the end,
+``trainers/rundir/checkpoint.py``) and the preemption hook (``trainers/hooks/preemption.py``:
+on SIGTERM, a save and a stop); the accelerator benchmark runs the same loop with the
+metrics hook only.
 
 Example:
-  >>> import ml_collections
+  >>> import types
   >>> from trainers.hooks import divergence
-  >>> config = ml_collections.ConfigDict(dict(log_every=2, eval_every=3, total_steps=4))
-  >>> log = lambda step, metrics, params: print("read", step, params)
-  >>> pending = Pending(divergence.LossWatch("stop", 0.1), log)
+  >>> config = types.SimpleNamespace(total_steps=4)
   >>> loop = Loop(lambda state, batch: (state + batch, {"loss": 1.0, "l2_params": 1.0}),
-  ...             pending, plan=None, config=config)
+  ...             divergence.LossWatch("stop", 0.1), plan=None, config=config)
+  >>> loop.add_hook(name="metrics", every=2, read=lambda step, metrics, params: print("read", step))
   >>> loop.add_hook(lambda step, state: print("eval at", step), every=3, name="eval")
   >>> loop.run(0, zip(range(1, 5), [10, 20, 30, 40]))  # reads step 1 once step 2 is queued
-  read 1 None
-  read 2 None
+  read 1
+  read 2
   eval at 3
-  read 3 None
   eval at 4
-  read 4 None
+  read 3
+  read 4
   100
 """
 
 import dataclasses
-import math
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,64 +42,86 @@ import jax
 import numpy as np
 from absl import logging
 
-from bv_sharding.optimizers import ramp
 from trainers import steps
-from trainers.figures import utilization
 from trainers.hooks import divergence
 from trainers.input import batching
-from trainers.settings import schema
 
 
 @dataclasses.dataclass(frozen=True)
 class Hook:
-  """What :meth:`Loop.add_hook` attaches: ``after(step, state)`` after every ``every``-th step
-  and the last (True stops the loop), ``before(step)`` before each step is dispatched, and
-  ``end(state)`` with the last state once the batches run out."""
+  """What :meth:`Loop.add_hook` attaches, under ``name``: ``after(step, state)`` after every
+  ``every``-th step and the last (True stops the loop), ``before(step)`` before each step is
+  dispatched, ``end(state)`` with the last state once the batches run out, and
+  ``read(step, metrics, params)`` with each step's metrics as the loop reads them (after step
+  1, every ``every``-th step and the last, once the next step is queued; ``params``: the
+  step's at an eval, else None)."""
 
   name: str
-  after: Callable[[int, Any], bool | None]
+  after: Callable[[int, Any], bool | None] | None = None
   every: int = 1
   before: Callable[[int], None] | None = None
   end: Callable[[Any], None] | None = None
+  read: Callable[[int, dict, Any], None] | None = None
+
+  def due(self, step: int, total: int) -> bool:
+    """Whether the hook's period ends at ``step``: every ``every``-th step and the last."""
+    return step % self.every == 0 or step == total
 
 
 class Loop:
-  """Takes a ``train_step`` per ``(step, batch)``; reads the metrics through ``pending``.
+  """Takes a ``train_step`` per ``(step, batch)``; reads the metrics through its ``pending``.
 
+  ``watch``: the non-finite policy each loss is checked against (``divergence.LossWatch``);
   ``plan``: the state's (its shardings are checked after the first step; None: not
-  checked); ``config``: ``log_every``, ``eval_every`` and ``total_steps`` (:func:`logs_step`).
-  A logged step's metrics are read once the next step is dispatched; a hook that needs a
-  step's state (an eval, a save) reads them at once (:meth:`Pending.evaluate`,
+  checked); ``config``: its ``total_steps``; ``written()``: a wait for the records written so
+  far, which each save follows (:meth:`Pending.settle`). A step's metrics are read once the
+  next step is dispatched, at the steps a reading hook asks for; a hook that needs a step's
+  state (an eval, a save) reads them at once (:meth:`Pending.evaluate`,
   :meth:`Pending.settle`). See the module example.
   """
 
-  def __init__(self, train_step: Callable, pending: "Pending", plan, config):
-    self.train_step, self.pending, self.plan, self.config = train_step, pending, plan, config
+  def __init__(
+      self,
+      train_step: Callable,
+      watch: divergence.LossWatch,
+      plan,
+      config,
+      written: Callable[[], Any] = lambda: None,
+  ):
+    self.train_step, self.plan, self.config = train_step, plan, config
+    self.pending = Pending(watch, self.give, written)
     self.hooks: list[Hook] = []
 
   def add_hook(
       self,
-      fn: Callable[[int, Any], bool | None],
+      fn: Callable[[int, Any], bool | None] | None = None,
       every: int = 1,
       name: str | None = None,
       before: Callable[[int], None] | None = None,
       end: Callable[[Any], None] | None = None,
+      read: Callable[[int, dict, Any], None] | None = None,
   ) -> None:
     """Runs ``fn(step, state)`` after every ``every``-th step and the last (True: stop now);
-    ``before(step)`` before each step, ``end(state)`` once the batches run out."""
-    self.hooks.append(Hook(name or getattr(fn, "__name__", "hook"), fn, every, before, end))
+    ``before(step)`` before each step, ``end(state)`` once the batches run out; ``read``
+    gets each step's metrics (:class:`Hook`)."""
+    name = name or getattr(fn or read, "__name__", "hook")
+    self.hooks.append(Hook(name, fn, every, before, end, read))
 
   def add_checkpointer(self, ckpt) -> None:
     """Hangs ``ckpt`` (``checkpoint.Checkpoints``) on as the "checkpoint" hook: its
-    ``step_done`` after every step (a save every ``config.ckpt_steps``; on preemption a save
-    that stops the loop), its ``close`` at the end; each save settles the pending steps first
-    (:meth:`Pending.settle`)."""
+    ``step_done`` after every step (a save every ``config.ckpt_steps``), its ``close`` at the
+    end; each save settles the pending steps first (:meth:`Pending.settle`)."""
     settle = self.pending.settle
     self.add_hook(
         lambda step, state: ckpt.step_done(step, state, before_save=settle),
         name="checkpoint",
         end=lambda state: ckpt.close(state, before_save=settle),
     )
+
+  def settled(self, save: Callable) -> Callable[[int, Any], Any]:
+    """``save(step, state, before_save)`` (e.g. ``Checkpoints.preempted``) as a hook's
+    ``(step, state)``, its checkpoint following the pending steps (:meth:`Pending.settle`)."""
+    return lambda step, state: save(step, state, before_save=self.pending.settle)
 
   def run(self, state, numbered_batches: Iterable[tuple[int, Any]]):
     """Takes a step per pair, then reads what is left and runs the hooks' ``end``; returns the
@@ -116,7 +138,7 @@ class Loop:
       if i == 0 and self.plan is not None:
         steps.check_state(self.plan, state, "after the first step")
         logging.info("state shardings match the plan after the first step")
-      read_next = logs_step(step, self.config)[0]
+      read_next = self.reads(step)
       if self.after(step, state):
         return state  # A hook stopped the run (SIGTERM: every process saved this step).
     self.pending.read()
@@ -125,13 +147,26 @@ class Loop:
         hook.end(state)
     return state
 
+  def reads(self, step: int) -> bool:
+    """Whether ``step``'s metrics are read once the next step is queued: after step 1 and
+    where a reading hook's period ends."""
+    total = self.config.total_steps
+    return any(h.read and (step == 1 or h.due(step, total)) for h in self.hooks)
+
   def after(self, step: int, state) -> bool:
     """Runs the hooks due after ``step`` (every ``hook.every`` steps and the last), in order,
     until one says stop; True if one did."""
+    total = self.config.total_steps
     for hook in self.hooks:
-      if (step % hook.every == 0 or step == self.config.total_steps) and hook.after(step, state):
+      if hook.after and hook.due(step, total) and hook.after(step, state):
         return True
     return False
+
+  def give(self, step: int, metrics: dict, params) -> None:
+    """Gives a step's metrics, as read, to each hook that reads them, in order."""
+    for hook in self.hooks:
+      if hook.read:
+        hook.read(step, metrics, params)
 
 
 class Pending:
@@ -139,7 +174,8 @@ class Pending:
 
   :meth:`read` fetches every pending step's metrics in one ``jax.device_get``, then gives
   each loss to ``watch`` (which raises at the first non-finite one under "stop", before
-  any later step is logged or saved) and each step to ``log`` (a :class:`StepLog`).
+  any later step is logged or saved) and each step to ``log`` (the loop's :meth:`Loop.give`:
+  the hooks that read it, e.g. ``trainers.hooks.metrics.StepLog``).
   :meth:`settle`, before a save, reads every queued step and returns ``written()``, a wait
   for the records written so far (a bucket's writers send them in the background), which the
   save calls on its own thread before it saves (``Checkpoints.step_done``). The rule: a
@@ -149,7 +185,7 @@ class Pending:
   the previous save at the next one, as for its write, and at exit.
   """
 
-  def __init__(self, watch: divergence.LossWatch, log: "StepLog", written=lambda: None):
+  def __init__(self, watch: divergence.LossWatch, log: Callable, written=lambda: None):
     self.watch, self.log, self.written = watch, log, written
     self.queue: list[tuple[int, dict]] = []
 
@@ -176,115 +212,6 @@ class Pending:
     """Reads every queued step; returns a wait until their records are written."""
     self.read()
     return self.written()
-
-
-def logs_step(step: int, config) -> tuple[bool, bool]:
-  """(whether ``step`` is logged, whether it is evaluated).
-
-  Logged: step 1, every ``config.log_every`` steps and every eval; evaluated: every
-  ``config.eval_every`` steps and the last.
-
-  Example:
-    >>> import ml_collections
-    >>> config = ml_collections.ConfigDict(dict(log_every=10, eval_every=25, total_steps=30))
-    >>> [step for step in range(1, 31) if logs_step(step, config)[0]]
-    [1, 10, 20, 25, 30]
-    >>> [step for step in range(1, 31) if logs_step(step, config)[1]]
-    [25, 30]
-  """
-  is_eval = step % config.eval_every == 0 or step == config.total_steps
-  return is_eval or step == 1 or step % config.log_every == 0, is_eval
-
-
-class StepLog:
-  """Logs a line, and gives ``write`` a metrics record, at the steps :func:`logs_step` picks.
-
-  A record holds the step, the step's metrics (loss, ``l2_grads``, ``l2_params``,
-  ``l2_updates``), each learning rate applied at that step, the steps per second since the
-  last record, the ``cost``'s ``flops_per_step`` and ``flops_source``, per device
-  ``<unit>_per_sec`` (``tokens_per_sec``, ``images_per_sec``) and ``tflops_per_device``,
-  ``mfu`` (null where the device's peak is unknown) and, at evals, ``eval_loss``
-  (``evaluate(params)``) and, where the data's bytes per token are known (text: 1; token
-  files: their records), ``eval_bits_per_byte`` = eval_loss / ln 2 / bytes per token, which
-  compares runs across tokenizers. ``start`` is where the run starts
-  (``checkpoint.Start``: its ``step`` and ``opt_start``).
-  """
-
-  def __init__(
-      self,
-      config,
-      task,
-      learning_rates,
-      start,
-      evaluate,
-      write,
-      cost: utilization.StepCost,
-  ):
-    self.config, self.task, self.cost = schema.of(config), task, cost
-    self.learning_rates, self.opt_start = learning_rates, start.opt_start
-    self.evaluate, self.write = evaluate, write
-    self.tick, self.tick_step = time.perf_counter(), start.step
-
-  def __call__(self, step: int, metrics: dict, params) -> None:
-    logged, is_eval = logs_step(step, self.config)
-    if not logged:
-      return
-    record = {"step": step, **metrics}  # metrics start with the loss.
-    # The schedules count global steps; an optimizer born mid-run is ramped in (rebirth.py).
-    scale = ramp(self.config.rewarmup_steps, step - 1 - self.opt_start)
-    scale = scale if self.opt_start else 1.0
-    record.update({k: float(lr(step - 1)) * scale for k, lr in self.learning_rates.items()})
-    record["steps_per_sec"] = (step - self.tick_step) / (time.perf_counter() - self.tick)
-    per_step = self.config.batch_size * self.task.per_example
-    record.update(self.cost.record(record["steps_per_sec"], per_step, self.task.unit))
-    mfu = "null" if record["mfu"] is None else f"{record['mfu']:.1%}"
-    line = (
-        f"step {step}/{self.config.total_steps} loss={record['loss']:.4f} "
-        f"l2_grads={record['l2_grads']:.3g} steps/s={record['steps_per_sec']:.2f} "
-        f"{self.task.unit}/s/device={record[self.task.unit + '_per_sec']:.0f} "
-        f"TFLOP/s/device={record['tflops_per_device']:.3g} MFU={mfu}"
-    )
-    if is_eval:
-      record["eval_loss"] = self.evaluate(params)
-      line += f" eval_loss={record['eval_loss']:.4f}"
-      if self.task.bytes_per_token:
-        bits = record["eval_loss"] / math.log(2) / self.task.bytes_per_token
-        record["eval_bits_per_byte"] = bits
-        line += f" eval_bits_per_byte={bits:.4f}"
-    logging.info("%s", line)
-    if self.write is not None:
-      self.write(record)
-    self.tick, self.tick_step = time.perf_counter(), step
-
-
-def fan_out(*writers) -> Callable[[dict], None]:
-  """One ``write(record)`` that gives the record to each writer's ``write``, in order.
-
-  Example: ``StepLog(..., write=fan_out(metrics, curves), ...)``.
-  """
-
-  def write(record: dict) -> None:
-    for writer in writers:
-      writer.write(record)
-
-  return write
-
-
-def step_cost(run, batch_sharding) -> utilization.StepCost:
-  """The step's model FLOPs, traced (else the 6·N·tokens + attention formula), and this
-  device's peak (:func:`utilization.step_cost`), logged; ``run``: a ``trainers.build.Run``.
-
-  Example: ``StepLog(config, task, lrs, start, evaluate, write, step_cost(run, sharding))``.
-  """
-  cost = utilization.step_cost(run, run.config, batch_sharding, run.batch_shapes)
-  logging.info(
-      "train step: %.4g model FLOPs (%s), %s peak bf16 FLOP/s %s",
-      cost.flops,
-      cost.source,
-      jax.devices()[0].device_kind,
-      "unknown (MFU null)" if cost.peak is None else f"{cost.peak:.4g}",
-  )
-  return cost
 
 
 def mean_loss(eval_step, params, batches, batch_sharding) -> float:

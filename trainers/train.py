@@ -22,8 +22,8 @@ resumes from it exactly (trainers/rundir/checkpoint.py). A NaN or infinite loss 
 The train step is compiled once, ahead of time, from the plan's abstract state
 (``build.compile_step``); its model FLOPs, counted from its traced program (every scanned
 layer and microbatch), give TFLOP/s and MFU per device (trainers/figures/utilization.py). The loop
-(trainers/loop.py, its profile trace, eval and checkpoints hung on as hooks) never waits for
-the device between log steps: step k+1 is dispatched before anything of step k is read, and
+(trainers/loop.py; profile trace, eval, metrics, checkpoints and preemption hung on as hooks
+by the command: trainers/hooks/) never waits for the device between log steps: step k+1 is dispatched before anything of step k is read, and
 the step metrics (loss, ``l2_grads``, ``l2_params``, ``l2_updates``) are fetched together
 at log, eval and checkpoint steps, on SIGTERM and at the end, then checked in step order.
 Process 0 also writes them as TensorBoard scalars into ``workdir/tensorboard/``. In a
@@ -52,10 +52,11 @@ from absl import flags, logging
 from jax.experimental import multihost_utils
 
 import bv_sharding as bvs
-from trainers import build, loop, steps
+from trainers import build, loop, start, steps
 from trainers.errors import ConfigError
 from trainers.figures import memory
-from trainers.hooks import divergence
+from trainers.hooks import divergence, preemption
+from trainers.hooks import metrics as metrics_hook
 from trainers.hosts import distributed, same_job
 from trainers.input import prefetch, records
 from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
@@ -130,10 +131,10 @@ def main(argv):
   share = multihost_utils.broadcast_one_to_all if jax.process_count() > 1 else None
   scans = records.ScanCache(_WORKDIR.value, is_main_process, share)  # Process 0 scans, once.
   run.task.check(run.model, scans)  # Token ids / labels fit the model, before init.
-  plan, tx = check_plan(config, run.plan, is_main_process), run.tx
+  plan = check_plan(config, run.plan, is_main_process)
   # Compiled once, from abstract inputs: its memory (activations too) checked before init.
   step = check_compiled(run)
-  cost = loop.step_cost(run, step.batch_sharding)
+  cost = metrics_hook.step_cost(run, step.batch_sharding)
   eval_batches = build.eval_batches(run)
   evaluate = lambda params: loop.mean_loss(step.eval, params, eval_batches, step.batch_sharding)
 
@@ -143,9 +144,10 @@ def main(argv):
     logging.warning("took over the lock of a run that ended: %s", held.earlier)
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
   ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, plan, is_main_process)
+  preempted = preemption.Preemption()  # SIGTERM: a save at the same step on every process.
   scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
-  write = loop.fan_out(metrics, curves) if is_main_process else None
+  write = metrics_hook.fan_out(metrics, curves) if is_main_process else None
 
   def written():
     """A wait for the records queued so far (a bucket's writers send them in the background),
@@ -156,21 +158,24 @@ def main(argv):
 
   watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=write)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
-    state, start = restore_or_init(ckpt, plan, tx, run.init)
+    state, begun = start.restore_or_init(ckpt, run)
     if is_main_process:
-      note_start(_WORKDIR.value, config, start, metrics.path, curves)
+      note_start(_WORKDIR.value, config, begun, metrics.path, curves)
     local_batches = run.task.batches(
-        run.task.train, global_batch=config.batch_size, seed=config.seed, start_step=start.step
+        run.task.train, global_batch=config.batch_size, seed=config.seed, start_step=begun.step
     )
     train_batches = prefetch.to_device(local_batches, step.batch_sharding, run.task.prefetch)
-    log = loop.StepLog(config, run.task, run.learning_rates, start, evaluate, write, cost)
-    todo = range(start.step + 1, config.total_steps + 1)
+    log = metrics_hook.StepLog(config, run.task, run.learning_rates, begun, evaluate, write, cost)
+    todo = range(begun.step + 1, config.total_steps + 1)
     trace = profiling.StepTrace(config.profile_steps, _WORKDIR.value)
     try:
-      looped = loop.Loop(step.train, loop.Pending(watch, log, written), plan, config)
+      looped = loop.Loop(step.train, watch, plan, config, written)
       looped.add_hook(trace.after, name="profile", before=trace.before)
       looped.add_hook(looped.pending.evaluate, every=config.eval_every, name="eval")
-      looped.add_checkpointer(ckpt)  # Every config.ckpt_steps, at the end, on SIGTERM.
+      looped.add_hook(name="metrics", every=config.log_every, read=log)  # jsonl, TensorBoard.
+      looped.add_checkpointer(ckpt)  # Every config.ckpt_steps and at the end.
+      save = looped.settled(ckpt.preempted)
+      looped.add_hook(preemption.hook(preempted, save), name="preemption")
       looped.run(state, zip(todo, train_batches))
     finally:
       trace.close()
@@ -237,11 +242,11 @@ def check_compiled(run: build.Run) -> build.Step:
 
 
 def open_workdir(
-    path: str, config, migration: checkpoint.Migration, plan: bvs.Plan, is_main_process: bool
+    path: str, config, migration: start.Migration, plan: bvs.Plan, is_main_process: bool
 ):
   """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
   earlier run's files aside unless resuming."""
-  ckpt = checkpoint.Checkpoints(path, config.source, migration, plan)
+  ckpt = checkpoint.Checkpoints(path, config, migration, plan)
   latest = ckpt.latest_step()
   newest = ckpt.newest_named_step()  # Not a renamed or empty stray folder's number.
   if newest is not None and newest > config.total_steps:
@@ -257,27 +262,17 @@ def open_workdir(
   return ckpt, workdir.MetricsWriter(path)
 
 
-def restore_or_init(ckpt: checkpoint.Checkpoints, plan: bvs.Plan, tx, init):
-  """(state, :class:`checkpoint.Start`): the latest checkpoint's, else a fresh init; as planned."""
-  logging.info("initialising params and optimizer state in their planned shardings")
-  state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: steps.init_state(init, tx, plan))
-  when = "after init" if start.source == "scratch" else "after restore"
-  steps.check_state(plan, state, when)
-  logging.info("state shardings match the plan %s", when)
-  return state, start
-
-
 def note_start(
-    path: str, config, start: checkpoint.Start, metrics_path, curves: events.EventWriter
+    path: str, config, begun: start.Start, metrics_path, curves: events.EventWriter
 ) -> None:
   """Process 0 records where this run starts; metrics.jsonl lines after that step move aside.
 
   The TensorBoard files move with them, and the records kept are written into a fresh one.
   """
-  provenance.record_start(path, config.source, start.step, start.source)
-  moved = workdir.keep_metrics_until(metrics_path, start.step)
+  provenance.record_start(path, config.source, begun.step, begun.source)
+  moved = workdir.keep_metrics_until(metrics_path, begun.step)
   if moved:
-    logging.info("metrics.jsonl lines after step %d moved to %s", start.step, moved)
+    logging.info("metrics.jsonl lines after step %d moved to %s", begun.step, moved)
     for record in workdir.read_records(metrics_path):
       curves.write(record)
 

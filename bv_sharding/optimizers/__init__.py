@@ -1,4 +1,4 @@
-"""Sharding-aware Kron, Shampoo, SOAP and Muon on the params' layout; state dtypes; migration.
+"""Kron, Shampoo, SOAP and Muon on the params' layout, with state dtypes and migration.
 
 Each is an optax ``GradientTransformation`` in two forms: ``scale_by_*`` (no learning rate,
 for a chain such as big_vision's) and the full optimizer (``kron``, ``shampoo``, ``soap``, ``muon``).

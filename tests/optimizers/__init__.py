@@ -1,1 +1,1 @@
-"""The library's Kron, Shampoo and Muon: math, tiles on any mesh, state dtypes, migration."""
+"""The library's optimizers: math, tiles on any mesh, state dtypes, migration."""

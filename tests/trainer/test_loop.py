@@ -8,11 +8,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from trainers import loop
+from trainers import loop, start
 from trainers.errors import NonFiniteLossError
 from trainers.figures import utilization
-from trainers.hooks import divergence
-from trainers.rundir import checkpoint
+from trainers.hooks import divergence, metrics
 
 
 class Value:
@@ -36,20 +35,20 @@ class Run:
     config = ml_collections.ConfigDict(
         dict(log_every=log_every, eval_every=1000, total_steps=total, batch_size=2)
     )
-    log = loop.StepLog(
+    log = metrics.StepLog(
         config,
         types.SimpleNamespace(unit="tokens", per_example=8, bytes_per_token=None),
         {},
-        checkpoint.Start(0, "scratch"),
+        start.Start(0, "scratch"),
         evaluate=lambda params: float(params),
         write=self.records.append,
         cost=utilization.StepCost(1e9, "jaxpr", 8, None),
     )
     watch = divergence.LossWatch(policy, lr=1e-3, write=self.records.append)
     plan = types.SimpleNamespace(mismatches=lambda state: [])
-    pending = loop.Pending(watch, log)
-    self.loop = loop.Loop(self.step, pending, plan, config)
-    self.loop.add_hook(pending.evaluate, every=config.eval_every, name="eval")
+    self.loop = loop.Loop(self.step, watch, plan, config)
+    self.loop.add_hook(self.loop.pending.evaluate, every=config.eval_every, name="eval")
+    self.loop.add_hook(name="metrics", every=log_every, read=log)
     self.loop.add_checkpointer(self)
 
   def step(self, state, batch):
@@ -123,6 +122,7 @@ def test_hooks_run_in_order_at_their_period_and_the_last_step_and_one_may_stop()
   assert run.saved == [] and [r["step"] for r in run.records] == [1]  # Stopped: no end hook.
   assert [hook.name for hook in run.loop.hooks] == [
       "eval",
+      "metrics",
       "checkpoint",
       "third",
       "stop",

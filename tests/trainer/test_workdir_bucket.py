@@ -31,10 +31,11 @@ from gcp_storage_emulator.handlers import objects
 from gcp_storage_emulator.server import DELETE, GET, POST
 
 from tests.helpers import ROOT, environment, quick_lm, run_module
-from trainers import loop, optimizers
+from trainers import loop, optimizers, start
 from trainers.errors import ConfigError
 from trainers.figures import utilization
 from trainers.hooks import divergence
+from trainers.hooks import metrics as metrics_hook
 from trainers.launch import free_port
 from trainers.rundir import (
     checkpoint,
@@ -400,25 +401,30 @@ def test_the_loop_never_waits_on_a_record_and_a_checkpoint_follows_its_records(
   importlib.import_module("tensorboardX")  # What the first record imports (1-2 s), not timed.
   run, total = f"gs://{BUCKET}/looped", 30
   config = ml_collections.ConfigDict(
-      dict(log_every=5, eval_every=1000, total_steps=total, batch_size=2, ckpt_steps=15)
+      dict(
+          log_every=5,
+          eval_every=1000,
+          total_steps=total,
+          batch_size=2,
+          ckpt_steps=15,
+          keep_ckpt_steps=None,
+      )
   )
   metrics, curves = workdir.MetricsWriter(run), events.EventWriter(run)
   task = types.SimpleNamespace(unit="tokens", per_example=8, bytes_per_token=None)
   cost = utilization.StepCost(1e9, "jaxpr", 8, None)
-  log = loop.StepLog(
+  log = metrics_hook.StepLog(
       config,
       task,
       {},
-      checkpoint.Start(0, "scratch"),
+      start.Start(0, "scratch"),
       lambda params: 0.0,
-      loop.fan_out(metrics, curves),
+      metrics_hook.fan_out(metrics, curves),
       cost,
   )
   watch = divergence.LossWatch("stop", lr=1e-3)
   written = lambda: parts.each([metrics.until_written(), curves.until_written()])
-  handler = signal.getsignal(signal.SIGTERM)  # Checkpoints installs its own.
   ckpt = checkpoint.Checkpoints(str(tmp_path), config, optimizers.BuiltOptimizer("adamw", {}))
-  signal.signal(signal.SIGTERM, handler)
   began = []
 
   @jax.jit
@@ -438,7 +444,8 @@ def test_the_loop_never_waits_on_a_record_and_a_checkpoint_follows_its_records(
 
   state = {"params": {"w": jnp.ones(4)}, "opt": {"n": jnp.zeros((), jnp.int32)}}
   no_plan = types.SimpleNamespace(mismatches=lambda state: [])
-  looped = loop.Loop(timed, loop.Pending(watch, log, written), no_plan, config)
+  looped = loop.Loop(timed, watch, no_plan, config, written)
+  looped.add_hook(name="metrics", every=config.log_every, read=log)
   looped.add_checkpointer(ckpt)
   looped.run(state, paced())
   metrics.close()

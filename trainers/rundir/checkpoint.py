@@ -1,39 +1,37 @@
-"""Durable runs: orbax checkpoints restored onto the current plan, resume, preemption.
+"""Durable runs: orbax checkpoints of the train state, saved and read back onto the current plan.
 
 A checkpoint (``workdir/checkpoints/<step>/``) holds three orbax items: ``params``,
 ``opt`` (the optimizer state) and ``meta`` (step, the step the optimizer state was
-born at, the optimizer's record: what the run's :class:`Migration` wrote, and every array's
-checksum: :mod:`~trainers.rundir.checksums`). Data and RNG are pure functions of (seed,
-step), so the step is all the rest of the run needs to continue exactly.
+born at, the optimizer's record: what the run's optimizer's ``record()`` wrote, and every
+array's checksum: :mod:`~trainers.rundir.checksums`). Data and RNG are pure functions of
+(seed, step), so the step is all the rest of the run needs to continue exactly.
 
 A step that does not check out is never loaded: unreadable files (a truncated or missing
 one, an empty stray folder), an array whose checksum is not the one saved with it (bytes
 changed on disk), or a folder named after another step than its meta records. The run says
 which step and what failed, moves the step into ``damaged-<step>/`` (nothing is deleted) and
-resumes from the newest step that checks out; with none left it stops in one line.
-``load_params`` (``config.model_init``, ``trainers.sample``) falls back the same way.
+resumes from the newest step that checks out (:meth:`Checkpoints.newest_good`); with none
+left it stops in one line. ``load_params`` (``config.model_init``, ``trainers.sample``) falls
+back the same way.
 
-Restoring never reads the saved shardings: the target is ``plan.abstract()``, the
-current config's plan, so a checkpoint moves between meshes and process counts.
-Params and step are always restored; what becomes of the optimizer state is the
-optimizer's to say (:meth:`Migration.migrate`: kept, moved, or None). When None, the
-new optimizer's state is born sharded from the plan, its schedule continuing at the global
-step, with the saved leaves that mean the same in it (moments with the count that corrects
-them) carried over and the rest born afresh, both logged (:meth:`Migration.reborn`,
-bv_sharding/optimizers/rebirth.py). A floating-point array saved in another dtype (another ``config.param_dtype``
-or ``config.state_dtype``) is cast to the plan's as orbax reads its shards, and the log
-says so (e.g. "restored params cast float32 -> bfloat16 (12 leaves); opt state cast
-float32 -> bfloat16 (30 leaves)"); a leaf of another name or shape is a difference.
+Reading never uses the saved shardings: the target is ``plan.abstract()``, the current
+config's plan, so a checkpoint moves between meshes and process counts. A floating-point
+array saved in another dtype (another ``config.param_dtype`` or ``config.state_dtype``) is
+cast to the plan's as orbax reads its shards (:func:`casts`, :func:`cast_note`: "restored
+params cast float32 -> bfloat16 (12 leaves)"); a leaf of another name or shape is a
+difference (:func:`first_difference`). What a resume makes of what it reads (the optimizer
+state kept, moved or born afresh; ``config.model_init``; a fresh init) is the run's:
+``trainers/start.py``; saving on SIGTERM is the preemption hook's
+(``trainers/hooks/preemption.py``), which calls :meth:`Checkpoints.preempted`.
 
-The training loop's use (``Checkpoints`` installs a SIGTERM handler, so it is shown,
-not run here)::
+The training loop's use (it needs a workdir, so it is shown, not run here)::
 
-  ckpt = Checkpoints(workdir, config, migration)
-  state, start = ckpt.restore_or_init(plan, tx, fresh=lambda: init_state(init, tx, plan))
-  for step in range(start.step + 1, total + 1):
+  ckpt = Checkpoints(workdir, config, migration, plan)
+  state, begun = ckpt.newest_good(read) or fresh()  # read(manager, step): start.restore
+  ckpt.begin(begun.step, begun.opt_start)  # What the next checkpoints' meta records.
+  for step in range(begun.step + 1, total + 1):
     state, loss = train_step(state, batch)
-    if ckpt.step_done(step, state):  # SIGTERM: saved at the same step everywhere
-      break
+    ckpt.step_done(step, state)  # Saves every config.ckpt_steps.
   ckpt.close(state)
 
 Example:
@@ -47,20 +45,17 @@ Example:
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import logging as logging_lib
 import os
 import re
 import resource
 import shutil
-import signal
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -70,7 +65,6 @@ from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
 from orbax.checkpoint._src.metadata import array_metadata_store
 
 from bv_sharding import Error, Plan
-from trainers import steps
 from trainers.errors import ConfigError
 from trainers.rundir import checksums, paths, saver
 
@@ -117,46 +111,6 @@ def no_room(error: BaseException) -> int | None:
 
 class CheckpointMismatchError(ConfigError):
   """A checkpoint whose params do not fit this config's model (names, shapes, non-float dtypes)."""
-
-
-class Migration(Protocol):
-  """The run's optimizer, as its checkpoints need it (the optimizer package's ``BuiltOptimizer``).
-
-  ``record()``: JSON-able entries each checkpoint's ``meta`` carries for it.
-  ``migrate(saved_meta, differs, load)``: ``(state, reason)``, the saved optimizer state
-  for this run (None: re-initialise it) and why, in words. ``saved_meta``: the
-  checkpoint's meta; ``differs(tree=None)``: None when the saved state's leaves are
-  ``tree``'s (default: the state this run builds), else the first differing leaf
-  (:func:`first_difference`); ``load(targets=None)``: the saved state read onto
-  ``targets`` (default: the plan's shardings; read only if kept).
-  ``reborn(state, step, saved_meta, saved_table, read)``: ``(state, carried, renewed)``, a
-  state just born at ``step`` continuing the schedule there, with the saved leaves it carries
-  over (``{new leaf: saved leaf}``; ``read({saved leaf: target})`` reads them) and the
-  names of the leaves it leaves as born (each param path written ``*``).
-  """
-
-  def record(self) -> dict:
-    ...
-
-  def migrate(self, saved_meta: dict, differs: Callable, load: Callable) -> tuple:
-    ...
-
-  def reborn(self, state, step: int, saved_meta: dict, saved_table: dict, read) -> tuple:
-    ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Start:
-  """Where a run starts: ``step`` done so far, ``source`` (a path or "scratch"), ``opt_start``.
-
-  ``opt_start`` is the step the optimizer state was born at: its schedule counts global
-  steps (the logged learning rate is ``lr(step - 1)``), its ``config.rewarmup_steps`` ramp
-  the steps since ``opt_start``.
-  """
-
-  step: int
-  source: str
-  opt_start: int = 0
 
 
 def leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -244,14 +198,15 @@ class Checkpoints:
   a save). orbax writes to a temporary directory and renames it when complete (in a bucket: a
   commit file), so a cut-off write is never listed.
 
-  ``migration``: the run's optimizer, as its checkpoints need it (:class:`Migration`).
+  ``migration``: the run's optimizer; its ``record()`` goes into each checkpoint's meta
+  (``trainers.start.Migration``).
   ``plan``: the state's plan, which sizes each item's write budget (:func:`saver.write_budget`:
   at most a quarter of the state being written at once); None: orbax's default.
 
   Example: ``ckpt = Checkpoints(workdir, config, migration, plan); ckpt.latest_step()``.
   """
 
-  def __init__(self, workdir: str, config, migration: Migration, plan: Plan | None = None):
+  def __init__(self, workdir: str, config, migration, plan: Plan | None = None):
     quiet_orbax()  # Before the manager is made: its creation logs a dozen INFO lines.
     self.directory = os.fspath(_absolute(workdir) / CHECKPOINTS)
     self.config, self.migration = config, migration
@@ -259,13 +214,13 @@ class Checkpoints:
     self.state_bytes = plan.total_bytes if plan else 0
     self.manager = open_manager(
         self.directory,
-        ckpt_steps=config.get("ckpt_steps"),
-        keep_ckpt_steps=config.get("keep_ckpt_steps"),
+        ckpt_steps=config.ckpt_steps,
+        keep_ckpt_steps=config.keep_ckpt_steps,
         total_steps=config.total_steps,
         write_bytes={item: saver.write_budget(tree) for item, tree in abstract.items()},
     )
-    self.preemption = Preemption()
     self.opt_start = self.step = 0
+    self.saved: int | None = None  # The step of the last save started.
     self.saver = saver.BackgroundSaver()
 
   def latest_step(self) -> int | None:
@@ -281,37 +236,15 @@ class Checkpoints:
         return step
     return None
 
-  def restore_or_init(self, plan: Plan, tx: optax.GradientTransformation, fresh) -> tuple:
-    """``(state, Start)``: the latest checkpoint, else ``config.model_init``, else ``fresh()``.
-
-    The state lands in ``plan``'s shardings. A checkpoint of another model raises
-    ``CheckpointMismatchError`` naming the first differing leaf.
-    """
-    restored = self._newest_good(plan, tx)
-    if restored is not None:
-      state, start = restored
-    elif self.config.get("model_init"):
-      params, source = load_params(self.config.model_init, plan)
-      state = {"params": params, "opt": steps.init_opt(tx, plan, params)}
-      start = Start(0, source)
-      logging.info(
-          "params from config.model_init=%s: %s; optimizer state and step start fresh",
-          self.config.model_init,
-          source,
-      )
-    else:
-      state, start = fresh(), Start(0, "scratch")
-    self.opt_start, self.step = start.opt_start, start.step
-    return state, start
-
-  def _newest_good(self, plan: Plan, tx) -> tuple | None:
-    """``restore`` of the newest step that checks out, None without one; each step that does
-    not is logged and moved aside into ``damaged-<step>`` (``DamagedCheckpointError`` when
-    none is left)."""
+  def newest_good(self, read: Callable[[ocp.CheckpointManager, int], Any]) -> Any | None:
+    """``read(manager, step)`` of the newest step that checks out, None without one; each step
+    that does not (``read`` raised ``DamagedCheckpointError``) is logged and moved aside into
+    ``damaged-<step>`` (``DamagedCheckpointError`` when none is left). The run's ``read`` is
+    ``trainers.start.restore``."""
     damaged = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
-        return restore(self.manager, step, plan, tx, self.migration)
+        return read(self.manager, step)
       except DamagedCheckpointError as e:
         logging.warning("%s; trying the previous checkpoint", e)
         damaged.append(str(e))
@@ -322,6 +255,11 @@ class Checkpoints:
           f"into {DAMAGED.format('<step>')}: run again to start fresh"
       )
     return None
+
+  def begin(self, step: int, opt_start: int = 0) -> None:
+    """The run goes on from ``step``, its optimizer state born at ``opt_start``: what the next
+    checkpoints' meta records (and the step a save at the end falls back to)."""
+    self.step, self.opt_start = step, opt_start
 
   def _move_aside(self, step: int) -> None:
     """Process 0 moves damaged step ``step`` into ``damaged-<step>``; every process waits."""
@@ -337,30 +275,41 @@ class Checkpoints:
     self.manager.reload()
 
   def step_done(self, step: int, state, before_save: Callable = lambda: None) -> bool:
-    """Saves if ``step`` is due or preemption was signalled; True when the run must stop now.
+    """Saves if ``step`` is due (``config.ckpt_steps``); False: the run goes on.
 
     ``before_save()`` runs first, in the loop (it reads the pending losses: a non-finite one
     raises), and returns what the checkpoint must follow: a wait (or None) that the save
     calls on its own thread before it saves, so the checkpoint is committed after it (the
-    records up to ``step`` in a bucket: :class:`~trainers.loop.Pending`) while the loop goes
-    on.
+    records up to ``step`` in a bucket: the loop's ``Pending``) while the loop goes on.
     """
     self.step = step
-    preempted = self.preemption.reached(step)
-    if preempted or self.manager.should_save(step):
-      self.check_room()
-      follows = before_save()
-      with self.writing():
-        self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
-      meta = self._meta(step, state)
-      state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
-      self.saver.submit(save_after, follows, self.manager, step, state, meta, preempted)
-    if preempted:
-      with self.writing():
-        self.saver.wait()
-        self.manager.close()  # Waits for the write.
-      logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
-    return preempted
+    if self.manager.should_save(step):
+      self._save(step, state, before_save, force=False)
+    return False
+
+  def preempted(self, step: int, state, before_save: Callable = lambda: None) -> bool:
+    """Saves ``step`` (unless saved already) and waits for the write: the run was preempted
+    (``trainers/hooks/preemption.py``) and stops now, so True. ``before_save``: as for
+    :meth:`step_done`."""
+    self.step = step
+    if self.saved != step:
+      self._save(step, state, before_save, force=True)
+    with self.writing():
+      self.saver.wait()
+      self.manager.close()  # Waits for the write.
+    logging.info("preempted: saved step %d to %s; exiting", step, self.directory)
+    return True
+
+  def _save(self, step: int, state, before_save: Callable, force: bool) -> None:
+    """Starts a save of ``state`` at ``step``, the loop waiting only for its host copy."""
+    self.check_room()
+    follows = before_save()
+    with self.writing():
+      self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
+    meta = self._meta(step, state)
+    state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
+    self.saver.submit(save_after, follows, self.manager, step, state, meta, force)
+    self.saved = step
 
   def close(self, state, before_save: Callable = lambda: None) -> None:
     """Saves ``state`` at the last step done (unless saved already; after ``before_save()``
@@ -471,13 +420,15 @@ def open_manager(
 
 
 class _Manager(ocp.CheckpointManager):
-  """orbax's manager, leaving jax's preemption sync point to the loop (:class:`Preemption`).
+  """orbax's manager, leaving jax's preemption sync point to the loop
+  (``trainers/hooks/preemption.py``).
 
   jax's sync point must be asked once per step, in step order: it reports the last step it
   was asked about when a SIGTERM arrives, and the processes stop one step after the highest.
   orbax asks it too, from the threads that save and finalize, about the step they save,
   which set that count back while the loop has moved on (two processes then agreed on a step
-  their loops had passed and never stopped). The loop saves on preemption itself.
+  their loops had passed and never stopped). The preemption hook saves itself
+  (:meth:`Checkpoints.preempted`).
   """
 
   def reached_preemption(self, step: int) -> bool:
@@ -643,6 +594,14 @@ def save(manager: ocp.CheckpointManager, step: int, state, meta: dict, force: bo
   manager.save(step, args=args, force=force)
 
 
+def saved_tables(manager: ocp.CheckpointManager, step: int) -> tuple[dict, dict]:
+  """``(params, opt)``: the :func:`leaf_table` of each item saved at ``step``, from their
+  metadata (no array read); ``DamagedCheckpointError`` if it cannot be read."""
+  with reading(manager, step):
+    metadata = manager.item_metadata(step)
+    return tuple(leaf_table(metadata[item].tree) for item in (PARAMS, OPT))
+
+
 def check_params(
     manager: ocp.CheckpointManager, step: int, plan: Plan, saved: dict | None = None
 ) -> dict[str, int]:
@@ -661,62 +620,6 @@ def check_params(
         "or use a new workdir"
     )
   return casts(want, saved)
-
-
-def restore(
-    manager: ocp.CheckpointManager,
-    step: int,
-    plan: Plan,
-    tx,
-    migration: Migration,
-    verify: bool = True,
-):
-  """``(state, Start)`` from ``step`` in ``plan``'s shardings; the optimizer state as
-  ``migration`` says (kept, moved, or re-initialised from ``tx``), logged in one line.
-
-  Saved floating-point arrays in another dtype (``config.param_dtype``,
-  ``config.state_dtype``) are cast to the plan's as they are read, logged in one line too.
-  Every array is checked against its checksum (:func:`restore_item`; ``verify=False``: not).
-  The items' metadata is read once.
-  """
-  meta = read_meta(manager, step)
-  with reading(manager, step):
-    metadata = manager.item_metadata(step)
-    saved_params, saved_opt = (leaf_table(metadata[item].tree) for item in (PARAMS, OPT))
-  param_casts = check_params(manager, step, plan, saved_params)
-  target = plan.abstract()
-
-  def differs(tree=None):
-    mismatch = first_difference(leaf_table(target[OPT] if tree is None else tree), saved_opt)
-    return mismatch and f"{OPT}/{mismatch}"
-
-  load = lambda targets=None: restore_item(
-      manager, step, OPT, target[OPT] if targets is None else targets, meta, saved_opt, verify
-  )
-  opt, why = migration.migrate(meta, differs, load)
-  params = restore_item(manager, step, PARAMS, target[PARAMS], meta, saved_params, verify)
-  source = str(manager.directory / str(step))
-  opt_casts = casts(leaf_table(target[OPT]), saved_opt) if opt is not None else {}
-  if note := cast_note({"params": param_casts, "opt state": opt_casts}):
-    logging.info("%s", note)
-  if opt is not None:
-    logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
-    return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
-  read = lambda targets: restore_leaves(manager, step, OPT, targets, meta, verify)
-  born = steps.init_opt(tx, plan, params)
-  opt, carried, renewed = migration.reborn(born, step, meta, saved_opt, read)
-  logging.info(
-      "resumed at step %d from %s with params and step only: optimizer state re-initialised (%s), "
-      "the new state born sharded from the plan, its schedule at step %d; carried over: %s; "
-      "born afresh: %s",
-      step,
-      source,
-      why,
-      step,
-      ", ".join(f"opt/{saved} -> opt/{new}" for new, saved in carried.items()) or "nothing",
-      ", ".join(f"opt/{name}" for name in renewed) or "nothing",
-  )
-  return {"params": params, "opt": opt}, Start(step, source, step)
 
 
 def restore_leaves(
@@ -792,33 +695,6 @@ def _locate(path: epath.Path) -> tuple[epath.Path, int | None]:
   if path.name.isdigit():
     return path.parent, int(path.name)
   return path, None
-
-
-class Preemption:
-  """SIGTERM at a step boundary that every process agrees on.
-
-  Several processes: jax's preemption sync point (the coordination service
-  catches SIGTERM on any process and picks the same step for all). One process:
-  a SIGTERM handler sets a flag read at the next step.
-
-  Example: ``if Preemption().reached(step): save_and_exit()``.
-  """
-
-  def __init__(self):
-    self.signalled = False
-    self.multi = jax.process_count() > 1
-    if not self.multi:
-      signal.signal(signal.SIGTERM, self._on_sigterm)
-
-  def _on_sigterm(self, signum, frame):
-    del signum, frame
-    logging.info("SIGTERM: saving at the end of this step")
-    self.signalled = True
-
-  def reached(self, step: int) -> bool:
-    if self.multi:
-      return multihost_utils.reached_preemption_sync_point(step)
-    return self.signalled
 
 
 class _NoOrbaxInfo(logging_lib.Filter):
