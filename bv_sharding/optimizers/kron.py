@@ -315,9 +315,32 @@ def _probe_vectors(key: jax.Array, grads: list[jax.Array]):
   key, coin_key = jax.random.split(key)
   do_balance = jax.random.uniform(coin_key) < _BALANCE_PROBABILITY
   _, probe_key = jax.random.split(key)
-  keys = jax.random.split(probe_key, len(grads))
-  probes = [jax.random.normal(k, g.shape, g.dtype) for k, g in zip(keys, grads)]
-  return do_balance, probes
+  return do_balance, normals(jax.random.split(probe_key, len(grads)), grads)
+
+
+def normals(keys: jax.Array, likes: list[jax.Array]) -> list[jax.Array]:
+  """``jax.random.normal(keys[i], likes[i].shape, likes[i].dtype)`` for each ``i``, those of
+  one shape and dtype drawn in one loop (``lax.map``): the same values, one RNG program per
+  shape instead of one per array. The loop's output is materialized: a draw outside a loop is
+  recomputed by XLA inside each fusion that reads it (a param-shaped draw is a few hundred
+  instructions to compile, and Kron's step reads each probe in several).
+
+  Example:
+      >>> keys = jax.random.split(jax.random.PRNGKey(0), 3)
+      >>> likes = [jnp.zeros((2, 3)), jnp.zeros(4), jnp.zeros((2, 3))]
+      >>> drawn = normals(keys, likes)
+      >>> bool((drawn[2] == jax.random.normal(keys[2], (2, 3))).all()), drawn[1].shape
+      (True, (4,))
+  """
+  groups: dict[tuple, list[int]] = {}
+  for i, x in enumerate(likes):
+    groups.setdefault((x.shape, x.dtype), []).append(i)
+  out: list = [None] * len(likes)
+  for (shape, dtype), members in groups.items():
+    draw = lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype)
+    for i, x in zip(members, jax.lax.map(draw, keys[jnp.array(members)])):
+      out[i] = x
+  return out
 
 
 def leaf_tiling(

@@ -64,6 +64,22 @@ def pool_key(run: BlockRun) -> tuple:
   return (run.fn, run.blocks.mesh, dtypes) + _stacks_key(run.blocks, run.stacks)
 
 
+def like_groups(runs: Sequence[BlockRun]) -> list[list[int]]:
+  """The indices of ``runs`` grouped by their blocks (the same param shape, spec and tiles),
+  in order of first appearance: each group's arrays and stacks move to the pool as one.
+
+  Example:
+      >>> from bv_sharding.optimizers.tiles import ShardBlocks
+      >>> a, b = ShardBlocks((4, 4), (1, 1), 2), ShardBlocks((4, 2), (1, 1), 2)
+      >>> like_groups([BlockRun(a, None, [], ()), BlockRun(b, None, [], ()), BlockRun(a, None, [], ())])
+      [[0, 2], [1]]
+  """
+  groups: dict[ShardBlocks, list[int]] = {}
+  for i, run in enumerate(runs):
+    groups.setdefault(run.blocks, []).append(i)
+  return list(groups.values())
+
+
 def run_pool(runs: Sequence[BlockRun]):
   """``(outs per run, new stacks per run)``: ``fn`` once on the runs' blocks, in ``shard_map``
   over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
@@ -73,7 +89,9 @@ def run_pool(runs: Sequence[BlockRun]):
   :func:`~bv_sharding.optimizers.placement.stored_spec`), so that joining them is local and
   the pool's move to dim 0 (and back) is one all-to-all per array. Each stack is split along
   a block dim of its own: a 3-D or 4-D param's tile stack ``(n, *sizes)`` and its factor
-  stacks (``(n, b, b)``, ``(n, b)``) differ in rank.
+  stacks (``(n, b, b)``, ``(n, b)``) differ in rank. Runs of like params (:func:`like_groups`)
+  are stacked first and move as one array (a leading dim no mesh axis splits): the program
+  holds one move per group of like params, not one per param, and the bytes are the same.
   """
   mesh = runs[0].blocks.mesh
   sizes = dict(mesh.shape)
@@ -82,21 +100,32 @@ def run_pool(runs: Sequence[BlockRun]):
   place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
   along = lambda x: place(x, P(None, *spread(x.shape[1:], axes, sizes)))
-  counts = [run.blocks.count for run in runs]
+  groups = like_groups(runs)
+  ordered = [runs[i] for members in groups for i in members]  # The pool's order.
+  counts = [run.blocks.count for run in ordered]
   total = sum(counts) + -sum(counts) % mesh.size
 
   def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
     stack = jnp.concatenate([along(x) for x in parts])
     return place(along(padded(stack, total)), dealt)
 
-  tile_specs = [_tile_spec(run.blocks, sizes) for run in runs]
-  # Each array resharded to its run's tile layout, then cut into its tiles.
-  tiles = [[r.blocks.split(place(x, t)) for x in r.arrays] for r, t in zip(runs, tile_specs)]
+  stack = lambda *xs: jnp.stack(xs)
+  flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
+  tiles, factors = [], []
+  for members in groups:
+    blocks, like = runs[members[0]].blocks, [runs[i] for i in members]
+    tile_spec = P(None, *_tile_spec(blocks, sizes))
+    # Each array resharded to its params' tile layout, then cut into their tiles.
+    cut = lambda xs, blocks=blocks, spec=tile_spec: flat(
+        jax.vmap(blocks.split)(place(stack(*xs), spec))
+    )
+    tiles.append([cut(xs) for xs in zip(*[r.arrays for r in like])])
+    grouped = jax.tree.map(stack, *[r.stacks for r in like])
+    factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
   arrays = [pool(parts) for parts in zip(*tiles)]
-  flat = [jax.tree.map(r.blocks.to_run, r.stacks) for r in runs]
-  stacks = jax.tree.map(lambda *parts: pool(parts), *flat)
+  stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
   shared, per_block = [], []
-  for values in zip(*[r.scalars for r in runs]):
+  for values in zip(*[r.scalars for r in ordered]):
     same = all(v is values[0] for v in values)
     shared.append(values[0] if same else None)
     per_block.append(
@@ -119,15 +148,21 @@ def run_pool(runs: Sequence[BlockRun]):
   outs, new_stacks = body(arrays, stacks, per_block)
   outs = [along(o) for o in outs]
   new_stacks = jax.tree.map(along, new_stacks)
-  merged, cuts, start = [], [], 0
-  for run, n, tile_spec in zip(runs, counts, tile_specs):
-    cut = lambda x, start=start, n=n, blocks=run.blocks: blocks.from_run(x[start : start + n])
-    spec = P(*run.blocks.spec)
-    merged.append(
-        [place(place(run.blocks.merge(x[start : start + n]), tile_spec), spec) for x in outs]
+  merged, cuts, start = [None] * len(runs), [None] * len(runs), 0
+  for members in groups:
+    blocks, k = runs[members[0]].blocks, len(members)
+    n = blocks.count
+    tile_spec = P(None, *_tile_spec(blocks, sizes))
+    mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
+    back = [place(jax.vmap(blocks.merge)(mine(o)), tile_spec) for o in outs]
+    back = [place(x, P(None, *blocks.spec)) for x in back]
+    unrun = jax.tree.map(
+        lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new_stacks
     )
-    cuts.append(stored(run.blocks, jax.tree.map(cut, new_stacks)))
-    start += n
+    for j, i in enumerate(members):
+      merged[i] = [x[j] for x in back]
+      cuts[i] = stored(blocks, jax.tree.map(lambda x, j=j: x[j], unrun))
+    start += k * n
   return merged, cuts
 
 

@@ -1,6 +1,7 @@
 """The trainer's real train step with Kron/Shampoo and owner-computed Muon on a 2-D mesh (8
-simulated devices): XLA compiles it without "Involuntary full rematerialization" and moves at
-most its goal in adamw's bytes (docs/optimizers.md): shard-local blocks 1.10x, the default
+simulated devices): XLA compiles it without "Involuntary full rematerialization", into no more
+instructions over adamw's than measured (what compile time grows with), and it moves at most its
+goal in adamw's bytes (docs/optimizers.md): shard-local blocks 1.10x, the default
 tiles 1.25x, Muon 2x (one all-to-all of the momentum to the owners, an all-gather of the
 update). Each row is also held to the figure measured on this tiny config, so a regression
 shows even under its goal; a row whose measured figure misses its goal is an xfail that says
@@ -13,15 +14,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import step_traffic, traffic
+from benchmarks import compile_time, step_traffic, traffic
 
 config_with = step_traffic.config_for  # What the benchmark measures.
 
 
 @pytest.fixture(scope="module")
-def adamw_bytes():
+def adamw_step():
+  """adamw's step on lm_tp_fsdp (tiny): its wire bytes and compiled instructions."""
   hlo, _, _, _ = step_traffic.compile_step(config_with("lm_tp_fsdp", "adamw"))
-  return traffic.wire_bytes(hlo)
+  return traffic.wire_bytes(hlo), compile_time.instructions(hlo)
 
 
 GOAL = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.25, "shampoo": 1.25, "muon": 2.0}
@@ -30,14 +32,30 @@ GOAL = {"kron:local": 1.10, "shampoo:local": 1.10, "kron": 1.25, "shampoo": 1.25
 # every pooled factor makes the round trip to its owner each step (the state is the same on any
 # mesh, so no pool is stored as one: kron 1.32x and shampoo 1.99x while some were). On
 # size=small kron met it (1.17x) and shampoo did not (1.67x): docs/optimizers.md says why.
-MEASURED = {"kron:local": 1.00, "shampoo:local": 1.00, "kron": 1.34, "shampoo": 2.03, "muon": 1.21}
+# Shampoo 2.03x -> 1.93x when like params began to move to their pool as one (issue 34).
+MEASURED = {"kron:local": 1.00, "shampoo:local": 1.00, "kron": 1.34, "shampoo": 1.93, "muon": 1.21}
+# What XLA's compile time grows with: the compiled step's instructions over adamw's, measured
+# 2026-12-02 after issue 34's first steps (one RNG program per probe shape, one move to the pool
+# per group of like params), held as a regression bound. Issue 34's goal is 2x; the shard-local
+# blocks still run one program per param (kron:local), and on this tiny model each param's
+# elementwise parts weigh more than on lm.py small (kron 1.58x, shampoo 1.68x there).
+INSTRUCTIONS = {
+    "kron:local": 4.35,
+    "shampoo:local": 2.01,
+    "kron": 2.47,
+    "shampoo": 2.17,
+    "muon": 2.0,
+}
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("optimizer", list(GOAL))
-def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimizer, adamw_bytes):
+def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimizer, adamw_step):
   hlo, log, _, _ = step_traffic.compile_step(config_with("lm_tp_fsdp", optimizer))
   assert step_traffic.REMAT not in log
+  adamw_bytes, adamw_instructions = adamw_step
+  size = compile_time.instructions(hlo) / adamw_instructions
+  assert size <= INSTRUCTIONS[optimizer] + 0.02, f"{optimizer}: {size:.2f}x adamw's instructions"
   ratio = traffic.wire_bytes(hlo) / adamw_bytes
   assert ratio <= MEASURED[optimizer] + 0.02, f"{optimizer}: {ratio:.3f}x adamw's bytes"
   if ratio > GOAL[optimizer]:

@@ -1,0 +1,119 @@
+"""Compile time: the trainer's train step per optimizer, jax's persistent cache off.
+
+For each config the trainer's train step (``trainers/build.py``'s ``compile_step``: its plan,
+optimizer and param layout) is traced, lowered and compiled on 8 simulated devices, never
+run, with jax's persistent compilation cache off and its in-memory caches cleared before
+each compile, so every optimizer pays its whole compile. The optimizers alternate over
+``--rounds`` rounds (adamw, kron, shampoo, muon, adamw, ...) so a loaded host slows each
+alike; a row gives the median seconds of tracing and lowering, of XLA's compile and their
+sum, the process's CPU seconds for that sum (``time.process_time``: every thread of the
+process, and little changed by other processes on a shared host), those CPU seconds over
+adamw's in the same round (the median of the rounds' ratios), and the compiled program's
+instruction count (``as_text()``; noise-free, and what compile time grows with).
+
+  python -m benchmarks.compile_time [--configs lm:size=small,lm:size=medium] \
+      [--optimizers adamw,kron,shampoo,muon] [--rounds 2]
+"""
+
+import os
+
+from trainers import ONE_BLAS_THREAD
+
+os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
+
+import statistics
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import flax.linen as nn  # noqa: E402
+
+import bv_sharding as bvs  # noqa: E402
+from benchmarks.step_traffic import config_for  # noqa: E402
+from trainers import build, steps  # noqa: E402
+from trainers.settings import cli  # noqa: E402
+
+CONFIGS = ("lm:size=small", "lm:size=medium")
+OPTIMIZERS = ("adamw", "kron", "shampoo", "muon")
+
+
+def instructions(hlo: str) -> int:
+  """The instructions of an HLO module's text: its lines that assign a value.
+
+  Example:
+      >>> instructions("ENTRY %main {\\n  %p = f32[] parameter(0)\\n  ROOT %n = f32[] negate(%p)\\n}")
+      2
+  """
+  return sum(" = " in line for line in hlo.splitlines())
+
+
+def compile_once(config) -> dict:
+  """Seconds to trace and lower, and to compile, the trainer's step of ``config``; the
+  compiled program's instruction count."""
+  jax.clear_caches()
+  mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
+  run = build.build(config, mesh)
+  sharding = steps.checked_batch_sharding(config, mesh)
+  jitted = steps.make_train_step(run.loss, run.tx, run.plan, sharding, config.grad_accum_steps)
+  batch = steps.abstract_batch(run.batch_shapes, sharding)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
+    start, cpu = time.perf_counter(), time.process_time()
+    lowered = jitted.lower(run.plan.abstract(), batch)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    done = time.perf_counter()
+  return {
+      "lower": lowered_at - start,
+      "compile": done - lowered_at,
+      "total": done - start,
+      "cpu": time.process_time() - cpu,
+      "instructions": instructions(compiled.as_text()),
+  }
+
+
+def rounds(spec: str, optimizers: list[str], count: int) -> dict[str, list[dict]]:
+  """Per optimizer, its :func:`compile_once` of each round, the optimizers alternating;
+  each with its ``ratio``: CPU seconds over the same round's first optimizer's."""
+  out = {name: [] for name in optimizers}
+  for _ in range(count):
+    first = None
+    for name in optimizers:
+      r = compile_once(config_for(spec, name))
+      first = first or r["cpu"]
+      out[name].append({**r, "ratio": r["cpu"] / first})
+  return out
+
+
+def row(spec: str, name: str, measured: list[dict]) -> str:
+  """One table row: the medians over the rounds."""
+  median = lambda key: statistics.median(r[key] for r in measured)
+  return (
+      f"| {spec} | {name} | {median('lower'):.1f} | {median('compile'):.1f} | "
+      f"{median('total'):.1f} | {median('cpu'):.1f} | {median('ratio'):.2f} | {measured[0]['instructions']} |"
+  )
+
+
+@cli.command
+def main(argv=None):
+  parser = cli.Parser("python -m benchmarks.compile_time", __doc__)
+  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="the first: the base")
+  parser.add_argument("--rounds", type=int, default=2)
+  args = parser.parse_args(argv)
+  # Here, not on import: the tests import this module and keep their shared cache.
+  jax.config.update("jax_enable_compilation_cache", False)
+  optimizers = args.optimizers.split(",")
+  print(
+      f"| config | optimizer | trace+lower s | XLA compile s | total s | CPU s | "
+      f"CPU x {optimizers[0]} | instructions |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
+  for spec in args.configs.split(","):
+    for name, measured in rounds(spec, optimizers, args.rounds).items():
+      print(row(spec, name, measured), flush=True)
+
+
+if __name__ == "__main__":
+  main()
