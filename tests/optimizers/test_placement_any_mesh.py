@@ -21,6 +21,7 @@ import pytest
 
 import bv_sharding as bvs
 from bv_sharding.optimizers import ParamLayout, kron, muon, shampoo
+from tests.optimizers import strategies
 
 # A ViT's ranks, tiny: 2-D, 3-D (attention kernel), 4-D (conv embedding), a scanned stack, a
 # bias. On 8 devices (4 x 2) "dense" is shard-local 8-tiles, the others' tiles span shards
@@ -42,15 +43,6 @@ SPECS = {
 MESH = [("data", -1), ("model", 2)]
 FIRST, THEN = 6, 4  # Steps before the save, and after it.
 OPTIMIZERS = ("kron", "shampoo", "muon")
-
-
-def _strategy() -> list[tuple[str, str]]:
-  """Each param (and the state following it) on its dims: ``shard_dim`` per axis."""
-  out = []
-  for name, spec in SPECS.items():
-    ops = [f"shard_dim(axis={a!r}, dim={d})" for d, a in enumerate(spec) if a]
-    out.append((f"(.*/)?{name}(/.*)?", "|".join(ops) or "replicate()"))
-  return out
 
 
 def _optimizer(name: str, layout: ParamLayout):
@@ -76,10 +68,10 @@ def _planned(name: str, devices: int):
   """``(tx, plan)`` of optimizer ``name`` on ``devices`` devices, as a user's loop plans them."""
   mesh = bvs.make_mesh(MESH, devices=jax.devices()[:devices])
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
-  params_plan = bvs.plan({"params": params}, _strategy(), mesh)
+  params_plan = bvs.plan({"params": params}, strategies.by_dims(SPECS), mesh)
   tx = _optimizer(name, ParamLayout.from_plan(params_plan))
   tree = {"params": params, "opt": jax.eval_shape(tx.init, params)}
-  return tx, bvs.plan(tree, _strategy(), mesh, params=params_plan)
+  return tx, bvs.plan(tree, strategies.by_dims(SPECS), mesh, params=params_plan)
 
 
 def _stepper(tx, plan):

@@ -18,6 +18,7 @@ import pytest
 
 import bv_sharding as bvs
 from bv_sharding.optimizers import ParamLayout, scale_by_soap, soap, with_state_dtype
+from tests.optimizers import strategies
 
 REFERENCE = pathlib.Path(__file__).parents[1] / "data/soap_reference.npz"
 
@@ -98,14 +99,6 @@ MESHES = {"1": (1, 1), "2": (2, 1), "4": (4, 1), "8": (8, 1), "4x2": (4, 2)}
 STEPS = 20
 
 
-def _strategy() -> list[tuple[str, str]]:
-  out = []
-  for name, spec in SPECS.items():
-    ops = [f"shard_dim(axis={a!r}, dim={d})" for d, a in enumerate(spec) if a]
-    out.append((f"(.*/)?{name}(/.*)?", "|".join(ops) or "replicate()"))
-  return out
-
-
 def _loss(params, k):
   """A loss whose gradient changes every step (``k``): SOAP moves nothing on its first step,
   and the same gradient again would be diagonal in its own statistics' bases, where Adam's
@@ -123,10 +116,10 @@ def _trajectory(mesh_name: str):
   data, model = MESHES[mesh_name]
   mesh = bvs.make_mesh([("data", data), ("model", model)], devices=jax.devices()[: data * model])
   abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
-  params_plan = bvs.plan({"params": abstract}, _strategy(), mesh)
+  params_plan = bvs.plan({"params": abstract}, strategies.by_dims(SPECS), mesh)
   tx = soap(3e-2, precondition_frequency=3, block_size=8, layout=ParamLayout.from_plan(params_plan))
   tree = {"params": abstract, "opt": jax.eval_shape(tx.init, abstract)}
-  plan = bvs.plan(tree, _strategy(), mesh, params=params_plan)
+  plan = bvs.plan(tree, strategies.by_dims(SPECS), mesh, params=params_plan)
   rng = np.random.default_rng(0)
   params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
   params = jax.device_put(params, plan.shardings["params"])
