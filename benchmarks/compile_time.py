@@ -55,8 +55,7 @@ def compile_once(config) -> dict:
   jax.clear_caches()
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
-  sharding = steps.checked_batch_sharding(config, mesh)
-  jitted = steps.make_train_step(run.loss, run.tx, run.plan, sharding, config.grad_accum_steps)
+  sharding, jitted = build.jit_step(run)
   batch = steps.abstract_batch(run.batch_shapes, sharding)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
     start, cpu = time.perf_counter(), time.process_time()

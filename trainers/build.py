@@ -149,6 +149,21 @@ class Step:
   eval: Callable
 
 
+def jit_step(run: Run) -> tuple[jax.sharding.NamedSharding, Callable]:
+  """The batch sharding of ``run`` and its jitted train step, not yet lowered: what
+  :func:`compile_step` compiles, for a caller that times the lowering and compiling itself.
+
+  Raises ``ConfigError`` if ``config.batch_size`` does not divide over the data axes.
+
+  Example: ``sharding, jitted = jit_step(run); jitted.lower(run.plan.abstract(), batch)``.
+  """
+  config = run.config
+  sharding = steps.checked_batch_sharding(config, run.mesh)
+  return sharding, steps.make_train_step(
+      run.loss, run.tx, run.plan, sharding, config.grad_accum_steps
+  )
+
+
 def compile_step(run: Run) -> Step:
   """The :class:`Step` of ``run`` (built on a ``Mesh``): what the trainer runs, the planning
   command's ``--compile`` sizes and every benchmark times; nothing allocated.
@@ -157,10 +172,8 @@ def compile_step(run: Run) -> Step:
 
   Example: ``step = compile_step(run); state, metrics = step.train(state, batch)``.
   """
-  config = run.config
-  sharding = steps.checked_batch_sharding(config, run.mesh)
-  jitted = steps.make_train_step(run.loss, run.tx, run.plan, sharding, config.grad_accum_steps)
-  compiled, figures = memory.compile_step(config, run.plan, jitted, sharding, run.batch_shapes)
+  sharding, jitted = jit_step(run)
+  compiled, figures = memory.compile_step(run.config, run.plan, jitted, sharding, run.batch_shapes)
   return Step(
       sharding, jitted, compiled, figures, steps.make_eval_step(run.loss, run.plan, sharding)
   )
