@@ -8,7 +8,7 @@ Then the trainer's own plans on 2-D meshes: configs/lm_tp_fsdp.py and
 configs/lm_7b_pod.py (data x model) on 256 abstract devices, scanned and unscanned,
 per optimizer: the run trainers/train.py builds (trainers/build.py: the config's
 optimizer section, the params' layout; Kron/Shampoo with the param's fixed tiles, and
-"kron:local"/"shampoo:local" with shard-local blocks).
+"kron:local"/"shampoo:local" with shard-local blocks; SOAP on Shampoo's tiles).
 Goal: ratio <= 1.05.
 
   python -m benchmarks.memory [--only_2d]
@@ -32,7 +32,7 @@ TRAINER_CONFIGS = {
     "lm_tp_fsdp": lm_tp_fsdp.get_config("size=small"),
     "lm_7b_pod": lm_7b_pod.get_config(),
 }
-TRAINER_OPTIMIZERS = ("adamw", "kron", "kron:local", "shampoo", "shampoo:local", "muon")
+TRAINER_OPTIMIZERS = ("adamw", "kron", "kron:local", "shampoo", "shampoo:local", "muon", "soap")
 
 
 def llama_shape(size: str):
