@@ -31,16 +31,18 @@ from the plan at step ``s`` with these differences from a fresh one:
   (:func:`in_grad_units`). Each saved moment is read with the decays the saving run recorded
   in its checkpoint (``registry.state_decays``, :meth:`BuiltOptimizer.record`: Lion's ``mu``
   decays by its ``b2``), the new optimizer's standing in for a checkpoint that recorded none.
-* **A sum of grads no saved leaf gives is born at zero and refilled** (:func:`refill`,
-  chained by the registry's sgd): Adafactor keeps no first moment and Shampoo's momentum
-  sums directions, not grads, so SGD's ``E[d]`` is not known; its trace starts at zero and
-  each param's updates are scaled by :func:`refill_scale` of the weight it misses, so the
-  first ones are at a full sum's scale (a fresh run's at that step, not at step 0), and the
-  log lists the trace among the leaves born afresh, marked :data:`REFILLED`. Shampoo's
-  momentum from a source without any first moment (Adafactor) is born at zero and not
-  refilled: its graft is born afresh too, so its first steps are Adam's ``g / |g|`` at the
-  full learning rate, and scaled up to a full sum's they raised a trained LM's eval loss
-  (muon -> shampoo, refilled before Muon's ``mu`` was used: 2.78 at step 20, 3.96 at 21).
+* **A first moment no saved leaf gives is born at zero and refilled** (:func:`refill`,
+  chained by the registry's sgd, shampoo and soap): Adafactor keeps no first moment, SOAP's
+  lie in its own bases and Shampoo's momentum sums directions, not grads, so the new sum's
+  ``E[d]`` is not known; SGD's trace and Shampoo's momentum then start at zero and each
+  param's updates are scaled by :func:`refill_scale` of the weight the sum misses, so the
+  first ones are at a full sum's scale (a fresh run's at that step, not at step 0). SOAP's
+  ``mu`` (never carried) is an EMA that Adam's bias correction fills as if its terms were
+  alike; its correction is the refill's instead (``corrected``). The log lists each such
+  leaf among those born afresh, marked :data:`REFILLED`.
+* **SOAP moves from its first step** (:func:`moving`): a fresh SOAP's first step only fits
+  its statistics and bases (count 0, as the authors' reference); born mid-run its count is 1,
+  and its first step fits them and takes Adam's step (``soap.py``), marked :data:`MOVING`.
 
 Example:
   >>> import jax.numpy as jnp, optax
@@ -62,6 +64,7 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.optimizers.shampoo import GRAD_UNITS
+from bv_sharding.optimizers.soap import SoapState
 
 # The moments a count beside them bias-corrects: EMAs of the grads and of their squares.
 _MOMENTS = ("mu", "nu")
@@ -241,6 +244,12 @@ def _starred(name: str, longest_first: list[str]) -> tuple[str, str | None]:
   return (name, None) if param is None else (padded.replace(f"/{param}/", "/*/", 1)[1:-1], param)
 
 
+def _first_moment(template: str) -> str | None:
+  """The field of the first moment (a heavy-ball sum, or an EMA's ``mu``) a leaf's name (its
+  param written ``*``) is part of, or None."""
+  return next((f for f in template.split("/") if f in _HEAVY_BALLS or f == _MOMENTS[0]), None)
+
+
 def _heavy_ball(template: str) -> str | None:
   """The field of the heavy-ball sum a leaf's name (its param written ``*``) is part of, or None."""
   return next((f for f in template.split("/") if f in _HEAVY_BALLS), None)
@@ -395,8 +404,8 @@ def in_grad_units(sources: dict, names: list[str]) -> list[str]:
 
 
 class RefillState(NamedTuple):
-  """Per param, the terms its heavy-ball sum has taken since a birth at zero: 0 at such a
-  birth, :data:`FULL` (int32's largest, where it stays) in a fresh run, whose sum is full."""
+  """Per param, the terms its first moment has taken since a birth at zero: 0 at such a
+  birth, :data:`FULL` (int32's largest, where it stays) in a fresh run, whose moment is full."""
 
   terms: Any
 
@@ -419,16 +428,22 @@ def refill_scale(missing) -> jax.Array:
   return (1.0 - missing) ** -0.5 * (1.0 - jnp.square(missing)) ** -0.25
 
 
-def refill(beta: float) -> optax.GradientTransformation:
-  """Scales each param's updates by :func:`refill_scale` of the weight its heavy-ball sum
-  (decay ``beta``) misses: none in a fresh run; a sum :func:`reborn` leaves at zero (no saved
-  leaf gives it) starts at a full sum's scale, and the scale falls to 1 as it fills.
+def refill(beta: float, corrected: bool = False) -> optax.GradientTransformation:
+  """Scales each param's updates by :func:`refill_scale` of the weight its first moment
+  (decay ``beta``) misses: none in a fresh run; a heavy-ball sum :func:`reborn` leaves at zero
+  (no saved leaf gives it) starts at a full sum's scale, and the scale falls to 1 as it fills.
+
+  ``corrected``: the updates come from an EMA that Adam's bias correction ``1 / (1 - beta^n)``
+  fills as if its terms were alike (SOAP's ``mu``); the refill's replaces it, and the updates
+  are scaled by ``(1 - beta^n) refill_scale(beta^n) = ((1 - beta^n) / (1 + beta^n)) ** 0.25``
+  (0.40 at the first step at ``beta`` 0.95): a fresh run's correction is the optimizer's own.
 
   Example:
-    >>> tx = refill(0.5)
-    >>> fresh, at_zero = tx.init({"w": 0}), RefillState({"w": jnp.int32(0)})  # As reborn marks it.
-    >>> [round(float(tx.update({"w": jnp.ones(1)}, s)[0]["w"][0]), 2) for s in (fresh, at_zero)]
-    [1.0, 1.52]
+    >>> fresh = refill(0.5).init({"w": 0})
+    >>> at_zero = RefillState({"w": jnp.int32(0)})  # As reborn marks a moment born at zero.
+    >>> first = lambda tx, s: round(float(tx.update({"w": jnp.ones(1)}, s)[0]["w"][0]), 2)
+    >>> [first(refill(0.5), s) for s in (fresh, at_zero)], first(refill(0.5, True), at_zero)
+    ([1.0, 1.52], 0.76)
   """
 
   def init(params):
@@ -437,15 +452,20 @@ def refill(beta: float) -> optax.GradientTransformation:
   def update(updates, state, params=None):
     del params
     terms = jax.tree.map(optax.safe_increment, state.terms)
-    scale = lambda u, n: (u * refill_scale(beta ** n.astype(jnp.float32))).astype(u.dtype)
-    return jax.tree.map(scale, updates, terms), RefillState(terms)
+    return jax.tree.map(scaled, updates, terms), RefillState(terms)
+
+  def scaled(u, n):
+    missing = beta ** n.astype(jnp.float32)
+    scale = refill_scale(missing) * (1.0 - missing if corrected else 1.0)
+    return (u * scale).astype(u.dtype)
 
   return optax.GradientTransformation(init, update)
 
 
 def unfilled(state, params: set[str]) -> tuple[Any, bool]:
-  """``(state, refilled)``: ``state`` with each :class:`RefillState` marking the sums of
-  ``params`` (their paths) born at zero (1), the others full (0); ``refilled``: whether it has one.
+  """``(state, refilled)``: ``state`` with each :class:`RefillState` marking the first moments
+  of ``params`` (their paths) born at zero (0 terms), the others full (:data:`FULL`);
+  ``refilled``: whether it has one.
   """
   marked = []
 
@@ -464,15 +484,33 @@ def _path_name(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
-# How a sum born at zero and refilled is listed among the leaves born afresh.
-REFILLED = " (at zero; its updates scaled to a full sum's while it fills: rebirth.refill)"
+# How a first moment born at zero and refilled is listed among the leaves born afresh.
+REFILLED = " (at zero; its updates at a full one's scale while it fills: rebirth.refill)"
+# How a SOAP count born at 1 (:func:`moving`) is listed among them.
+MOVING = " (at 1: SOAP fits its bases on its first step and moves, where a fresh run only fits)"
+
+
+def moving(state):
+  """``state`` with each SOAP count at 1: SOAP's first step (count 0) only fits its statistics
+  and bases, as the authors' reference does at a run's start; born mid-run it moves from its
+  first step, fitting them as it goes (``soap.py``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from bv_sharding.optimizers.soap import scale_by_soap
+    >>> int(moving(scale_by_soap().init({"w": jnp.ones((2, 2))})).count)
+    1
+  """
+  born = lambda x: x._replace(count=_filled(x.count, 1)) if isinstance(x, SoapState) else x
+  return jax.tree.map(born, state, is_leaf=lambda x: isinstance(x, SoapState))
 
 
 def reborn(state, step: int, saved: dict, read, params, learning_rate=None, decays=({}, {})):
   """``(state, carried, renewed)``: a state just born at ``step``, its schedules and ramp
   reborn there (:func:`at_step`), the saved moments that fit it carried (:func:`carried_leaves`)
-  and its heavy-ball sums born full from saved leaves (:func:`heavy_ball_sources`) or, with
-  none, at zero and refilled (:func:`refill`, where its optimizer chains one).
+  and its heavy-ball sums born full from saved leaves (:func:`heavy_ball_sources`); its first
+  moments no saved leaf gives at zero and refilled (:func:`refill`, where its optimizer chains
+  one), and SOAP's count at 1 (:func:`moving`).
 
   ``saved``: the saving run's state table ``{leaf: (shape, dtype)}``; ``read``: as for
   :func:`carry`; ``params``: the params' tree (its paths name the params); ``learning_rate``:
@@ -481,7 +519,7 @@ def reborn(state, step: int, saved: dict, read, params, learning_rate=None, deca
   recorded them, ``{}`` if it did not): a sum is born full only with the new one's ``beta``;
   ``carried``: ``{new leaf: saved leaf}``, each born sum's first source included;
   ``renewed``: the leaves left as born (:func:`renewed`), neither carried nor set by
-  :func:`at_step`, a refilled sum marked :data:`REFILLED`.
+  :func:`at_step`, a refilled moment marked :data:`REFILLED` and SOAP's count :data:`MOVING`.
   """
   names, paths = leaf_names(state), leaf_names(params)
   table = {n: (tuple(x.shape), str(x.dtype)) for n, x in zip(names, jax.tree.leaves(state))}
@@ -489,12 +527,14 @@ def reborn(state, step: int, saved: dict, read, params, learning_rate=None, deca
   sources = heavy_ball_sources(saved, table, paths).items()
   summed = {leaf: roles for leaf, roles in sources if _heavy_ball(leaf) in decays[0]}
   longest_first = sorted(paths, key=len, reverse=True)
-  empty = {_starred(n, longest_first)[1] for n in names if _heavy_ball(n) and n not in summed}
+  starred = {n: _starred(n, longest_first) for n in names}
+  firsts = {n for n, (template, _) in starred.items() if _first_moment(template)}
+  empty = {starred[n][1] for n in firsts - set(summed) - set(carried)}
   stepped, refilled = unfilled(at_step(state, step, learning_rate), empty)
-  moved = {
-      n for n, a, b in zip(names, jax.tree.leaves(state), jax.tree.leaves(stepped)) if a is not b
-  }
-  state = heavy_balls(carry(stepped, carried, read), summed, read, decays)
+  moved = _changed(names, state, stepped)
+  state = moving(stepped)
+  fitting = _changed(names, stepped, state)
+  state = heavy_balls(carry(state, carried, read), summed, read, decays)
   marked = in_grad_units(summed, names)
   leaves, treedef = jax.tree.flatten(state)
   state = treedef.unflatten(
@@ -503,4 +543,11 @@ def reborn(state, step: int, saved: dict, read, params, learning_rate=None, deca
   kept = set(carried) | set(summed) | moved
   carried = {**carried, **{leaf: next(iter(roles.values())) for leaf, roles in summed.items()}}
   left = renewed(names, kept, paths)
-  return state, carried, [n + REFILLED if refilled and _heavy_ball(n) else n for n in left]
+  notes = lambda n: REFILLED if refilled and _first_moment(n) else MOVING if n in fitting else ""
+  return state, carried, [n + notes(n) for n in left]
+
+
+def _changed(names: list[str], before, after) -> set[str]:
+  """The names of the leaves of ``after`` that are not those of ``before`` (flatten order)."""
+  pairs = zip(names, jax.tree.leaves(before), jax.tree.leaves(after))
+  return {n for n, a, b in pairs if a is not b}

@@ -5,12 +5,16 @@ keeps Shampoo's statistics ``S_i = EMA(G_(i) G_(i)^T)`` (decay ``shampoo_beta``)
 dim of a block, their eigenbases ``Q_i``, and runs Adam on the gradient rotated into them
 (``Q_i^T`` along each dim); Adam's direction is rotated back (``Q_i``). The first step only
 fits the statistics and takes their ``eigh`` (no update, as the reference: the projection
-never uses the current gradient); every ``precondition_frequency`` steps the bases are
-refreshed by one power iteration and a QR (``Q <- qr(S Q)``, the columns first sorted by
-their estimated eigenvalue and Adam's second moment permuted with them) and the first moment
-is carried into the new basis. A dim larger than ``max_precond_dim`` is not rotated, nor is
-a 1-D param unless ``precondition_1d`` (it trains with Adam); ``merge_dims`` first merges
-neighbouring dims while their product stays within ``max_precond_dim``.
+never uses the current gradient). A state born mid-run (another optimizer's run continued
+with SOAP: :func:`~bv_sharding.optimizers.rebirth.reborn`) has count 1 and moves from its
+first step: Adam's first step in the bases it is born with (``I``), then the bases fitted to
+that gradient's statistics, as for any block whose statistics were zero until then, and its
+moments (that gradient's alone) re-expressed in them. Every ``precondition_frequency`` steps
+the bases are refreshed by one power iteration and a QR (``Q <- qr(S Q)``, the columns first
+sorted by their estimated eigenvalue and Adam's second moment permuted with them) and the
+first moment is carried into the new basis. A dim larger than ``max_precond_dim`` is not
+rotated, nor is a 1-D param unless ``precondition_1d`` (it trains with Adam); ``merge_dims``
+first merges neighbouring dims while their product stays within ``max_precond_dim``.
 
 The blocks are Shampoo's (:func:`~bv_sharding.optimizers.shampoo.factor_tiling`: unit dims
 dropped, dims cut into ``block_size`` tiles, the same tiles on any mesh), run where they live
@@ -295,17 +299,33 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   mu = b1 * old_mu + (1.0 - b1) * rotated
   nu = b2 * old_nu + (1.0 - b2) * jnp.square(rotated)
   direction = _rotate(mu / (jnp.sqrt(nu) + eps), bases, dims, back=True)
+  unfit = jnp.all(stats[0] == 0, axis=(1, 2))  # Per block: no gradient yet (_unfit_moments).
   grams = [jax.vmap(gram_along, (0, None))(g, d) for d in dims]
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
   sorted_nu, new_bases = nu, []
   for i, (s, q) in enumerate(zip(stats, bases)):
     refreshed, sorted_nu = _power_qr(s, q, sorted_nu, dims[i])
     q = jnp.where(refresh, refreshed, q)
-    new_bases.append(jnp.where(first, _eigenbasis(s), q))
+    new_bases.append(jnp.where(unfit[:, None, None], _eigenbasis(s), q))
   carried = _rotate(_rotate(mu, bases, dims, back=True), new_bases, dims, back=False)
-  mu = jnp.where(first, old_mu, jnp.where(refresh, carried, mu))
-  nu = jnp.where(first, old_nu, jnp.where(refresh, sorted_nu, nu))
+  unfit = unfit.reshape(unfit.shape + (1,) * (mu.ndim - 1))
+  refit = _unfit_moments(carried, b1, b2)
+  mu = jnp.where(first, old_mu, jnp.where(refresh | unfit, carried, mu))
+  nu = jnp.where(first, old_nu, jnp.where(unfit, refit, jnp.where(refresh, sorted_nu, nu)))
   return direction, mu, nu, stats, new_bases
+
+
+def _unfit_moments(mu: jax.Array, b1: float, b2: float) -> jax.Array:
+  """The second moment beside ``mu`` when both hold one gradient ``x`` (``(1 - b1) x`` and
+  ``(1 - b2) x^2``): a block's moments when its statistics were zero before this step (its
+  first gradient: a fresh or reborn state's first step, or all earlier ones zero), re-expressed
+  in the bases just fitted to it (``mu`` rotated, ``nu`` from it).
+
+  Example:
+      >>> _unfit_moments(jnp.array([0.5, -1.0]), 0.5, 0.75).tolist()
+      [0.25, 1.0]
+  """
+  return (1.0 - b2) * jnp.square(mu / (1.0 - b1))
 
 
 def _soap_run(arrays, factors, first, refresh, *, dims, hyper):
@@ -456,14 +476,11 @@ def scale_by_soap(
   return blocked.transformation(_soap_init, _soap_update, settings)
 
 
-class _DecayState(NamedTuple):
-  count: jax.Array
-
-
 def decay_after_step(learning_rate: optax.ScalarOrSchedule, weight_decay: float):
   """The reference's decoupled weight decay, applied after the step: ``p <- (p + u)(1 - lr
   wd)`` for the update ``u`` it follows; none on the first step (SOAP's, which moves
-  nothing).
+  nothing). Its count is a schedule's (``optax.ScaleByScheduleState``): in a state born
+  mid-run it continues at the global step, and the first step decays.
 
   Example:
       >>> tx = decay_after_step(0.5, 0.1)
@@ -479,9 +496,10 @@ def decay_after_step(learning_rate: optax.ScalarOrSchedule, weight_decay: float)
     lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
     rate = jnp.where(state.count == 0, 0.0, lr * weight_decay)
     decayed = jax.tree.map(lambda u, p: (u - rate * (p + u)).astype(u.dtype), updates, params)
-    return decayed, _DecayState(optax.safe_increment(state.count))
+    return decayed, optax.ScaleByScheduleState(optax.safe_increment(state.count))
 
-  return optax.GradientTransformation(lambda _: _DecayState(jnp.zeros([], jnp.int32)), update)
+  init = lambda _: optax.ScaleByScheduleState(jnp.zeros([], jnp.int32))
+  return optax.GradientTransformation(init, update)
 
 
 def soap(

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import bv_sharding as bvs
-from bv_sharding.optimizers import ParamLayout, scale_by_soap, soap, with_state_dtype
+from bv_sharding.optimizers import ParamLayout, rebirth, scale_by_soap, soap, with_state_dtype
 from tests.optimizers import strategies
 
 REFERENCE = pathlib.Path(__file__).parents[1] / "data/soap_reference.npz"
@@ -156,3 +156,24 @@ def test_big_visions_spelling_builds_scale_by_soap():
   )
   state = tx.init({"w": jnp.ones((8, 4))})
   assert [b.shape for b in state.per_param["w"].bases] == [(2, 1, 4, 4), (2, 1, 4, 4)]
+
+
+def test_a_state_born_mid_run_moves_at_its_first_step():
+  """Born mid-run (``rebirth.moving``: count 1), SOAP's first update is Adam's first in the
+  bases it is born with (``I``); its bases are then those a fresh run fits on its first step,
+  and its moments that gradient's alone, re-expressed in them."""
+  tx = scale_by_soap(block_size=8)
+  grads = {"w": jax.random.normal(jax.random.key(0), (8, 4)), "b": jnp.arange(1.0, 5.0)}
+  update = jax.jit(tx.update)
+  _, fresh = update(grads, tx.init(grads))
+  updates, state = update(grads, rebirth.moving(tx.init(grads)))
+  adam = optax.scale_by_adam(0.95, 0.95, eps=1e-8)
+  want = adam.update(grads, adam.init(grads))[0]
+  for name in grads:
+    np.testing.assert_allclose(updates[name], want[name], rtol=1e-5)
+  q0, q1 = (np.asarray(q[0, 0]) for q in state.per_param["w"].bases)
+  for got, fitted in zip(state.per_param["w"].bases, fresh.per_param["w"].bases):
+    np.testing.assert_array_equal(got, fitted)
+  rotated = q0.T @ np.asarray(grads["w"]) @ q1
+  np.testing.assert_allclose(state.per_param["w"].mu, 0.05 * rotated, atol=1e-6)
+  np.testing.assert_allclose(state.per_param["w"].nu, 0.05 * rotated**2, atol=1e-6)

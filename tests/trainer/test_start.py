@@ -218,9 +218,10 @@ def first_20_steps(tmp_path_factory):
     ("before", "after", "logged"),
     [
         ("kron", "adamw", "born afresh: opt/1/0/count, opt/1/0/mu/*, opt/1/0/nu/*"),
-        # adamw's first 20 steps made once for both changes from it (made_once).
+        # adamw's first 20 steps made once for the three changes from it (made_once).
         ("adamw", "lamb", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
         ("adamw", "sgd", "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding"),
+        ("adamw", "soap", "born afresh: opt/1/0/count (at 1: SOAP fits its bases on its first"),
         ("lamb", "adamw", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
         ("muon", "shampoo", "/momentum; born afresh: opt/1/0/count,"),
     ],
@@ -233,7 +234,8 @@ def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(
   corrected Adam's zero nu, logged a train loss of 23.8 at step 22 (5.4 at step 20). The eval
   loss (the same held-out batch at every step) is the yardstick: the train batches' own
   difficulty moves their loss by up to 0.35 (an unchanged adamw run: 3.10 at 20, 3.41 at 23).
-  adamw -> sgd: SGD's trace born from Adam's mu."""
+  adamw -> sgd: SGD's trace born from Adam's mu. adamw -> soap: SOAP moves from its first step
+  (a fresh run's first step only fits its bases), its mu refilled."""
   workdir = shutil.copytree(first_20_steps(before), tmp_path / "run")
   out = train(workdir, f"--config.optax_name={after}", *CHANGE, total=40, timeout=600)
   assert logged in out, out[-3000:]

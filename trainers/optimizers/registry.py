@@ -126,7 +126,8 @@ _REGISTRY: dict[str, _Entry] = {
     # SOAP (Adam in the eigenbasis of Shampoo's statistics, on Shampoo's tiles): the authors'
     # defaults (betas 0.95, bases refreshed every 10 steps) and their weight decay, applied after
     # the step. Its moments lie in the rotated basis: no decays recorded, so a state born from
-    # another optimizer's moments starts at zero.
+    # another optimizer's moments starts at zero, its mu refilled (_refilled), and moves from its
+    # first step (rebirth.moving).
     "soap": _Entry(soap, ("weight_decay", "mask")),
 }
 OPTIMIZERS = tuple(_REGISTRY)
@@ -156,20 +157,34 @@ def state_decays(name: str, kwargs: Mapping[str, Any]) -> dict[str, float]:
   entry = _REGISTRY.get(name)
   if entry is None:
     return {}
-  signature = inspect.signature(entry.factory).parameters
-  values = {**{a: p.default for a, p in signature.items()}, **entry.defaults, **kwargs}
+  values = _arguments(entry, kwargs)
   decays = {field: values[v] if isinstance(v, str) else v for field, v in entry.decays.items()}
   return {field: float(decay) for field, decay in decays.items() if decay is not None}
 
 
-def _refilled(decays: dict) -> optax.GradientTransformation | None:
-  """:func:`~bv_sharding.optimizers.rebirth.refill` of a sum of grads (SGD's ``trace``) ``decays``
-  has: its updates at a full sum's scale after a birth at zero mid-run (none in a fresh run).
-  Shampoo's momentum is not refilled: born at zero (from Adafactor, which keeps no first
-  moment), it sums steps of a graft born afresh too (Adam's first steps, ``g / |g|`` each), and
-  scaled up they raised the loss (rebirth.py)."""
-  beta = decays.get("trace")
-  return None if beta is None else refill(beta)
+def _refilled(name: str, kwargs: Mapping[str, Any]) -> optax.GradientTransformation | None:
+  """:func:`~bv_sharding.optimizers.rebirth.refill` of the first moment of ``name`` built with
+  ``kwargs``: its updates at a full one's scale after a birth at zero mid-run (none in a fresh
+  run), for a heavy-ball sum (sgd's ``trace``, shampoo's ``momentum``) and soap's bias-corrected
+  ``mu``; None for the others.
+
+  Example:
+    >>> [_refilled(name, {}) is None for name in ("sgd", "shampoo", "soap", "adamw")]
+    [False, False, False, True]
+  """
+  decays = state_decays(name, kwargs)
+  beta = decays.get("trace", decays.get("momentum"))
+  if beta is not None:
+    return refill(beta)
+  if name == "soap":  # Its moments lie in its own bases: no decays recorded, never carried.
+    return refill(_arguments(_REGISTRY[name], kwargs)["betas"][0], corrected=True)
+  return None
+
+
+def _arguments(entry: _Entry, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+  """Every argument of ``entry``'s factory as ``kwargs`` (its ``config.optax``) sets it."""
+  signature = inspect.signature(entry.factory).parameters
+  return {**{a: p.default for a, p in signature.items()}, **entry.defaults, **kwargs}
 
 
 def _scaled(learning_rate: optax.ScalarOrSchedule, scale: float) -> optax.ScalarOrSchedule:
@@ -270,6 +285,6 @@ def make_optimizer(
       if entry.decay_args is None and weight_decay
       else None,
       entry.factory(learning_rate, **kwargs),
-      _refilled(state_decays(name, optimizer_kwargs)),
+      _refilled(name, optimizer_kwargs),
   ]
   return auto_axes_update(optax.chain(*[t for t in transforms if t is not None]))
