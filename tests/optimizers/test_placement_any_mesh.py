@@ -2,10 +2,10 @@
 
 What any checkpointer does (big_vision's loader, orbax with target shardings): each leaf saved
 as a NumPy array, read back onto another mesh in the shardings ``bvs.plan`` gives there. For
-Kron and Shampoo (``blocking="tiles"``) and Muon the state's tree, shapes and element order do
+Kron, Shampoo and SOAP (``blocking="tiles"``) and Muon the state's tree, shapes and element order do
 not depend on the mesh (``bv_sharding/optimizers/placement.py``), so the continued run is the
 uninterrupted one. Each other device count runs in its own process (the device count is fixed
-when jax starts), all three optimizers in one process. Library imports only.
+when jax starts), all four optimizers in one process. Library imports only.
 """
 
 import json
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import bv_sharding as bvs
-from bv_sharding.optimizers import ParamLayout, kron, muon, shampoo
+from bv_sharding.optimizers import ParamLayout, kron, muon, shampoo, soap
 from tests.optimizers import strategies
 
 # A ViT's ranks, tiny: 2-D, 3-D (attention kernel), 4-D (conv embedding), a scanned stack, a
@@ -42,7 +42,7 @@ SPECS = {
 }
 MESH = [("data", -1), ("model", 2)]
 FIRST, THEN = 6, 4  # Steps before the save, and after it.
-OPTIMIZERS = ("kron", "shampoo", "muon")
+OPTIMIZERS = ("kron", "shampoo", "muon", "soap")
 
 
 def _optimizer(name: str, layout: ParamLayout):
@@ -57,6 +57,8 @@ def _optimizer(name: str, layout: ParamLayout):
     )
   if name == "shampoo":
     return shampoo(1e-2, block_size=8, start_preconditioning_step=1, layout=layout)
+  if name == "soap":
+    return soap(1e-2, block_size=8, precondition_frequency=2, layout=layout)
   return muon(1e-2, layout=layout)
 
 
