@@ -9,6 +9,7 @@ TEST = [
     "pytest>=8,<10",
     "pytest-timeout>=2.3,<3",
     "pytest-xdist==3.8.0",  # pytest.ini runs two workers.
+    "filelock>=3.12,<5",  # jax's lock around the shared compilation cache (tests/conftest.py).
     "scikit-learn>=1.4,<2",
     "chex>=0.1.87,<0.2",
     # Third-party optimizer states the tests and benchmarks plan (benchmarks/zoo.py, with the

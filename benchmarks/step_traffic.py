@@ -49,7 +49,7 @@ from trainers.settings import cli  # noqa: E402
 
 CONFIGS = ("lm:size=small", "lm:size=medium", "lm_tp_fsdp:size=small")
 # "<name>:local": the optimizer with shard-local blocks (config.optax.blocking="local").
-OPTIMIZERS = ("adamw", "kron", "kron:local", "shampoo", "shampoo:local", "muon")
+OPTIMIZERS = ("adamw", "kron", "kron:local", "shampoo", "shampoo:local", "muon", "soap")
 REMAT = "Involuntary full rematerialization"
 
 

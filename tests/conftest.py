@@ -4,7 +4,9 @@ and shares one jax compilation cache.
 OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why). The cache is
 a directory made for the session (or ``$JAX_COMPILATION_CACHE_DIR`` when set) in which every
 compiled program is kept, however small or quick, so a program compiled once is loaded by
-every later test, pytest-xdist worker and trainer subprocess that compiles it again. Both
+every later test, pytest-xdist worker and trainer subprocess that compiles it again; each
+entry is read and written under jax's file lock (a worker once read another's half-written
+entry and aborted). Both
 settings reach the subprocesses tests start through the environment, and so does the last:
 XLA:CPU compiling for speed of compile (``FAST_COMPILE``). The tests' models are tiny and run
 a few steps each, so compiling is what they wait on. LLVM at its lowest optimisation level
@@ -38,6 +40,9 @@ missing = [flag for flag in FAST_COMPILE if flag not in os.environ.get("XLA_FLAG
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).strip()
 
 
+CACHE_LIMIT = 2**36  # 64 GiB, never reached: the whole suite writes tens of MiB.
+
+
 def shared_compilation_cache() -> str | None:
   """Points jax's persistent cache at a new directory, unless one is set; returns it if made."""
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # The user's, or the xdist controller's.
@@ -46,6 +51,9 @@ def shared_compilation_cache() -> str | None:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+  # A size limit (never reached) turns on jax's file lock around every read and write of an
+  # entry: without it a process can read another's entry half written and abort in XLA.
+  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(CACHE_LIMIT)
   return path
 
 
