@@ -1,22 +1,20 @@
-"""Every test process sees 8 simulated CPU devices, gives OpenBLAS one thread, compiles fast
-and shares one jax compilation cache.
+"""Every test process sees 8 simulated CPU devices, gives OpenBLAS one thread, compiles fast and
+shares one jax compilation cache.
 
-OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why). The cache is
-a directory made for the session (or ``$JAX_COMPILATION_CACHE_DIR`` when set) in which every
-compiled program is kept, however small or quick, so a program compiled once is loaded by
-every later test, pytest-xdist worker and trainer subprocess that compiles it again; each
-entry is read and written under jax's file lock (a worker once read another's half-written
-entry and aborted). Both
-settings reach the subprocesses tests start through the environment, and so does the last:
-XLA:CPU compiling for speed of compile (``FAST_COMPILE``). The tests' models are tiny and run
-a few steps each, so compiling is what they wait on. LLVM at its lowest optimisation level
-halved a tiny Kron step's compile (30 s -> 15 s; it runs in 0.16 s instead of 0.07 s); XLA:CPU's
-older elemental emitters instead of its fusion emitters, and copy insertion without region
-analysis, halve it again: the CPU seconds of the trainer's step on configs/lm.py (tiny), from
-LLVM's lowest level alone to all three: adamw 7.0 -> 4.3, kron 48.8 -> 20.9, shampoo
-31.3 -> 16.1, muon 12.3 -> 5.0, soap 44.9 -> 18.7 (lm_tp_fsdp alike). The SPMD partitioner's
-passes are unchanged, and with them every collective the traffic tests count (each step's wire
-bytes identical on both configs).
+OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why). The cache is a
+directory made for the session (or ``$JAX_COMPILATION_CACHE_DIR`` when set) in which every
+compiled program is kept, however small or quick, so a program compiled once is loaded by every
+later test, pytest-xdist worker and trainer subprocess that compiles it again; each entry is
+read and written under jax's file lock (a worker once read another's half-written entry and
+aborted). Both settings reach the subprocesses tests start through the environment, and so does
+the last: XLA:CPU compiling for speed of compile (``FAST_COMPILE``). The tests' models are tiny
+and run a few steps each, so compiling is what they wait on. LLVM at its lowest optimisation
+level halved a tiny Kron step's compile (30 s -> 15 s; it runs in 0.16 s instead of 0.07 s);
+copy insertion without region analysis takes a quarter off the rest (the trainer's Kron step on
+configs/lm.py, tiny: 30.8 -> 23.4 CPU seconds). The HLO passes that place and count collectives
+are unchanged (each step's wire bytes identical), and so are the numerics. XLA:CPU's older
+elemental emitters would halve it again (23.4 -> 12.6), but they round differently on one
+device than on eight: SOAP's same-trajectory test drifts from 1.3e-6 to 2.4e-4.
 
 The modules holding the longest tests (by their ``timeout`` marks) run first, each module kept
 whole (its module fixtures are made once per worker): pytest-xdist hands tests out in this
@@ -33,7 +31,6 @@ from trainers import ONE_BLAS_THREAD
 os.environ.setdefault(*ONE_BLAS_THREAD)
 FAST_COMPILE = (
     "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
     "--xla_cpu_copy_insertion_use_region_analysis=false",
 )
 missing = [flag for flag in FAST_COMPILE if flag not in os.environ.get("XLA_FLAGS", "")]
