@@ -81,6 +81,9 @@ class _Entry:
     argument that sets it, or a number. Recorded with its checkpoints, so that a state born
     mid-run from them reads each saved moment in its units (rebirth.py); a field whose groups
     decay alike by different arguments (Muon's ``mu``) is left out.
+  own_mu: the decay, read from the factory's arguments, of a bias-corrected first moment that
+    lies in the optimizer's own bases (SOAP's ``mu``): never carried, so refilled when born
+    mid-run (:func:`_refilled`); None where there is none.
   """
 
   factory: Callable[..., optax.GradientTransformation]
@@ -88,6 +91,7 @@ class _Entry:
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   lr_scale: float = 1.0
   decays: Mapping[str, str | float] = dataclasses.field(default_factory=dict)
+  own_mu: Callable[[Mapping[str, Any]], float] | None = None
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -126,9 +130,9 @@ _REGISTRY: dict[str, _Entry] = {
     # SOAP (Adam in the eigenbasis of Shampoo's statistics, on Shampoo's tiles): the authors'
     # defaults (betas 0.95, bases refreshed every 10 steps) and their weight decay, applied after
     # the step. Its moments lie in the rotated basis: no decays recorded, so a state born from
-    # another optimizer's moments starts at zero, its mu refilled (_refilled), and moves from its
+    # another optimizer's moments starts at zero, its mu refilled (own_mu), and moves from its
     # first step (rebirth.moving).
-    "soap": _Entry(soap, ("weight_decay", "mask")),
+    "soap": _Entry(soap, ("weight_decay", "mask"), own_mu=lambda args: args["betas"][0]),
 }
 OPTIMIZERS = tuple(_REGISTRY)
 
@@ -176,8 +180,9 @@ def _refilled(name: str, kwargs: Mapping[str, Any]) -> optax.GradientTransformat
   beta = decays.get("trace", decays.get("momentum"))
   if beta is not None:
     return refill(beta)
-  if name == "soap":  # Its moments lie in its own bases: no decays recorded, never carried.
-    return refill(_arguments(_REGISTRY[name], kwargs)["betas"][0], corrected=True)
+  entry = _REGISTRY[name]
+  if entry.own_mu is not None:
+    return refill(entry.own_mu(_arguments(entry, kwargs)), corrected=True)
   return None
 
 
