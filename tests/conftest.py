@@ -3,10 +3,13 @@ shares one jax compilation cache.
 
 OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why). The cache is a
 directory made for the session (or ``$JAX_COMPILATION_CACHE_DIR`` when set) in which every
-compiled program is kept, however small or quick, so a program compiled once is loaded by every
-later test, pytest-xdist worker and trainer subprocess that compiles it again; each entry is
-read and written under jax's file lock (a worker once read another's half-written entry and
-aborted). Both settings reach the subprocesses tests start through the environment, and so does
+program that took ``MIN_COMPILE_SECONDS`` or more to compile is kept, so a step compiled once
+is loaded by every later test, pytest-xdist worker and trainer subprocess that compiles it
+again. Each entry is read and written under jax's file lock (a worker once read another's
+half-written entry and aborted), and each write first lists and reads the whole directory (jax's
+eviction check), so the quick programs are left out: keeping every eager op's program too made
+the suite write about 7,500 entries, each write slower than the last (a 1 ms op's docstring
+example took 20 s with 6,000 entries there). Both settings reach the subprocesses tests start through the environment, and so does
 the last: XLA:CPU compiling for speed of compile (``FAST_COMPILE``). The tests' models are tiny
 and run a few steps each, so compiling is what they wait on. LLVM at its lowest optimisation
 level halved a tiny Kron step's compile (30 s -> 15 s; it runs in 0.16 s instead of 0.07 s);
@@ -38,19 +41,21 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *missing]).
 
 
 CACHE_LIMIT = 2**36  # 64 GiB, never reached: the whole suite writes tens of MiB.
+MIN_COMPILE_SECONDS = 0.3  # A sixth of the entries of keeping every program (tests/optimizers).
 
 
 def shared_compilation_cache() -> str | None:
-  """Points jax's persistent cache at a new directory, unless one is set; returns it if made."""
-  if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # The user's, or the xdist controller's.
+  """Points jax's persistent cache at a new directory, unless one is set; returns it if made.
+  The cache's settings apply to a directory given too (the user's, or the xdist controller's)."""
+  # A size limit (never reached) turns on jax's file lock around every read and write of an
+  # entry: without it a process can read another's entry half written and abort in XLA.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(CACHE_LIMIT))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_SECONDS))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return None
   path = tempfile.mkdtemp(prefix="bv-sharding-jax-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-  # A size limit (never reached) turns on jax's file lock around every read and write of an
-  # entry: without it a process can read another's entry half written and abort in XLA.
-  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(CACHE_LIMIT)
   return path
 
 
