@@ -129,7 +129,7 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
   for members in groups.values():
     stack = jnp.concatenate([stacks[i] for i in members])
     full = stack.shape[0] // owners * owners
-    spec = _common([spec_of(i) for i in members])
+    spec = _common([spec_of(i) for i in members], gather=False)
     done = _owned(ns, stack[:full], mesh, spec) if full else stack[:0]
     start = 0
     for i in members:
@@ -174,9 +174,27 @@ def _matrix_spec(spec: P, shape) -> tuple | None:
   return (cols, rows) if shape[-2] > shape[-1] else (rows, cols)
 
 
-def _common(specs: list) -> tuple | None:
-  """The matrix spec all of ``specs`` share, or None when they differ (or one is None)."""
-  return specs[0] if len(set(specs)) == 1 else None
+def _common(specs: list, gather: bool = True) -> tuple | None:
+  """The matrix spec all of ``specs`` share; None where they differ (or one is None).
+
+  With ``gather`` (the zero-padded leftovers of several shapes), members that differ over
+  several mesh axes give ``(None, None)``: the stack is gathered whole before it is dealt to
+  owners (left to XLA, the move from its choice of sharding for the concatenation is an
+  involuntary full rematerialization: a ViT's attention and conv kernels on a 4x2 mesh). A
+  full round of one shape is left to XLA, which moves it without one (the trainer's configs).
+
+  Example:
+      >>> _common([("data", "model"), ("model", None)])
+      (None, None)
+      >>> _common([("data", "model"), ("model", None)], gather=False) is None
+      True
+  """
+  if len(set(specs)) == 1:
+    return specs[0]
+  if None in specs:
+    return None
+  placed = {a for spec in specs for entry in spec for a in axes_of(entry)}
+  return (None, None) if gather and len(placed) > 1 else None
 
 
 def _to_owners(stack: jax.Array, mesh, spec: tuple | None) -> jax.Array:
@@ -185,7 +203,10 @@ def _to_owners(stack: jax.Array, mesh, spec: tuple | None) -> jax.Array:
   With the stack's matrix ``spec`` known, the mesh axes move to dim 0 one at a time (an
   all-to-all each): asked to move axes of both matrix dims at once, XLA replicates the stack
   and partitions it again ("Involuntary full rematerialization"). Without it (members
-  sharded differently, their concatenation's sharding is XLA's choice) in one constraint.
+  sharded differently over one mesh axis, their concatenation's sharding is XLA's choice)
+  in one constraint. A stack of members sharded differently over several axes comes gathered
+  whole (``spec`` ``(None, None)``, :func:`_common`): from XLA's choice of sharding for their
+  concatenation, a move to dim 0 would be a replication anyway, and an involuntary one.
 
   Args:
     stack: ``(K, m, n)`` matrices, ``K`` a multiple of the mesh size.
@@ -196,6 +217,8 @@ def _to_owners(stack: jax.Array, mesh, spec: tuple | None) -> jax.Array:
     ``stack`` with dim 0 over ``mesh.axis_names``.
   """
   axes = mesh.axis_names
+  if spec is not None:
+    stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(None, *spec)))
   for k in range(1, len(axes) if spec is not None else 0):
     rest = [tuple(a for a in axes_of(entry) if a not in axes[:k]) or None for entry in spec]
     stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(axes[:k], *rest)))
