@@ -69,6 +69,28 @@ def test_scanned_kernels_are_orthogonalised_per_layer_not_adam():
 
 
 @pytest.mark.timeout(300)
+def test_leftovers_sharded_over_several_axes_reach_their_owners_without_replication(capfd):
+  # A ViT's ranks on 4 x 2: each shape's matrices are fewer than the 8 owners, so all are
+  # leftovers, sharded over both axes in different ways.
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  keys = iter(jax.random.split(jax.random.PRNGKey(1), 3))
+  params = {
+      "attn": jax.random.normal(next(keys), (16, 4, 8)),
+      "conv": jax.random.normal(next(keys), (2, 2, 8, 16)),
+      "dense": jax.random.normal(next(keys), (32, 16)),
+  }
+  specs = {
+      "attn": P(None, "model", "data"),
+      "conv": P(None, None, "data", "model"),
+      "dense": P("data", "model"),
+  }
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  owned = _run(muon(0.02, layout=ParamLayout(specs, mesh)), params, shardings)
+  assert "Involuntary full rematerialization" not in capfd.readouterr().err
+  _close(owned, _run(muon(0.02), params))
+
+
+@pytest.mark.timeout(300)
 def test_owner_computed_orthogonalisation_equals_the_replicated_one():
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   params = _params(layers=5)  # 10 (16, 32) matrices: one round of 8 owners, 2 left over
