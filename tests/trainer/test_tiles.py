@@ -1,15 +1,17 @@
-"""Kron's and Shampoo's tiles on any mesh, through `python -m trainers.train`.
+"""Kron's, Shampoo's and SOAP's tiles on any mesh, through `python -m trainers.train`.
 
 With ``blocking="tiles"`` (the default) a param's blocks are its fixed grid of
 ``block_size`` tiles whatever the mesh, so configs/lm.py trains the same trajectory on 1, 2,
 4 and 8 devices and on configs/lm_tp_fsdp.py's 4x2 mesh (float32 losses within 1e-4 of one
-device), and a checkpoint saved on 8 devices resumes on 2, 4 and 4x2 with its whole
-optimizer state carried over: the resumed losses are the 8-device run's.
+device; SOAP's first bases are not that stable, ``LOOSER``), and a checkpoint saved on 8
+devices resumes on 2, 4 and 4x2 with its whole optimizer state carried over: the resumed
+losses are the 8-device run's.
 
 The configs' tiny Llama has one layer here instead of two (``helpers.one_layer``): every
 kind of tile the two layers have, in half the compile. Kron's 256-tiles: on 2 devices the
 MLP kernels' (two per kernel) dealt to owners and the other matrices' pooled, on 4, 8 and
-4x2 all pooled; Shampoo's blocks pooled on every mesh of more than one device.
+4x2 all pooled; Shampoo's blocks (and SOAP's, the same tiles) pooled on every mesh of more
+than one device.
 
 Each mesh's run is made once; a resumed run compiles the very program of the run from
 scratch on its mesh, which the shared compilation cache holds.
@@ -23,9 +25,10 @@ import pytest
 
 from tests.helpers import metrics, one_layer, train
 
-# Shampoo preconditions from step 10 (its registry default): the resumed steps 11-20 are
-# preconditioned from the statistics the checkpoint carried.
-STEPS, SAVED = 20, 10
+# Shampoo preconditions from step 10 (its registry default) and SOAP refreshes its bases every
+# 10 steps: the resumed steps 16-30 are preconditioned from the statistics the checkpoint
+# carried, and SOAP's cross two refreshes.
+STEPS, SAVED = 30, 15
 RUN = (
     f"--config.total_steps={STEPS}",
     "--config.batch_size=8",
@@ -34,7 +37,7 @@ RUN = (
     "--config.eval_every=1000",  # Eval only at the last step.
     "--config.eval_batches=1",
     f"--config.ckpt_steps={SAVED}",
-    f"--config.keep_ckpt_steps={SAVED}",  # The resumed runs start from step 10's.
+    f"--config.keep_ckpt_steps={SAVED}",  # The resumed runs start from step SAVED's.
     # Constant after 2 warmup steps: the resumed runs' schedule is the uninterrupted one's.
     "--config.schedule.warmup_steps=2",
     "--config.schedule.decay_type=stair",
@@ -48,7 +51,17 @@ MESHES = {
     "4x2": ("lm_tp_fsdp", 8),
 }
 RESIZED = ("2", "4", "4x2")
-OPTIMIZERS = ("kron", "shampoo")
+OPTIMIZERS = ("kron", "shampoo", "soap")
+# optimizer -> (bound on any mesh's losses from scratch, last step of a resumed run bound by
+# 1e-4, bound on its later steps); 1e-4 throughout when absent. SOAP's first step fits its bases
+# by `eigh` of the first gradient's statistics, whose small eigenvalues nearly coincide: their
+# eigenvectors turn with the gradient's float reduction order, which differs by mesh, and Adam
+# then moves each rotated coordinate by about the learning rate whatever its size. Measured over
+# 30 steps from scratch: within 0.057 of one device on 2, 4, 8 and 4x2 (2e-3 at the first step
+# that moves); the library's full-rank problem agrees within 1e-4 (tests/optimizers/test_soap.py).
+# Resumed, the bases are carried: the 8-device run's losses exactly up to the refresh at step
+# 20, within 4e-4 after it.
+LOOSER = {"soap": (0.1, 20, 1e-3)}
 
 
 def run(workdir, optimizer: str, mesh: str) -> str:
@@ -92,7 +105,7 @@ def runs_of(root, optimizer: str) -> dict:
 
 
 # One test per optimizer, so that its runs are made once (pytest-xdist gives each worker its
-# own module fixtures) and the two optimizers' runs go to the two workers.
+# own module fixtures) and the optimizers' runs are spread over the two workers.
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_same_trajectory_on_any_mesh_and_a_resize_keeps_the_state(tmp_path, optimizer):
@@ -100,10 +113,11 @@ def test_same_trajectory_on_any_mesh_and_a_resize_keeps_the_state(tmp_path, opti
   one = losses(runs["1"][0])
   assert sorted(one) == list(range(1, STEPS + 1)), sorted(one)
   assert one[STEPS] < one[1] - 0.5, one  # It trains.
+  fresh, exact_to, resumed = LOOSER.get(optimizer, (1e-4, STEPS, 1e-4))
   for mesh in MESHES:
     got = losses(runs[mesh][0])
     worst = max(abs(got[s] - one[s]) for s in one)
-    assert worst <= 1e-4, (mesh, worst)
+    assert worst <= fresh, (mesh, worst)
     assert "Involuntary full rematerialization" not in runs[mesh][1], mesh
   # The 8-device checkpoint at step SAVED, resumed on 2, 4 and 4x2 devices.
   uninterrupted = losses(runs["8"][0])
@@ -113,5 +127,6 @@ def test_same_trajectory_on_any_mesh_and_a_resize_keeps_the_state(tmp_path, opti
     assert "every factor, statistic and moment carried over" in out, out[-3000:]
     assert "re-initialised" not in out
     got = losses(workdir)
-    worst = max(abs(got[s] - uninterrupted[s]) for s in range(SAVED + 1, STEPS + 1))
-    assert worst <= 1e-4, (mesh, worst)
+    error = {s: abs(got[s] - uninterrupted[s]) for s in range(SAVED + 1, STEPS + 1)}
+    assert max(error[s] for s in range(SAVED + 1, exact_to + 1)) <= 1e-4, (mesh, error)
+    assert max(error.values()) <= resumed, (mesh, error)
