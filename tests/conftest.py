@@ -8,10 +8,10 @@ is loaded by every later test, pytest-xdist worker and trainer subprocess that c
 again. Each entry is read and written under jax's file lock (a worker once read another's
 half-written entry and aborted), and each write first lists and reads the whole directory (jax's
 eviction check), so the quick programs are left out: keeping every eager op's program too made
-each write slower than the last (Kron's docstring examples: 2 s in an empty cache, 20 s with
-6,000 entries there; the whole suite's doctests 555 s, against 110 s with this threshold, which
-leaves the suite 791 entries). Both settings reach the subprocesses tests start through the environment, and so does
-the last: XLA:CPU compiling for speed of compile (``FAST_COMPILE``). The tests' models are tiny
+each write slower than the last (the example of Kron's ``triangular_inverse``: 2 s in an empty
+cache, 21 s with 6,000 entries there; the whole suite's doctests 555 s, against 110 s with this
+threshold, which leaves the suite 791 entries). Both settings reach the subprocesses tests start
+through the environment, and so does the last: XLA:CPU compiling for speed of compile (``FAST_COMPILE``). The tests' models are tiny
 and run a few steps each, so compiling is what they wait on. LLVM at its lowest optimisation
 level halved a tiny Kron step's compile (30 s -> 15 s; it runs in 0.16 s instead of 0.07 s);
 copy insertion without region analysis takes a quarter off the rest (the trainer's Kron step on
