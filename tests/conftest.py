@@ -11,8 +11,9 @@ eviction check), so the quick programs are left out: keeping every eager op's pr
 each write slower than the last (the example of Kron's ``triangular_inverse``: 2 s in an empty
 cache, 21 s with 6,000 entries there; the whole suite's doctests 555 s, against 110 s with this
 threshold, which leaves the suite 791 entries). Both settings reach the subprocesses tests start
-through the environment, and so does the last: XLA:CPU compiling for speed of compile (``FAST_COMPILE``). The tests' models are tiny
-and run a few steps each, so compiling is what they wait on. LLVM at its lowest optimisation
+through the environment, and so does the last: XLA:CPU compiling for speed of compile
+(``FAST_COMPILE``). The tests' models are tiny and run a few steps each, so compiling is what
+they wait on. LLVM at its lowest optimisation
 level halved a tiny Kron step's compile (30 s -> 15 s; it runs in 0.16 s instead of 0.07 s);
 copy insertion without region analysis takes a quarter off the rest (the trainer's Kron step on
 configs/lm.py, tiny: 30.8 -> 23.4 CPU seconds). The HLO passes that place and count collectives
