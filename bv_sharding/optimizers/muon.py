@@ -181,7 +181,7 @@ def _common(specs: list, gather: bool = True) -> tuple | None:
   several mesh axes give ``(None, None)``: the stack is gathered whole before it is dealt to
   owners (left to XLA, the move from its choice of sharding for the concatenation is an
   involuntary full rematerialization: a ViT's attention and conv kernels on a 4x2 mesh). A
-  full round of one shape is left to XLA, which moves it without one (the trainer's configs).
+  full round of one shape is left to XLA, which moves it without one (a Llama's on 8 devices).
 
   Example:
       >>> _common([("data", "model"), ("model", None)])
