@@ -37,9 +37,10 @@ State::
 :func:`~bv_sharding.optimizers.state_dtype.with_state_dtype`: each step rotates the first
 moment out of and back into the bases, which must stay orthonormal to float32 precision, and
 the statistics' eigenvectors need more than bfloat16's 8 bits. ``mu`` and ``nu`` are Adam's
-moments (rotated) and may be stored in bfloat16 as Adam's are. The bases' ``eigh`` and
-``qr`` run in float32 on every step and are kept with ``jnp.where`` (no LAPACK call inside
-``lax.cond``, which can deadlock XLA:CPU with several devices; see ``shampoo.py``).
+moments (rotated) and may be stored in bfloat16 as Adam's are. The bases' ``qr`` and ``eigh``
+run in float32, under ``lax.cond``: only on a refresh step, and on a step some block's
+statistics were zero before. Each call takes one matrix (``lax.map``): a batched LAPACK call
+waits on XLA's CPU thread pool, which deadlocks with several devices (``shampoo.py``).
 
 Example:
     >>> import jax.numpy as jnp
@@ -289,9 +290,26 @@ def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int):
   return q, nu
 
 
+def _refreshed(stats, bases, nu, *, dims):
+  """Every rotated dim's basis refreshed by :func:`_power_qr`, and ``nu`` permuted with them."""
+  new_bases = []
+  for i, (s, q) in enumerate(zip(stats, bases)):
+    q, nu = _power_qr(s, q, nu, dims[i])
+    new_bases.append(q)
+  return new_bases, nu
+
+
+def _fitted(stats, bases, unfit):
+  """The bases of the blocks whose statistics were zero before this step (``unfit``) fitted to
+  their statistics (``eigh``), the others' kept."""
+  return [jnp.where(unfit[:, None, None], _eigenbasis(s), q) for s, q in zip(stats, bases)]
+
+
 def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   """One block stack's step (module docstring): (Adam's direction in the old bases, rotated
-  back; new ``mu``, ``nu``, statistics and bases)."""
+  back; new ``mu``, ``nu``, statistics and bases). The QR refresh and the ``eigh`` of unfit
+  blocks run under ``lax.cond`` (each ``lax.map``'d, one matrix a call), only on the steps
+  that need them; the moments are carried into the new bases only then."""
   (b1, b2), shampoo_beta, eps = hyper
   g = g.astype(jnp.float32)
   old_mu, old_nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
@@ -302,16 +320,23 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   unfit = jnp.all(stats[0] == 0, axis=(1, 2))  # Per block: no gradient yet (_unfit_moments).
   grams = [jax.vmap(gram_along, (0, None))(g, d) for d in dims]
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
-  sorted_nu, new_bases = nu, []
-  for i, (s, q) in enumerate(zip(stats, bases)):
-    refreshed, sorted_nu = _power_qr(s, q, sorted_nu, dims[i])
-    q = jnp.where(refresh, refreshed, q)
-    new_bases.append(jnp.where(unfit[:, None, None], _eigenbasis(s), q))
-  carried = _rotate(_rotate(mu, bases, dims, back=True), new_bases, dims, back=False)
+  refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
+  new_bases, sorted_nu = jax.lax.cond(
+      refresh,
+      functools.partial(_refreshed, dims=dims),
+      lambda _, q, n: (list(q), n),
+      stats,
+      bases,
+      nu,
+  )
+  new_bases = jax.lax.cond(any_unfit, _fitted, lambda _, q, u: list(q), stats, new_bases, unfit)
   unfit = unfit.reshape(unfit.shape + (1,) * (mu.ndim - 1))
-  refit = _unfit_moments(carried, b1, b2)
-  mu = jnp.where(first, old_mu, jnp.where(refresh | unfit, carried, mu))
-  nu = jnp.where(first, old_nu, jnp.where(unfit, refit, jnp.where(refresh, sorted_nu, nu)))
+  moved = lambda mu: _rotate(_rotate(mu, bases, dims, back=True), new_bases, dims, back=False)
+  carried = jax.lax.cond(
+      refresh | any_unfit, lambda mu: jnp.where(refresh | unfit, moved(mu), mu), lambda mu: mu, mu
+  )
+  mu = jnp.where(first, old_mu, carried)
+  nu = jnp.where(first, old_nu, jnp.where(unfit, _unfit_moments(carried, b1, b2), sorted_nu))
   return direction, mu, nu, stats, new_bases
 
 
