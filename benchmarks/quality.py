@@ -1,7 +1,7 @@
 """Quality: eval loss of each optimizer over seeds, at fixed steps and at equal wall-clock.
 
 Trains configs/lm.py through ``python -m trainers.train`` once per (optimizer, device count,
-seed): adamw, muon, kron and shampoo (their default blocks, the param's fixed tiles) on 8
+seed): adamw, muon, kron, shampoo and soap (their default blocks, the param's fixed tiles) on 8
 simulated devices, and Kron's and Shampoo's shard-local blocks ("kron:local",
 "shampoo:local") on 1 and 8 devices. A run is ``<optimizer>[:local][:<key>=<value>...]@<devices>``:
 each ``key=value`` is a config override of that run (``muon:optax.consistent_rms=0.4@8``,
@@ -37,6 +37,7 @@ RUNS = (
     "muon@8",
     "kron@8",
     "shampoo@8",
+    "soap@8",
     "kron:local@1",
     "kron:local@8",
     "shampoo:local@1",
