@@ -18,9 +18,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.optimizers.axes import auto_mesh
@@ -89,3 +91,25 @@ class ParamLayout:
         for (x, spec), s in zip(leaves, treedef.flatten_up_to(scanned))
     ]
     return treedef.unflatten(blocks)
+
+
+def param_placers(layout: ParamLayout | None, treedef) -> list:
+  """Per param leaf of ``treedef``, a function that keeps a param-shaped array in that param's
+  sharding (identity without a layout): an update or a param-shaped state leaf that comes back
+  from a block run wherever the run left it (with shard-local blocks a replicated param's
+  update came back sharded).
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+      >>> [place] = param_placers(ParamLayout({"w": P("data")}, mesh), jax.tree.structure({"w": 0}))
+      >>> place.keywords["shardings"].spec
+      P('data',)
+  """
+  if layout is None:
+    return [lambda x: x] * treedef.num_leaves
+  return [
+      functools.partial(
+          jax.lax.with_sharding_constraint, shardings=NamedSharding(layout.mesh, P(*spec))
+      )
+      for spec in treedef.flatten_up_to(layout.specs)
+  ]

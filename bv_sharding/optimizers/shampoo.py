@@ -70,7 +70,7 @@ import optax
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked
-from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.layout import ParamLayout, param_placers
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 from bv_sharding.optimizers.tiles import ShardBlocks
@@ -323,11 +323,12 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   ]
   ran = blocked.run_blocked(runs)
   results = []
-  for g, s, result in zip(grads, per_param, ran):
+  place = param_placers(settings.layout, treedef)
+  for g, s, result, put in zip(grads, per_param, ran, place):
     factors = None
     if result is not None:
       (direction,), (stats, roots) = result
-      factors = (stats, roots, direction.reshape(g.shape))
+      factors = (stats, roots, put(direction.reshape(g.shape)))
     results.append(_finish_leaf(g, s, state.count, factors, settings))
   new_updates = treedef.unflatten([r[0] for r in results])
   new_per_param = treedef.unflatten([r[1] for r in results])

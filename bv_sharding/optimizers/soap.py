@@ -60,12 +60,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked
-from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.layout import ParamLayout, param_placers
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.shampoo import factor_tiling
 from bv_sharding.optimizers.shard_run import BlockRun
@@ -389,20 +387,6 @@ def _finish(direction, count, settings: _Settings):
   return jnp.where(count == 0, 0.0, direction)
 
 
-def _placing(layout: ParamLayout | None, treedef) -> list:
-  """Per param leaf, a function that keeps a param-shaped array (the rotated moments, which
-  come back from the tiles' run wherever it left them) in the param's sharding."""
-  if layout is None:
-    return [lambda x: x] * treedef.num_leaves
-  specs = treedef.flatten_up_to(layout.specs)
-  return [
-      functools.partial(
-          jax.lax.with_sharding_constraint, shardings=NamedSharding(layout.mesh, P(*spec))
-      )
-      for spec in specs
-  ]
-
-
 def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings):
   """``scale_by_soap``'s update: every param's tiles in one
   :func:`~bv_sharding.optimizers.blocked.run_blocked`."""
@@ -424,7 +408,7 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
     arrays = [x.reshape(blocks.shape) for x in (g, s.mu, s.nu)]
     runs.append(BlockRun(blocks, fn, arrays, [s.stats, s.bases], [first, refresh]))
   new_updates, new_per_param = [], []
-  place = _placing(settings.layout, treedef)
+  place = param_placers(settings.layout, treedef)
   for g, s, result, put in zip(grads, per_param, blocked.run_blocked(runs), place):
     stats, bases = s.stats, s.bases
     if result is None:
@@ -432,7 +416,7 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
     else:
       (direction, mu, nu), (stats, bases) = result
     cast = lambda x, like: x.reshape(like.shape).astype(like.dtype)
-    new_updates.append(cast(_finish(direction, count, settings), g))
+    new_updates.append(put(cast(_finish(direction, count, settings), g)))
     new_per_param.append(SoapParamState(stats, bases, put(cast(mu, s.mu)), put(cast(nu, s.nu))))
   return treedef.unflatten(new_updates), SoapState(
       optax.safe_increment(count), treedef.unflatten(new_per_param)

@@ -23,23 +23,7 @@ import bv_sharding as bvs
 from bv_sharding.optimizers import ParamLayout, kron, muon, shampoo, soap
 from tests.optimizers import strategies
 
-# A ViT's ranks, tiny: 2-D, 3-D (attention kernel), 4-D (conv embedding), a scanned stack, a
-# bias. On 8 devices (4 x 2) "dense" is shard-local 8-tiles, the others' tiles span shards
-# (dealt to owners, or pooled over the mesh); on 4 (2 x 2) and 2 (1 x 2) fewer span.
-SHAPES = {
-    "dense": (32, 16),
-    "attn": (16, 4, 8),
-    "conv": (2, 2, 8, 16),
-    "stack": (2, 16, 8),
-    "bias": (16,),
-}
-SPECS = {
-    "dense": ("data", "model"),
-    "attn": (None, "model", "data"),
-    "conv": (None, None, "data", "model"),
-    "stack": (None, "data", "model"),
-    "bias": (),
-}
+SHAPES, SPECS = strategies.VIT_SHAPES, strategies.VIT_SPECS
 MESH = [("data", -1), ("model", 2)]
 FIRST, THEN = 6, 4  # Steps before the save, and after it.
 OPTIMIZERS = ("kron", "shampoo", "muon", "soap")

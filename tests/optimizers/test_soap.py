@@ -111,13 +111,15 @@ def _loss(params, k):
 
 
 @functools.cache
-def _trajectory(mesh_name: str):
-  """``(params after STEPS steps, state's mismatches with its plan)`` on ``mesh_name``."""
+def _trajectory(mesh_name: str, blocking: str = "tiles"):
+  """``(params after STEPS steps, state's mismatches with its plan, the state's shapes)`` on
+  ``mesh_name``, its blocks cut by ``blocking``."""
   data, model = MESHES[mesh_name]
   mesh = bvs.make_mesh([("data", data), ("model", model)], devices=jax.devices()[: data * model])
   abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   params_plan = bvs.plan({"params": abstract}, strategies.by_dims(SPECS), mesh)
-  tx = soap(3e-2, precondition_frequency=3, block_size=8, layout=ParamLayout.from_plan(params_plan))
+  layout = ParamLayout.from_plan(params_plan)
+  tx = soap(3e-2, precondition_frequency=3, block_size=8, layout=layout, blocking=blocking)
   tree = {"params": abstract, "opt": jax.eval_shape(tx.init, abstract)}
   plan = bvs.plan(tree, strategies.by_dims(SPECS), mesh, params=params_plan)
   rng = np.random.default_rng(0)
@@ -133,21 +135,65 @@ def _trajectory(mesh_name: str):
     step = jax.jit(step)  # As a training loop runs it: the state comes back where it was put.
     for k in range(STEPS):
       params, opt = step(params, opt, jnp.float32(k))
-  return jax.device_get(params), plan.mismatches({"params": params, "opt": opt})
+  shapes = jax.tree.map(lambda x: x.shape, opt)
+  return jax.device_get(params), plan.mismatches({"params": params, "opt": opt}), shapes
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mesh", ["2", "4", "8", "4x2"])
 def test_same_trajectory_on_any_mesh_and_state_placed_as_planned(mesh):
-  one, mismatches = _trajectory("1")
+  one, mismatches, _ = _trajectory("1")
   assert mismatches == []
-  got, mismatches = _trajectory(mesh)
+  got, mismatches, _ = _trajectory(mesh)
   assert mismatches == [], mismatches
   for name in SHAPES:
     worst = float(np.max(np.abs(got[name] - one[name])))
     assert worst <= 1e-4, (mesh, name, worst)
   start = np.random.default_rng(0).standard_normal(SHAPES["dense"])
   assert float(np.max(np.abs(one["dense"] - start))) > 0.1  # It moved.
+
+
+@pytest.mark.timeout(600)
+def test_shard_local_blocks_are_the_tiles_on_one_device_and_cut_by_the_shards_on_eight():
+  """``blocking="local"``: on one device a shard is the whole param, so its blocks and
+  trajectory are the tiles'; on 4x2 each block lies within a shard (other, smaller blocks),
+  placed as planned, and it still trains."""
+  tiles, _, tile_shapes = _trajectory("1")
+  local, mismatches, local_shapes = _trajectory("1", "local")
+  assert mismatches == [] and local_shapes == tile_shapes
+  for name in SHAPES:
+    np.testing.assert_allclose(local[name], tiles[name], atol=1e-6)
+  sharded, mismatches, sharded_shapes = _trajectory("4x2", "local")
+  assert mismatches == [], mismatches
+  assert sharded_shapes != tile_shapes
+  # "dense" (32, 16) on data 4 x model 2: (8, 8) shards, 8-blocks either way; "attn" (16, 4, 8)
+  # split (None, model, data): 2-wide pieces of its last two dims, whose tiles are 4 and 8 wide.
+  assert sharded_shapes[0].per_param["attn"].bases != tile_shapes[0].per_param["attn"].bases
+  start = np.random.default_rng(0).standard_normal(SHAPES["attn"])
+  assert np.isfinite(sharded["attn"]).all() and float(np.max(np.abs(sharded["attn"] - start))) > 0.1
+
+
+def test_precondition_1d_rotates_a_vector_as_its_column_and_otherwise_leaves_it_to_adam():
+  """A 1-D param with ``precondition_1d`` trains as the same values shaped (n, 1) (a unit dim
+  is dropped, so SOAP always rotates that one); without it, as Adam."""
+  grads = [jnp.sin(jnp.arange(12.0) * (k + 1)) for k in range(6)]
+
+  def run(tx, shape):
+    state, out = tx.init(jnp.zeros(shape)), []
+    for g in grads:
+      update, state = jax.jit(tx.update)(g.reshape(shape), state)
+      out.append(update.reshape(-1))
+    return np.stack(out), state
+
+  rotated, state = run(
+      scale_by_soap(block_size=16, precondition_1d=True, precondition_frequency=2), (12,)
+  )
+  column, _ = run(scale_by_soap(block_size=16, precondition_frequency=2), (12, 1))
+  adam, adam_state = run(scale_by_soap(block_size=16, precondition_frequency=2), (12,))
+  assert [b.shape for b in state.per_param.bases] == [(1, 12, 12)]  # One block, the whole.
+  assert adam_state.per_param.bases == ()
+  np.testing.assert_allclose(rotated, column, atol=1e-6)
+  assert float(np.max(np.abs(rotated - adam))) > 0.1
 
 
 def test_big_visions_spelling_builds_scale_by_soap():
