@@ -56,14 +56,15 @@ OPTIMIZERS = ("kron", "shampoo", "soap")
 # 1e-4, bound on its later steps); 1e-4 throughout when absent. SOAP's first step fits its bases
 # by `eigh` of the first gradient's statistics, whose small eigenvalues nearly coincide: their
 # eigenvectors turn with the gradient's float reduction order, which differs by mesh, and Adam
-# then moves each rotated coordinate by about the learning rate whatever its size. Measured over
-# 30 steps from scratch: within 0.057 of one device on 2, 4, 8 and 4x2 (2e-3 at the first step
-# that moves; the first gradient scaled by 1 + 1e-7 noise changes that update by up to 125% of a
-# leaf's norm, AdamW's by 7e-8); the library's full-rank problem agrees within 1e-4
-# (tests/optimizers/test_soap.py).
-# Resumed, the bases are carried: the 8-device run's losses exactly up to the refresh at step
-# 20, within 4e-4 after it.
-LOOSER = {"soap": (0.1, 20, 1e-3)}
+# then moves each rotated coordinate by about the learning rate whatever its size, so the gap
+# grows with it. Measured over 30 steps from scratch at SOAP's default lr (lr scale 2): within
+# 0.105, 0.097, 0.071 and 0.073 of one device on 2, 4, 8 and 4x2 (0.057 at most at lr scale 1;
+# at that scale 2e-3 at the first step that moves, and the first gradient scaled by 1 + 1e-7
+# noise changes that update by up to 125% of a leaf's norm, AdamW's by 7e-8); the library's
+# full-rank problem agrees within 1e-4 (tests/optimizers/test_soap.py).
+# Resumed, the bases are carried: the 8-device run's losses up to the refresh at step 20
+# (within 5e-7), within 3e-5 after it (4e-4 at lr scale 1).
+LOOSER = {"soap": (0.15, 20, 1e-3)}
 
 
 def run(workdir, optimizer: str, mesh: str) -> str:
