@@ -51,7 +51,7 @@ def update_gflop(tx, state, count: int) -> float:
 
   Example:
       >>> import jax.numpy as jnp
-      >>> from bv_sharding.optimizers.soap import soap
+      >>> from bv_sharding.optimizers import soap
       >>> tx, params = soap(1e-3), {"w": jnp.ones((64, 32))}
       >>> state = {"params": params, "opt": tx.init(params)}
       >>> update_gflop(tx, state, 10) > update_gflop(tx, state, 11) > 0
