@@ -34,6 +34,15 @@ from trainers.rundir import checkpoint
 from trainers.start import Start, restore, restore_or_init
 
 
+def equal_on_host(a, b) -> bool:
+  """Whether trees ``a`` and ``b`` hold equal leaves, compared as host arrays. Compared on the
+  devices (``jnp.array_equal`` per leaf: one small 8-device program a leaf, each reducing
+  across the devices, dispatched back to back) XLA:CPU aborted the worker on a loaded host: a
+  core's backtrace ends in ``InProcessCommunicator::AllReduce`` -> ``AwaitAndLogIfStuck``, a
+  collective whose 8 participants did not all arrive before its termination timeout."""
+  return all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(a), jax.device_get(b))))
+
+
 def test_a_workdir_starts_fresh_then_from_its_checkpoint_and_another_from_its_model_init(
     tmp_path,
 ):
@@ -51,7 +60,7 @@ def test_a_workdir_starts_fresh_then_from_its_checkpoint_and_another_from_its_mo
     ckpt = checkpoint.Checkpoints(str(tmp_path / "first"), run.config, adamw, run.plan)
     restored, begun = restore_or_init(ckpt, run)
     assert begun == Start(0, str(tmp_path / "first" / "checkpoints" / "0"))
-    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, restored, state)))
+    assert equal_on_host(restored, state)
     ckpt.manager.close()
     run = dataclasses.replace(
         run, config=dataclasses.replace(run.config, model_init=str(tmp_path / "first"))
@@ -59,9 +68,9 @@ def test_a_workdir_starts_fresh_then_from_its_checkpoint_and_another_from_its_mo
     ckpt = checkpoint.Checkpoints(str(tmp_path / "second"), run.config, adamw, run.plan)
     loaded, begun = restore_or_init(ckpt, run)
     assert begun == Start(0, str(tmp_path / "first" / "checkpoints" / "0"))
-    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, loaded["params"], state["params"])))
+    assert equal_on_host(loaded["params"], state["params"])
     fresh = steps.init_opt(run.tx, run.plan, loaded["params"])
-    assert all(jax.tree.leaves(jax.tree.map(jnp.array_equal, loaded["opt"], fresh)))
+    assert equal_on_host(loaded["opt"], fresh)
     ckpt.manager.close()
 
 
