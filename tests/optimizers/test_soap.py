@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import bv_sharding as bvs
-from bv_sharding.optimizers import ParamLayout, rebirth, scale_by_soap, soap, with_state_dtype
-from tests.optimizers import strategies
+from bv_sharding.optimizers import rebirth, scale_by_soap, soap, with_state_dtype
+from tests.optimizers import own_loop
 
 REFERENCE = pathlib.Path(__file__).parents[1] / "data/soap_reference.npz"
 
@@ -116,25 +116,10 @@ def _trajectory(mesh_name: str, blocking: str = "tiles"):
   ``mesh_name``, its blocks cut by ``blocking``."""
   data, model = MESHES[mesh_name]
   mesh = bvs.make_mesh([("data", data), ("model", model)], devices=jax.devices()[: data * model])
-  abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
-  params_plan = bvs.plan({"params": abstract}, strategies.by_dims(SPECS), mesh)
-  layout = ParamLayout.from_plan(params_plan)
-  tx = soap(3e-2, precondition_frequency=3, block_size=8, layout=layout, blocking=blocking)
-  tree = {"params": abstract, "opt": jax.eval_shape(tx.init, abstract)}
-  plan = bvs.plan(tree, strategies.by_dims(SPECS), mesh, params=params_plan)
-  rng = np.random.default_rng(0)
-  params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-  params = jax.device_put(params, plan.shardings["params"])
-
-  def step(params, opt, k):
-    updates, opt = tx.update(jax.grad(_loss)(params, k), opt, params)
-    return optax.apply_updates(params, updates), opt
-
-  with jax.set_mesh(mesh):
-    opt = jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)
-    step = jax.jit(step)  # As a training loop runs it: the state comes back where it was put.
-    for k in range(STEPS):
-      params, opt = step(params, opt, jnp.float32(k))
+  make = lambda layout: soap(
+      3e-2, precondition_frequency=3, block_size=8, layout=layout, blocking=blocking
+  )
+  params, opt, plan = own_loop.train(make, SHAPES, SPECS, mesh, _loss, STEPS)
   shapes = jax.tree.map(lambda x: x.shape, opt)
   return jax.device_get(params), plan.mismatches({"params": params, "opt": opt}), shapes
 

@@ -5,12 +5,11 @@ involuntary full rematerialization (a ViT's ranks on 4 x 2). Library imports onl
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import bv_sharding as bvs
-from bv_sharding.optimizers import ParamLayout, kron, shampoo, soap
-from tests.optimizers import strategies
+from bv_sharding.optimizers import kron, shampoo, soap
+from tests.optimizers import own_loop, strategies
 
 SHAPES, SPECS = strategies.VIT_SHAPES, strategies.VIT_SPECS
 OPTIMIZERS = {
@@ -28,25 +27,8 @@ def _loss(params, k):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_shard_local_blocks_keep_params_and_state_where_planned(name, capfd):
   mesh = bvs.make_mesh([("data", 4), ("model", 2)])
-  abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
-  params_plan = bvs.plan({"params": abstract}, strategies.by_dims(SPECS), mesh)
-  layout = ParamLayout.from_plan(params_plan)
-  tx = OPTIMIZERS[name]({"layout": layout, "blocking": "local", "block_size": 8})
-  tree = {"params": abstract, "opt": jax.eval_shape(tx.init, abstract)}
-  plan = bvs.plan(tree, strategies.by_dims(SPECS), mesh, params=params_plan)
-  rng = np.random.default_rng(0)
-  params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-  params = jax.device_put(params, plan.shardings["params"])
-
-  def step(params, opt, k):
-    updates, opt = tx.update(jax.grad(_loss)(params, k), opt, params)
-    return optax.apply_updates(params, updates), opt
-
-  with jax.set_mesh(mesh):
-    opt = jax.jit(tx.init, out_shardings=plan.shardings["opt"])(params)
-    step = jax.jit(step)
-    for k in range(3):
-      params, opt = step(params, opt, jnp.float32(k))
+  make = lambda layout: OPTIMIZERS[name]({"layout": layout, "blocking": "local", "block_size": 8})
+  params, opt, plan = own_loop.train(make, SHAPES, SPECS, mesh, _loss, 3)
   assert plan.mismatches({"params": params, "opt": opt}) == []
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
   assert "Involuntary full rematerialization" not in capfd.readouterr().err
