@@ -32,6 +32,7 @@ from benchmarks.throughput import init_state, lm_config, setup
 from trainers.settings import cli
 
 SETTLE = 2  # Steps of each run left out of the medians (compile, then caches).
+PERIOD = 10  # soap's precondition_frequency in the registry: a refresh every PERIOD steps.
 
 
 def step_seconds(step, state, batches) -> list[float]:
@@ -65,14 +66,13 @@ def update_gflop(tx, state, count: int) -> float:
 
 def measure(size: str, cycles: int) -> dict:
   """Per optimizer (soap, adamw) of ``size``: each step's seconds and its run's figures."""
-  period = 10  # soap's precondition_frequency in the registry.
   runs = {}
   for name in ("soap", "adamw"):
     config = lm_config(size, name)
-    mesh, run, step, batches = setup(config, SETTLE + cycles * period)
+    mesh, run, step, batches = setup(config, SETTLE + cycles * PERIOD)
     with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
       state = init_state(run)
-      flops = [update_gflop(run.tx, state, count) for count in (period, period + 1)]
+      flops = [update_gflop(run.tx, state, count) for count in (PERIOD, PERIOD + 1)]
       total = float(step.train.cost_analysis().get("flops", 0.0)) / 1e9
     runs[name] = dict(mesh=mesh, config=config, step=step.train, state=state, batches=batches)
     runs[name].update(update=flops, total=total)
@@ -87,9 +87,9 @@ def row(size: str, runs: dict) -> str:
   soap, adamw = runs["soap"], runs["adamw"]
   timed = list(enumerate(soap["seconds"]))[SETTLE:]
   ms = lambda xs: 1e3 * statistics.median(xs)
-  refresh = ms([s for count, s in timed if count % 10 == 0])
-  other = ms([s for count, s in timed if count % 10])
-  amortised = (refresh + 9 * other) / 10
+  refresh = ms([s for count, s in timed if count % PERIOD == 0])
+  other = ms([s for count, s in timed if count % PERIOD])
+  amortised = (refresh + (PERIOD - 1) * other) / PERIOD
   base = ms(adamw["seconds"][SETTLE:])
   model = adamw["total"] - adamw["update"][1]
   return (

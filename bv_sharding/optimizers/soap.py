@@ -291,8 +291,8 @@ def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int):
 def _refreshed(stats, bases, nu, *, dims):
   """Every rotated dim's basis refreshed by :func:`_power_qr`, and ``nu`` permuted with them."""
   new_bases = []
-  for i, (s, q) in enumerate(zip(stats, bases)):
-    q, nu = _power_qr(s, q, nu, dims[i])
+  for s, q, dim in zip(stats, bases, dims):
+    q, nu = _power_qr(s, q, nu, dim)
     new_bases.append(q)
   return new_bases, nu
 
