@@ -6,7 +6,8 @@
   python -m trainers.train --config configs/lm.py:size=1b --workdir /tmp/lm1b \
       --config.compute_dtype=bfloat16   # ~1B params (vocab 32000) on one GPU or TPU chip
 
-The default (tiny) runs in about a minute on a 2-core CPU with 8 simulated devices.
+The default (tiny) runs in about a minute on a 2-core CPU with 8 simulated devices;
+``configs/lm.py:layers=1`` gives its model one layer instead of two.
 """
 
 from configs.common import base_config, parse_arg
@@ -14,8 +15,9 @@ from trainers.input import sources
 
 
 def get_config(arg=None):
-  """The LM config; ``arg``: ``size=tiny|small|medium|1b`` (1b: seq_len 2048, batch 16)."""
-  arg = parse_arg(arg, size="tiny")
+  """The LM config; ``arg``: ``size=tiny|small|medium|1b`` (1b: seq_len 2048, batch 16) and
+  ``layers=N`` (the model's layer count; 0, the default: the size's)."""
+  arg = parse_arg(arg, size="tiny", layers=0)
   # seed, eval_batches, log_every, eval_every, mesh, rules, adamw, wd, clipping, checkpoints:
   config = base_config()
 
@@ -27,6 +29,8 @@ def get_config(arg=None):
 
   config.model_name = "llama"
   config.model = dict(size=arg["size"], scan_layers=False, remat=False)
+  if arg["layers"]:
+    config.model.n_layers = arg["layers"]
 
   config.total_steps = 300
 

@@ -57,25 +57,6 @@ def quick_lm(total_steps: int, log_every: int, eval_every: int, eval_batches: in
   )
 
 
-# configs/<base>.py with a one-layer model, as a user's config file derives from another: the
-# same tiny Llama in about half the compile (`one_layer`).
-ONE_LAYER = """from configs import {base}
-
-
-def get_config(arg=None):
-  config = {base}.get_config(arg)
-  config.model.n_layers = 1
-  return config
-"""
-
-
-def one_layer(directory, base: str = "lm") -> pathlib.Path:
-  """``directory/<base>_one_layer.py``: ``configs/<base>.py`` with a one-layer model, written."""
-  path = pathlib.Path(directory, f"{base}_one_layer.py")
-  path.write_text(ONE_LAYER.format(base=base))
-  return path
-
-
 def tiny_llama(get_config, batch_size: int = 32, **keys):
   """``get_config()`` with a one-layer Llama of width 32, batches of ``batch_size`` x 32 bytes,
   a 2-step warmup, and ``keys`` replaced (in-process runs through trainers/build.py)."""

@@ -1,6 +1,7 @@
 """The trainer run as a user runs it, for the tests of durable runs (``test_checkpoint.py``,
 ``test_start.py``, ``test_preemption.py``): ``python -m trainers.train`` on ``RUN``'s tiny LM
-in a subprocess, its checkpoints read back, and the uninterrupted ``STEPS``-step run they all
+(configs/lm.py with one layer: every kind of param of two, in about half the compile) in a
+subprocess, its checkpoints read back, and the uninterrupted ``STEPS``-step run they all
 compare with (:func:`reference`, made once in the session).
 """
 
@@ -24,7 +25,7 @@ from trainers import build
 from trainers.rundir import checkpoint, events
 
 STEPS = 8
-CONFIG = "configs/lm.py"
+CONFIG = "configs/lm.py:layers=1"
 RUN = (
     "--config.batch_size=16",
     "--config.seq_len=32",
@@ -127,8 +128,8 @@ def copy_at(reference, workdir, step):
 
 
 def lm_in(dtype: str):
-  """configs/lm.py as RUN trains it, its params and optimizer state stored in ``dtype``."""
-  config = lm.get_config()
+  """``CONFIG`` as RUN trains it, its params and optimizer state stored in ``dtype``."""
+  config = lm.get_config("layers=1")
   config.batch_size, config.seq_len, config.total_steps = 16, 32, STEPS
   config.schedule = {"warmup_steps": 2, "decay_type": "stair"}
   config.param_dtype = config.state_dtype = dtype

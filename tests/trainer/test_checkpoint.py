@@ -438,7 +438,7 @@ def test_a_save_that_finds_no_room_is_one_line_and_the_last_checkpoint_resumes(t
   assert done.stderr.splitlines()[-1] == (
       f"CheckpointWriteError: saving a checkpoint into {workdir}/checkpoints would fail (this "
       "process's file size limit: 200000 bytes): file too large (errno 27). A checkpoint of this "
-      "state needs about 5.6 MiB there: free it, or give another --workdir (the last "
+      "state needs about 3.2 MiB there: free it, or give another --workdir (the last "
       "checkpoint, step 4 is intact)"
   )
   assert "Traceback" not in done.stderr  # Checked before orbax starts a write that would fail.

@@ -18,7 +18,7 @@ import pytest
 
 import bv_sharding as bvs
 from configs import lm
-from tests.helpers import made_once, metrics, one_layer
+from tests.helpers import made_once, metrics
 from tests.trainer import runs
 from tests.trainer.runs import (
     STEPS,
@@ -80,8 +80,8 @@ def reference(tmp_path_factory):
 
 
 def tiny_lm(optax_name="adamw"):
-  """The tiny Llama and optimizer of configs/lm.py, for restoring in this process."""
-  model = models.get_model("llama", size="tiny", scan_layers=False, remat=False)
+  """The model and optimizer of ``runs.CONFIG``, for restoring in this process."""
+  model = models.from_config(lm.get_config("layers=1"))
   init = lambda: model.init(jax.random.key(0), np.zeros((1, 32), np.int32))["params"]
   schedule = {"warmup_steps": 2, "decay_type": "cosine", "total_steps": STEPS}
   tx = optimizers.make_optimizer(
@@ -291,10 +291,9 @@ def test_model_init_without_a_checkpoint_fails_before_training(tmp_path):
 
 @functools.cache
 def blocked_lm(optax_name: str, block_size: int, devices: int) -> build.Run:
-  """``one_layer``'s configs/lm.py (a one-layer tiny Llama) with ``optax_name`` on ``devices``,
-  built as the trainer builds it."""
-  config = lm.get_config()
-  config.model.n_layers = 1
+  """``runs.CONFIG`` (a one-layer tiny Llama) with ``optax_name`` on ``devices``, built as the
+  trainer builds it."""
+  config = lm.get_config("layers=1")
   config.optax_name, config.optax, config.total_steps = optax_name, {"block_size": block_size}, 8
   config.schedule.warmup_steps = 2
   return build.build(config, bvs.make_mesh([("data", devices)], devices=jax.devices()[:devices]))
@@ -321,16 +320,13 @@ def assert_state_as_saved_after_restore(workdir, optax_name, block_size, devices
 def test_block_stacks_restore_onto_fewer_devices(tmp_path, optax_name, block_size, devices, how):
   """8 devices -> fewer: 8x8 tiles stay the same tiles (the state kept as saved); Shampoo's
   shard-local blocks ("local") of 1024 are each device's whole shard, other blocks on fewer
-  devices (state re-initialised). The tiny Llama with one layer: every kind of param of two,
-  in about half the compile."""
-  workdir, config = tmp_path / "run", one_layer(tmp_path)
+  devices (state re-initialised)."""
+  workdir = tmp_path / "run"
   run = [f"--config.optax_name={optax_name}", f"--config.optax.block_size={block_size}"]
   run += ["--config.optax.blocking=local"] if how == "re-initialised" else []
   # Kron's and Shampoo's train steps take minutes to compile on a loaded 2-core host.
-  train(workdir, *run, total=4, timeout=900, config=config)
-  out = train(
-      workdir, *run, f"--devices_per_process={devices}", total=6, timeout=900, config=config
-  )
+  train(workdir, *run, total=4, timeout=900)
+  out = train(workdir, *run, f"--devices_per_process={devices}", total=6, timeout=900)
   assert "resumed at step 4 from" in out, out[-3000:]
   if how == "kept":
     assert "restored on mesh {'data': 2} as saved" in out and "re-initialised" not in out, out

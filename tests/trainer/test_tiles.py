@@ -7,7 +7,7 @@ device; SOAP's first bases are not that stable, ``LOOSER``), and a checkpoint sa
 devices resumes on 2, 4 and 4x2 with its whole optimizer state carried over: the resumed
 losses are the 8-device run's.
 
-The configs' tiny Llama has one layer here instead of two (``helpers.one_layer``): every
+The configs' tiny Llama has one layer here instead of two (the configs' ``layers=1``): every
 kind of tile the two layers have, in half the compile. Kron's 256-tiles: on 2 devices the
 MLP kernels' (two per kernel) dealt to owners and the other matrices' pooled, on 4, 8 and
 4x2 all pooled; Shampoo's blocks (and SOAP's, the same tiles) pooled on every mesh of more
@@ -23,7 +23,7 @@ import shutil
 
 import pytest
 
-from tests.helpers import metrics, one_layer, train
+from tests.helpers import metrics, train
 
 # Shampoo preconditions from step 10 (its registry default) and SOAP refreshes its bases every
 # 10 steps: the resumed steps 16-30 are preconditioned from the statistics the checkpoint
@@ -70,7 +70,7 @@ LOOSER = {"soap": (0.15, 20, 1e-3)}
 def run(workdir, optimizer: str, mesh: str) -> str:
   """The trainer on ``mesh`` in ``workdir`` (from scratch, or resuming what it holds)."""
   name, devices = MESHES[mesh]
-  config = workdir.parent / f"{name}_one_layer.py"
+  config = f"configs/{name}.py:layers=1"
   flags = (f"--config.optax_name={optimizer}", f"--devices_per_process={devices}", *RUN)
   status, out, _ = train(workdir, *flags, config=config, timeout=900)
   assert status == 0, out[-4000:]
@@ -95,8 +95,6 @@ def runs_of(root, optimizer: str) -> dict:
   """mesh -> (workdir, output) of ``optimizer``'s run from scratch, and "8->" mesh -> those
   of the 8-device run's step-``SAVED`` checkpoint resumed on ``mesh``."""
   out = {}
-  for name in {name for name, _ in MESHES.values()}:
-    one_layer(root, name)
   # Two trainers at a time: each spends much of its start single-threaded.
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     done = {mesh: pool.submit(run, root / mesh, optimizer, mesh) for mesh in MESHES}
