@@ -8,7 +8,8 @@ dtypes (:func:`pool_key`) form one pool: :func:`run_pool` concatenates their blo
 (arrays and factor stacks), pads them to a multiple of the device count (:func:`padded`) and
 splits them over every mesh axis, so each device fits and applies its ``1/N`` of all those
 tiles, in one ``shard_map`` (a device holding padding alone skips the work:
-:func:`unless_padding`). Each array is first resharded to its param's tile layout
+:func:`unless_padding`). Every reshard on the way moves one run of mesh axes at a time
+(:func:`axis_steps`). Each array is first resharded to its param's tile layout
 (:func:`_tile_spec`) and each stored stack is kept spread at the ideal
 (:func:`~bv_sharding.optimizers.placement.stored_spec`), so that the move to the pool and back
 is one all-to-all per array, of about a shard's bytes.
@@ -64,8 +65,8 @@ def unless_padding(run, start, real: int, total: int) -> Any:
   padding (``start >= real`` of ``total`` slots): zeros of its shapes there, which are dropped
   anyway. A pool of fewer tiles than devices then runs its tiles once, not once per device.
   The work holds no collective, so devices may take different branches. On one host of
-  simulated devices this halved Kron's and Shampoo's update (configs/lm.py, one layer, 8
-  devices: 338 -> 179 ms and 353 -> 172 ms).
+  simulated devices, where every device's work shares the same cores, this halved Kron's and
+  Shampoo's update of a one-layer Llama's params on 8 devices (338 -> 179 ms and 353 -> 172 ms).
 
   Example:
       >>> unless_padding(lambda: jnp.ones(2), jnp.array(4), 3, 8).tolist()
@@ -118,8 +119,28 @@ def run_pool(runs: Sequence[BlockRun]):
   axes = stack_axes((), sizes)
   dealt = P(spec_entry(axes))
   place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  def move(x, src, dst):  # From spec src to dst, one run of axes at a time (axis_steps).
+    for spec in axis_steps(src, dst):
+      x = place(x, P(*spec))
+    return x
+
   # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
-  along = lambda x: place(x, P(None, *spread(x.shape[1:], axes, sizes)))
+  tail = lambda x: (None, *spread(x.shape[1:], axes, sizes))
+  along = lambda x: place(x, P(*tail(x)))
+
+  # A group's tile stack (k, n, *tile) constrained where its cut leaves it (_tiles_tail), then
+  # moved to the pool's tail; and back before it is merged.
+  def cut_to_tail(x, natural):
+    if natural is None:
+      return x
+    return move(place(x, P(None, *natural)), (None, *natural), (None, *tail(x[0])))
+
+  def tail_to_cut(x, natural):
+    if natural is None:
+      return x
+    return move(place(x, P(None, *tail(x[0]))), (None, *tail(x[0])), (None, *natural))
+
   groups = like_groups(runs)
   ordered = [runs[i] for members in groups for i in members]  # The pool's order.
   counts = [run.blocks.count for run in ordered]
@@ -128,17 +149,19 @@ def run_pool(runs: Sequence[BlockRun]):
 
   def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
     stack = jnp.concatenate([along(x) for x in parts])
-    return place(along(padded(stack, total)), dealt)
+    return move(along(padded(stack, total)), tail(stack), tuple(dealt) + (None,) * (stack.ndim - 1))
 
   stack = lambda *xs: jnp.stack(xs)
   flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
   tiles, factors = [], []
   for members in groups:
     blocks, like = runs[members[0]].blocks, [runs[i] for i in members]
-    tile_spec = P(None, *_tile_spec(blocks, sizes))
+    param_spec = (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
+    tile_spec = (None, *_tile_spec(blocks, sizes))
     # Each array resharded to its params' tile layout, then cut into their tiles.
-    cut = lambda xs, blocks=blocks, spec=tile_spec: flat(
-        jax.vmap(blocks.split)(place(stack(*xs), spec))
+    natural = _tiles_tail(blocks, tile_spec)
+    cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, natural=natural: flat(
+        cut_to_tail(jax.vmap(blocks.split)(move(place(stack(*xs), P(*src)), src, dst)), natural)
     )
     tiles.append([cut(xs) for xs in zip(*[r.arrays for r in like])])
     grouped = jax.tree.map(stack, *[r.stacks for r in like])
@@ -167,16 +190,20 @@ def run_pool(runs: Sequence[BlockRun]):
       body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
   )
   outs, new_stacks = body(arrays, stacks, per_block)
-  outs = [along(o) for o in outs]
-  new_stacks = jax.tree.map(along, new_stacks)
+  out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
+  outs = [out_of_pool(o) for o in outs]
+  new_stacks = jax.tree.map(out_of_pool, new_stacks)
   merged, cuts, start = [None] * len(runs), [None] * len(runs), 0
   for members in groups:
     blocks, k = runs[members[0]].blocks, len(members)
     n = blocks.count
-    tile_spec = P(None, *_tile_spec(blocks, sizes))
+    param_spec = (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
+    tile_spec = (None, *_tile_spec(blocks, sizes))
     mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
-    back = [place(jax.vmap(blocks.merge)(mine(o)), tile_spec) for o in outs]
-    back = [place(x, P(None, *blocks.spec)) for x in back]
+    natural = _tiles_tail(blocks, tile_spec)
+    back = [jax.vmap(blocks.merge)(tail_to_cut(mine(o), natural)) for o in outs]
+    back = [place(x, P(*tile_spec)) for x in back]
+    back = [move(x, tile_spec, param_spec) for x in back]
     unrun = jax.tree.map(
         lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new_stacks
     )
@@ -185,6 +212,60 @@ def run_pool(runs: Sequence[BlockRun]):
       cuts[i] = stored(blocks, jax.tree.map(lambda x, j=j: x[j], unrun))
     start += k * n
   return merged, cuts
+
+
+def _tiles_tail(blocks: ShardBlocks, tile_spec: tuple) -> tuple | None:
+  """Where cutting a param on ``tile_spec`` (a group's, its dim 0 the group's) leaves its tile
+  stack ``(n, *tile)``: each tile dim split as its param dim is, when each divides; None when
+  one does not."""
+  entries = tile_spec[1 + int(blocks.scanned) :]
+  sizes = dict(blocks.mesh.shape)
+  for size, entry in zip(blocks.sizes, entries):
+    if size % math.prod(sizes[a] for a in stack_axes((entry,))):
+      return None
+  return (None, *entries)
+
+
+def axis_steps(src: Sequence, dst: Sequence) -> list[tuple]:
+  """The specs (tuples of entries, one per dim) from ``src`` to ``dst`` that move one run of
+  mesh axes at a time: each axis ``dst`` splits a dim by, in ``dst``'s order, added last to
+  that dim's axes (taken from the dim that held it, with the axes after it there when ``dst``
+  wants them next: an all-to-all; or newly split: a slice), then each axis ``dst`` leaves out
+  dropped (an all-gather). XLA's partitioner makes each such step one collective; asked for
+  two moves at once (axes leaving two dims, or a dim's major axis leaving its minor one) it
+  may replicate the array whole instead ("Involuntary full rematerialization": a ViT's
+  attention kernel and conv embedding tiled on a 4 x 2 mesh).
+
+  Example:
+      >>> axis_steps((None, "model", "data"), (("data", "model"), None, None))
+      [('data', 'model', None), (('data', 'model'), None, None)]
+      >>> axis_steps((("data", "model"), None), (None, "model"))
+      [('data', 'model'), (None, 'model')]
+  """
+  current = [list(stack_axes((e,))) for e in src]
+  wanted = [list(stack_axes((e,))) for e in dst]
+  steps = []
+  snapshot = lambda: tuple(spec_entry(axes) for axes in current)
+  for dim, axes in enumerate(wanted):
+    for i, axis in enumerate(axes):
+      if axis in current[dim]:
+        continue
+      held = next((h for h in current if axis in h), [])
+      run = held[held.index(axis) :] if axis in held else [axis]
+      if run != axes[i : i + len(run)]:  # Not a minor run of its dim, as dst orders it.
+        run = [axis]
+      for moved in run:
+        if moved in held:
+          held.remove(moved)
+      current[dim].extend(run)
+      steps.append(snapshot())
+  for dim, axes in enumerate(current):
+    for axis in [a for a in axes if a not in wanted[dim]]:
+      axes.remove(axis)
+      steps.append(snapshot())
+  if not steps or steps[-1] != tuple(spec_entry(a) for a in wanted):
+    steps.append(tuple(spec_entry(a) for a in wanted))
+  return steps
 
 
 def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:

@@ -1,6 +1,9 @@
-"""Shard-local blocks (``blocking="local"``) keep every param, update and state leaf where the
-plan puts it, in a loop that jits its step without ``out_shardings``, and compile without an
-involuntary full rematerialization (a ViT's ranks on 4 x 2). Library imports only."""
+"""Shard-local blocks (``blocking="local"``) and the mesh-independent tiles (``"tiles"``, the
+default: pooled over the mesh, dealt to owners) keep every param, update and state leaf where
+the plan puts it, in a loop that jits its step without ``out_shardings``, and compile without
+an involuntary full rematerialization (a ViT's ranks on 4 x 2: before the pools moved one run
+of mesh axes at a time, ``pools.axis_steps``, the tiles printed it for the attention kernel,
+the conv embedding and the scanned stack). Library imports only."""
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +27,11 @@ def _loss(params, k):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("blocking", ["local", "tiles"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_shard_local_blocks_keep_params_and_state_where_planned(name, capfd):
+def test_blocks_keep_params_and_state_where_planned_without_remat(name, blocking, capfd):
   mesh = bvs.make_mesh([("data", 4), ("model", 2)])
-  make = lambda layout: OPTIMIZERS[name]({"layout": layout, "blocking": "local", "block_size": 8})
+  make = lambda layout: OPTIMIZERS[name]({"layout": layout, "blocking": blocking, "block_size": 8})
   params, opt, plan = own_loop.train(make, SHAPES, SPECS, mesh, _loss, 3)
   assert plan.mismatches({"params": params, "opt": opt}) == []
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))

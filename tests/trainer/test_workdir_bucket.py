@@ -488,13 +488,7 @@ def _steps(path: str) -> dict[int, float]:
 @pytest.mark.timeout(600)
 def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   run, total = f"gs://{BUCKET}/run", 60
-  cmd = [
-      sys.executable,
-      "-m",
-      "trainers.train",
-      f"--workdir={run}",
-      "--config=configs/lm.py:layers=1",
-  ]
+  cmd = [sys.executable, "-m", "trainers.train", f"--workdir={run}", "--config=configs/lm.py"]
   cmd += [*quick_lm(total, 1, 1000, 1), "--config.ckpt_steps=20", "--workdir_lease=1"]
   env = environment(**emulator)
   log = open(os.environ.get("BV_BUCKET_LOG", os.devnull), "w")
