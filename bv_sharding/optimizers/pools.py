@@ -120,7 +120,8 @@ def run_pool(runs: Sequence[BlockRun]):
   dealt = P(spec_entry(axes))
   place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-  def move(x, src, dst):  # From spec src to dst, one run of axes at a time (axis_steps).
+  def move(x, src, dst):  # Placed on spec src, then to dst one run of axes at a time.
+    x = place(x, P(*src))
     for spec in axis_steps(src, dst):
       x = place(x, P(*spec))
     return x
@@ -129,17 +130,13 @@ def run_pool(runs: Sequence[BlockRun]):
   tail = lambda x: (None, *spread(x.shape[1:], axes, sizes))
   along = lambda x: place(x, P(*tail(x)))
 
-  # A group's tile stack (k, n, *tile) constrained where its cut leaves it (_tiles_tail), then
-  # moved to the pool's tail; and back before it is merged.
-  def cut_to_tail(x, natural):
+  # A group's tile stack (k, n, *tile) between where its cut leaves it (_tiles_tail) and the
+  # pool's tail: to the tail after the cut, back before the merge.
+  def shift(x, natural, to_tail: bool):
     if natural is None:
       return x
-    return move(place(x, P(None, *natural)), (None, *natural), (None, *tail(x[0])))
-
-  def tail_to_cut(x, natural):
-    if natural is None:
-      return x
-    return move(place(x, P(None, *tail(x[0]))), (None, *tail(x[0])), (None, *natural))
+    ends = [(None, *natural), (None, *tail(x[0]))]
+    return move(x, *(ends if to_tail else ends[::-1]))
 
   groups = like_groups(runs)
   ordered = [runs[i] for members in groups for i in members]  # The pool's order.
@@ -149,7 +146,7 @@ def run_pool(runs: Sequence[BlockRun]):
 
   def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
     stack = jnp.concatenate([along(x) for x in parts])
-    return move(along(padded(stack, total)), tail(stack), tuple(dealt) + (None,) * (stack.ndim - 1))
+    return move(padded(stack, total), tail(stack), tuple(dealt) + (None,) * (stack.ndim - 1))
 
   stack = lambda *xs: jnp.stack(xs)
   flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
@@ -161,7 +158,7 @@ def run_pool(runs: Sequence[BlockRun]):
     # Each array resharded to its params' tile layout, then cut into their tiles.
     natural = _tiles_tail(blocks, tile_spec)
     cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, natural=natural: flat(
-        cut_to_tail(jax.vmap(blocks.split)(move(place(stack(*xs), P(*src)), src, dst)), natural)
+        shift(jax.vmap(blocks.split)(move(stack(*xs), src, dst)), natural, to_tail=True)
     )
     tiles.append([cut(xs) for xs in zip(*[r.arrays for r in like])])
     grouped = jax.tree.map(stack, *[r.stacks for r in like])
@@ -201,7 +198,7 @@ def run_pool(runs: Sequence[BlockRun]):
     tile_spec = (None, *_tile_spec(blocks, sizes))
     mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
     natural = _tiles_tail(blocks, tile_spec)
-    back = [jax.vmap(blocks.merge)(tail_to_cut(mine(o), natural)) for o in outs]
+    back = [jax.vmap(blocks.merge)(shift(mine(o), natural, to_tail=False)) for o in outs]
     back = [place(x, P(*tile_spec)) for x in back]
     back = [move(x, tile_spec, param_spec) for x in back]
     unrun = jax.tree.map(
