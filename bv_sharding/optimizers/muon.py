@@ -13,12 +13,12 @@ head_dim)`` is ``in`` matrices ``(heads, head_dim)`` and ``(heads, head_dim, out
 
 Newton-Schulz needs whole matrices. Without a layout every device orthogonalises
 every matrix (GSPMD gathers them). With ``layout`` (the params' specs and mesh, see
-:mod:`bv_sharding.optimizers.layout`) the matrices of one shape are stacked, padded to
-a multiple of the device count and split over all mesh axes: each matrix has one
-owner, which receives it whole (one all-to-all of the momentum per mesh axis, moved to
-the stack's dim 0 one axis at a time), orthogonalises it, and the results are
-all-gathered and cut back into the params' shards (an all-gather of the update; a
-scatter straight to the shards trips XLA's SPMD partitioner). Per-device
+:mod:`bv_sharding.optimizers.layout`) the matrices of one shape are stacked (each first
+moved to the layout most of them have), padded to a multiple of the device count and split
+over all mesh axes: each matrix has one owner, which receives it whole, orthogonalises it and
+sends it back, the stack moved one run of mesh axes at a time each way
+(:mod:`bv_sharding.optimizers.moves`: all-to-alls of about a shard's bytes, where the update
+was once all-gathered whole), then cut into its params, each moved to its own spec. Per-device
 Newton-Schulz FLOPs are ``ceil(K / N) / K`` of the total for K matrices of a shape.
 
 The momentum (and the AdamW branch's moments) are stored in the params' dtype; under a config-built
@@ -52,6 +52,7 @@ from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 from bv_sharding.errors import OptimizerError
 from bv_sharding.ops import axes_of
 from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.moves import move
 
 _NOT_MATRICES = ("scale", "bias")
 _NS_COEFFS = (3.4445, -4.775, 2.0315)
@@ -125,28 +126,32 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
   stacks = {i: _as_matrices(leaves[i]) for members in groups.values() for i in members}
   spec_of = lambda i: _matrix_spec(specs[i], leaves[i].shape) if owners > 1 else None
   pieces: dict[int, list[jax.Array]] = {i: [] for i in stacks}
-  left = []  # (leaf, matrices) of every shape's incomplete last round
+  left = []  # (leaf, matrices, their matrix spec as held) of every shape's last round
   for members in groups.values():
-    stack = jnp.concatenate([stacks[i] for i in members])
+    spec = _shared([spec_of(i) for i in members])
+    stack = jnp.concatenate([_moved(stacks[i], mesh, spec_of(i), spec) for i in members])
     full = stack.shape[0] // owners * owners
-    spec = _common([spec_of(i) for i in members], gather=False)
     done = _owned(ns, stack[:full], mesh, spec) if full else stack[:0]
     start = 0
     for i in members:
       n = stacks[i].shape[0]
       lo, hi = min(start, full), min(start + n, full)
       if hi > lo:
-        pieces[i].append(done[lo:hi])
+        pieces[i].append(_moved(done[lo:hi], mesh, spec, spec_of(i)))
       if start + n > full:
-        left.append((i, stack[max(start, full) : start + n]))
+        left.append((i, stack[max(start, full) : start + n], spec_of(i) if spec is None else spec))
       start += n
   if left:
-    m = max(x.shape[1] for _, x in left)
-    n = max(x.shape[2] for _, x in left)
-    padded = [jnp.pad(x, ((0, 0), (0, m - x.shape[1]), (0, n - x.shape[2]))) for _, x in left]
-    spec = _common([spec_of(i) for i, _ in left])
-    done, start = _owned(ns, jnp.concatenate(padded), mesh, spec), 0
-    for i, x in left:
+    m = max(x.shape[1] for _, x, _ in left)
+    n = max(x.shape[2] for _, x, _ in left)
+    padded = [jnp.pad(x, ((0, 0), (0, m - x.shape[1]), (0, n - x.shape[2]))) for _, x, _ in left]
+    spec = _common([held for _, _, held in left])
+    # Cut back to smaller shapes from whole matrices where a sharded dim is cut: its slice
+    # would move data.
+    cut = {d for _, x, _ in left for d, size in enumerate(x.shape[1:]) if size < (m, n)[d]}
+    whole = spec is None or any(spec[d] is not None for d in cut)
+    done, start = _owned(ns, jnp.concatenate(padded), mesh, spec, whole), 0
+    for i, x, _ in left:
       pieces[i].append(done[start : start + x.shape[0], : x.shape[1], : x.shape[2]])
       start += x.shape[0]
   out = list(leaves)
@@ -174,19 +179,19 @@ def _matrix_spec(spec: P, shape) -> tuple | None:
   return (cols, rows) if shape[-2] > shape[-1] else (rows, cols)
 
 
-def _common(specs: list, gather: bool = True) -> tuple | None:
-  """The matrix spec all of ``specs`` share; None where they differ (or one is None).
+def _common(specs: list) -> tuple | None:
+  """The matrix spec the zero-padded leftovers of several shapes share, as held
+  (:func:`orthogonalize`); None where they differ over one mesh axis (or one is None).
 
-  With ``gather`` (the zero-padded leftovers of several shapes), members that differ over
-  several mesh axes give ``(None, None)``: the stack is gathered whole before it is dealt to
-  owners (left to XLA, the move from its choice of sharding for the concatenation is an
-  involuntary full rematerialization: a ViT's attention and conv kernels on a 4x2 mesh). A
-  full round of one shape is left to XLA, which moves it without one (a Llama's on 8 devices).
+  Members that differ over several mesh axes give ``(None, None)``: the stack is gathered
+  whole before it is dealt to owners (left to XLA, the move from its choice of sharding for the
+  concatenation is an involuntary full rematerialization: a ViT's attention and conv kernels
+  on a 4x2 mesh).
 
   Example:
       >>> _common([("data", "model"), ("model", None)])
       (None, None)
-      >>> _common([("data", "model"), ("model", None)], gather=False) is None
+      >>> _common([("data", None), (None, "data")]) is None
       True
   """
   if len(set(specs)) == 1:
@@ -194,49 +199,74 @@ def _common(specs: list, gather: bool = True) -> tuple | None:
   if None in specs:
     return None
   placed = {a for spec in specs for entry in spec for a in axes_of(entry)}
-  return (None, None) if gather and len(placed) > 1 else None
+  return (None, None) if len(placed) > 1 else None
+
+
+def _shared(specs: list) -> tuple | None:
+  """The matrix spec most of ``specs`` have (the first such, on a tie); None if one is None.
+
+  Example:
+      >>> _shared([("data", None), (None, "data"), ("data", None)])
+      ('data', None)
+  """
+  if None in specs:
+    return None
+  return max(specs, key=specs.count)
+
+
+def _moved(stack: jax.Array, mesh, src: tuple | None, dst: tuple | None) -> jax.Array:
+  """``stack`` of matrices from the matrix spec ``src`` to ``dst``
+  (:func:`~bv_sharding.optimizers.moves.move`); as it is when either is None.
+
+  Example:
+      >>> _moved(jnp.ones((2, 4, 4)), None, ("data", None), None).shape
+      (2, 4, 4)
+  """
+  if src is None or dst is None or src == dst:
+    return stack
+  return move(stack, mesh, (None, *src), (None, *dst))
 
 
 def _to_owners(stack: jax.Array, mesh, spec: tuple | None) -> jax.Array:
-  """``stack`` split over all mesh axes on dim 0: one matrix per device and round.
+  """``stack`` (``(K, m, n)`` matrices, ``K`` a multiple of the mesh size) split over all mesh
+  axes on dim 0: one matrix per device and round.
 
-  With the stack's matrix ``spec`` known, the mesh axes move to dim 0 one at a time (an
-  all-to-all each): asked to move axes of both matrix dims at once, XLA replicates the stack
-  and partitions it again ("Involuntary full rematerialization"). Without it (members
-  sharded differently over one mesh axis, their concatenation's sharding is XLA's choice)
-  in one constraint. A stack of members sharded differently over several axes comes gathered
-  whole (``spec`` ``(None, None)``, :func:`_common`): from XLA's choice of sharding for their
-  concatenation, a move to dim 0 would be a replication anyway, and an involuntary one.
-
-  Args:
-    stack: ``(K, m, n)`` matrices, ``K`` a multiple of the mesh size.
-    mesh: a concrete mesh.
-    spec: the mesh axes of the rows and of the columns, or None.
-
-  Returns:
-    ``stack`` with dim 0 over ``mesh.axis_names``.
+  With the stack's matrix ``spec`` (the mesh axes of its rows and columns) known, the mesh axes
+  move to dim 0 one run at a time (:func:`~bv_sharding.optimizers.moves.move`: an all-to-all
+  each); without it (a stack whose batch dims are sharded) in one constraint. A stack of
+  leftovers sharded differently over several axes comes gathered whole (``spec``
+  ``(None, None)``, :func:`_common`): from XLA's choice of sharding for their concatenation, a
+  move to dim 0 would be a replication anyway, and an involuntary one.
   """
-  axes = mesh.axis_names
-  if spec is not None:
-    stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(None, *spec)))
-  for k in range(1, len(axes) if spec is not None else 0):
-    rest = [tuple(a for a in axes_of(entry) if a not in axes[:k]) or None for entry in spec]
-    stack = jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(axes[:k], *rest)))
-  return jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(axes)))
+  owners = (mesh.axis_names, None, None)
+  if spec is None:
+    return jax.lax.with_sharding_constraint(stack, NamedSharding(mesh, P(*owners)))
+  return move(stack, mesh, (None, *spec), owners)
 
 
-def _owned(ns, stack: jax.Array, mesh, spec: tuple | None = None) -> jax.Array:
+def _from_owners(done: jax.Array, mesh, spec: tuple | None) -> jax.Array:
+  """``done`` (split over all mesh axes on dim 0) back on its matrix ``spec`` with dim 0
+  whole (:func:`~bv_sharding.optimizers.moves.move`: all-to-alls of about a shard's bytes), or
+  gathered whole without a ``spec``. Either way dim 0 ends unsplit, so cutting it back into
+  leaves is local: slicing the owner-split stack directly trips XLA's SPMD partitioner (an
+  out-of-bounds slice at verification).
+  """
+  if spec is None:
+    return jax.lax.with_sharding_constraint(done, NamedSharding(mesh, P()))
+  return move(done, mesh, (mesh.axis_names, None, None), (None, *spec))
+
+
+def _owned(ns, stack: jax.Array, mesh, spec: tuple | None = None, whole=False) -> jax.Array:
   """``ns`` on every matrix of ``stack``; on a mesh, padded to whole rounds and split over it.
 
-  ``spec``: the mesh axes of the stack's rows and columns where known (:func:`_to_owners`).
+  ``spec``: the mesh axes of the stack's rows and columns where known (:func:`_to_owners`);
+  the results come back on it, or gathered whole where ``whole`` (:func:`_from_owners`).
   """
   count = stack.shape[0]
   if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
     stack = _to_owners(jnp.pad(stack, ((0, -count % mesh.size), (0, 0), (0, 0))), mesh, spec)
-    # Results are gathered whole before they are cut back into leaves: slicing the owner-split
-    # stack directly trips XLA's SPMD partitioner (an out-of-bounds slice at verification).
     done = jax.vmap(ns)(stack)
-    return jax.lax.with_sharding_constraint(done, NamedSharding(mesh, P()))[:count]
+    return _from_owners(done, mesh, None if whole else spec)[:count]
   return jax.vmap(ns)(stack)[:count]
 
 

@@ -9,7 +9,7 @@ dtypes (:func:`pool_key`) form one pool: :func:`run_pool` concatenates their blo
 splits them over every mesh axis, so each device fits and applies its ``1/N`` of all those
 tiles, in one ``shard_map`` (a device holding padding alone skips the work:
 :func:`unless_padding`). Every reshard on the way moves one run of mesh axes at a time
-(:func:`axis_steps`). Each array is first resharded to its param's tile layout
+(:func:`~bv_sharding.optimizers.moves.axis_steps`). Each array is first resharded to its param's tile layout
 (:func:`_tile_spec`) and each stored stack is kept spread at the ideal
 (:func:`~bv_sharding.optimizers.placement.stored_spec`), so that the move to the pool and back
 is one all-to-all per array, of about a shard's bytes.
@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
+from bv_sharding.optimizers import moves
 from bv_sharding.optimizers.placement import spread, stored
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
@@ -120,11 +121,7 @@ def run_pool(runs: Sequence[BlockRun]):
   dealt = P(spec_entry(axes))
   place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-  def move(x, src, dst):  # Placed on spec src, then to dst one run of axes at a time.
-    x = place(x, P(*src))
-    for spec in axis_steps(src, dst):
-      x = place(x, P(*spec))
-    return x
+  move = lambda x, src, dst: moves.move(x, mesh, src, dst)
 
   # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
   tail = lambda x: (None, *spread(x.shape[1:], axes, sizes))
@@ -221,48 +218,6 @@ def _tiles_tail(blocks: ShardBlocks, tile_spec: tuple) -> tuple | None:
     if size % math.prod(sizes[a] for a in stack_axes((entry,))):
       return None
   return (None, *entries)
-
-
-def axis_steps(src: Sequence, dst: Sequence) -> list[tuple]:
-  """The specs (tuples of entries, one per dim) from ``src`` to ``dst`` that move one run of
-  mesh axes at a time: each axis ``dst`` splits a dim by, in ``dst``'s order, added last to
-  that dim's axes (taken from the dim that held it, with the axes after it there when ``dst``
-  wants them next: an all-to-all; or newly split: a slice), then each axis ``dst`` leaves out
-  dropped (an all-gather). XLA's partitioner makes each such step one collective; asked for
-  two moves at once (axes leaving two dims, or a dim's major axis leaving its minor one) it
-  may replicate the array whole instead ("Involuntary full rematerialization": a ViT's
-  attention kernel and conv embedding tiled on a 4 x 2 mesh).
-
-  Example:
-      >>> axis_steps((None, "model", "data"), (("data", "model"), None, None))
-      [('data', 'model', None), (('data', 'model'), None, None)]
-      >>> axis_steps((("data", "model"), None), (None, "model"))
-      [('data', 'model'), (None, 'model')]
-  """
-  current = [list(stack_axes((e,))) for e in src]
-  wanted = [list(stack_axes((e,))) for e in dst]
-  steps = []
-  snapshot = lambda: tuple(spec_entry(axes) for axes in current)
-  for dim, axes in enumerate(wanted):
-    for i, axis in enumerate(axes):
-      if axis in current[dim]:
-        continue
-      held = next((h for h in current if axis in h), [])
-      run = held[held.index(axis) :] if axis in held else [axis]
-      if run != axes[i : i + len(run)]:  # Not a minor run of its dim, as dst orders it.
-        run = [axis]
-      for moved in run:
-        if moved in held:
-          held.remove(moved)
-      current[dim].extend(run)
-      steps.append(snapshot())
-  for dim, axes in enumerate(current):
-    for axis in [a for a in axes if a not in wanted[dim]]:
-      axes.remove(axis)
-      steps.append(snapshot())
-  if not steps or steps[-1] != tuple(spec_entry(a) for a in wanted):
-    steps.append(tuple(spec_entry(a) for a in wanted))
-  return steps
 
 
 def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
