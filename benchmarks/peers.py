@@ -80,7 +80,8 @@ PAIRS = {
         ("shampoo", {"block_size": SHAMPOO_BLOCK, "start_preconditioning_step": 1}),
         precondition_opt,
     ),
-    "muon": (("muon", {}), optax.contrib.muon),
+    # optax.contrib.muon scales no matrix update to an RMS (the registry's default does: 0.8).
+    "muon": (("muon", {"consistent_rms": None}), optax.contrib.muon),
 }
 
 
