@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -131,7 +132,7 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
     spec = _shared([spec_of(i) for i in members])
     stack = jnp.concatenate([_moved(stacks[i], mesh, spec_of(i), spec) for i in members])
     full = stack.shape[0] // owners * owners
-    done = _owned(ns, stack[:full], mesh, spec) if full else stack[:0]
+    done = _owned(ns, stack[:full], mesh, spec, spec) if full else stack[:0]
     start = 0
     for i in members:
       n = stacks[i].shape[0]
@@ -146,13 +147,12 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
     n = max(x.shape[2] for _, x, _ in left)
     padded = [jnp.pad(x, ((0, 0), (0, m - x.shape[1]), (0, n - x.shape[2]))) for _, x, _ in left]
     spec = _common([held for _, _, held in left])
-    # Cut back to smaller shapes from whole matrices where a sharded dim is cut: its slice
-    # would move data.
     cut = {d for _, x, _ in left for d, size in enumerate(x.shape[1:]) if size < (m, n)[d]}
-    whole = spec is None or any(spec[d] is not None for d in cut)
-    done, start = _owned(ns, jnp.concatenate(padded), mesh, spec, whole), 0
+    back = _uncut(spec, cut, (m, n), mesh)
+    done, start = _owned(ns, jnp.concatenate(padded), mesh, spec, back), 0
     for i, x, _ in left:
-      pieces[i].append(done[start : start + x.shape[0], : x.shape[1], : x.shape[2]])
+      piece = done[start : start + x.shape[0], : x.shape[1], : x.shape[2]]
+      pieces[i].append(_moved(piece, mesh, back, spec_of(i)))
       start += x.shape[0]
   out = list(leaves)
   for i, parts in pieces.items():
@@ -256,18 +256,46 @@ def _from_owners(done: jax.Array, mesh, spec: tuple | None) -> jax.Array:
   return move(done, mesh, (mesh.axis_names, None, None), (None, *spec))
 
 
-def _owned(ns, stack: jax.Array, mesh, spec: tuple | None = None, whole=False) -> jax.Array:
+def _owned(ns, stack: jax.Array, mesh, spec: tuple | None, back: tuple | None) -> jax.Array:
   """``ns`` on every matrix of ``stack``; on a mesh, padded to whole rounds and split over it.
 
   ``spec``: the mesh axes of the stack's rows and columns where known (:func:`_to_owners`);
-  the results come back on it, or gathered whole where ``whole`` (:func:`_from_owners`).
+  the results come back on the matrix spec ``back``, or gathered whole where it is None
+  (:func:`_from_owners`).
   """
   count = stack.shape[0]
   if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
     stack = _to_owners(jnp.pad(stack, ((0, -count % mesh.size), (0, 0), (0, 0))), mesh, spec)
     done = jax.vmap(ns)(stack)
-    return _from_owners(done, mesh, None if whole else spec)[:count]
+    return _from_owners(done, mesh, back)[:count]
   return jax.vmap(ns)(stack)[:count]
+
+
+def _uncut(spec: tuple | None, cut: set[int], shape: tuple[int, int], mesh) -> tuple | None:
+  """A matrix spec for cutting leftovers zero-padded to ``shape`` back to their own shapes along
+  the matrix dims ``cut``: ``spec`` with the cut dims' mesh axes moved after the other dim's
+  (slicing a sharded dim would move data); None (gathered whole) when both dims are cut, the
+  other dim does not divide, or ``spec`` is None.
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+      >>> _uncut(("data", "model"), {1}, (256, 768), mesh)
+      (('data', 'model'), None)
+      >>> _uncut(("data", "model"), {0, 1}, (256, 768), mesh) is None
+      True
+  """
+  if spec is None or not cut:
+    return spec
+  kept = [d for d in range(2) if d not in cut]
+  if not kept:
+    return None
+  axes = [a for d in (kept[0], *sorted(cut)) for a in axes_of(spec[d])]
+  sizes = dict(mesh.shape)
+  if shape[kept[0]] % math.prod(sizes[a] for a in axes):
+    return None
+  out = [None, None]
+  out[kept[0]] = tuple(axes) if len(axes) > 1 else (axes[0] if axes else None)
+  return tuple(out)
 
 
 def scale_by_muon(
