@@ -130,17 +130,26 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
   left = []  # (leaf, matrices, their matrix spec as held) of every shape's last round
   for members in groups.values():
     spec = _shared([spec_of(i) for i in members])
-    stack = jnp.concatenate([_moved(stacks[i], mesh, spec_of(i), spec) for i in members])
+    # Members held alike side by side, the shared layout's first: each run moves as one.
+    runs = _runs(members, spec_of, spec)
+    stack = jnp.concatenate(
+        [_moved(jnp.concatenate([stacks[i] for i in run]), mesh, held, spec) for held, run in runs]
+    )
     full = stack.shape[0] // owners * owners
     done = _owned(ns, stack[:full], mesh, spec, spec) if full else stack[:0]
     start = 0
-    for i in members:
-      n = stacks[i].shape[0]
-      lo, hi = min(start, full), min(start + n, full)
-      if hi > lo:
-        pieces[i].append(_moved(done[lo:hi], mesh, spec, spec_of(i)))
-      if start + n > full:
-        left.append((i, stack[max(start, full) : start + n], spec_of(i) if spec is None else spec))
+    for held, run in runs:
+      n = sum(stacks[i].shape[0] for i in run)
+      mine = _moved(done[min(start, full) : min(start + n, full)], mesh, spec, held)
+      at = start
+      for i in run:
+        k = stacks[i].shape[0]
+        lo, hi = min(at, full), min(at + k, full)
+        if hi > lo:
+          pieces[i].append(mine[lo - start : hi - start])
+        if at + k > full:
+          left.append((i, stack[max(at, full) : at + k], held if spec is None else spec))
+        at += k
       start += n
   if left:
     m = max(x.shape[1] for _, x, _ in left)
@@ -200,6 +209,20 @@ def _common(specs: list) -> tuple | None:
     return None
   placed = {a for spec in specs for entry in spec for a in axes_of(entry)}
   return (None, None) if len(placed) > 1 else None
+
+
+def _runs(members: list[int], spec_of: Callable, spec: tuple | None) -> list[tuple]:
+  """``members`` as runs of one matrix spec each, ``(spec, members)``: ``spec``'s first, the
+  others in order of first appearance.
+
+  Example:
+      >>> specs = {0: ("data", None), 1: (None, "data"), 2: ("data", None), 3: (None, "data")}
+      >>> _runs([0, 1, 2, 3], specs.get, ("data", None))
+      [(('data', None), [0, 2]), ((None, 'data'), [1, 3])]
+  """
+  held = list(dict.fromkeys([spec, *(spec_of(i) for i in members)]))
+  runs = [(h, [i for i in members if spec_of(i) == h]) for h in held]
+  return [(h, run) for h, run in runs if run]
 
 
 def _shared(specs: list) -> tuple | None:
