@@ -10,7 +10,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+import bv_sharding as bvs
 from bv_sharding.optimizers.muon import muon, orthogonalize, scale_by_muon
+from tests.optimizers import own_loop
 from trainers.optimizers import OptimizerError, ParamLayout, make_optimizer
 
 STEPS = 3
@@ -131,3 +133,26 @@ def test_a_vector_given_to_newton_schulz_is_refused_with_the_fix():
   ns = lambda x: x
   with pytest.raises(OptimizerError, match=r"shape \(4,\) \(1 dims\).*scale_by_muon"):
     orthogonalize({"b": jnp.ones(4)}, {"b": MuonDimensionNumbers(0, 0)}, ns)
+
+
+@pytest.mark.timeout(300)
+def test_owners_send_updates_back_in_a_users_own_loop_as_the_replicated_update(capfd):
+  # A user's loop (bv_sharding only) on 8 devices: a full round of a stack whose members are
+  # held two ways (moved to the shared layout and back as runs), and leftovers of two shapes
+  # zero-padded to (32, 64), cut back after the padded dim's axis moved onto the rows.
+  mesh = bvs.make_mesh([("data", 8)])
+  shapes = {"stack": (8, 32, 32), "a": (32, 32), "b": (32, 32), "up": (32, 64)}
+  specs = {
+      "stack": (None, None, "data"),
+      "a": (None, "data"),
+      "b": ("data", None),
+      "up": (None, "data"),
+  }
+  loss = lambda params, k: sum(jnp.sum(jnp.sin(p + 0.1 * k) ** 2) for p in params.values())
+  owned, opt, plan = own_loop.train(
+      lambda layout: muon(0.02, layout=layout), shapes, specs, mesh, loss, STEPS
+  )
+  assert "Involuntary full rematerialization" not in capfd.readouterr().err
+  assert plan.mismatches({"params": owned, "opt": opt}) == []
+  replicated, _, _ = own_loop.train(lambda layout: muon(0.02), shapes, specs, mesh, loss, STEPS)
+  _close(jax.device_get(owned), jax.device_get(replicated))
