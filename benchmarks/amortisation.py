@@ -91,26 +91,26 @@ def step_cost(run: build.Run) -> Cost:
   return Cost.of(build.compile_step(run).train)
 
 
-def model_cost(spec: str) -> tuple[Cost, Cost, int]:
-  """(forward and backward at batch 0, their cost per batch row, tokens per row) of ``spec``:
-  adamw's step less its update, at the config's batch and at twice it."""
-  base = built(spec, "adamw")
-  rows, tokens = base.config.batch_size, base.config.seq_len
-  update = update_cost(base)
+def model_cost(spec: str, base: build.Run, update: Cost) -> tuple[Cost, Cost]:
+  """(forward and backward at batch 0, their cost per batch row) of ``spec``: adamw's step
+  (``base``, ``update`` its update's cost) less its update, at its batch and at twice it."""
+  rows = base.config.batch_size
   at_rows = step_cost(base) - update
   at_twice = step_cost(built(spec, "adamw", 2 * rows)) - update
   slope = Cost((at_twice.flops - at_rows.flops) / rows, (at_twice.bytes - at_rows.bytes) / rows)
-  return at_rows.at(slope, -rows), slope, tokens
+  return at_rows.at(slope, -rows), slope
 
 
 def rows(spec: str, optimizers: list[str], tokens: int) -> list[str]:
   """The table's rows of ``spec``, one per optimizer (adamw's first)."""
-  zero, slope, per_row = model_cost(spec)
-  batch = built(spec, "adamw").config.batch_size
+  base = built(spec, "adamw")
+  updates = {"adamw": update_cost(base)}
+  zero, slope = model_cost(spec, base, updates["adamw"])
+  batch, per_row = base.config.batch_size, base.config.seq_len
   here, there = zero.at(slope, batch), zero.at(slope, tokens / per_row)
   out = []
   for name in ["adamw", *optimizers]:
-    update = update_cost(built(spec, name))
+    update = updates.get(name) or update_cost(built(spec, name))
     out.append(
         f"| {spec} | {name} | {update.flops / 1e9:.3f} | {update.bytes / 1e9:.3f} | "
         f"{here.flops / 1e9:.1f} | {update.flops / here.flops:.3f} | "
