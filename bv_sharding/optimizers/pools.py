@@ -9,8 +9,8 @@ dtypes (:func:`pool_key`) form one pool: :func:`run_pool` concatenates their blo
 splits them over every mesh axis, so each device fits and applies its ``1/N`` of all those
 tiles, in one ``shard_map`` (a device holding padding alone skips the work:
 :func:`unless_padding`). Every reshard on the way moves one run of mesh axes at a time
-(:func:`~bv_sharding.optimizers.moves.axis_steps`). Each array is first resharded to its param's tile layout
-(:func:`_tile_spec`) and each stored stack is kept spread at the ideal
+(:func:`~bv_sharding.optimizers.moves.move`). Each array is first resharded to its param's
+tile layout (:func:`_tile_spec`) and each stored stack is kept spread at the ideal
 (:func:`~bv_sharding.optimizers.placement.stored_spec`), so that the move to the pool and back
 is one all-to-all per array, of about a shard's bytes.
 
@@ -196,7 +196,6 @@ def run_pool(runs: Sequence[BlockRun]):
     mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
     natural = _tiles_tail(blocks, tile_spec)
     back = [jax.vmap(blocks.merge)(shift(mine(o), natural, to_tail=False)) for o in outs]
-    back = [place(x, P(*tile_spec)) for x in back]
     back = [move(x, tile_spec, param_spec) for x in back]
     unrun = jax.tree.map(
         lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new_stacks
