@@ -183,7 +183,7 @@ def triangular_inverse(q: jax.Array) -> jax.Array:
   matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
   for level in range(size.bit_length() - 1):
     s, pairs = 2**level, size // 2 ** (level + 1)
-    # The 2s-blocks on the diagonal, every (pairs + 1)-th of the row-major grid of blocks.
+    # The diagonal 2s-blocks: every (pairs + 1)-th block of the row-major grid of blocks.
     grid = jnp.swapaxes(full.reshape(*batch, pairs, 2 * s, pairs, 2 * s), -3, -2)
     b = grid.reshape(*batch, pairs * pairs, 2 * s, 2 * s)[..., :: pairs + 1, :s, s:]
     inv_a, inv_d = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
@@ -193,14 +193,15 @@ def triangular_inverse(q: jax.Array) -> jax.Array:
   return inv[..., 0, :n, :n]
 
 
-def _solve_along(x: jax.Array, axis: int, q: jax.Array, inverse: jax.Array | None) -> jax.Array:
-  """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular): by ``inverse``
-  where given (:func:`triangular_inverse`), else by LAPACK's triangular solve.
+def _solve_along(x: jax.Array, axis: int, q: jax.Array, by_inverse: bool = False) -> jax.Array:
+  """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular).
+
+  ``by_inverse`` uses :func:`triangular_inverse` instead of LAPACK.
   """
   if q.ndim == 1:
     return x / jnp.expand_dims(q, range(1, x.ndim - axis))
-  if inverse is not None:
-    return matmul_along(x, axis, inverse.T.astype(x.dtype))
+  if by_inverse:
+    return matmul_along(x, axis, triangular_inverse(q).T.astype(x.dtype))
   moved = jnp.moveaxis(x, axis, -1)
   flat = moved.reshape(-1, moved.shape[-1]).astype(q.dtype)
   solved = jax.lax.linalg.triangular_solve(q, flat, left_side=False, lower=False)
@@ -268,70 +269,30 @@ def update_qs(
   qs = [_as_vector(q) for q in qs]
   g, v = _as_vector(g), _as_vector(v)
   a, conj_b = g, v
-  inverses = [None] * len(qs)
-  if solve_by_inverse:
-    matrices = [i for i, q in enumerate(qs) if q.ndim == 2]
-    for i, inverse in zip(matrices, by_shape(triangular_inverse, [qs[i] for i in matrices])):
-      inverses[i] = inverse
-  for axis, (q, inverse) in enumerate(zip(qs, inverses)):
+  for axis, q in enumerate(qs):
     a = _apply_along(a, axis, q)
-    conj_b = _solve_along(conj_b, axis, q, inverse)
-  terms = [
-      (_gram_along(a, axis, q.ndim == 1), _gram_along(conj_b, axis, q.ndim == 1))
-      for axis, q in enumerate(qs)
-  ]
-  new_qs = by_shape(functools.partial(_update_q, lr=lr), qs, *zip(*terms))
+    conj_b = _solve_along(conj_b, axis, q, solve_by_inverse)
+  new_qs = []
+  for axis, q in enumerate(qs):
+    term1 = _gram_along(a, axis, diagonal=q.ndim == 1)
+    term2 = _gram_along(conj_b, axis, diagonal=q.ndim == 1)
+    new_qs.append(_update_q(q, term1, term2, lr))
   return [q.reshape(s) for q, s in zip(new_qs, shapes)]
 
 
-def by_shape(fn: Callable, *columns) -> list:
-  """``[fn(*row) for row in zip(*columns)]``, the rows whose arrays share shapes and dtypes
-  computed in one ``vmap`` of ``fn``: the same values, one program per shape (a 2-D
-  param's two Qs of one size fit in one).
-
-  Example:
-      >>> rows = by_shape(jnp.outer, [jnp.ones(2), jnp.ones(3), jnp.ones(2)], [jnp.ones(2)] * 3)
-      >>> [r.shape for r in rows]
-      [(2, 2), (3, 2), (2, 2)]
-  """
-  rows = list(zip(*columns))
-  groups: dict[tuple, list[int]] = {}
-  for i, row in enumerate(rows):
-    groups.setdefault(tuple((x.shape, x.dtype) for x in row), []).append(i)
-  out: list = [None] * len(rows)
-  for members in groups.values():
-    if len(members) == 1:
-      out[members[0]] = fn(*rows[members[0]])
-      continue
-    batched = jax.vmap(fn)(*[jnp.stack(xs) for xs in zip(*(rows[i] for i in members))])
-    for j, i in enumerate(members):
-      out[i] = jax.tree.map(lambda x, j=j: x[j], batched)
-  return out
-
-
 def precondition(qs: list[jax.Array], g: jax.Array) -> jax.Array:
-  """Returns ``P g`` with ``P = kron(Q_i^T Q_i)``, as one einsum (as psgd-jax): XLA then
-  orders the products and lays them out over a sharded ``g`` as one contraction.
+  """Returns ``P g`` with ``P = kron(Q_i^T Q_i)``.
 
   Example:
       >>> qs = init_qs((2, 2), [True, True], 4.0, jnp.float32)
       >>> precondition(qs, jnp.ones((2, 2))).tolist()  # Q_i = 2 I, so P = 16 I
       [[16.0, 16.0], [16.0, 16.0]]
   """
-  x = _as_vector(g)
-  letters = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-  ins = [next(letters) for _ in range(x.ndim)]
-  outs, terms, operands = list(ins), [], []
+  out = _as_vector(g)
   for axis, q in enumerate(qs):
     q = _as_vector(q)
-    if q.ndim == 1:
-      terms += [ins[axis], ins[axis]]
-    else:
-      outs[axis], k = next(letters), next(letters)
-      terms += [k + outs[axis], k + ins[axis]]
-    operands += [q, q]
-  expr = ",".join([*terms, "".join(ins)]) + "->" + "".join(outs)
-  return jnp.einsum(expr, *operands, x).reshape(g.shape)
+    out = _apply_along(_apply_along(out, axis, q), axis, q.T)
+  return out.reshape(g.shape)
 
 
 def balance_qs(qs: list[jax.Array]) -> list[jax.Array]:

@@ -127,13 +127,13 @@ def run_pool(runs: Sequence[BlockRun]):
   tail = lambda x: (None, *spread(x.shape[1:], axes, sizes))
   along = lambda x: place(x, P(*tail(x)))
 
-  # A group's tile stacks (k, n, *tile) between where their cut leaves them (_tiles_tail) and
-  # the pool's tail: to the tail after the cut, back before the merge.
-  def shift(xs, natural, to_tail: bool):
+  # A group's tile stack (k, n, *tile) between where its cut leaves it (_tiles_tail) and the
+  # pool's tail: to the tail after the cut, back before the merge.
+  def shift(x, natural, to_tail: bool):
     if natural is None:
-      return xs
-    ends = [lambda x: (None, *natural), lambda x: (None, *tail(x[0]))]
-    return together(xs, *(ends if to_tail else ends[::-1]), move)
+      return x
+    ends = [(None, *natural), (None, *tail(x[0]))]
+    return move(x, *(ends if to_tail else ends[::-1]))
 
   groups = like_groups(runs)
   ordered = [runs[i] for members in groups for i in members]  # The pool's order.
@@ -141,9 +141,9 @@ def run_pool(runs: Sequence[BlockRun]):
   real = sum(counts)
   total = real + -real % mesh.size
 
-  # Padded with copies of the last block: finite, and dropped after.
-  joined = lambda parts: padded(jnp.concatenate([along(x) for x in parts]), total)
-  dealt_of = lambda x: tuple(dealt) + (None,) * (x.ndim - 1)
+  def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
+    stack = jnp.concatenate([along(x) for x in parts])
+    return move(padded(stack, total), tail(stack), tuple(dealt) + (None,) * (stack.ndim - 1))
 
   stack = lambda *xs: jnp.stack(xs)
   flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
@@ -154,16 +154,14 @@ def run_pool(runs: Sequence[BlockRun]):
     tile_spec = (None, *_tile_spec(blocks, sizes))
     # Each array resharded to its params' tile layout, then cut into their tiles.
     natural = _tiles_tail(blocks, tile_spec)
-    kinds = [stack(*xs) for xs in zip(*[r.arrays for r in like])]
-    kinds = together(kinds, lambda x, src=param_spec: src, lambda x, dst=tile_spec: dst, move)
-    kinds = shift([jax.vmap(blocks.split)(x) for x in kinds], natural, to_tail=True)
-    tiles.append([flat(x) for x in kinds])
+    cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, natural=natural: flat(
+        shift(jax.vmap(blocks.split)(move(stack(*xs), src, dst)), natural, to_tail=True)
+    )
+    tiles.append([cut(xs) for xs in zip(*[r.arrays for r in like])])
     grouped = jax.tree.map(stack, *[r.stacks for r in like])
     factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
-  arrays = [joined(parts) for parts in zip(*tiles)]
-  leaves, treedef = jax.tree.flatten(jax.tree.map(lambda *parts: joined(parts), *factors))
-  arrays, leaves = _split(together([*arrays, *leaves], tail, dealt_of, move), len(arrays))
-  stacks = treedef.unflatten(leaves)
+  arrays = [pool(parts) for parts in zip(*tiles)]
+  stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in ordered]):
     same = all(v is values[0] for v in values)
@@ -186,9 +184,9 @@ def run_pool(runs: Sequence[BlockRun]):
       body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
   )
   outs, new_stacks = body(arrays, stacks, per_block)
-  leaves, treedef = jax.tree.flatten(new_stacks)
-  outs, leaves = _split(together([*outs, *leaves], dealt_of, tail, move), len(outs))
-  new_stacks = treedef.unflatten(leaves)
+  out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
+  outs = [out_of_pool(o) for o in outs]
+  new_stacks = jax.tree.map(out_of_pool, new_stacks)
   merged, cuts, start = [None] * len(runs), [None] * len(runs), 0
   for members in groups:
     blocks, k = runs[members[0]].blocks, len(members)
@@ -197,7 +195,7 @@ def run_pool(runs: Sequence[BlockRun]):
     tile_spec = (None, *_tile_spec(blocks, sizes))
     mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
     natural = _tiles_tail(blocks, tile_spec)
-    back = [jax.vmap(blocks.merge)(o) for o in shift([mine(o) for o in outs], natural, False)]
+    back = [jax.vmap(blocks.merge)(shift(mine(o), natural, to_tail=False)) for o in outs]
     back = [move(x, tile_spec, param_spec) for x in back]
     unrun = jax.tree.map(
         lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new_stacks
@@ -207,38 +205,6 @@ def run_pool(runs: Sequence[BlockRun]):
       cuts[i] = stored(blocks, jax.tree.map(lambda x, j=j: x[j], unrun))
     start += k * n
   return merged, cuts
-
-
-def together(xs: Sequence[jax.Array], src, dst, move) -> list[jax.Array]:
-  """``[move(x, src(x), dst(x)) for x in xs]``, the arrays of one shape and dtype stacked and
-  moved as one (``src`` and ``dst`` give a spec per shape): one all-to-all for a pool's
-  tiles and factors of one shape, not one each. The bytes are the same; the program holds
-  fewer collectives, and XLA:CPU cuts each into one piece per device to compile.
-
-  Example:
-      >>> spec = lambda x: (None,) * x.ndim
-      >>> move = lambda x, src, dst: x + len(src)  # Adds the rank it was moved at.
-      >>> moved = together([jnp.ones(2), jnp.ones(3), jnp.ones(2)], spec, spec, move)
-      >>> [x.tolist() for x in moved]
-      [[3.0, 3.0], [2.0, 2.0, 2.0], [3.0, 3.0]]
-  """
-  groups: dict[tuple, list[int]] = {}
-  for i, x in enumerate(xs):
-    groups.setdefault((x.shape, x.dtype), []).append(i)
-  out: list = [None] * len(xs)
-  for members in groups.values():
-    x = xs[members[0]]
-    if len(members) == 1:
-      out[members[0]] = move(x, src(x), dst(x))
-      continue
-    both = move(jnp.stack([xs[i] for i in members]), (None, *src(x)), (None, *dst(x)))
-    for j, i in enumerate(members):
-      out[i] = both[j]
-  return out
-
-
-def _split(xs: list, n: int) -> tuple[list, list]:
-  return xs[:n], xs[n:]
 
 
 def _tiles_tail(blocks: ShardBlocks, tile_spec: tuple) -> tuple | None:
