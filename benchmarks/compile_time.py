@@ -11,8 +11,13 @@ process, and little changed by other processes on a shared host), those CPU seco
 adamw's in the same round (the median of the rounds' ratios), and the compiled program's
 instruction count (``as_text()``; noise-free, and what compile time grows with).
 
+With ``--kernels`` each compile is traced (``jax.profiler``) and two more columns say where
+XLA:CPU's time went: the kernels it compiled (its fused computations, identical ones once)
+and the seconds it spent on them, emitting each fusion and LLVM compiling them
+(:func:`kernel_profile`).
+
   python -m benchmarks.compile_time [--configs lm:size=small,lm:size=medium] \
-      [--optimizers adamw,kron,shampoo,muon] [--rounds 2]
+      [--optimizers adamw,kron,shampoo,muon] [--rounds 2] [--kernels]
 """
 
 import os
@@ -21,7 +26,10 @@ from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers/__init__.py).
 
+import contextlib
+import pathlib
 import statistics
+import tempfile
 import time
 
 import jax
@@ -49,9 +57,38 @@ def instructions(hlo: str) -> int:
   return sum(" = " in line for line in hlo.splitlines())
 
 
-def compile_once(config) -> dict:
+# The profiler's events of XLA:CPU compiling kernels: one per fused computation emitted, and
+# LLVM's compile of them all.
+FUSION_EVENT, CODEGEN_EVENT = "FusionCompiler::Compile", "JitCompiler::Compile"
+
+
+@contextlib.contextmanager
+def kernel_profile():
+  """Yields a dict that gets, when the block ends, the kernels XLA:CPU compiled in it
+  (``"kernels"``) and the seconds it spent on them (``"kernel_s"``: emitting the fusions and
+  LLVM's compile), read from a ``jax.profiler`` trace of the block.
+
+  Example:
+      >>> with kernel_profile() as profile:
+      ...   _ = jax.jit(lambda x: jax.numpy.sin(x) * 2).lower(1.0).compile()
+      >>> profile["kernels"] >= 1 and profile["kernel_s"] > 0
+      True
+  """
+  profile = {}
+  with tempfile.TemporaryDirectory() as directory:
+    with jax.profiler.trace(directory):
+      yield profile
+    [path] = pathlib.Path(directory).rglob("*.xplane.pb")
+    data = jax.profiler.ProfileData.from_file(str(path))
+    events = [e for plane in data.planes for line in plane.lines for e in line.events]
+  profile["kernels"] = sum(e.name == FUSION_EVENT for e in events)
+  seconds = [e.duration_ns for e in events if e.name in (FUSION_EVENT, CODEGEN_EVENT)]
+  profile["kernel_s"] = sum(seconds) / 1e9
+
+
+def compile_once(config, kernels: bool = False) -> dict:
   """Seconds to trace and lower, and to compile, the trainer's step of ``config``; the
-  compiled program's instruction count."""
+  compiled program's instruction count; with ``kernels``, :func:`kernel_profile`'s figures."""
   jax.clear_caches()
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
@@ -61,9 +98,11 @@ def compile_once(config) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     lowered = jitted.lower(run.plan.abstract(), batch)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    with kernel_profile() if kernels else contextlib.nullcontext({}) as profile:
+      compiled = lowered.compile()
     done = time.perf_counter()
   return {
+      **profile,
       "lower": lowered_at - start,
       "compile": done - lowered_at,
       "total": done - start,
@@ -72,14 +111,16 @@ def compile_once(config) -> dict:
   }
 
 
-def rounds(spec: str, optimizers: list[str], count: int) -> dict[str, list[dict]]:
+def rounds(
+    spec: str, optimizers: list[str], count: int, kernels: bool = False
+) -> dict[str, list[dict]]:
   """Per optimizer, its :func:`compile_once` of each round, the optimizers alternating;
   each with its ``ratio``: CPU seconds over the same round's first optimizer's."""
   out = {name: [] for name in optimizers}
   for _ in range(count):
     first = None
     for name in optimizers:
-      r = compile_once(config_for(spec, name))
+      r = compile_once(config_for(spec, name), kernels)
       first = first or r["cpu"]
       out[name].append({**r, "ratio": r["cpu"] / first})
   return out
@@ -88,10 +129,13 @@ def rounds(spec: str, optimizers: list[str], count: int) -> dict[str, list[dict]
 def row(spec: str, name: str, measured: list[dict]) -> str:
   """One table row: the medians over the rounds."""
   median = lambda key: statistics.median(r[key] for r in measured)
-  return (
+  cells = (
       f"| {spec} | {name} | {median('lower'):.1f} | {median('compile'):.1f} | "
       f"{median('total'):.1f} | {median('cpu'):.1f} | {median('ratio'):.2f} | {measured[0]['instructions']} |"
   )
+  if "kernels" in measured[0]:
+    cells += f" {measured[0]['kernels']} | {median('kernel_s'):.1f} |"
+  return cells
 
 
 @cli.command
@@ -100,17 +144,19 @@ def main(argv=None):
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="the first: the base")
   parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--kernels", action="store_true", help="profile the kernels compiled")
   args = parser.parse_args(argv)
   # Here, not on import: the tests import this module and keep their shared cache.
   jax.config.update("jax_enable_compilation_cache", False)
   optimizers = args.optimizers.split(",")
+  extra = " kernels | kernel s |" if args.kernels else ""
   print(
       f"| config | optimizer | trace+lower s | XLA compile s | total s | CPU s | "
-      f"CPU x {optimizers[0]} | instructions |"
+      f"CPU x {optimizers[0]} | instructions |{extra}"
   )
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|" + "---|" * (2 if args.kernels else 0))
   for spec in args.configs.split(","):
-    for name, measured in rounds(spec, optimizers, args.rounds).items():
+    for name, measured in rounds(spec, optimizers, args.rounds, args.kernels).items():
       print(row(spec, name, measured), flush=True)
 
 
