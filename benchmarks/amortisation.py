@@ -35,7 +35,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import bv_sharding as bvs  # noqa: E402
-from benchmarks.step_traffic import config_for  # noqa: E402
+from benchmarks.step_traffic import CONFIGS_HELP, config_for, config_specs  # noqa: E402
 from trainers import build  # noqa: E402
 from trainers.settings import cli  # noqa: E402
 
@@ -123,7 +123,7 @@ def rows(spec: str, optimizers: list[str], tokens: int) -> list[str]:
 @cli.command
 def main(argv=None):
   parser = cli.Parser("python -m benchmarks.amortisation", __doc__)
-  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--configs", default=",".join(CONFIGS), help=CONFIGS_HELP)
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
   parser.add_argument("--tokens", type=int, default=TOKENS, help="the production batch's tokens")
   args = parser.parse_args(argv)
@@ -134,7 +134,7 @@ def main(argv=None):
       f"FLOPs x fwd+bwd at {k}k | bytes x fwd+bwd at {k}k |"
   )
   print("|---|---|---|---|---|---|---|---|---|---|")
-  for spec in args.configs.split(","):
+  for spec in config_specs(args.configs):
     for line in rows(spec, args.optimizers.split(","), args.tokens):
       print(line, flush=True)
 

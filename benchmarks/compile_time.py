@@ -39,7 +39,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
-from benchmarks.step_traffic import config_for  # noqa: E402
+from benchmarks.step_traffic import CONFIGS_HELP, config_for, config_specs  # noqa: E402
 from trainers import build, steps  # noqa: E402
 from trainers.settings import cli  # noqa: E402
 
@@ -141,7 +141,7 @@ def row(spec: str, name: str, measured: list[dict]) -> str:
 @cli.command
 def main(argv=None):
   parser = cli.Parser("python -m benchmarks.compile_time", __doc__)
-  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--configs", default=",".join(CONFIGS), help=CONFIGS_HELP)
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="the first: the base")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--kernels", action="store_true", help="profile the kernels compiled")
@@ -155,7 +155,7 @@ def main(argv=None):
       f"CPU x {optimizers[0]} | instructions |{extra}"
   )
   print("|---|---|---|---|---|---|---|---|" + "---|" * (2 if args.kernels else 0))
-  for spec in args.configs.split(","):
+  for spec in config_specs(args.configs):
     for name, measured in rounds(spec, optimizers, args.rounds, args.kernels).items():
       print(row(spec, name, measured), flush=True)
 

@@ -69,6 +69,26 @@ def captured_stderr():
       out.append(tmp.read().decode(errors="replace"))
 
 
+CONFIGS_HELP = "config specs, comma-separated (config_specs: lm:size=small,layers=1 is one)"
+
+
+def config_specs(text: str) -> list[str]:
+  """The config specs of a ``--configs`` value: ``name[:arg]`` items joined by commas, where an
+  item with ``=`` and no ``:`` continues the last spec's arg (its ``key=value,...``).
+
+  Example:
+      >>> config_specs("lm:size=small,layers=1,lm_tp_fsdp:size=tiny,lm")
+      ['lm:size=small,layers=1', 'lm_tp_fsdp:size=tiny', 'lm']
+  """
+  specs: list[str] = []
+  for item in filter(None, text.split(",")):
+    if specs and ":" not in item and "=" in item:
+      specs[-1] += f",{item}"
+    else:
+      specs.append(item)
+  return specs
+
+
 def load_config(spec: str):
   name, _, arg = spec.partition(":")
   return importlib.import_module(f"configs.{name}").get_config(arg or None)
@@ -140,7 +160,7 @@ def measure(config) -> dict:
 @cli.command
 def main(argv=None):
   parser = cli.Parser("python -m benchmarks.step_traffic", __doc__)
-  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--configs", default=",".join(CONFIGS), help=CONFIGS_HELP)
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
   parser.add_argument("--scan_layers", default="false", help="false, true or false,true")
   parser.add_argument("--axis_types", default="auto,explicit", help="auto, explicit or both")
@@ -153,7 +173,7 @@ def main(argv=None):
   print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   scans = [s == "true" for s in args.scan_layers.split(",")]
   auto = {}  # (config, scan, optimizer) -> the Auto row's wire bytes.
-  rows = itertools.product(args.configs.split(","), scans, args.axis_types.split(","))
+  rows = itertools.product(config_specs(args.configs), scans, args.axis_types.split(","))
   for spec, scan, axis_types in rows:
     adamw = None
     for optimizer in args.optimizers.split(","):
