@@ -14,7 +14,8 @@ instruction count (``as_text()``; noise-free, and what compile time grows with).
 With ``--kernels`` each compile is traced (``jax.profiler``) and two more columns say where
 XLA:CPU's time went: the kernels it compiled (its fused computations, identical ones once)
 and the seconds it spent on them, emitting each fusion and LLVM compiling them
-(:func:`kernel_profile`).
+(:func:`kernel_profile`). The trace adds its own time to the other columns: compare the
+optimizers of one run.
 
   python -m benchmarks.compile_time [--configs lm:size=small,lm:size=medium] \
       [--optimizers adamw,kron,shampoo,muon] [--rounds 2] [--kernels]
