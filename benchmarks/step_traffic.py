@@ -9,7 +9,10 @@ collective (all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduc
 collectives, compile time, the per-device FLOPs of the optimizer update alone
 (``cost_analysis``) and their ratio to the single-device update's FLOPs / N, the
 state bytes per device over the ideal (total / N), and whether XLA printed
-"Involuntary full rematerialization" while compiling. Kron and Shampoo run with their
+"Involuntary full rematerialization" while compiling. "between fits x adamw" counts a step
+that takes no ``lax.cond``'s true branch (``traffic.wire_bytes(hlo, branch=0)``): Kron's
+between its Q fits, Shampoo's between root refreshes, whose pools move the fit's inputs in and
+the new factors back only on those steps. Kron and Shampoo run with their
 default blocks (the param's fixed tiles) and as "kron:local"/"shampoo:local" with
 shard-local blocks (``config.optax.blocking="local"``). Each config is compiled on a mesh
 with Auto axes and on one with Explicit axes (``config.mesh_axis_types``; the loss gathers
@@ -141,10 +144,12 @@ def measure(config) -> dict:
   reference_tx = build.build(config, mesh.abstract_mesh).tx
   total_flops = update_flops(reference_tx, abstract(plan))
   wire, count = traffic.wire_bytes(hlo), sum(c.times for c in traffic.collectives(hlo))
+  between = traffic.wire_bytes(hlo, branch=0)
   params = sum(e.nbytes for e in plan.entries if e.name.startswith("params/"))
   gathers, reductions = in_param_units(hlo, plan)
   return {
       "wire": wire,
+      "between": between,
       "gathers": gathers,
       "reductions": reductions,
       "collectives": count,
@@ -166,11 +171,12 @@ def main(argv=None):
   parser.add_argument("--axis_types", default="auto,explicit", help="auto, explicit or both")
   args = parser.parse_args(argv)
   print(
-      "| config | scan | axes | optimizer | step MB/device | x adamw | x auto | x FSDP min | gathers x P | "
+      "| config | scan | axes | optimizer | step MB/device | x adamw | between fits x adamw | x auto "
+      "| x FSDP min | gathers x P | "
       "reductions x P | collectives | compile s | update GFLOP/device | "
       "x (1-device update / N) | state x ideal | remat |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   scans = [s == "true" for s in args.scan_layers.split(",")]
   auto = {}  # (config, scan, optimizer) -> the Auto row's wire bytes.
   rows = itertools.product(config_specs(args.configs), scans, args.axis_types.split(","))
@@ -182,12 +188,13 @@ def main(argv=None):
       r = measure(config)
       adamw = r["wire"] if optimizer == "adamw" else adamw
       vs_adamw = f"{r['wire'] / adamw:.2f}" if adamw else "-"
+      between = f"{r['between'] / adamw:.2f}" if adamw else "-"
       key = (spec, scan, optimizer)
       auto[key] = r["wire"] if axis_types == "auto" else auto.get(key)
       vs_auto = f"{r['wire'] / auto[key]:.3f}" if auto[key] else "-"
       print(
           f"| {spec} | {scan} | {axis_types} | {optimizer} | {r['wire'] / 1e6:.1f} | "
-          f"{vs_adamw} | {vs_auto} | "
+          f"{vs_adamw} | {between} | {vs_auto} | "
           f"{r['wire'] / r['fsdp_min']:.2f} | {r['gathers']:.2f} | {r['reductions']:.2f} | "
           f"{r['collectives']} | {r['seconds']:.1f} | "
           f"{r['flops'] / 1e9:.3f} | {r['flops_ratio']:.2f} | {r['state_ratio']:.3f} | "

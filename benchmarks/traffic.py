@@ -12,7 +12,11 @@ devices:
 * collective-permute: result (each device sends its whole buffer to one peer).
 
 A collective inside a ``while`` loop's body (scanned layers, ``lax.map``) runs once
-per iteration: it counts ``times`` XLA's known trip count (nested loops multiply).
+per iteration: it counts ``times`` XLA's known trip count (nested loops multiply). One inside
+a branch of a ``conditional`` (``lax.cond``: branch 0 its false function, 1 its true one)
+runs only on the steps that take it: it keeps the branch indices around it (``branches``),
+and :func:`wire_bytes` counts every branch, or one: ``branch=0`` is a step on which every
+``lax.cond`` is false (Kron between its fits), ``branch=1`` one on which each is true.
 
 Example:
   >>> import jax
@@ -23,7 +27,7 @@ Example:
   ...                  out_shardings=NamedSharding(mesh, P()))
   >>> hlo = gather.lower(jax.ShapeDtypeStruct((64, 32), "float32")).compile().as_text()
   >>> collectives(hlo)
-  [Collective(op='all-gather', result_bytes=8192, group_size=8, times=1)]
+  [Collective(op='all-gather', result_bytes=8192, group_size=8, times=1, branches=())]
   >>> wire_bytes(hlo)  # 8192 * 7 / 8
   7168.0
 """
@@ -42,6 +46,8 @@ _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _LIST_GROUPS = re.compile(r"replica_groups=\{\{([^}]*)\}")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?(%[\w.\-]+) ")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLED = re.compile(r"\b(?:body|condition|calls|to_apply)=(%[\w.\-]+)")
 _LOOP = re.compile(r"body=(%[\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
 
 
@@ -54,6 +60,7 @@ class Collective:
   result_bytes: int
   group_size: int
   times: int = 1
+  branches: tuple[int, ...] = ()
 
   @property
   def wire_bytes(self) -> float:
@@ -88,7 +95,7 @@ def collectives(hlo: str) -> list[Collective]:
   """Every collective in compiled HLO text, in order (async ones once, at their ``-start``)."""
   devices = _NUM_PARTITIONS.search(hlo)
   everyone = int(devices.group(1)) if devices else 1
-  trips = _trip_counts(hlo)
+  trips, branches = _trip_counts(hlo), _branches(hlo)
   found, computation = [], None
   for line in hlo.splitlines():
     header = _COMPUTATION.match(line)
@@ -101,13 +108,29 @@ def collectives(hlo: str) -> list[Collective]:
     if call["start"] and call["op"] in ("all-gather", "collective-permute"):
       result = result.rsplit(",", 1)[-1]  # (operand, result) tuple: the result is last
     group = _group_size(line, everyone)
-    found.append(Collective(call["op"], array_bytes(result), group, trips.get(computation, 1)))
+    times, around = trips.get(computation, 1), branches.get(computation, ())
+    found.append(Collective(call["op"], array_bytes(result), group, times, around))
   return found
 
 
-def wire_bytes(hlo: str) -> float:
-  """Bytes one device sends over all collectives one run of compiled HLO text executes."""
-  return sum(c.wire_bytes * c.times for c in collectives(hlo))
+def wire_bytes(hlo: str, branch: int | None = None) -> float:
+  """Bytes one device sends over the collectives one run of compiled HLO text executes: all of
+  them, or with ``branch``, those of a run that takes that branch of every conditional.
+
+  Example:
+    >>> import jax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import bv_sharding as bvs
+    >>> rows = NamedSharding(bvs.make_mesh([("data", -1)]), P("data"))
+    >>> total = jax.jit(lambda p, x: jax.lax.cond(p, lambda: x.sum(), lambda: 0.0))
+    >>> x = jax.ShapeDtypeStruct((64,), "float32", sharding=rows)
+    >>> hlo = total.lower(True, x).compile().as_text()
+    >>> wire_bytes(hlo), wire_bytes(hlo, branch=0), wire_bytes(hlo, branch=1)  # 2 * 4 * 7 / 8
+    (7.0, 0.0, 7.0)
+  """
+  found = collectives(hlo)
+  taken = [c for c in found if branch is None or all(b == branch for b in c.branches)]
+  return float(sum(c.wire_bytes * c.times for c in taken))
 
 
 def _trip_counts(hlo: str) -> dict[str, int]:
@@ -126,6 +149,30 @@ def _trip_counts(hlo: str) -> dict[str, int]:
     while outer in trips:
       times, outer = times * trips[outer], parent[outer]
     resolved[body] = times
+  return resolved
+
+
+def _branches(hlo: str) -> dict[str, tuple[int, ...]]:
+  """Computation -> the branch indices of the conditionals it runs in, outermost first (a
+  computation a branch calls, a loop body in it, is in that branch too)."""
+  parent, computation = {}, None
+  for line in hlo.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header.group(1)
+      continue
+    listed = _BRANCHES.search(line)
+    for index, called in enumerate(re.findall(r"%[\w.\-]+", listed[1]) if listed else ()):
+      parent[called] = (computation, (index,))
+    for called in _CALLED.findall(line):
+      parent.setdefault(called, (computation, ()))
+  resolved = {}
+  for called in parent:
+    around, outer = (), called
+    while outer in parent:
+      outer, index = parent[outer]
+      around = index + around
+    resolved[called] = around
   return resolved
 
 

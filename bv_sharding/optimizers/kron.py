@@ -38,11 +38,11 @@ batched LAPACK ``triangular_solve``, which deadlocks XLA:CPU with several
 devices; only a param with a single preconditioner calls LAPACK, one matrix at
 a time.
 
-Design difference to psgd-jax: the preconditioner update (which needs a
-triangular solve) is computed on every step and selected with ``jnp.where``
-instead of being wrapped in ``lax.cond``. Batched LAPACK calls inside
-``lax.cond`` can deadlock XLA:CPU with several devices; the price is the cost
-of one Q update per step even when the update probability is low. Randomness
+As in psgd-jax, a stacked preconditioner's fit runs under ``lax.cond``: only on the
+steps that update Q (``preconditioner_update_probability``), and a pool moves the probe and
+the fit's target in, and its Qs back, only then. A single preconditioner's fit (a LAPACK
+triangular solve) is computed on every step and kept with ``jnp.where`` instead: batched
+LAPACK calls inside ``lax.cond`` can deadlock XLA:CPU with several devices. Randomness
 (probing vectors, balancing coin) comes from ``fold_in(PRNGKey(5318008),
 count)`` with the same splits as psgd-jax, so runs are deterministic and match
 the reference.
@@ -404,12 +404,18 @@ def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, st
   several (simulated) devices hold the pool's threads.
   """
   vmapped = lambda fn: jax.vmap(fn) if stacked else fn
-  balanced = vmapped(balance_qs)(qs)
-  start = [jnp.where(do_balance, n, o) for n, o in zip(balanced, qs)]
-  with jax.default_matmul_precision(settings.precond_update_precision):
-    fit = functools.partial(update_qs, lr=settings.preconditioner_lr, solve_by_inverse=stacked)
-    fitted = vmapped(fit)(start, target, probe)
-  qs = [jnp.where(do_update, n.astype(o.dtype), o) for n, o in zip(fitted, qs)]
+
+  def fitted(qs):
+    balanced = vmapped(balance_qs)(qs)
+    start = [jnp.where(do_balance, n, o) for n, o in zip(balanced, qs)]
+    with jax.default_matmul_precision(settings.precond_update_precision):
+      fit = functools.partial(update_qs, lr=settings.preconditioner_lr, solve_by_inverse=stacked)
+      return [n.astype(o.dtype) for n, o in zip(vmapped(fit)(start, target, probe), qs)]
+
+  if stacked:  # Matmuls alone: under lax.cond, as psgd-jax fits.
+    qs = jax.lax.cond(do_update, fitted, list, qs)
+  else:
+    qs = [jnp.where(do_update, n, o) for n, o in zip(fitted(qs), qs)]
   with jax.default_matmul_precision(settings.precond_grads_precision):
     direction = vmapped(precondition)(qs, momentum)
   return qs, direction
@@ -448,7 +454,9 @@ def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, setti
     return _fit_and_precondition(*fitted, *flags, stacked, settings)
   own_target = fit.keywords["own_target"]
   arrays = [momentum, target, probe] if own_target else [momentum, probe]
-  return blocked.BlockRun(blocks, fit, arrays, [qs], [damping, *flags])
+  do_update = flags[0]
+  fitting = [None] + [do_update] * (len(arrays) - 1)  # The momentum is read on every step.
+  return blocked.BlockRun(blocks, fit, arrays, [qs], [damping, *flags], fitting, [do_update])
 
 
 def _layers_and_blocks(params, settings) -> tuple[list[bool], list[Tiling | None], list]:

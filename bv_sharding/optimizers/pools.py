@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -79,6 +80,38 @@ def unless_padding(run, start, real: int, total: int) -> Any:
   return jax.lax.cond(start < real, run, skipped)
 
 
+def shared_flags(runs: Sequence[BlockRun], field: str, count: int) -> list:
+  """Each of ``count`` entries of the runs' ``field`` (``read_when`` or ``write_when``): the
+  flag every run gives as the same object, else None (every step).
+
+  Example:
+      >>> flag = jnp.bool_(True)
+      >>> runs = [BlockRun(None, None, [], (), read_when=[flag, None]), BlockRun(None, None, [], ())]
+      >>> shared_flags(runs[:1], "read_when", 2), shared_flags(runs, "read_when", 2)
+      ([Array(True, dtype=bool), None], [None, None])
+  """
+  given = [list(getattr(run, field)) + [None] * (count - len(getattr(run, field))) for run in runs]
+  return [
+      None if any(g[k] is not given[0][k] for g in given) else given[0][k] for k in range(count)
+  ]
+
+
+def gated(when, make, otherwise=None):
+  """``make()``, or, when ``when`` (a boolean scalar, not None) is false, ``otherwise()``
+  (default: zeros of ``make``'s shapes) in its place, under ``lax.cond``: the collectives of
+  ``make`` run only on the steps that need them.
+
+  Example:
+      >>> gated(jnp.bool_(False), lambda: jnp.ones(2)).tolist(), gated(None, lambda: 1)
+      ([0.0, 0.0], 1)
+  """
+  if when is None:
+    return make()
+  if otherwise is None:
+    otherwise = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(make))
+  return jax.lax.cond(when, make, otherwise)
+
+
 def pool_key(run: BlockRun) -> tuple:
   """What runs share to join one pool: ``fn`` (the same object), the mesh, the dtypes and
   :func:`_stacks_key`."""
@@ -114,6 +147,10 @@ def run_pool(runs: Sequence[BlockRun]):
   stacks (``(n, b, b)``, ``(n, b)``) differ in rank. Runs of like params (:func:`like_groups`)
   are stacked first and move as one array (a leading dim no mesh axis splits): the program
   holds one move per group of like params, not one per param, and the bytes are the same.
+  ``stacks`` is a sequence, each entry a tree of stacks. An array the runs read only when a
+  flag holds, and an entry of stacks they change only then (the same flag object in every
+  run's ``read_when`` or ``write_when``), moves in or back under ``lax.cond`` on that flag
+  (:func:`gated`): on the other steps it stays where it is.
   """
   mesh = runs[0].blocks.mesh
   sizes = dict(mesh.shape)
@@ -147,7 +184,7 @@ def run_pool(runs: Sequence[BlockRun]):
 
   stack = lambda *xs: jnp.stack(xs)
   flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
-  tiles, factors = [], []
+  cuts, factors = [], []
   for members in groups:
     blocks, like = runs[members[0]].blocks, [runs[i] for i in members]
     param_spec = (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
@@ -157,10 +194,14 @@ def run_pool(runs: Sequence[BlockRun]):
     cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, natural=natural: flat(
         shift(jax.vmap(blocks.split)(move(stack(*xs), src, dst)), natural, to_tail=True)
     )
-    tiles.append([cut(xs) for xs in zip(*[r.arrays for r in like])])
+    cuts.append(lambda j, like=like, cut=cut: cut([r.arrays[j] for r in like]))
     grouped = jax.tree.map(stack, *[r.stacks for r in like])
     factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
-  arrays = [pool(parts) for parts in zip(*tiles)]
+  pooled_array = lambda j: pool([cut(j) for cut in cuts])
+  arrays = [
+      gated(when, functools.partial(pooled_array, j))
+      for j, when in enumerate(shared_flags(runs, "read_when", len(runs[0].arrays)))
+  ]
   stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in ordered]):
@@ -186,8 +227,7 @@ def run_pool(runs: Sequence[BlockRun]):
   outs, new_stacks = body(arrays, stacks, per_block)
   out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
   outs = [out_of_pool(o) for o in outs]
-  new_stacks = jax.tree.map(out_of_pool, new_stacks)
-  merged, cuts, start = [None] * len(runs), [None] * len(runs), 0
+  merged, slots, start = [None] * len(runs), [], 0
   for members in groups:
     blocks, k = runs[members[0]].blocks, len(members)
     n = blocks.count
@@ -197,14 +237,30 @@ def run_pool(runs: Sequence[BlockRun]):
     natural = _tiles_tail(blocks, tile_spec)
     back = [jax.vmap(blocks.merge)(shift(mine(o), natural, to_tail=False)) for o in outs]
     back = [move(x, tile_spec, param_spec) for x in back]
-    unrun = jax.tree.map(
-        lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new_stacks
-    )
     for j, i in enumerate(members):
       merged[i] = [x[j] for x in back]
-      cuts[i] = stored(blocks, jax.tree.map(lambda x, j=j: x[j], unrun))
+      slots.append((i, j, blocks, mine))
     start += k * n
-  return merged, cuts
+
+  def stacks_back(new):  # One entry of the pool's new stacks, back to each run's stored stack.
+    out = [None] * len(runs)
+    for i, j, blocks, mine in slots:
+      unrun = jax.tree.map(
+          lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new
+      )
+      out[i] = stored(blocks, jax.tree.map(lambda x, j=j: x[j], unrun))
+    return out
+
+  old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
+  back = [
+      gated(
+          when,
+          lambda k=k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k])),
+          lambda k=k: old_stacks(k),
+      )
+      for k, when in enumerate(shared_flags(runs, "write_when", len(new_stacks)))
+  ]
+  return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
 
 
 def _tiles_tail(blocks: ShardBlocks, tile_spec: tuple) -> tuple | None:

@@ -42,10 +42,10 @@ other params' tiles of their shape and dealt over the mesh (one
 dealt (:func:`factor_tiling`): each device preconditions one piece of it and the
 pieces' directions are all-gathered.
 
-Roots come from ``eigh`` and are computed on every step, then kept with
-``jnp.where`` only every ``update_preconditioners_freq`` steps: there is no
-LAPACK call inside ``lax.cond``, which can deadlock XLA:CPU with several
-devices. This costs one ``eigh`` per block and step. Roots are computed in float32 (at least)
+Roots come from ``eigh``, one matrix a call, under ``lax.cond``: only on the steps that
+refresh them (every ``update_preconditioners_freq`` steps), and a pool moves its roots back
+only then. (A batched LAPACK call would wait on XLA's CPU thread pool, which deadlocks with
+several devices: :func:`inverse_pth_root`.) Roots are computed in float32 (at least)
 whatever the statistics' dtype, and stored in it; in a config-built loop the state's dtype is
 ``config.state_dtype`` and the whole update runs in float32
 (:mod:`bv_sharding.optimizers.state_dtype`).
@@ -130,14 +130,15 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
 
 
 def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon):
-  """One block stack's step: statistics EMA, roots (kept where ``refresh``), direction."""
+  """One block stack's step: statistics EMA, roots (new only where ``refresh``: their
+  ``eigh`` under ``lax.cond``), direction."""
   stats = [
       _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2) for axis, s in enumerate(stats)
   ]
   p = exponent or 2 * len(stats)
-  roots = [
-      jnp.where(refresh, inverse_pth_root(s, p, matrix_epsilon), r) for s, r in zip(stats, roots)
-  ]
+  fresh = lambda: [inverse_pth_root(s, p, matrix_epsilon) for s in stats]
+  kept = lambda: [r.astype(n.dtype) for r, n in zip(roots, jax.eval_shape(fresh))]
+  roots = jax.lax.cond(refresh, fresh, kept)
   return _precondition_blocks(blocks, roots), stats, roots
 
 
@@ -316,7 +317,10 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
   fn = functools.partial(_shampoo_run, step=step)
   runs = [
-      blocked.BlockRun(b, fn, [g.reshape(b.shape)], [s.stats, s.roots], [refresh])
+      # The roots change on refresh steps only: a pool moves them back then alone.
+      blocked.BlockRun(
+          b, fn, [g.reshape(b.shape)], [s.stats, s.roots], [refresh], (), [None, refresh]
+      )
       if s.stats
       else None
       for g, s, b in zip(grads, per_param, blocks)

@@ -44,13 +44,23 @@ from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
 
 class BlockRun(NamedTuple):
   """One param's per-block work: ``fn(block_stacks, stacks, *scalars) -> (out_block_stacks,
-  new_stacks)`` on the blocks of ``arrays`` and on ``stacks`` (see :func:`run_alone`)."""
+  new_stacks)`` on the blocks of ``arrays`` and on ``stacks`` (see :func:`run_alone`).
+
+  ``read_when`` (one entry per array) and ``write_when`` (one per entry of ``stacks``) name
+  work a step may skip: an entry that is a boolean scalar, not None, says that ``fn`` reads
+  that array only on the steps where it is true (it gets zeros on the others), or returns
+  that stack changed only on those steps (unchanged on the others). A pool moves such an
+  array in, and such a stack back, under ``lax.cond``: only on those steps
+  (:func:`~bv_sharding.optimizers.pools.run_pool`). Kron's fit, on its update steps, is one.
+  """
 
   blocks: ShardBlocks
   fn: Callable
   arrays: Sequence[jax.Array]
   stacks: Any
   scalars: Sequence[jax.Array] = ()
+  read_when: Sequence[jax.Array | None] = ()
+  write_when: Sequence[jax.Array | None] = ()
 
 
 def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:
@@ -69,7 +79,7 @@ def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:
       >>> float(out.sum())
       32.0
   """
-  blocks, fn, arrays, stacks, scalars = run
+  blocks, fn, arrays, stacks, scalars = run[:5]
 
   def body(arrays, stacks, scalars, local):
     outs, new_stacks = fn([blocks.split(x, local) for x in arrays], stacks, *scalars)

@@ -3,7 +3,7 @@ simulated devices): XLA compiles it without "Involuntary full rematerialization"
 instructions over adamw's than measured (what compile time grows with), and it moves at most its
 goal in adamw's bytes (docs/optimizers.md): shard-local blocks 1.10x, the default
 tiles 1.25x, Muon 1.25x (the momentum to the owners and the update back, all-to-alls of about
-a shard's bytes), Muon on every config. Each row is also held to the figure measured on this tiny config, so a regression
+a shard's bytes), Muon and Kron between its fits on every config. Each row is also held to the figure measured on this tiny config, so a regression
 shows even under its goal; a row whose measured figure misses its goal is an xfail that says
 so, with the figure.
 """
@@ -54,6 +54,12 @@ MEASURED = {
     "muon": 1.06,
     "soap": 2.22,
 }
+# A step that takes no lax.cond's true branch (traffic.wire_bytes(hlo, branch=0)): Kron's between
+# its fits (most steps once its update probability decays), Shampoo's between root refreshes
+# (every step refreshes at the registry's update_preconditioners_freq=1). Their pools move the
+# probe, the fit's target and the Qs back, or the roots back, only on a fit or refresh
+# (2026-12-03): kron 1.20x, meeting its goal on those steps; shampoo 1.73x.
+BETWEEN_FITS = {"kron": 1.20, "shampoo": 1.73}
 # What XLA's compile time grows with: the compiled step's instructions over adamw's, under the
 # tests' compile flags (conftest.py's FAST_COMPILE), measured 2026-12-02 after issue 34's first
 # steps (one RNG program per probe shape, one move to
@@ -81,11 +87,18 @@ def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimiz
   assert size <= INSTRUCTIONS[optimizer] + 0.02, f"{optimizer}: {size:.2f}x adamw's instructions"
   ratio = traffic.wire_bytes(hlo) / adamw_bytes
   assert ratio <= MEASURED[optimizer] + 0.02, f"{optimizer}: {ratio:.3f}x adamw's bytes"
+  between = traffic.wire_bytes(hlo, branch=0) / adamw_bytes
+  assert between <= BETWEEN_FITS.get(optimizer, MEASURED[optimizer]) + 0.02, between
+  assert optimizer != "kron" or between <= GOAL["kron"], f"kron between fits: {between:.3f}x"
   if ratio > GOAL[optimizer]:
     pytest.xfail(
         f"{optimizer} on lm_tp_fsdp (tiny) moves {ratio:.2f}x adamw's step bytes, above its "
-        f"{GOAL[optimizer]}x goal (pooled factors move each step)"
+        f"{GOAL[optimizer]}x goal on a step that fits or refreshes (pooled factors move then)"
     )
+
+
+# Kron between its fits on configs/lm.py tiny (FSDP over 8): 1.38x (2026-12-03), above its goal.
+KRON_BETWEEN_FITS_MISSES = {"lm": 1.38}
 
 
 @pytest.mark.timeout(900)
@@ -98,20 +111,25 @@ def test_second_order_step_compiles_without_remat_and_near_adamw_traffic(optimiz
         ("lm_tp_fsdp:size=small", True),
     ],
 )
-def test_muon_moves_at_most_its_goal_over_adamw_on_each_config(spec, scan):
+def test_muon_and_kron_between_fits_move_at_most_their_goal_on_each_config(spec, scan):
   """Muon's owners on configs/lm.py (FSDP) and lm_tp_fsdp.py (data x model), tiny and small
   (lm_tp_fsdp tiny above), and lm_tp_fsdp small with scanned layers: measured 1.10x, 1.11x,
   1.12x and 1.15x adamw's bytes (2026-12-03; an all-gather of the update took the small ones to
   1.49x and 1.35x, and gathering the leftovers of several shapes whole took them to 1.19x,
-  1.15x, 1.23x and 1.2505x)."""
+  1.15x, 1.23x and 1.2505x). Kron's step between its fits (``BETWEEN_FITS``), on the same
+  configs: 1.20x on lm small and lm_tp_fsdp small (2026-12-03); lm tiny misses (an xfail)."""
   wire = {}
-  for optimizer in ("adamw", "muon"):
+  for optimizer in ("adamw", "muon", "kron"):
     config = config_with(spec, optimizer)
     config.model.scan_layers = scan
     hlo, log, _, _ = step_traffic.compile_step(config)
     assert step_traffic.REMAT not in log
-    wire[optimizer] = traffic.wire_bytes(hlo)
+    wire[optimizer] = traffic.wire_bytes(hlo, branch=0 if optimizer == "kron" else None)
   assert wire["muon"] / wire["adamw"] <= GOAL["muon"]
+  between = wire["kron"] / wire["adamw"]
+  assert between <= KRON_BETWEEN_FITS_MISSES.get(spec, GOAL["kron"]) + 0.02, between
+  if between > GOAL["kron"]:
+    pytest.xfail(f"kron between fits on {spec}: {between:.2f}x adamw's bytes, above its goal")
 
 
 def test_xla_cpu_reduces_by_all_reduce_and_slice():

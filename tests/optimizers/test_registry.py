@@ -254,7 +254,7 @@ def test_sharded_jit_steps_do_not_deadlock(name, layout):
 
 LAPACK = {"eigh", "triangular_solve", "qr"}
 # The optimizers whose linear algebra runs only on the steps that need it (under a cond).
-CONDITIONAL = {"soap"}
+CONDITIONAL = {"soap", "shampoo"}
 
 
 def _equations(jaxpr, inside_cond=False):
@@ -268,8 +268,9 @@ def _equations(jaxpr, inside_cond=False):
 @pytest.mark.parametrize("name", list(SECOND_ORDER))
 def test_update_linear_algebra_takes_one_matrix_a_call_and_conditional_where_planned(name):
   """The design guarantee itself: every LAPACK call takes one matrix (a batched call waits on
-  XLA's CPU thread pool and deadlocks multi-device CPU); SOAP's all sit under a cond (run only
-  on refresh steps), Kron's and Shampoo's none."""
+  XLA's CPU thread pool and deadlocks multi-device CPU); SOAP's and Shampoo's all sit under a
+  cond (run only on refresh steps), Kron's none (a single preconditioner's triangular solve, kept
+  by ``jnp.where``; its stacks fit with matmuls under a cond)."""
   tx = SECOND_ORDER[name]()
   params = _sharded_params()
   jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
