@@ -16,9 +16,10 @@ waited for): a row gives the median milliseconds of the refresh (or fit) steps, 
 steps (the first two of each run left out: they compile and settle), their mean over one
 period (the amortised step), and adamw's median in the same run, with the ratios. The update's
 GFLOP per device are XLA's count (``cost_analysis``) of the optimizer update alone, compiled
-with its counters fixed at a refresh step and at another one (so XLA drops the untaken
-branch); LAPACK's QR, ``eigh`` and triangular solves are calls XLA does not count, so these
-are the matmuls around them. The forward and backward pass's GFLOP per device (the adamw
+with its counters fixed at a refresh step and at another one; LAPACK's QR, ``eigh`` and
+triangular solves are calls XLA does not count, so these are the matmuls around them. XLA's
+count barely tells the two apart on the trainer's step (Kron's is the same at both,
+docs/benchmarks.md): the milliseconds are the measure. The forward and backward pass's GFLOP per device (the adamw
 step's count less its update's) are beside them.
 """
 

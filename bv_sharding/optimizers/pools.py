@@ -239,16 +239,17 @@ def run_pool(runs: Sequence[BlockRun]):
     back = [move(x, tile_spec, param_spec) for x in back]
     for j, i in enumerate(members):
       merged[i] = [x[j] for x in back]
-      slots.append((i, j, blocks, mine))
+    slots.append((members, blocks, mine))
     start += k * n
 
   def stacks_back(new):  # One entry of the pool's new stacks, back to each run's stored stack.
     out = [None] * len(runs)
-    for i, j, blocks, mine in slots:
+    for members, blocks, mine in slots:
       unrun = jax.tree.map(
           lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new
       )
-      out[i] = stored(blocks, jax.tree.map(lambda x, j=j: x[j], unrun))
+      for j, i in enumerate(members):
+        out[i] = stored(blocks, jax.tree.map(lambda x, j=j: x[j], unrun))
     return out
 
   old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
