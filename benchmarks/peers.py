@@ -13,7 +13,8 @@ their preconditioners every step. The pairs:
 
   kron        ours unblocked (psgd-jax's layout: one Q per param dim) vs psgd-jax's kron
   kron_tiles  ours at its default 256-tiles vs psgd-jax's kron
-  shampoo     ours at the peer's block size, Adam grafting, vs distributed_shampoo
+  shampoo     ours at the peer's block size, RMSProp grafting, preconditioned from the first
+              step, vs distributed_shampoo (the same updates within 4e-4)
   muon        ours vs optax.contrib.muon
 
 Columns, ours then the peer's, and ours / peer: compile seconds (the persistent compilation
@@ -55,6 +56,7 @@ from precondition import distributed_shampoo  # noqa: E402
 from psgd_jax import kron as psgd_kron  # noqa: E402
 
 SHAMPOO_BLOCK = 128  # Both Shampoos' block size (distributed_shampoo's blocks are per param).
+SHAMPOO_EPSILON = 1e-8  # Both grafts' denominator epsilon (ours' default).
 
 
 def psgd(lr):
@@ -65,8 +67,9 @@ def precondition_opt(lr):
   return distributed_shampoo.distributed_shampoo(
       lr,
       block_size=SHAMPOO_BLOCK,
-      graft_type=distributed_shampoo.GraftingType.RMSPROP_NORMALIZED,
-      start_preconditioning_step=1,
+      graft_type=distributed_shampoo.GraftingType.RMSPROP,
+      diagonal_epsilon=SHAMPOO_EPSILON,
+      start_preconditioning_step=0,
       preconditioning_compute_steps=1,
       generate_training_metrics=False,
   )
@@ -77,7 +80,17 @@ PAIRS = {
     "kron": (("kron", {"block_size": None, "preconditioner_update_probability": 1.0}), psgd),
     "kron_tiles": (("kron", {"preconditioner_update_probability": 1.0}), psgd),
     "shampoo": (
-        ("shampoo", {"block_size": SHAMPOO_BLOCK, "start_preconditioning_step": 1}),
+        # Preconditioned from the first step: distributed_shampoo's momentum sums preconditioned
+        # steps from its first even while it applies the graft's, ours the applied ones.
+        (
+            "shampoo",
+            {
+                "block_size": SHAMPOO_BLOCK,
+                "start_preconditioning_step": 0,
+                "graft_type": "rmsprop",
+                "epsilon": SHAMPOO_EPSILON,
+            },
+        ),
         precondition_opt,
     ),
     # optax.contrib.muon scales no matrix update to an RMS (the registry's default does: 0.8).
