@@ -38,7 +38,7 @@ from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.pools import pool_key, run_pool
-from bv_sharding.optimizers.shard_run import BlockRun, run_alone
+from bv_sharding.optimizers.shard_run import BlockRun, run_alone, run_together
 from bv_sharding.optimizers.tiles import BLOCKINGS, ShardBlocks
 
 
@@ -124,7 +124,9 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   and stacks) are concatenated, padded to a multiple of the device count and split over every
   mesh axis, and ``fn`` runs once on the pool. A scalar every run of a pool passes as the same
   object stays a scalar; other scalars reach ``fn`` as one value per block (``(n,)``). Other
-  runs run alone (:func:`~bv_sharding.optimizers.shard_run.run_alone`).
+  runs of shard-local blocks that share the same run together, one call of ``fn`` per device
+  (:func:`~bv_sharding.optimizers.shard_run.run_together`); the others run alone
+  (:func:`~bv_sharding.optimizers.shard_run.run_alone`).
 
   Example:
       >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
@@ -134,16 +136,28 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
       32.0
   """
   results: list = [None] * len(runs)
-  groups: dict[tuple, list[int]] = {}
+  pools: dict[tuple, list[int]] = {}
+  local: dict[tuple, list[int]] = {}
   for i, run in enumerate(runs):
     if run is None:
       continue
     if run.blocks.in_pool:
-      groups.setdefault(pool_key(run), []).append(i)
+      pools.setdefault(pool_key(run), []).append(i)
+    elif _shard_local(run.blocks):
+      local.setdefault(pool_key(run) + (len(run.scalars),), []).append(i)
     else:
       results[i] = run_alone(run)
-  for members in groups.values():
+  for members in pools.values():
     outs, new_stacks = run_pool([runs[i] for i in members])
     for i, out, new in zip(members, outs, new_stacks):
       results[i] = (out, new)
+  for members in local.values():
+    for i, result in zip(members, run_together([runs[i] for i in members])):
+      results[i] = result
   return results
+
+
+def _shard_local(blocks: ShardBlocks) -> bool:
+  """Whether each device fits the blocks of its own shard (on a concrete mesh, neither dealt
+  to owners nor a dealt param's pieces)."""
+  return blocks.mesh is not None and blocks.owners is None and not blocks.dealt

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -102,6 +103,70 @@ def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:
       check_vma=False,
   )
   return mapped(list(arrays), stacks, list(scalars))
+
+
+def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
+  """Each run's ``(outs, new_stacks)``, as :func:`run_alone` gives them, for runs of
+  shard-local blocks that share ``fn``, the tile shape and their stacks' shapes and dtypes
+  (:func:`~bv_sharding.optimizers.pools.pool_key`): one ``shard_map`` in which each device
+  joins its blocks of every run into one stack and calls ``fn`` once. ``fn`` works block by
+  block (pools join tiles of several params the same way), so each block's result is the one
+  it gets alone; the program holds one copy of ``fn`` instead of one per param. A scalar every
+  run passes as the same object stays a scalar; others reach ``fn`` as one value per block.
+
+  Example:
+      >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+      >>> fn = lambda arrays, stacks, s: ([arrays[0] * s[:, None, None]], stacks)
+      >>> blocks = ShardBlocks((4, 4), (2, 1), 2, spec=("data", None), mesh=mesh)
+      >>> one, two = (BlockRun(blocks, fn, [jnp.ones((4, 4))], (), [jnp.float32(k)]) for k in (1, 2))
+      >>> [float(outs[0].sum()) for outs, _ in run_together([one, two])]
+      [16.0, 32.0]
+  """
+  if len(runs) == 1:
+    return [run_alone(runs[0])]
+  first = runs[0]
+  shared = [all(r.scalars[k] is v for r in runs) for k, v in enumerate(first.scalars)]
+  leading = lambda r: len(r.blocks.shards)
+
+  def body(arrays, stacks, scalars):
+    cut = [[r.blocks.split(x, local=True) for x in xs] for r, xs in zip(runs, arrays)]
+    ordered = [
+        jax.tree.map(lambda x, r=r: x.reshape(-1, *x.shape[leading(r) :]), s)
+        for r, s in zip(runs, stacks)
+    ]
+    counts = [jax.tree.leaves((c, o))[0].shape[0] for c, o in zip(cut, ordered)]
+    values = [
+        v
+        if same
+        else jnp.concatenate([jnp.broadcast_to(s[k], (n,)) for s, n in zip(scalars, counts)])
+        for k, (v, same) in enumerate(zip(scalars[0], shared))
+    ]
+    join = lambda *parts: jnp.concatenate(parts)
+    outs, new = first.fn(
+        [join(*parts) for parts in zip(*cut)], jax.tree.map(join, *ordered), *values
+    )
+    starts = [0, *itertools.accumulate(counts)]
+    results = []
+    for r, start, end in zip(runs, starts, starts[1:]):
+      mine = lambda x, r=r, start=start, end=end: x[start:end].reshape(
+          *r.blocks.per_shard, *x.shape[1:]
+      )
+      merged = [r.blocks.merge(o[start:end], local=True) for o in outs]
+      results.append((merged, jax.tree.map(mine, new)))
+    return results
+
+  specs = [P(*r.blocks.spec) for r in runs]
+  mapped = jax.shard_map(
+      body,
+      mesh=first.blocks.mesh,
+      in_specs=(specs, specs, P()),
+      out_specs=[(spec, spec) for spec in specs],
+      check_vma=False,
+  )
+  results = mapped(
+      [list(r.arrays) for r in runs], [r.stacks for r in runs], [list(r.scalars) for r in runs]
+  )
+  return [(list(outs), new) for outs, new in results]
 
 
 def _on_stored(blocks: ShardBlocks, fn: Callable) -> Callable:

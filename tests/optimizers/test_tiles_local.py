@@ -36,3 +36,31 @@ def test_blocks_keep_params_and_state_where_planned_without_remat(name, blocking
   assert plan.mismatches({"params": params, "opt": opt}) == []
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
   assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["kron", "shampoo"])
+def test_like_shard_local_params_share_one_program(name):
+  """Shard-local tiles of like params (the same tile shape and state) are fitted in one call
+  per device: the compiled update of four such params holds as many conditionals (the fit or
+  root refresh under ``lax.cond``) as that of one, and each param's update is the one it gets
+  with a twin beside it (the tiles' work is block by block)."""
+  mesh = bvs.make_mesh([("data", 8)])
+  spec = jax.sharding.PartitionSpec("data", None)
+
+  def update(count):
+    params = {
+        f"w{i}": jnp.linspace(-1.0, 1.0, 64 * 16).reshape(64, 16) * (i + 1) for i in range(count)
+    }
+    layout = bvs.optimizers.ParamLayout({k: spec for k in params}, mesh)
+    tx = OPTIMIZERS[name]({"layout": layout, "block_size": 8})
+    step = jax.jit(lambda g, s: tx.update(g, s, g)[0])
+    state = jax.jit(tx.init)(params)
+    conditionals = step.lower(params, state).compile().as_text().count(" conditional(")
+    return conditionals, step(params, state)
+
+  one, _ = update(1)
+  four, updates = update(4)
+  assert one >= 1 and four == one, (one, four)
+  _, two = update(2)
+  for k in two:
+    np.testing.assert_allclose(updates[k], two[k], rtol=1e-5, atol=1e-7)
