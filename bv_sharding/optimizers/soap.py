@@ -172,6 +172,7 @@ class _Settings:
   block_size: int
   layout: ParamLayout | None
   blocking: str
+  basis_tol: float = 1e-2
 
 
 def _tiling(settings: _Settings) -> Tiling:
@@ -260,47 +261,96 @@ def _separated(stats: jax.Array) -> jax.Array:
   return stats - jax.vmap(jnp.diag)(dead.astype(stats.dtype))
 
 
-def _eigenbasis(stats: jax.Array) -> jax.Array:
-  """Each statistic's eigenvectors, largest eigenvalue first (one ``eigh`` per block:
-  ``lax.map``, as Shampoo's roots)."""
-  _, vectors = jax.lax.map(jnp.linalg.eigh, _separated(stats))
-  return vectors[..., ::-1]
+def _eigenbasis(stats: jax.Array, tol: float) -> jax.Array:
+  """Each statistic's eigenvectors, largest eigenvalue first, made :func:`canonical` (one
+  ``eigh`` per block: ``lax.map``, as Shampoo's roots)."""
+
+  def one(s):
+    values, vectors = jnp.linalg.eigh(_separated(s[None])[0])
+    return canonical(s, values[::-1], vectors[:, ::-1], tol)
+
+  return jax.lax.map(one, stats)
 
 
-def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int):
+def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array, tol: float) -> jax.Array:
+  """``basis`` (a statistic's eigenvectors, columns in order of their ``values``, largest
+  first) with the choices ``eigh`` and QR leave to rounding made the same way every time.
+
+  Where eigenvalues coincide their eigenvectors are any basis of one subspace, and where they
+  nearly coincide float rounding (a gradient summed in another order, on another mesh) turns
+  them freely; Adam then moves every rotated coordinate by about the learning rate, so SOAP's
+  step would follow the rounding. Here a run of eigenvalues each within ``tol`` of the largest
+  of the next is one cluster, and its basis is fixed by the subspace alone: a fixed
+  Gaussian matrix's columns projected onto it and orthonormalised (QR, positive diagonal).
+  A coordinate whose statistic row is zero (a partial tile's padding, an embedding row no
+  token has reached) keeps its own unit vector, after every other, and no other column touches
+  it. ``tol=0`` clusters only exact ties.
+
+  Example:
+      >>> s = jnp.diag(jnp.array([2.0, 1.0, 1.0, 0.0]))  # a double eigenvalue and a zero row
+      >>> turned = jnp.array([[1, 0, 0, 0], [0, 0.6, 0.8, 0], [0, -0.8, 0.6, 0], [0, 0, 0, 1.0]])
+      >>> a = canonical(s, jnp.array([2.0, 1, 1, -1]), jnp.eye(4), 1e-2)
+      >>> b = canonical(s, jnp.array([2.0, 1, 1, -1]), turned, 1e-2)
+      >>> bool(jnp.allclose(a, b, atol=1e-6)), a[:, 3].tolist()
+      (True, [0.0, 0.0, 0.0, 1.0])
+  """
+  n = stats.shape[-1]
+  live = ~jnp.all(stats == 0, axis=-1)
+  live_columns = values > -0.5  # _separated gives each zero row the eigenvalue -1.
+  top = jnp.maximum(values[0], jnp.finfo(values.dtype).tiny)
+  cut = values[:-1] - values[1:] > tol * top
+  cluster = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(cut.astype(jnp.int32))])
+  same = (cluster[:, None] == cluster[None, :]) & live_columns[:, None] & live_columns[None, :]
+  grouped = jnp.sum(same, axis=0) > 1
+  dead_first = jnp.argsort(live, stable=True)
+  units = jnp.arange(n)[:, None] == dead_first[(jnp.arange(n) - jnp.sum(live)) % n][None, :]
+  basis = jnp.where(live[:, None], basis, 0.0)
+  probe = jax.random.normal(jax.random.PRNGKey(0), (n, n), basis.dtype)
+  projected = basis @ jnp.where(same, basis.T @ probe, 0.0)
+  units = units.astype(basis.dtype)
+  q, r = jnp.linalg.qr(jnp.where(grouped, projected, jnp.where(live_columns, basis, units)))
+  q = q * jnp.where(jnp.diag(r) < 0, -1.0, 1.0)
+  return jnp.where(live_columns, jnp.where(live[:, None], q, 0.0), units)
+
+
+def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int, tol: float):
   """The refreshed basis ``qr(S Q)``, ``Q``'s columns sorted by their estimated eigenvalue
-  (largest first), and ``nu`` permuted along ``dim`` (of its tile) with them.
+  (largest first; estimates within ``tol`` of the largest keep their order) and made
+  :func:`canonical`, and ``nu`` permuted along ``dim`` (of its tile) with them.
 
   Example:
       >>> s = jnp.diag(jnp.array([1.0, 4.0]))[None]
-      >>> q, nu = _power_qr(s, jnp.eye(2)[None], jnp.array([[10.0, 40.0]]), 0)
+      >>> q, nu = _power_qr(s, jnp.eye(2)[None], jnp.array([[10.0, 40.0]]), 0, 1e-2)
       >>> jnp.abs(q).tolist(), nu.tolist()
       ([[[0.0, 1.0], [1.0, 0.0]]], [[40.0, 10.0]])
   """
-  stats = _separated(stats)
-  estimated = jnp.einsum("nij,nik,nkj->nj", basis, stats, basis)
-  order = jnp.argsort(-estimated, axis=-1)
+  separated = _separated(stats)
+  estimated = jnp.einsum("nij,nik,nkj->nj", basis, separated, basis)
+  top = jnp.max(jnp.abs(estimated), axis=-1, keepdims=True)
+  step = jnp.maximum(tol * top, jnp.finfo(estimated.dtype).tiny)
+  order = jnp.argsort(-(jnp.round(estimated / step) if tol else estimated), axis=-1, stable=True)
   basis = jnp.take_along_axis(basis, order[:, None, :], axis=2)
   shape = [1] * nu.ndim
   shape[0], shape[1 + dim] = order.shape
   nu = jnp.take_along_axis(nu, order.reshape(shape), axis=1 + dim)
-  q = jax.lax.map(lambda m: jnp.linalg.qr(m)[0], stats @ basis)
-  return q, nu
+  values = jnp.take_along_axis(estimated, order, axis=-1)
+  one = lambda s, m, v: canonical(s, v, jnp.linalg.qr(m)[0], tol)
+  return jax.lax.map(lambda a: one(*a), (stats, separated @ basis, values)), nu
 
 
-def _refreshed(stats, bases, nu, *, dims):
+def _refreshed(stats, bases, nu, *, dims, tol):
   """Every rotated dim's basis refreshed by :func:`_power_qr`, and ``nu`` permuted with them."""
   new_bases = []
   for s, q, dim in zip(stats, bases, dims):
-    q, nu = _power_qr(s, q, nu, dim)
+    q, nu = _power_qr(s, q, nu, dim, tol)
     new_bases.append(q)
   return new_bases, nu
 
 
-def _fitted(stats, bases, unfit):
+def _fitted(stats, bases, unfit, tol):
   """The bases of the blocks whose statistics were zero before this step (``unfit``) fitted to
   their statistics (``eigh``), the others' kept."""
-  return [jnp.where(unfit[:, None, None], _eigenbasis(s), q) for s, q in zip(stats, bases)]
+  return [jnp.where(unfit[:, None, None], _eigenbasis(s, tol), q) for s, q in zip(stats, bases)]
 
 
 def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
@@ -308,7 +358,7 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   back; new ``mu``, ``nu``, statistics and bases). The QR refresh and the ``eigh`` of unfit
   blocks run under ``lax.cond`` (each ``lax.map``'d, one matrix a call), only on the steps
   that need them; the moments are carried into the new bases only then."""
-  (b1, b2), shampoo_beta, eps = hyper
+  (b1, b2), shampoo_beta, eps, tol = hyper
   g = g.astype(jnp.float32)
   old_mu, old_nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
   rotated = _rotate(g, bases, dims, back=False)
@@ -321,13 +371,14 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
   new_bases, sorted_nu = jax.lax.cond(
       refresh,
-      functools.partial(_refreshed, dims=dims),
+      functools.partial(_refreshed, dims=dims, tol=tol),
       lambda _, q, n: (list(q), n),
       stats,
       bases,
       nu,
   )
-  new_bases = jax.lax.cond(any_unfit, _fitted, lambda _, q, u: list(q), stats, new_bases, unfit)
+  fitted = functools.partial(_fitted, tol=tol)
+  new_bases = jax.lax.cond(any_unfit, fitted, lambda _, q, u: list(q), stats, new_bases, unfit)
   unfit = unfit.reshape(unfit.shape + (1,) * (mu.ndim - 1))
   moved = lambda mu: _rotate(_rotate(mu, bases, dims, back=True), new_bases, dims, back=False)
   carried = jax.lax.cond(
@@ -397,7 +448,7 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   count = state.count
   first = count == 0
   refresh = (count > 0) & (count % settings.precondition_frequency == 0)
-  hyper = (settings.betas, settings.shampoo_beta, settings.eps)
+  hyper = (settings.betas, settings.shampoo_beta, settings.eps, settings.basis_tol)
   fns: dict[tuple, Any] = {}  # One function per kind of param: like tiles pool together.
   runs = []
   for g, s, (blocks, dims) in zip(grads, per_param, plans):
@@ -436,6 +487,7 @@ def scale_by_soap(
     block_size: int = 1024,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    basis_tol: float = 1e-2,
 ) -> optax.GradientTransformation:
   """SOAP's direction (no learning rate); arguments as the reference's ``SOAP``.
 
@@ -455,6 +507,9 @@ def scale_by_soap(
       statistics and bases.
     layout: the params' specs and mesh (:class:`ParamLayout`): tiles are run where they live.
     blocking: "tiles" (the same tiles on any mesh) or "local" (each shard's own blocks).
+    basis_tol: eigenvalues within this fraction of a statistic's largest of each other share
+      one basis fixed by their subspace (:func:`canonical`), so that float rounding does not
+      choose it; 0: only exact ties (the reference's bases where no eigenvalues coincide).
 
   Example:
       >>> tx = scale_by_soap(block_size=2)
@@ -477,9 +532,12 @@ def scale_by_soap(
       block_size,
       layout,
       blocking,
+      basis_tol,
   )
   if len(settings.betas) != 2 or not all(0 <= b < 1 for b in (*settings.betas, shampoo_beta)):
     raise OptimizerError(f"betas={betas!r}, shampoo_beta={shampoo_beta!r}: decays in [0, 1)")
+  if not 0 <= basis_tol < 1:
+    raise OptimizerError(f"basis_tol={basis_tol!r}: a fraction in [0, 1)")
   if block_size < 1 or precondition_frequency < 1 or max_precond_dim < 1:
     raise OptimizerError("block_size, precondition_frequency and max_precond_dim must be >= 1")
   return blocked.transformation(_soap_init, _soap_update, settings)
@@ -527,6 +585,7 @@ def soap(
     block_size: int = 1024,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    basis_tol: float = 1e-2,
 ) -> optax.GradientTransformation:
   """SOAP with the learning rate and the reference's weight decay (:func:`decay_after_step`;
   ``mask``: which params get it). The other arguments are :func:`scale_by_soap`'s.
@@ -549,6 +608,7 @@ def soap(
       block_size=block_size,
       layout=layout,
       blocking=blocking,
+      basis_tol=basis_tol,
   )
   decay = decay_after_step(learning_rate, weight_decay) if weight_decay else None
   if decay is not None and mask is not None:
