@@ -323,10 +323,13 @@ def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int, tol: 
       >>> q, nu = _power_qr(s, jnp.eye(2)[None], jnp.array([[10.0, 40.0]]), 0, 1e-2)
       >>> jnp.abs(q).tolist(), nu.tolist()
       ([[[0.0, 1.0], [1.0, 0.0]]], [[40.0, 10.0]])
+      >>> s = jnp.diag(jnp.array([1e-4, 4e-4, 0.0]))[None]  # small, beside a zero row: sorted
+      >>> _power_qr(s, jnp.eye(3)[None], jnp.array([[1.0, 4.0, 0.0]]), 0, 1e-2)[1].tolist()
+      [[4.0, 1.0, 0.0]]
   """
   separated = _separated(stats)
   estimated = jnp.einsum("nij,nik,nkj->nj", basis, separated, basis)
-  top = jnp.max(jnp.abs(estimated), axis=-1, keepdims=True)
+  top = jnp.max(jnp.where(estimated > -0.5, estimated, 0.0), axis=-1, keepdims=True)  # Live.
   step = jnp.maximum(tol * top, jnp.finfo(estimated.dtype).tiny)
   order = jnp.argsort(-(jnp.round(estimated / step) if tol else estimated), axis=-1, stable=True)
   basis = jnp.take_along_axis(basis, order[:, None, :], axis=2)
