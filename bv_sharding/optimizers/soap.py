@@ -52,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -59,6 +60,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from bv_sharding.errors import OptimizerError
@@ -261,17 +263,6 @@ def _separated(stats: jax.Array) -> jax.Array:
   return stats - jax.vmap(jnp.diag)(dead.astype(stats.dtype))
 
 
-def _eigenbasis(stats: jax.Array, tol: float) -> jax.Array:
-  """Each statistic's eigenvectors, largest eigenvalue first, made :func:`canonical` (one
-  ``eigh`` per block: ``lax.map``, as Shampoo's roots)."""
-
-  def one(s):
-    values, vectors = jnp.linalg.eigh(_separated(s[None])[0])
-    return canonical(s, values[::-1], vectors[:, ::-1], tol)
-
-  return jax.lax.map(one, stats)
-
-
 def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array, tol: float) -> jax.Array:
   """``basis`` (a statistic's eigenvectors, columns in order of their ``values``, largest
   first) with the choices ``eigh`` and QR leave to rounding made the same way every time.
@@ -305,7 +296,7 @@ def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array, tol: float)
   dead_first = jnp.argsort(live, stable=True)
   units = jnp.arange(n)[:, None] == dead_first[(jnp.arange(n) - jnp.sum(live)) % n][None, :]
   basis = jnp.where(live[:, None], basis, 0.0)
-  probe = jax.random.normal(jax.random.PRNGKey(0), (n, n), basis.dtype)
+  probe = jnp.asarray(_probe(n), basis.dtype)
   projected = basis @ jnp.where(same, basis.T @ probe, 0.0)
   units = units.astype(basis.dtype)
   q, r = jnp.linalg.qr(jnp.where(grouped, projected, jnp.where(live_columns, basis, units)))
@@ -313,18 +304,33 @@ def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array, tol: float)
   return jnp.where(live_columns, jnp.where(live[:, None], q, 0.0), units)
 
 
-def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int, tol: float):
-  """The refreshed basis ``qr(S Q)``, ``Q``'s columns sorted by their estimated eigenvalue
-  (largest first; estimates within ``tol`` of the largest keep their order) and made
-  :func:`canonical`, and ``nu`` permuted along ``dim`` (of its tile) with them.
+@functools.cache
+def _probe(n: int) -> np.ndarray:
+  """:func:`canonical`'s fixed Gaussian ``n x n`` matrix (``jax.random.normal`` of key 0),
+  drawn once, eagerly, on a thread of its own (outside whatever trace, mesh or ``shard_map``
+  asked for it): a constant of the compiled step rather than a random number program in it."""
+  draw = lambda: np.asarray(jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32))
+  with concurrent.futures.ThreadPoolExecutor(1) as thread:
+    return thread.submit(draw).result()
+
+
+def _refit(stats, basis, nu, dim: int, unfit, refresh, tol: float):
+  """One rotated dim's new bases and ``nu``: a block whose statistics were zero before this step
+  (``unfit``) gets its statistics' eigenvectors (``eigh``, largest eigenvalue first); on a
+  refresh step every other block gets ``qr(S Q)``, ``Q``'s columns first sorted by their
+  estimated eigenvalue (largest first; estimates within ``tol`` of the largest keep their
+  order) and ``nu`` permuted along ``dim`` (of its tile) with them; the rest keep theirs. New
+  bases are made :func:`canonical`. One program a block (``lax.map``, as Shampoo's roots).
 
   Example:
       >>> s = jnp.diag(jnp.array([1.0, 4.0]))[None]
-      >>> q, nu = _power_qr(s, jnp.eye(2)[None], jnp.array([[10.0, 40.0]]), 0, 1e-2)
+      >>> q, nu = _refit(s, jnp.eye(2)[None], jnp.array([[10.0, 40.0]]), 0, jnp.array([False]),
+      ...                True, 1e-2)
       >>> jnp.abs(q).tolist(), nu.tolist()
       ([[[0.0, 1.0], [1.0, 0.0]]], [[40.0, 10.0]])
       >>> s = jnp.diag(jnp.array([1e-4, 4e-4, 0.0]))[None]  # small, beside a zero row: sorted
-      >>> _power_qr(s, jnp.eye(3)[None], jnp.array([[1.0, 4.0, 0.0]]), 0, 1e-2)[1].tolist()
+      >>> _refit(s, jnp.eye(3)[None], jnp.array([[1.0, 4.0, 0.0]]), 0, jnp.array([False]), True,
+      ...        1e-2)[1].tolist()
       [[4.0, 1.0, 0.0]]
   """
   separated = _separated(stats)
@@ -332,35 +338,39 @@ def _power_qr(stats: jax.Array, basis: jax.Array, nu: jax.Array, dim: int, tol: 
   top = jnp.max(jnp.where(estimated > -0.5, estimated, 0.0), axis=-1, keepdims=True)  # Live.
   step = jnp.maximum(tol * top, jnp.finfo(estimated.dtype).tiny)
   order = jnp.argsort(-(jnp.round(estimated / step) if tol else estimated), axis=-1, stable=True)
-  basis = jnp.take_along_axis(basis, order[:, None, :], axis=2)
+  order = jnp.where(refresh, order, jnp.arange(order.shape[-1]))
+  sorted_basis = jnp.take_along_axis(basis, order[:, None, :], axis=2)
   shape = [1] * nu.ndim
   shape[0], shape[1 + dim] = order.shape
   nu = jnp.take_along_axis(nu, order.reshape(shape), axis=1 + dim)
   values = jnp.take_along_axis(estimated, order, axis=-1)
-  one = lambda s, m, v: canonical(s, v, jnp.linalg.qr(m)[0], tol)
-  return jax.lax.map(lambda a: one(*a), (stats, separated @ basis, values)), nu
+
+  def one(s, separated, power, values, old, unfit):
+    def fit():
+      values, vectors = jnp.linalg.eigh(separated)
+      return values[::-1], vectors[:, ::-1]
+
+    values, vectors = jax.lax.cond(unfit, fit, lambda: (values, jnp.linalg.qr(power)[0]))
+    return jnp.where(unfit | refresh, canonical(s, values, vectors, tol), old)
+
+  inputs = (stats, separated, separated @ sorted_basis, values, basis, unfit)
+  return jax.lax.map(lambda a: one(*a), inputs), nu
 
 
-def _refreshed(stats, bases, nu, *, dims, tol):
-  """Every rotated dim's basis refreshed by :func:`_power_qr`, and ``nu`` permuted with them."""
+def _new_bases(stats, bases, nu, unfit, refresh, *, dims, tol):
+  """Every rotated dim's bases from :func:`_refit`, and ``nu`` permuted with them."""
   new_bases = []
   for s, q, dim in zip(stats, bases, dims):
-    q, nu = _power_qr(s, q, nu, dim, tol)
+    q, nu = _refit(s, q, nu, dim, unfit, refresh, tol)
     new_bases.append(q)
   return new_bases, nu
 
 
-def _fitted(stats, bases, unfit, tol):
-  """The bases of the blocks whose statistics were zero before this step (``unfit``) fitted to
-  their statistics (``eigh``), the others' kept."""
-  return [jnp.where(unfit[:, None, None], _eigenbasis(s, tol), q) for s, q in zip(stats, bases)]
-
-
 def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   """One block stack's step (module docstring): (Adam's direction in the old bases, rotated
-  back; new ``mu``, ``nu``, statistics and bases). The QR refresh and the ``eigh`` of unfit
-  blocks run under ``lax.cond`` (each ``lax.map``'d, one matrix a call), only on the steps
-  that need them; the moments are carried into the new bases only then."""
+  back; new ``mu``, ``nu``, statistics and bases). :func:`_refit` (a block's ``eigh`` or
+  QR, one matrix a call) runs under ``lax.cond``, only on the steps that need it; the moments
+  are carried into the new bases only then."""
   (b1, b2), shampoo_beta, eps, tol = hyper
   g = g.astype(jnp.float32)
   old_mu, old_nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
@@ -373,15 +383,15 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
   new_bases, sorted_nu = jax.lax.cond(
-      refresh,
-      functools.partial(_refreshed, dims=dims, tol=tol),
-      lambda _, q, n: (list(q), n),
+      refresh | any_unfit,
+      functools.partial(_new_bases, dims=dims, tol=tol),
+      lambda _, q, n, *__: (list(q), n),
       stats,
       bases,
       nu,
+      unfit,
+      refresh,
   )
-  fitted = functools.partial(_fitted, tol=tol)
-  new_bases = jax.lax.cond(any_unfit, fitted, lambda _, q, u: list(q), stats, new_bases, unfit)
   unfit = unfit.reshape(unfit.shape + (1,) * (mu.ndim - 1))
   moved = lambda mu: _rotate(_rotate(mu, bases, dims, back=True), new_bases, dims, back=False)
   carried = jax.lax.cond(
