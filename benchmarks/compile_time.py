@@ -59,8 +59,11 @@ def instructions(hlo: str) -> int:
 
 
 # The profiler's events of XLA:CPU compiling kernels: one per fused computation emitted, and
-# LLVM's compile of them all.
+# LLVM's compile of them all. Only XLA:CPU's fusion emitters (its default) report the first, so
+# a compile profiled for its kernels asks for them (``FUSION_EMITTERS``), whatever XLA_FLAGS say
+# (the tests turn them off to compile faster: tests/conftest.py).
 FUSION_EVENT, CODEGEN_EVENT = "FusionCompiler::Compile", "JitCompiler::Compile"
+FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 
 
 @contextlib.contextmanager
@@ -71,7 +74,7 @@ def kernel_profile():
 
   Example:
       >>> with kernel_profile() as profile:
-      ...   _ = jax.jit(lambda x: jax.numpy.sin(x) * 2).lower(1.0).compile()
+      ...   _ = jax.jit(lambda x: jax.numpy.sin(x) * 2).lower(1.0).compile(FUSION_EMITTERS)
       >>> profile["kernels"] >= 1 and profile["kernel_s"] > 0
       True
   """
@@ -100,7 +103,7 @@ def compile_once(config, kernels: bool = False) -> dict:
     lowered = jitted.lower(run.plan.abstract(), batch)
     lowered_at = time.perf_counter()
     with kernel_profile() if kernels else contextlib.nullcontext({}) as profile:
-      compiled = lowered.compile()
+      compiled = lowered.compile(FUSION_EMITTERS if kernels else None)
     done = time.perf_counter()
   return {
       **profile,
