@@ -451,6 +451,19 @@ def _finish(direction, count, settings: _Settings):
   return jnp.where(count == 0, 0.0, direction)
 
 
+def _any_unfit(stats) -> jax.Array:
+  """Whether any block of any of these statistics (each param's :class:`Stacks`) is still
+  zero: its bases are fitted this step (``_soap_blocks``' ``unfit``).
+
+  Example:
+      >>> zero, one = jnp.zeros((2, 3, 3)), jnp.ones((2, 3, 3))
+      >>> bool(_any_unfit([[one], [zero.at[0].set(1.0)]])), bool(_any_unfit([[one]]))
+      (True, False)
+  """
+  unfit = [jnp.any(jnp.all(s[0] == 0, axis=(-2, -1))) for s in stats]
+  return functools.reduce(jnp.logical_or, unfit, jnp.bool_(False))
+
+
 def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings):
   """``scale_by_soap``'s update: every param's tiles in one
   :func:`~bv_sharding.optimizers.blocked.run_blocked`."""
@@ -462,6 +475,8 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   first = count == 0
   refresh = (count > 0) & (count % settings.precondition_frequency == 0)
   hyper = (settings.betas, settings.shampoo_beta, settings.eps, settings.basis_tol)
+  # The bases change only where they are refreshed or fitted: a pool moves them back only then.
+  new_bases = refresh | _any_unfit(s.stats for s, (_, dims) in zip(per_param, plans) if dims)
   fns: dict[tuple, Any] = {}  # One function per kind of param: like tiles pool together.
   runs = []
   for g, s, (blocks, dims) in zip(grads, per_param, plans):
@@ -470,7 +485,8 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
       continue
     fn = fns.setdefault(dims, functools.partial(_soap_run, dims=dims, hyper=hyper))
     arrays = [x.reshape(blocks.shape) for x in (g, s.mu, s.nu)]
-    runs.append(BlockRun(blocks, fn, arrays, [s.stats, s.bases], [first, refresh]))
+    stacks, flags = [s.stats, s.bases], [first, refresh]
+    runs.append(BlockRun(blocks, fn, arrays, stacks, flags, write_when=[None, new_bases]))
   new_updates, new_per_param = [], []
   place = param_placers(settings.layout, treedef)
   for g, s, result, put in zip(grads, per_param, blocked.run_blocked(runs), place):
