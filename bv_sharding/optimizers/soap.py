@@ -378,7 +378,7 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   mu = b1 * old_mu + (1.0 - b1) * rotated
   nu = b2 * old_nu + (1.0 - b2) * jnp.square(rotated)
   direction = _rotate(mu / (jnp.sqrt(nu) + eps), bases, dims, back=True)
-  unfit = jnp.all(stats[0] == 0, axis=(1, 2))  # Per block: no gradient yet (_unfit_moments).
+  unfit = _unfit(stats[0])  # Per block: no gradient yet (_unfit_moments).
   grams = [jax.vmap(gram_along, (0, None))(g, d) for d in dims]
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
@@ -451,16 +451,27 @@ def _finish(direction, count, settings: _Settings):
   return jnp.where(count == 0, 0.0, direction)
 
 
+def _unfit(stats: jax.Array) -> jax.Array:
+  """Per block of a stack of one dim's statistics ``(..., b, b)``: whether it is still zero (no
+  gradient yet), so that its bases are fitted this step.
+
+  Example:
+      >>> _unfit(jnp.zeros((2, 3, 3)).at[0].set(1.0)).tolist()
+      [False, True]
+  """
+  return jnp.all(stats == 0, axis=(-2, -1))
+
+
 def _any_unfit(stats) -> jax.Array:
-  """Whether any block of any of these statistics (each param's :class:`Stacks`) is still
-  zero: its bases are fitted this step (``_soap_blocks``' ``unfit``).
+  """Whether any block of any of these statistics (each param's :class:`Stacks`) is
+  :func:`_unfit`.
 
   Example:
       >>> zero, one = jnp.zeros((2, 3, 3)), jnp.ones((2, 3, 3))
       >>> bool(_any_unfit([[one], [zero.at[0].set(1.0)]])), bool(_any_unfit([[one]]))
       (True, False)
   """
-  unfit = [jnp.any(jnp.all(s[0] == 0, axis=(-2, -1))) for s in stats]
+  unfit = [jnp.any(_unfit(s[0])) for s in stats]
   return functools.reduce(jnp.logical_or, unfit, jnp.bool_(False))
 
 
