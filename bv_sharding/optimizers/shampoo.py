@@ -131,14 +131,14 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
 
 def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon):
   """One block stack's step: statistics EMA, roots (new only where ``refresh``: their
-  ``eigh`` under ``lax.cond``), direction."""
+  ``eigh`` under ``lax.cond``; ``refresh`` None: every step, the old roots unread), direction."""
   stats = [
       _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2) for axis, s in enumerate(stats)
   ]
   p = exponent or 2 * len(stats)
   fresh = lambda: [inverse_pth_root(s, p, matrix_epsilon) for s in stats]
   kept = lambda: [r.astype(n.dtype) for r, n in zip(roots, jax.eval_shape(fresh))]
-  roots = jax.lax.cond(refresh, fresh, kept)
+  roots = fresh() if refresh is None else jax.lax.cond(refresh, fresh, kept)
   return _precondition_blocks(blocks, roots), stats, roots
 
 
@@ -257,9 +257,10 @@ def _from_grad_units(momentum: jax.Array, g2: jax.Array, marked: jax.Array, beta
   return jnp.where(marked, scaled, m).astype(momentum.dtype)
 
 
-def _shampoo_run(arrays, factors, refresh, *, step):
-  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it."""
-  direction, stats, roots = _shampoo_blocks(*arrays, *factors, refresh, *step)
+def _shampoo_run(arrays, factors, *refresh, step):
+  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it
+  (no ``refresh`` flag: every step refreshes)."""
+  direction, stats, roots = _shampoo_blocks(*arrays, *factors, *(refresh or [None]), *step)
   return [direction], [stats, roots]
 
 
@@ -313,13 +314,22 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   grads, treedef = jax.tree.flatten(updates)
   per_param = treedef.flatten_up_to(state.per_param)
   blocks = _blocks_per_leaf(updates, settings)
-  refresh = state.count % settings.update_preconditioners_freq == 0
+  # The roots change on refresh steps only: a pool moves them back then alone. Refreshed on
+  # every step (no flag), the old ones are never read, and a pool does not move them in.
+  every_step = settings.update_preconditioners_freq == 1
+  refresh = [] if every_step else [state.count % settings.update_preconditioners_freq == 0]
   step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
   fn = functools.partial(_shampoo_run, step=step)
   runs = [
-      # The roots change on refresh steps only: a pool moves them back then alone.
       blocked.BlockRun(
-          b, fn, [g.reshape(b.shape)], [s.stats, s.roots], [refresh], (), [None, refresh]
+          b,
+          fn,
+          [g.reshape(b.shape)],
+          [s.stats, s.roots],
+          refresh,
+          (),
+          [None, refresh[0] if refresh else None],
+          unread=[False, every_step],
       )
       if s.stats
       else None
