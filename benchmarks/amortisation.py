@@ -109,7 +109,7 @@ def rows(spec: str, optimizers: list[str], tokens: int) -> list[str]:
   batch, per_row = base.config.batch_size, base.config.seq_len
   here, there = zero.at(slope, batch), zero.at(slope, tokens / per_row)
   out = []
-  for name in ["adamw", *optimizers]:
+  for name in ["adamw", *(o for o in optimizers if o != "adamw")]:
     update = updates.get(name) or update_cost(built(spec, name))
     out.append(
         f"| {spec} | {name} | {update.flops / 1e9:.3f} | {update.bytes / 1e9:.3f} | "
