@@ -117,7 +117,7 @@ def boxes_unboxed(build: Callable[..., optax.GradientTransformation]) -> Callabl
     >>> import jax.numpy as jnp
     >>> boxed = {"w": nn.LogicallyPartitioned(jnp.ones((4, 4)), ("embed", "mlp"))}
     >>> state = boxes_unboxed(scale_by_shampoo)(block_size=2).init(boxed)
-    >>> state.per_param["w"].roots[0].shape
+    >>> state.per_param["w"].stats[0].shape
     (2, 2, 2, 2)
   """
 

@@ -150,8 +150,7 @@ def run_pool(runs: Sequence[BlockRun]):
   ``stacks`` is a sequence, each entry a tree of stacks. An array the runs read only when a
   flag holds, and an entry of stacks they change only then (the same flag object in every
   run's ``read_when`` or ``write_when``), moves in or back under ``lax.cond`` on that flag
-  (:func:`gated`): on the other steps it stays where it is. An entry of stacks every run marks
-  ``unread`` does not move in: zeros take its place in the pool.
+  (:func:`gated`): on the other steps it stays where it is.
   """
   mesh = runs[0].blocks.mesh
   sizes = dict(mesh.shape)
@@ -183,10 +182,6 @@ def run_pool(runs: Sequence[BlockRun]):
     stack = jnp.concatenate([along(x) for x in parts])
     return move(padded(stack, total), tail(stack), tuple(dealt) + (None,) * (stack.ndim - 1))
 
-  def empty(parts):  # Zeros in the pool's place of a stack fn never reads (BlockRun.unread).
-    shape = (total, *parts[0].shape[1:])
-    return place(jnp.zeros(shape, parts[0].dtype), P(*dealt, *(None,) * (len(shape) - 1)))
-
   stack = lambda *xs: jnp.stack(xs)
   flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
   cuts, factors = [], []
@@ -207,11 +202,7 @@ def run_pool(runs: Sequence[BlockRun]):
       gated(when, functools.partial(pooled_array, j))
       for j, when in enumerate(shared_flags(runs, "read_when", len(runs[0].arrays)))
   ]
-  unread = [all(k < len(r.unread) and r.unread[k] for r in runs) for k in range(len(factors[0]))]
-  stacks = [
-      jax.tree.map(lambda *parts, skip=skip: (empty if skip else pool)(parts), *entry)
-      for skip, *entry in zip(unread, *factors)
-  ]
+  stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in ordered]):
     same = all(v is values[0] for v in values)

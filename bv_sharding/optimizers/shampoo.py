@@ -16,8 +16,9 @@ State layout (tearfree-like)::
         per_param=<params-like tree of> ShampooParamState(
             stats=Stacks[(*grid, b_i, b_i) per factor],  # one per dim > 1;
                                                          # start at matrix_epsilon * I
-            roots=Stacks[(*grid, b_i, b_i) per factor],  # inverse p-th roots
-                                                         # (both in the params' dtype)
+            roots=Stacks[(*grid, b_i, b_i) per factor]   # inverse p-th roots (both in
+                  or None,                               # the params' dtype); None when
+                                                         # every step refreshes them
             graft_nu=<like param> or None,               # None for graft "sgd"
             momentum=<like param> or None))              # None when beta1 == 0
 
@@ -44,7 +45,8 @@ pieces' directions are all-gathered.
 
 Roots come from ``eigh``, one matrix a call, under ``lax.cond``: only on the steps that
 refresh them (every ``update_preconditioners_freq`` steps), and a pool moves its roots back
-only then. (A batched LAPACK call would wait on XLA's CPU thread pool, which deadlocks with
+only then. With ``update_preconditioners_freq=1`` (the default) every step computes them from
+its statistics and uses them at once: the state keeps none, and no pool moves any. (A batched LAPACK call would wait on XLA's CPU thread pool, which deadlocks with
 several devices: :func:`inverse_pth_root`.) Roots are computed in float32 (at least)
 whatever the statistics' dtype, and stored in it; in a config-built loop the state's dtype is
 ``config.state_dtype`` and the whole update runs in float32
@@ -131,14 +133,14 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
 
 def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon):
   """One block stack's step: statistics EMA, roots (new only where ``refresh``: their
-  ``eigh`` under ``lax.cond``; ``refresh`` None: every step, the old roots unread), direction."""
+  ``eigh`` under ``lax.cond``; ``roots`` None: new on every step), direction."""
   stats = [
       _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2) for axis, s in enumerate(stats)
   ]
   p = exponent or 2 * len(stats)
   fresh = lambda: [inverse_pth_root(s, p, matrix_epsilon) for s in stats]
   kept = lambda: [r.astype(n.dtype) for r, n in zip(roots, jax.eval_shape(fresh))]
-  roots = fresh() if refresh is None else jax.lax.cond(refresh, fresh, kept)
+  roots = fresh() if roots is None else jax.lax.cond(refresh, fresh, kept)
   return _precondition_blocks(blocks, roots), stats, roots
 
 
@@ -202,15 +204,15 @@ def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
 
 
 def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamState:
-  """One param's state: statistics ``matrix_epsilon * I``, roots ``I``, zero moments, all
-  in the param's dtype."""
+  """One param's state: statistics ``matrix_epsilon * I``, roots ``I`` (None when every step
+  refreshes them), zero moments, all in the param's dtype."""
   eye = [jnp.eye(b, dtype=param.dtype) for b in blocks.sizes]
   stacks = lambda xs: blocked.grid_stacks(
       xs, blocks, factor_tiling(settings.block_size, settings.blocking)
   )
   return ShampooParamState(
       stats=stacks([settings.matrix_epsilon * e for e in eye]),
-      roots=stacks(eye),
+      roots=stacks(eye) if settings.update_preconditioners_freq > 1 else None,
       graft_nu=None if settings.graft_type == "sgd" else jnp.zeros_like(param),
       momentum=None if settings.beta1 == 0 else jnp.zeros_like(param),
   )
@@ -258,10 +260,14 @@ def _from_grad_units(momentum: jax.Array, g2: jax.Array, marked: jax.Array, beta
 
 
 def _shampoo_run(arrays, factors, *refresh, step):
-  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it
-  (no ``refresh`` flag: every step refreshes)."""
-  direction, stats, roots = _shampoo_blocks(*arrays, *factors, *(refresh or [None]), *step)
-  return [direction], [stats, roots]
+  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it:
+  ``factors`` the statistics and the roots with the ``refresh`` flag, or the statistics alone
+  (every step refreshes; the roots are not returned)."""
+  stats, *roots = factors
+  direction, stats, new_roots = _shampoo_blocks(
+      *arrays, stats, *(roots or [None]), *(refresh or [None]), *step
+  )
+  return [direction], [stats, *([new_roots] if roots else [])]
 
 
 def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
@@ -297,7 +303,9 @@ def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Setting
   direction, new_momentum = _with_momentum(
       direction, state.momentum, settings.beta1, settings.nesterov
   )
-  cast = lambda new, old: Stacks([_cast_like(n, o) for n, o in zip(new, old)], old.tiling)
+  cast = lambda new, old: (
+      None if old is None else Stacks([_cast_like(n, o) for n, o in zip(new, old)], old.tiling)
+  )
   new_state = ShampooParamState(
       cast(stats, state.stats),
       cast(roots, state.roots),
@@ -315,9 +323,9 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   per_param = treedef.flatten_up_to(state.per_param)
   blocks = _blocks_per_leaf(updates, settings)
   # The roots change on refresh steps only: a pool moves them back then alone. Refreshed on
-  # every step (no flag), the old ones are never read, and a pool does not move them in.
-  every_step = settings.update_preconditioners_freq == 1
-  refresh = [] if every_step else [state.count % settings.update_preconditioners_freq == 0]
+  # every step, they are not kept (no flag, no roots in the state).
+  kept = settings.update_preconditioners_freq > 1
+  refresh = [state.count % settings.update_preconditioners_freq == 0] if kept else []
   step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
   fn = functools.partial(_shampoo_run, step=step)
   runs = [
@@ -325,11 +333,10 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
           b,
           fn,
           [g.reshape(b.shape)],
-          [s.stats, s.roots],
+          [s.stats, s.roots] if kept else [s.stats],
           refresh,
           (),
-          [None, refresh[0] if refresh else None],
-          unread=[False, every_step],
+          [None, *refresh],
       )
       if s.stats
       else None
@@ -341,8 +348,8 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   for g, s, result, put in zip(grads, per_param, ran, place):
     factors = None
     if result is not None:
-      (direction,), (stats, roots) = result
-      factors = (stats, roots, put(direction.reshape(g.shape)))
+      (direction,), (stats, *roots) = result
+      factors = (stats, roots[0] if roots else None, put(direction.reshape(g.shape)))
     results.append(_finish_leaf(g, s, state.count, factors, settings))
   new_updates = treedef.unflatten([r[0] for r in results])
   new_per_param = treedef.unflatten([r[1] for r in results])
@@ -374,7 +381,8 @@ def scale_by_shampoo(
     matrix_epsilon: ridge added to the statistics, relative to their largest
       eigenvalue, before the inverse root; statistics also start at
       ``matrix_epsilon * I`` (as in distributed Shampoo).
-    update_preconditioners_freq: recompute roots when ``count % freq == 0``.
+    update_preconditioners_freq: recompute roots when ``count % freq == 0``; at 1 the state
+      keeps none (each step computes them from its statistics and uses them at once).
     start_preconditioning_step: steps with ``count`` below this use the graft
       direction only.
     graft_type: "rmsprop" (``g / (sqrt(nu) + eps)``), "adam" (same with
@@ -388,10 +396,12 @@ def scale_by_shampoo(
       :func:`~bv_sharding.optimizers.tiles.shard_blocks`).
 
   Example:
-      >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd")
+      >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd", update_preconditioners_freq=10)
       >>> state = tx.init({"w": jnp.ones((4, 2))})
       >>> state.per_param["w"].roots[0].shape  # a 2 x 1 grid of 2 x 2 blocks
       (2, 1, 2, 2)
+      >>> scale_by_shampoo(block_size=2).init({"w": jnp.ones((4, 2))}).per_param["w"].roots is None
+      True
   """
   settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if graft_type not in _GRAFT_TYPES:

@@ -53,9 +53,6 @@ class BlockRun(NamedTuple):
   that stack changed only on those steps (unchanged on the others). A pool moves such an
   array in, and such a stack back, under ``lax.cond``: only on those steps
   (:func:`~bv_sharding.optimizers.pools.run_pool`). Kron's fit, on its update steps, is one.
-  ``unread`` (one bool per entry of ``stacks``, known when tracing) marks the entries ``fn``
-  replaces without reading them: a pool does not move those in, and ``fn`` gets zeros there
-  (Shampoo's roots when every step refreshes them).
   """
 
   blocks: ShardBlocks
@@ -65,7 +62,6 @@ class BlockRun(NamedTuple):
   scalars: Sequence[jax.Array] = ()
   read_when: Sequence[jax.Array | None] = ()
   write_when: Sequence[jax.Array | None] = ()
-  unread: Sequence[bool] = ()
 
 
 def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:

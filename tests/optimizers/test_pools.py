@@ -3,7 +3,7 @@ refresh the roots) leaves the pooled factors where they are stored, and is still
 same optimizer takes on global arrays. Four steps on a ViT's ranks (4 x 2 mesh, 8-tiles:
 pooled, dealt and local ones): Kron fits every other step, Shampoo refreshes every third, so
 a step reads the factors a step without a fit or refresh left; Shampoo refreshing every step
-never reads its old roots. Library imports only."""
+keeps no roots. Library imports only."""
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ SKIPPING = {
         update_preconditioners_freq=3,
         layout=layout,
     ),
-    # Every step refreshes the roots: the pools never move the old ones in (BlockRun.unread).
+    # Every step refreshes the roots: the state keeps none, and the pools move none.
     "shampoo_every_step": lambda layout: shampoo(
         1e-2, block_size=8, start_preconditioning_step=1, layout=layout
     ),

@@ -18,12 +18,22 @@ SHAPES = lambda tree: jax.tree.map(
 )
 
 
+def _is_param_state(x) -> bool:
+  return hasattr(x, "stats")
+
+
 def test_shampoo_state_layout_is_blocked_stats_and_roots():
-  state = scale_by_shampoo(block_size=8, graft_type="adam").init(MIXED_PARAMS)
+  """Roots are kept when they outlive a step (refreshed every 2 here); refreshed on every
+  step (the default) the state keeps none."""
+  fresh = scale_by_shampoo(block_size=8, graft_type="adam").init(MIXED_PARAMS)
+  assert all(s.roots is None for s in jax.tree.leaves(fresh.per_param, is_leaf=_is_param_state))
+  state = scale_by_shampoo(block_size=8, graft_type="adam", update_preconditioners_freq=2).init(
+      MIXED_PARAMS
+  )
   layout = jax.tree.map(
       lambda s: (SHAPES(s.stats), SHAPES(s.roots)),
       state.per_param,
-      is_leaf=lambda x: hasattr(x, "stats"),
+      is_leaf=_is_param_state,
   )
   assert layout["w"] == ([(1, 1, 8, 8), (1, 1, 4, 4)],) * 2  # The block grid first.
   assert layout["b"] == ([(1, 4, 4)],) * 2  # 1-D: one factor

@@ -122,8 +122,8 @@ _REGISTRY: dict[str, _Entry] = {
     # AdamW's lr it steps ~10x farther than AdamW (it stalled on configs/lm.py at 2.38 vs 1.61).
     # On the tuning split of configs/lm.py (one seed): 1.667 at 0.05, 1.589 at 0.1, 1.617 at 0.2.
     # Blocks of 256, as Kron's: on that split (three seeds, 300 steps) 256 ends 0.006 ± 0.002
-    # above 1024, and its step moves 1.43x adamw's bytes on lm_tp_fsdp tiny against 1.73x (a
-    # 768-wide tile's statistics and roots are 3.3x its bytes, 2x at 256).
+    # above 1024, and its step moves 1.33x adamw's bytes on lm_tp_fsdp tiny against 1.54x (a
+    # 768-wide tile's statistics are 3.3x its bytes, 2x at 256).
     "shampoo": _Entry(
         shampoo,
         defaults={"block_size": 256, "graft_type": "adam", "start_preconditioning_step": 10},
