@@ -115,7 +115,9 @@ def shard_blocks(
     # Tiles that span shards and no holder owns, or that a dealt piece would cut: pooled.
     pooled = owners is None and (not all(whole) or (dealt is not None and not in_pieces))
   shards = (1,) * len(shape) if pooled else shards_of(spec)
-  concrete = isinstance(mesh, jax.sharding.Mesh) and (math.prod(shards) > 1 or pooled)
+  # On a concrete mesh even a never-sharded param's blocks run in shard_map (whole on every
+  # device): on global arrays XLA chose how to split their fit, and rematerialized it.
+  concrete = isinstance(mesh, jax.sharding.Mesh)
   return ShardBlocks(
       tuple(shape),
       shards,

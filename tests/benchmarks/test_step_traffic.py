@@ -122,6 +122,7 @@ KRON_BETWEEN_FITS_MISSES = {"lm": 1.38}
         ("lm:size=small", False),
         ("lm_tp_fsdp:size=small", False),
         ("lm_tp_fsdp:size=small", True),
+        ("lm:size=small", True),
     ],
 )
 def test_muon_and_kron_between_fits_move_at_most_their_goal_on_each_config(spec, scan):
@@ -130,7 +131,11 @@ def test_muon_and_kron_between_fits_move_at_most_their_goal_on_each_config(spec,
   1.12x and 1.15x adamw's bytes (2026-12-03; an all-gather of the update took the small ones to
   1.49x and 1.35x, and gathering the leftovers of several shapes whole took them to 1.19x,
   1.15x, 1.23x and 1.2505x). Kron's step between its fits (``BETWEEN_FITS``), on the same
-  configs: 1.20x on lm small and lm_tp_fsdp small (2026-12-03); lm tiny misses (an xfail)."""
+  configs: 1.20x on lm small and lm_tp_fsdp small (2026-12-03); lm tiny misses (an xfail). On
+  lm small with scanned layers (2026-12-05): muon 1.19x, kron 1.13x between fits. There Kron's
+  step printed "Involuntary full rematerialization" while the never-sharded params' blocks (the
+  scanned norm scales) ran on global arrays, XLA choosing how to split their factor fit; they
+  run in shard_map, whole on every device, since (1.34x -> 1.22x on a fit step, no remat)."""
   wire = {}
   for optimizer in ("adamw", "muon", "kron"):
     config = config_with(spec, optimizer)
