@@ -46,8 +46,9 @@ pieces' directions are all-gathered.
 Roots come from ``eigh``, one matrix a call, under ``lax.cond``: only on the steps that
 refresh them (every ``update_preconditioners_freq`` steps), and a pool moves its roots back
 only then. With ``update_preconditioners_freq=1`` (the default) every step computes them from
-its statistics and uses them at once: the state keeps none, and no pool moves any. (A batched LAPACK call would wait on XLA's CPU thread pool, which deadlocks with
-several devices: :func:`inverse_pth_root`.) Roots are computed in float32 (at least)
+its statistics and uses them at once: the state keeps none, and no pool moves any. (A batched
+LAPACK call would wait on XLA's CPU thread pool, which deadlocks with several devices:
+:func:`inverse_pth_root`.) Roots are computed in float32 (at least)
 whatever the statistics' dtype, and stored in it; in a config-built loop the state's dtype is
 ``config.state_dtype`` and the whole update runs in float32
 (:mod:`bv_sharding.optimizers.state_dtype`).
@@ -196,6 +197,11 @@ class _Settings:
   layout: ParamLayout | None
   blocking: str
 
+  @property
+  def keeps_roots(self) -> bool:
+    """Whether the state keeps the roots: they outlive a step (not refreshed on every one)."""
+    return self.update_preconditioners_freq > 1
+
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
   """Each leaf's blocks (:func:`factor_tiling`), flattened like ``params``."""
@@ -212,7 +218,7 @@ def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamS
   )
   return ShampooParamState(
       stats=stacks([settings.matrix_epsilon * e for e in eye]),
-      roots=stacks(eye) if settings.update_preconditioners_freq > 1 else None,
+      roots=stacks(eye) if settings.keeps_roots else None,
       graft_nu=None if settings.graft_type == "sgd" else jnp.zeros_like(param),
       momentum=None if settings.beta1 == 0 else jnp.zeros_like(param),
   )
@@ -324,7 +330,7 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   blocks = _blocks_per_leaf(updates, settings)
   # The roots change on refresh steps only: a pool moves them back then alone. Refreshed on
   # every step, they are not kept (no flag, no roots in the state).
-  kept = settings.update_preconditioners_freq > 1
+  kept = settings.keeps_roots
   refresh = [state.count % settings.update_preconditioners_freq == 0] if kept else []
   step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
   fn = functools.partial(_shampoo_run, step=step)
