@@ -95,20 +95,25 @@ def param_blocks(
 
 
 def grid_stacks(factors: Sequence[jax.Array], blocks: ShardBlocks, tiling: Tiling) -> Stacks:
-  """Each of one block's ``factors`` for every block: ``(*grid, *factor)`` stacks."""
-  return Stacks([jnp.broadcast_to(f, (*blocks.grid_shape, *f.shape)) for f in factors], tiling)
+  """Each of one block's ``factors`` for every block: ``(*grid, *factor)`` stacks, in their
+  stored form (:meth:`~bv_sharding.optimizers.placement.Tiling.stored_form`)."""
+  grid = lambda f: jnp.broadcast_to(f, (*blocks.grid_shape, *f.shape))
+  return Stacks([tiling.stored_form(grid(f), blocks) for f in factors], tiling)
 
 
 def run_blocked(
     runs: Sequence[BlockRun | None],
 ) -> list[tuple[list[jax.Array], list[Stacks]] | None]:
   """:func:`run_all` of runs whose ``stacks`` are a sequence of :class:`Stacks`: each run's
-  ``(outs, new stacks)``, each new stack a :class:`Stacks` with its old one's tiling."""
-  bare = [None if r is None else r._replace(stacks=[list(s) for s in r.stacks]) for r in runs]
+  ``(outs, new stacks)``, each new stack a :class:`Stacks` with its old one's tiling (the
+  stacks run in their grid form and are kept in their stored one)."""
+  grid = lambda r: [[s.tiling.grid_form(x, r.blocks) for x in s] for s in r.stacks]
+  bare = [None if r is None else r._replace(stacks=grid(r)) for r in runs]
+  stored = lambda new, old, blocks: Stacks([old.tiling.stored_form(x, blocks) for x in new], old.tiling)
   return [
       None
       if result is None
-      else (result[0], [Stacks(new, old.tiling) for new, old in zip(result[1], run.stacks)])
+      else (result[0], [stored(new, old, run.blocks) for new, old in zip(result[1], run.stacks)])
       for run, result in zip(runs, run_all(bare))
   ]
 

@@ -14,8 +14,10 @@ sharding rules written for it carry over::
                            # scalars get one () diagonal Q
      "update_counter": int32[]}         # steps since the last Q update
 
-A blocked param's Qs are a :class:`~bv_sharding.optimizers.placement.Stacks` (a tuple, named
-like a list), each Q with the param's block grid first: the state is the same on any mesh.
+A param of at least 2 (per-layer) dims keeps its Qs in a
+:class:`~bv_sharding.optimizers.placement.Stacks` (a tuple, named like a list): blocked, each
+Q with the param's block grid first; unblocked (``block_size`` None), one tile of the whole
+param, in psgd-jax's shapes. The state is the same on any mesh.
 
 With ``block_size`` set (as distributed_kron's ``partition_grads_into_blocks``),
 every param whose (per-layer) dims number at least 2 is split into blocks of at
@@ -29,14 +31,17 @@ tiles inside each device's shard are stored on that device and fitted and applie
 to owners among their
 holders, or pooled with every param's tiles of their shape and dealt over the mesh
 (all params' blocks go through one :func:`~bv_sharding.optimizers.blocked.run_blocked`).
-Without it the param is one shard (blocks row-major over the block grid).
+Without it the param is one shard (blocks row-major over the block grid). Unblocked
+(``block_size`` None), each such param is one tile of its own shape: with a layout it is
+fitted whole by one device, like any tile that spans shards, where psgd-jax leaves the fit
+of the sharded param to XLA's partitioner (the same math, and its trajectory).
 Padding (dims not a multiple of ``block_size``) is zero in grads and probes, so
 Q's padded rows and columns stay decoupled from the real ones: a padded block
-acts like a smaller one. Every stacked preconditioner (blocked or scanned)
+acts like a smaller one. Every stacked preconditioner (a tile's or a scanned param's)
 solves ``v Q^{-1}`` with :func:`triangular_inverse` (matmuls) instead of a
 batched LAPACK ``triangular_solve``, which deadlocks XLA:CPU with several
-devices; only a param with a single preconditioner calls LAPACK, one matrix at
-a time.
+devices; only a param with a single preconditioner (fewer than 2 dims) calls LAPACK, one
+matrix at a time.
 
 As in psgd-jax, a stacked preconditioner's fit runs under ``lax.cond``: only on the
 steps that update Q (``preconditioner_update_probability``), and a pool moves the probe and
@@ -347,20 +352,25 @@ def leaf_tiling(
     param: jax.Array, scanned: bool, block_size: int | None, blocking: str = "tiles"
 ) -> Tiling | None:
   """How ``param`` is cut into blocks (:func:`~bv_sharding.optimizers.tiles.shard_blocks`), or
-  None if it keeps one preconditioner.
+  None if it keeps one preconditioner computed on the whole param.
 
-  Params with fewer than 2 dims (not counting a scanned layer axis), and every
-  param when ``block_size`` is None, are not blocked.
+  Params with fewer than 2 dims (not counting a scanned layer axis) are not blocked. With
+  ``block_size`` None a param is one tile (per layer), stored in psgd-jax's shapes
+  (:class:`~bv_sharding.optimizers.placement.Tiling`): on a mesh it is fitted whole by one
+  device, as the tiles that span shards are, not left to XLA's partitioner (whatever the
+  ``blocking``: a whole param is the same tile on any mesh).
 
   Example:
       >>> leaf_tiling(jnp.ones((4, 3)), False, 2).blocks((4, 3), (), None).count
       4
+      >>> leaf_tiling(jnp.ones((4, 3)), False, None).blocks((4, 3), (), None).sizes
+      (4, 3)
       >>> print(leaf_tiling(jnp.ones((2, 3)), True, 2))  # 1-D per layer
       None
   """
-  if block_size is None or param.ndim - scanned < 2:
+  if param.ndim - scanned < 2:
     return None
-  return Tiling(block_size, scanned, blocking=blocking)
+  return Tiling(block_size, scanned, blocking=blocking if block_size else "tiles")
 
 
 def _stack_shape(param, scanned: bool, blocks: ShardBlocks | None):
@@ -617,9 +627,10 @@ def scale_by_kron(
       layer axis that gets its own Qs (stacked as ``(L, d, d)``).
     block_size: if set, params with >= 2 (per-layer) dims are split into
       blocks of at most this size per dim, each with its own Qs (stacked as
-      ``(n_blocks, b, b)``); see the module docstring.
-    layout: the params' specs and mesh (:class:`ParamLayout`); with
-      ``block_size``, blocks inside one device's shard are fitted there (see
+      ``(n_blocks, b, b)``); None: each such param is one block, its Qs in
+      psgd-jax's shapes; see the module docstring.
+    layout: the params' specs and mesh (:class:`ParamLayout`); blocks inside one
+      device's shard are fitted there, the others by owners (see
       :mod:`bv_sharding.optimizers.layout`).
     blocking: "tiles" (each param's fixed grid of ``block_size`` tiles on any
       mesh: the same math on any device count) or "local" (each device's shard

@@ -69,13 +69,19 @@ class Tiling:
   (``"tiles"`` or ``"local"``) and ``unit_dims_dropped`` (Shampoo: the param's unit dims
   are dropped before blocking).
 
+  ``block_size`` None is one tile per param (per layer when scanned): unblocked Kron's, whose
+  stacks are stored without their grid of ones, in psgd-jax's shapes (``(b_0, b_0)``, or
+  ``(layers, b_0, b_0)`` scanned: :meth:`stored_form`), and run as any tile's.
+
   Example:
       >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
       >>> Tiling(4, unit_dims_dropped=True).blocks((8, 1, 6), ("data",), mesh).grid_shape
       (2, 2)
+      >>> Tiling(None).blocks((8, 6), ("data",), mesh).grid_shape  # one 8 x 6 tile
+      (1, 1)
   """
 
-  block_size: int
+  block_size: int | None
   scanned: bool = False
   deal: bool = False
   blocking: str = "tiles"
@@ -89,9 +95,34 @@ class Tiling:
     if self.unit_dims_dropped:
       spec = tuple(e for d, e in zip(shape, spec) if d > 1)
       shape = tuple(d for d in shape if d > 1)
-    return shard_blocks(
-        shape, spec, mesh, self.block_size, self.scanned, self.deal, blocking=self.blocking
-    )
+    size = self.block_size or max(shape[int(self.scanned) :], default=1)
+    return shard_blocks(shape, spec, mesh, size, self.scanned, self.deal, blocking=self.blocking)
+
+  def kept_grid(self, blocks: ShardBlocks) -> int:
+    """How many of ``blocks``' grid dims a stored stack keeps: all of them, or, one tile per
+    param, the scanned layer axis alone."""
+    return int(self.scanned) if self.block_size is None else len(blocks.grid_shape)
+
+  def stored_form(self, stack, blocks: ShardBlocks):
+    """A ``(*grid, ...)`` stack of ``blocks`` as the state stores it (see :meth:`kept_grid`).
+
+    Example:
+        >>> blocks = Tiling(None).blocks((8, 6), (), None)
+        >>> Tiling(None).stored_form(np.zeros((1, 1, 8, 8)), blocks).shape
+        (8, 8)
+    """
+    grid = len(blocks.grid_shape)
+    return stack.reshape(*stack.shape[: self.kept_grid(blocks)], *stack.shape[grid:])
+
+  def grid_form(self, stack, blocks: ShardBlocks):
+    """A stored stack of ``blocks`` as ``(*grid, ...)`` (undoes :meth:`stored_form`).
+
+    Example:
+        >>> blocks = Tiling(None).blocks((8, 6), (), None)
+        >>> Tiling(None).grid_form(np.zeros((8, 8)), blocks).shape
+        (1, 1, 8, 8)
+    """
+    return stack.reshape(*blocks.grid_shape, *stack.shape[self.kept_grid(blocks) :])
 
 
 class Stacks(tuple):
@@ -197,10 +228,17 @@ def spread(shape, axes, sizes: dict[str, int]) -> tuple:
 
 
 def _placed(node: Stacks, param_shape, param_spec, mesh_sizes: dict[str, int]) -> list:
-  """Each stack's :func:`stored_spec`."""
-  mesh = _abstract_mesh(mesh_sizes)
-  blocks = node.tiling.blocks(param_shape, param_spec, mesh)
-  return [stored_spec(blocks, np.shape(x), mesh_sizes) for x in node]
+  """Each stack's :func:`stored_spec`, on its stored form (:meth:`Tiling.kept_grid`)."""
+  blocks = node.tiling.blocks(param_shape, param_spec, _abstract_mesh(mesh_sizes))
+  kept, grid = node.tiling.kept_grid(blocks), len(blocks.grid_shape)
+
+  def placed(x):
+    shape = (*blocks.grid_shape, *np.shape(x)[kept:])
+    entries = tuple(stored_spec(blocks, shape, mesh_sizes))
+    entries += (None,) * (len(shape) - len(entries))
+    return P(*entries[:kept], *entries[grid:])
+
+  return [placed(x) for x in node]
 
 
 ops.register_state(Stacks, _placed)

@@ -78,7 +78,8 @@ def test_blocked_state_shapes_pad_and_fold_scanned_layers():
 
 
 def test_one_block_per_param_matches_unblocked_trajectory():
-  """Also checks the blocked path's matmul-only solve against LAPACK's."""
+  """block_size None is one tile per param, stored in psgd-jax's shapes: the same math and
+  the same Qs as one 8-tile per param."""
   key = iter(jax.random.split(jax.random.PRNGKey(1), 3))
   params = {
       "w": jax.random.normal(next(key), (6, 5)),
@@ -97,8 +98,12 @@ def test_one_block_per_param_matches_unblocked_trajectory():
       "t": [(1, 1, 1, 3, 3), (1, 1, 1, 4, 4), (1, 1, 1, 2, 2)],
       "b": [(5,)],
   }
+  assert SHAPES(plain_qs) == {"w": [(6, 6), (5, 5)], "t": [(3, 3), (4, 4), (2, 2)], "b": [(5,)]}
   as_list = lambda x: list(x) if isinstance(x, Stacks) else x
-  blocked_qs = jax.tree.map(as_list, blocked_qs, is_leaf=lambda x: isinstance(x, Stacks))
+  plain_qs, blocked_qs = (
+      jax.tree.map(as_list, qs, is_leaf=lambda x: isinstance(x, Stacks))
+      for qs in (plain_qs, blocked_qs)
+  )
   expected = jax.tree.map(lambda q, b: q.reshape(b.shape), plain_qs, blocked_qs)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(blocked_qs)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
