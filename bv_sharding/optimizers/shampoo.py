@@ -14,7 +14,8 @@ State layout (tearfree-like)::
     ShampooState(
         count=int32[],
         per_param=<params-like tree of> ShampooParamState(
-            stats=Stacks[(*grid, b_i, b_i) per factor],  # one per dim > 1;
+            stats=Stacks[(*grid, b_i / 2 + 1, b_i) per factor],  # one per dim > 1, packed
+                                                         # (b_i odd or 2: (b_i, b_i));
                                                          # start at matrix_epsilon * I
             roots=Stacks[(*grid, b_i, b_i) per factor]   # inverse p-th roots (both in
                   or None,                               # the params' dtype); None when
@@ -29,7 +30,10 @@ each element of the momentum by a one-sample ``sqrt(E[g^2])`` (:func:`_from_grad
 starts ``graft_nu`` at zero.
 
 ``grid``: the blocks along each dim of the param (unit dims dropped), each block at its
-place: the state is the same on any mesh (:mod:`bv_sharding.optimizers.placement`).
+place: the state is the same on any mesh (:mod:`bv_sharding.optimizers.placement`). The
+statistics are symmetric, so each is stored packed, every number once
+(:mod:`bv_sharding.optimizers.symmetric`): half their memory, and half the bytes a pool moves
+to the tile's owner and back each step; the step unpacks them for the roots.
 
 Params whose dims are all 1 (scalars) have empty ``stats``/``roots`` lists and
 use the graft direction only; unit dims of other params are dropped before
@@ -57,8 +61,8 @@ Example:
     >>> import jax.numpy as jnp
     >>> opt = shampoo(0.1, block_size=4)
     >>> state = opt.init({"w": jnp.ones((8, 3))})
-    >>> [s.shape for s in state[0].per_param["w"].stats]
-    [(2, 1, 4, 4), (2, 1, 3, 3)]
+    >>> [s.shape for s in state[0].per_param["w"].stats]  # a 4 x 4 (packed) and a 3 x 3
+    [(2, 1, 3, 4), (2, 1, 3, 3)]
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked
+from bv_sharding.optimizers import blocked, symmetric
 from bv_sharding.optimizers.layout import ParamLayout, param_placers
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
@@ -135,11 +139,10 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
 def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon):
   """One block stack's step: statistics EMA, roots (new only where ``refresh``: their
   ``eigh`` under ``lax.cond``; ``roots`` None: new on every step), direction."""
-  stats = [
-      _ema(s, jax.vmap(gram_along, (0, None))(blocks, axis), beta2) for axis, s in enumerate(stats)
-  ]
+  gram = lambda axis: symmetric.pack(jax.vmap(gram_along, (0, None))(blocks, axis))
+  stats = [_ema(s, gram(axis), beta2) for axis, s in enumerate(stats)]
   p = exponent or 2 * len(stats)
-  fresh = lambda: [inverse_pth_root(s, p, matrix_epsilon) for s in stats]
+  fresh = lambda: [inverse_pth_root(symmetric.unpack(s), p, matrix_epsilon) for s in stats]
   kept = lambda: [r.astype(n.dtype) for r, n in zip(roots, jax.eval_shape(fresh))]
   roots = fresh() if roots is None else jax.lax.cond(refresh, fresh, kept)
   return _precondition_blocks(blocks, roots), stats, roots
@@ -217,7 +220,7 @@ def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamS
       xs, blocks, factor_tiling(settings.block_size, settings.blocking)
   )
   return ShampooParamState(
-      stats=stacks([settings.matrix_epsilon * e for e in eye]),
+      stats=stacks([symmetric.pack(settings.matrix_epsilon * e) for e in eye]),
       roots=stacks(eye) if settings.keeps_roots else None,
       graft_nu=None if settings.graft_type == "sgd" else jnp.zeros_like(param),
       momentum=None if settings.beta1 == 0 else jnp.zeros_like(param),

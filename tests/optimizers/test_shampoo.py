@@ -35,11 +35,15 @@ def test_shampoo_state_layout_is_blocked_stats_and_roots():
       state.per_param,
       is_leaf=_is_param_state,
   )
-  assert layout["w"] == ([(1, 1, 8, 8), (1, 1, 4, 4)],) * 2  # The block grid first.
-  assert layout["b"] == ([(1, 4, 4)],) * 2  # 1-D: one factor
+  # The block grid first; statistics packed (b / 2 + 1, b) where b is even, roots whole.
+  assert layout["w"] == ([(1, 1, 5, 8), (1, 1, 3, 4)], [(1, 1, 8, 8), (1, 1, 4, 4)])
+  assert layout["b"] == ([(1, 3, 4)], [(1, 4, 4)])  # 1-D: one factor
   assert layout["s"] == ([], [])  # scalar: graft only
-  assert layout["big"] == ([(2, 375, 8, 8), (2, 375, 8, 8)],) * 2  # 2 x 375 blocks
-  assert layout["stack"] == ([(1, 1, 1, 3, 3), (1, 1, 1, 6, 6), (1, 1, 1, 5, 5)],) * 2
+  assert layout["big"] == ([(2, 375, 5, 8)] * 2, [(2, 375, 8, 8)] * 2)  # 2 x 375 blocks
+  assert layout["stack"] == (
+      [(1, 1, 1, 3, 3), (1, 1, 1, 4, 6), (1, 1, 1, 5, 5)],  # odd sizes stored whole
+      [(1, 1, 1, 3, 3), (1, 1, 1, 6, 6), (1, 1, 1, 5, 5)],
+  )
   per_param = state.per_param["w"]
   assert per_param.graft_nu.shape == per_param.momentum.shape == (8, 4)
   assert state.count.shape == ()
