@@ -28,7 +28,9 @@ State::
     SoapState(
         count=int32[],
         per_param=<params-like tree of> SoapParamState(
-            stats=Stacks[(*grid, b_i, b_i) per rotated dim],  # float32, born 0
+            stats=Stacks[(*grid, b_i / 2 + 1, b_i) per rotated dim],  # float32, born 0,
+                                                      # packed (shampoo.py); b_i odd or 2:
+                                                      # (b_i, b_i)
             bases=Stacks[(*grid, b_i, b_i) per rotated dim],  # float32, born I
             mu=<like param>,   # Adam's moments in the rotated basis: the param's dtype,
             nu=<like param>))  # bfloat16 allowed (config.state_dtype)
@@ -64,7 +66,7 @@ import numpy as np
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked
+from bv_sharding.optimizers import blocked, symmetric
 from bv_sharding.optimizers.layout import ParamLayout, param_placers
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.shampoo import factor_tiling
@@ -218,7 +220,7 @@ def _init_leaf(param, blocks: ShardBlocks | None, dims, settings: _Settings) -> 
   eyes = [jnp.eye(blocks.sizes[d], dtype=jnp.float32) for d in dims]
   stacks = lambda xs: blocked.grid_stacks(xs, blocks, tiling) if dims else Stacks([], tiling)
   return SoapParamState(
-      stats=stacks([jnp.zeros_like(e) for e in eyes]),
+      stats=stacks([symmetric.pack(jnp.zeros_like(e)) for e in eyes]),
       bases=stacks(eyes),
       mu=jnp.zeros_like(param),
       nu=jnp.zeros_like(param),
@@ -379,12 +381,13 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   nu = b2 * old_nu + (1.0 - b2) * jnp.square(rotated)
   direction = _rotate(mu / (jnp.sqrt(nu) + eps), bases, dims, back=True)
   unfit = _unfit(stats[0])  # Per block: no gradient yet (_unfit_moments).
-  grams = [jax.vmap(gram_along, (0, None))(g, d) for d in dims]
+  grams = [symmetric.pack(jax.vmap(gram_along, (0, None))(g, d)) for d in dims]
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
+  refit = functools.partial(_new_bases, dims=dims, tol=tol)
   new_bases, sorted_nu = jax.lax.cond(
       refresh | any_unfit,
-      functools.partial(_new_bases, dims=dims, tol=tol),
+      lambda s, *rest: refit([symmetric.unpack(x) for x in s], *rest),
       lambda _, q, n, *__: (list(q), n),
       stats,
       bases,
