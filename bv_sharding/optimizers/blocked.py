@@ -109,7 +109,9 @@ def run_blocked(
   stacks run in their grid form and are kept in their stored one)."""
   grid = lambda r: [[s.tiling.grid_form(x, r.blocks) for x in s] for s in r.stacks]
   bare = [None if r is None else r._replace(stacks=grid(r)) for r in runs]
-  stored = lambda new, old, blocks: Stacks([old.tiling.stored_form(x, blocks) for x in new], old.tiling)
+  stored = lambda new, old, blocks: Stacks(
+      [old.tiling.stored_form(x, blocks) for x in new], old.tiling
+  )
   return [
       None
       if result is None
