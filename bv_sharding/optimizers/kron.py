@@ -10,14 +10,18 @@ sharding rules written for it carry over::
      "Qs_preconditioners": params-like tree whose leaves are LISTS of Q,
                            # one Q per param dim: (d, d) upper triangular or
                            # (d,) diagonal; scanned params get (L, d, d)/(L, d);
-                           # blocked params a Stacks of (*grid, b, b)/(*grid, b);
+                           # blocked params a Stacks of (*grid, b/2 + 1, b)
+                           # (triangular, packed; b odd or 2: (*grid, b, b))
+                           # or (*grid, b) (diagonal);
                            # scalars get one () diagonal Q
      "update_counter": int32[]}         # steps since the last Q update
 
 A param of at least 2 (per-layer) dims keeps its Qs in a
 :class:`~bv_sharding.optimizers.placement.Stacks` (a tuple, named like a list): blocked, each
-Q with the param's block grid first; unblocked (``block_size`` None), one tile of the whole
-param, in psgd-jax's shapes. The state is the same on any mesh.
+Q with the param's block grid first, each triangular Q stored packed, its upper triangle's
+numbers once (:func:`~bv_sharding.optimizers.symmetric.pack_upper`: half the memory, and half
+the bytes a pool moves); unblocked (``block_size`` None), one tile of the whole param, in
+psgd-jax's shapes. The state is the same on any mesh.
 
 With ``block_size`` set (as distributed_kron's ``partition_grads_into_blocks``),
 every param whose (per-layer) dims number at least 2 is split into blocks of at
@@ -80,7 +84,7 @@ import optax
 from optax import tree_utils as otu
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked
+from bv_sharding.optimizers import blocked, symmetric
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
@@ -442,10 +446,12 @@ def _fit_blocks(arrays, stacks, damping, *flags, own_target: bool, settings):
   :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it: ``arrays`` (momentum, [target,]
   probe), ``stacks`` (the Qs) and the fit's target formed here."""
   m, *t, v = arrays
-  (qs,) = stacks
+  (stored,) = stacks  # A tile's triangular Qs packed (symmetric.pack_upper): (n, b / 2 + 1, b).
+  qs = [symmetric.unpack_upper(q) if q.ndim == 3 else q for q in stored]
   fit = (qs, m, _damped(t[0] if own_target else m, v, damping), v)
   new_qs, direction = _fit_and_precondition(*fit, *flags, True, settings)
-  return [direction], [new_qs]
+  kept = lambda new, old: new if new.shape == old.shape else symmetric.pack_upper(new)
+  return [direction], [[kept(n, s) for n, s in zip(new_qs, stored)]]
 
 
 def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, settings):
@@ -497,6 +503,8 @@ def _init_leaf(
   dtype = param.dtype if settings.precond_dtype is None else settings.precond_dtype
   qs = init_qs(shape, tri, settings.preconditioner_init_scale, dtype)
   if blocks is not None:
+    if tiling.block_size is not None:  # Tiles' triangular Qs packed; psgd-jax's shapes kept.
+      qs = [symmetric.pack_upper(q) if q.ndim == 2 else q for q in qs]
     return blocked.grid_stacks(qs, blocks, tiling)
   return qs if stack is None else [jnp.broadcast_to(q, tuple(stack) + q.shape) for q in qs]
 

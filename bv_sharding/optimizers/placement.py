@@ -24,8 +24,8 @@ Example:
   >>> layout = ParamLayout.from_plan(bvs.plan({"params": params}, strategy, mesh))
   >>> tx = scale_by_kron(block_size=128, layout=layout)
   >>> state = jax.eval_shape(tx.init, params)
-  >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # a 4 x 2 grid of 128-tiles
-  [(4, 2, 128, 128), (4, 2, 128, 128)]
+  >>> [q.shape for q in state["Qs_preconditioners"]["w"]]  # a 4 x 2 grid of 128-tiles, packed
+  [(4, 2, 65, 128), (4, 2, 65, 128)]
   >>> plan = bvs.plan({"params": params, "opt": state}, strategy, mesh)
   >>> plan.by_name()["opt/Qs_preconditioners/w/0"].spec  # each device its own rows' tiles
   P('data', None, None, None)
@@ -56,9 +56,11 @@ from bv_sharding.optimizers.tiles import (
 )
 
 # A never-sharded param's block stack of at least this many elements is stored spread over
-# the mesh (:func:`stored_spec`): 4 MiB in float32, big_vision's fsdp threshold. Counted in
-# elements, not bytes, so the plan and the optimizer agree whatever the state dtype.
-SPREAD_MIN_ELEMENTS = 2**20
+# the mesh (:func:`stored_spec`): 1 MiB in float32, a quarter of big_vision's fsdp threshold,
+# so that a packed stack (half a whole one's size) beside a param at that threshold is spread
+# too. Counted in elements, not bytes, so the plan and the optimizer agree whatever the state
+# dtype.
+SPREAD_MIN_ELEMENTS = 2**18
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import traffic
+from bv_sharding.optimizers import symmetric
 from bv_sharding.optimizers.placement import Stacks
 from tests.helpers import (
     MIXED_PARAMS,
@@ -57,20 +58,21 @@ def test_blocked_state_shapes_pad_and_fold_scanned_layers():
   tx = scale_by_kron(block_size=4, scanned_layers=scanned)
   state = tx.init(params)
   assert SHAPES(state["Qs_preconditioners"]) == {
-      "w": [(3, 2, 4, 4), (3, 2, 4, 4)],  # The block grid first, each block at its place.
-      "stack": [(2, 2, 2, 4, 4), (2, 2, 2, 4, 4)],  # Layers, then each layer's grid.
+      # The block grid first, each block at its place; each triangular Q packed (4 x 4 as 3 x 4).
+      "w": [(3, 2, 3, 4), (3, 2, 3, 4)],
+      "stack": [(2, 2, 2, 3, 4), (2, 2, 2, 3, 4)],  # Layers, then each layer's grid.
       "b": [(7,)],
       "s": [()],
   }
   assert SHAPES(state["mu"]) == SHAPES(params)
   one_diag = scale_by_kron(block_size=4, memory_save_mode="one_diag").init(params)
-  assert SHAPES(one_diag["Qs_preconditioners"]["w"]) == [(3, 2, 4, 4), (3, 2, 4)]
+  assert SHAPES(one_diag["Qs_preconditioners"]["w"]) == [(3, 2, 3, 4), (3, 2, 4)]
 
   key = iter(jax.random.split(jax.random.PRNGKey(0), 4))
   params = jax.tree.map(lambda p: jax.random.normal(next(key), p.shape), params)
   tx = scale_by_kron(block_size=4, scanned_layers=scanned, preconditioner_update_probability=1.0)
   _, state = _run(tx, params, 3)
-  q_last_rows = state["Qs_preconditioners"]["w"][0][2]  # blocks of rows 8..11
+  q_last_rows = symmetric.unpack_upper(state["Qs_preconditioners"]["w"][0][2])  # rows 8..11
   assert np.all(np.isfinite(q_last_rows))
   # Padding is inert: no coupling between the 2 real and 2 padded rows.
   np.testing.assert_array_equal(q_last_rows[:, :2, 2:], 0.0)
@@ -94,12 +96,12 @@ def test_one_block_per_param_matches_unblocked_trajectory():
   plain_qs = plain_state[0]["Qs_preconditioners"]
   blocked_qs = blocked_state[0]["Qs_preconditioners"]
   assert SHAPES(blocked_qs) == {
-      "w": [(1, 1, 6, 6), (1, 1, 5, 5)],  # A 1 x 1 grid of one block.
-      "t": [(1, 1, 1, 3, 3), (1, 1, 1, 4, 4), (1, 1, 1, 2, 2)],
+      "w": [(1, 1, 4, 6), (1, 1, 5, 5)],  # A 1 x 1 grid of one block; even sizes packed.
+      "t": [(1, 1, 1, 3, 3), (1, 1, 1, 3, 4), (1, 1, 1, 2, 2)],
       "b": [(5,)],
   }
   assert SHAPES(plain_qs) == {"w": [(6, 6), (5, 5)], "t": [(3, 3), (4, 4), (2, 2)], "b": [(5,)]}
-  as_list = lambda x: list(x) if isinstance(x, Stacks) else x
+  as_list = lambda x: [symmetric.unpack_upper(q) for q in x] if isinstance(x, Stacks) else x
   plain_qs, blocked_qs = (
       jax.tree.map(as_list, qs, is_leaf=lambda x: isinstance(x, Stacks))
       for qs in (plain_qs, blocked_qs)
@@ -158,8 +160,8 @@ def test_sharded_blocks_are_local_and_keep_their_sharding():
   assert jax.device_count() >= 8, "needs jax_num_cpu_devices=8 (conftest)"
   jitted, (params, state), shardings, step = _sharded_update(block_size=64)
   assert SHAPES(state[0]["Qs_preconditioners"]) == {
-      "w": [(8, 4, 64, 64)] * 2,  # Grid rows on dim 0: each device its own rows' blocks.
-      "emb": [(16, 2, 64, 64)] * 2,
+      "w": [(8, 4, 33, 64)] * 2,  # Grid rows on dim 0: each device its own rows' blocks.
+      "emb": [(16, 2, 33, 64)] * 2,
   }
   reference = jax.device_get((params, state))
   for _ in range(5):
