@@ -384,12 +384,11 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   grams = [symmetric.pack(jax.vmap(gram_along, (0, None))(g, d)) for d in dims]
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
-  refit = functools.partial(_new_bases, dims=dims, tol=tol)
   new_bases, sorted_nu = jax.lax.cond(
       refresh | any_unfit,
-      lambda s, *rest: refit([symmetric.unpack(x) for x in s], *rest),
+      functools.partial(_new_bases, dims=dims, tol=tol),
       lambda _, q, n, *__: (list(q), n),
-      stats,
+      [symmetric.unpack(s) for s in stats],
       bases,
       nu,
       unfit,
