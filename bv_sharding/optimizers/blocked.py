@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers.draws import drawn_whole
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Stacks, Tiling
-from bv_sharding.optimizers.pools import pool_key, run_pool
+from bv_sharding.optimizers.pools import drawn_in_place, pool_key, run_pool
 from bv_sharding.optimizers.shard_run import BlockRun, run_alone, run_together
 from bv_sharding.optimizers.tiles import BLOCKINGS, ShardBlocks
 
@@ -145,6 +146,7 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   results: list = [None] * len(runs)
   pools: dict[tuple, list[int]] = {}
   local: dict[tuple, list[int]] = {}
+  alone = []
   for i, run in enumerate(runs):
     if run is None:
       continue
@@ -153,7 +155,14 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
     elif _shard_local(run.blocks):
       local.setdefault(pool_key(run) + (len(run.scalars),), []).append(i)
     else:
-      results[i] = run_alone(run)
+      alone.append(i)
+  # Probes a pool draws in place stay probes; every other one is drawn whole, in one go.
+  in_place = lambda members: [
+      (i, j) for j in drawn_in_place([runs[i] for i in members]) for i in members
+  ]
+  runs = drawn_whole(runs, {ij for members in pools.values() for ij in in_place(members)})
+  for i in alone:
+    results[i] = run_alone(runs[i])
   for members in pools.values():
     outs, new_stacks = run_pool([runs[i] for i in members])
     for i, out, new in zip(members, outs, new_stacks):

@@ -48,13 +48,16 @@ devices; only a param with a single preconditioner (fewer than 2 dims) calls LAP
 matrix at a time.
 
 As in psgd-jax, a stacked preconditioner's fit runs under ``lax.cond``: only on the
-steps that update Q (``preconditioner_update_probability``), and a pool moves the probe and
-the fit's target in, and its Qs back, only then. A single preconditioner's fit (a LAPACK
+steps that update Q (``preconditioner_update_probability``), and a pool draws the probe
+and moves the fit's target in, and its Qs back, only then. A single preconditioner's fit (a LAPACK
 triangular solve) is computed on every step and kept with ``jnp.where`` instead: batched
 LAPACK calls inside ``lax.cond`` can deadlock XLA:CPU with several devices. Randomness
 (probing vectors, balancing coin) comes from ``fold_in(PRNGKey(5318008),
 count)`` with the same splits as psgd-jax, so runs are deterministic and match
-the reference.
+the reference. A param cut into mesh-independent tiles (``blocking="tiles"``) draws its probe
+tile by tile, each tile from its own key
+(:class:`~bv_sharding.optimizers.draws.TileNormal`): a pool draws its tiles where it fits
+them instead of moving a param-shaped probe, and a param of one tile draws psgd-jax's.
 
 Storage and compute dtypes: ``mu_dtype`` and ``precond_dtype`` (default: the params')
 store the momentum and the Qs; the fit casts its result to the Qs' dtype. Under a config-built
@@ -80,11 +83,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax import tree_utils as otu
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked, symmetric
+from bv_sharding.optimizers.draws import TileNormal
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
@@ -319,12 +324,23 @@ def _clip_rms(u: jax.Array, max_rms: float = 1.1) -> jax.Array:
   return u / jnp.maximum(1.0, rms / max_rms)
 
 
-def _probe_vectors(key: jax.Array, grads: list[jax.Array]):
-  """The balancing coin and one Gaussian probe per grad, as in psgd-jax."""
+def _probe_vectors(key: jax.Array, grads: list[jax.Array], tiled: list[bool]):
+  """The balancing coin and one Gaussian probe per grad, keyed as in psgd-jax: drawn whole,
+  or, where ``tiled``, tile by tile where the tiles are fitted
+  (:class:`~bv_sharding.optimizers.draws.TileNormal`)."""
   key, coin_key = jax.random.split(key)
   do_balance = jax.random.uniform(coin_key) < _BALANCE_PROBABILITY
   _, probe_key = jax.random.split(key)
-  return do_balance, normals(jax.random.split(probe_key, len(grads)), grads)
+  keys = jax.random.split(probe_key, len(grads))
+  probes = [
+      TileNormal(keys, i, g.shape, g.dtype) if t else None
+      for i, (g, t) in enumerate(zip(grads, tiled))
+  ]
+  whole = [i for i, p in enumerate(probes) if p is None]
+  if whole:
+    for i, v in zip(whole, normals(keys[np.array(whole)], [grads[i] for i in whole])):
+      probes[i] = v
+  return do_balance, probes
 
 
 def normals(keys: jax.Array, likes: list[jax.Array]) -> list[jax.Array]:
@@ -566,14 +582,17 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
   do_update, counter = _count_to_update(
       state["update_counter"], settings.preconditioner_update_probability, count
   )
-  # Probes and damping are drawn param-shaped and blocked with the grad, so padding
-  # stays zero and one block equals the unblocked fit.
+  # Damping is taken on the whole target. A tiled param's probe is drawn tile by tile, where
+  # the tiles are fitted, padding zero; a param of one tile draws psgd-jax's probe.
   targets = momentum if settings.momentum_into_precond_update else grads
-  do_balance, probes = _probe_vectors(_probe_key(state["count"]), targets)
+  scanned, tilings, blocks = _layers_and_blocks(updates, settings)
+  # Mesh-independent tiles draw their probes tile by tile (a pool's in place); shard-local
+  # blocks (blocking="local"), never pooled, draw theirs whole.
+  tiled = [t is not None and t.block_size is not None and t.blocking == "tiles" for t in tilings]
+  do_balance, probes = _probe_vectors(_probe_key(state["count"]), targets, tiled)
   # The fit's target is its own array unless it is the momentum (or, without momentum, the grad).
   own_target = settings.b1 > 0 and not settings.momentum_into_precond_update
   fit = functools.partial(_fit_blocks, own_target=own_target, settings=settings)
-  scanned, _, blocks = _layers_and_blocks(updates, settings)
   leaves = [
       _kron_leaf(
           q, m, t, v, (_damping(t), do_update, do_balance), b, s or b is not None, fit, settings

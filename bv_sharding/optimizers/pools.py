@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
-from bv_sharding.optimizers import moves
+from bv_sharding.optimizers import draws, moves
 from bv_sharding.optimizers.placement import spread, stored
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
@@ -197,7 +197,13 @@ def run_pool(runs: Sequence[BlockRun]):
     cuts.append(lambda j, like=like, cut=cut: cut([r.arrays[j] for r in like]))
     grouped = jax.tree.map(stack, *[r.stacks for r in like])
     factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
-  pooled_array = lambda j: pool([cut(j) for cut in cuts])
+
+  def pooled_array(j):
+    if j in drawn_in_place(runs):
+      members = [(r.arrays[j], r.blocks) for r in ordered]
+      return draws.pooled(members, total, lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))))
+    return pool([cut(j) for cut in cuts])
+
   arrays = [
       gated(when, functools.partial(pooled_array, j))
       for j, when in enumerate(shared_flags(runs, "read_when", len(runs[0].arrays)))
@@ -261,7 +267,21 @@ def run_pool(runs: Sequence[BlockRun]):
       )
       for k, when in enumerate(shared_flags(runs, "write_when", len(new_stacks)))
   ]
+  # The directions wait for the stacks' write-back: an XLA:CPU executable loaded from jax's
+  # persistent cache orders its collectives by their data alone (each deserialized collective
+  # holds its own ordering resource), so a write-back's all-to-all under lax.cond, which nothing
+  # reads, could run before another collective on one device and after it on another: a
+  # deadlock (a resumed run of a tiny Llama on 2 devices, beside another, hung so in 2 of 4
+  # tries with its program cached, in none of 5 with this barrier).
+  merged, back = jax.lax.optimization_barrier((merged, back))
   return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
+
+
+def drawn_in_place(runs: Sequence[BlockRun]) -> set[int]:
+  """The arrays (indices) that a pool of ``runs`` draws in place: a
+  :class:`~bv_sharding.optimizers.draws.TileNormal` in every run."""
+  count = len(runs[0].arrays)
+  return {j for j in range(count) if all(isinstance(r.arrays[j], draws.TileNormal) for r in runs)}
 
 
 def _tiles_tail(blocks: ShardBlocks, tile_spec: tuple) -> tuple | None:

@@ -1,0 +1,179 @@
+"""Gaussian probes drawn tile by tile, so that a pool draws its tiles where it fits them.
+
+Kron fits each tile's factors with a Gaussian probe. A :class:`TileNormal` is one param's
+probe: tile ``t`` of the param's tile grid (row-major over
+:attr:`~bv_sharding.optimizers.tiles.ShardBlocks.grid_shape`) is
+``jax.random.normal(jax.random.fold_in(key, t), tile)``, zero past the param's edges, and a
+param of one tile draws ``jax.random.normal(key, shape)``, as psgd-jax does. The values depend
+on the key and the tiles alone, never on the mesh. Blocks that run where their param lives
+take the probe param-shaped (:meth:`TileNormal.whole`); a pool draws its members' tiles in its
+own layout, each device its own (:func:`pooled`), so the probe never crosses the wire.
+
+Example:
+    >>> from bv_sharding.optimizers.tiles import ShardBlocks
+    >>> blocks = ShardBlocks((6, 4), (1, 1), block_size=4)  # two tiles, the second half padding
+    >>> probe = TileNormal(jax.random.split(jax.random.PRNGKey(0), 1), 0, (6, 4), jnp.float32)
+    >>> whole = probe.whole(blocks)
+    >>> tiles = pooled([(probe, blocks)], 2, lambda x: x)
+    >>> bool((blocks.split(whole) == tiles).all()), float(abs(tiles[1, 2:]).sum())
+    (True, 0.0)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bv_sharding.optimizers.tensor_ops import unblockify
+from bv_sharding.optimizers.tiles import ShardBlocks
+
+
+class TileNormal(NamedTuple):
+  """A param-shaped Gaussian probe of ``shape`` and ``dtype``, drawn tile by tile from
+  ``keys[index]`` (module docstring). ``keys`` holds every param's key, so that a pool picks
+  its members' keys in one gather, not one slice each."""
+
+  keys: jax.Array
+  index: int
+  shape: tuple[int, ...]
+  dtype: Any
+
+  def whole(self, blocks: ShardBlocks) -> jax.Array:
+    """The probe, param-shaped (:func:`wholes` of one).
+
+    Example:
+        >>> key = jax.random.PRNGKey(0)
+        >>> one_tile = ShardBlocks((3, 2), (1, 1), block_size=8)
+        >>> whole = TileNormal(key[None], 0, (3, 2), jnp.float32).whole(one_tile)
+        >>> bool((whole == jax.random.normal(key, (3, 2))).all())
+        True
+    """
+    return wholes([(self, blocks)])[0]
+
+
+def wholes(members: Sequence[tuple[TileNormal, ShardBlocks]]) -> list[jax.Array]:
+  """Each member's probe, param-shaped: its tiles drawn and laid at their places in the param,
+  padding cut; one RNG program for the members alike (the same blocks, sharded alike, and
+  dtype). Left to XLA's partitioner, each device draws the tiles of its own shard."""
+  groups: dict[tuple, list[int]] = {}
+  for i, (probe, blocks) in enumerate(members):
+    groups.setdefault((blocks, probe.dtype), []).append(i)
+  out: list = [None] * len(members)
+  for (blocks, dtype), indices in groups.items():
+    alike, count, sizes = [members[i] for i in indices], _count(blocks), blocks.sizes
+    keys = _tile_keys(alike, [np.arange(count)] * len(alike))
+    drawn = _normals(keys, sizes, dtype).reshape(len(alike), count, *sizes)
+    for i, stack in zip(indices, drawn):
+      out[i] = _in_place(stack, members[i][1])
+  return out
+
+
+def _in_place(stack: jax.Array, blocks: ShardBlocks) -> jax.Array:
+  """A param's tiles, ``(count, *sizes)`` in grid order, laid at their places in the param."""
+  lay = functools.partial(unblockify, block_size=blocks.block_size)
+  if blocks.scanned:
+    layers = blocks.shape[0]
+    return jax.vmap(lambda s: lay(s, blocks.shape[1:]))(stack.reshape(layers, -1, *stack.shape[1:]))
+  return lay(stack, blocks.shape)
+
+
+def drawn_whole(runs: Sequence, keep: set[tuple[int, int]] = frozenset()) -> list:
+  """``runs`` (:class:`~bv_sharding.optimizers.shard_run.BlockRun` or None) with each
+  :class:`TileNormal` among their arrays drawn whole (:func:`wholes`, all in one go), but those
+  at ``keep`` (``(run, array)`` indices), which a pool draws in place (:func:`pooled`).
+
+  Example:
+      >>> from bv_sharding.optimizers.shard_run import BlockRun
+      >>> blocks = ShardBlocks((4, 2), (1, 1), block_size=2)
+      >>> probe = TileNormal(jax.random.split(jax.random.PRNGKey(0), 1), 0, (4, 2), jnp.float32)
+      >>> [run, _] = drawn_whole([BlockRun(blocks, None, [probe], ()), None])
+      >>> run.arrays[0].shape
+      (4, 2)
+  """
+  found = [
+      (i, j)
+      for i, run in enumerate(runs)
+      if run is not None
+      for j, a in enumerate(run.arrays)
+      if isinstance(a, TileNormal) and (i, j) not in keep
+  ]
+  drawn = wholes([(runs[i].arrays[j], runs[i].blocks) for i, j in found])
+  arrays = {i: list(runs[i].arrays) for i, _ in found}
+  for (i, j), x in zip(found, drawn):
+    arrays[i][j] = x
+  return [run._replace(arrays=arrays[i]) if i in arrays else run for i, run in enumerate(runs)]
+
+
+def pooled(
+    members: Sequence[tuple[TileNormal, ShardBlocks]],
+    total: int,
+    place: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+  """The tiles of ``members`` (pooled blocks of one tile shape), one after another in run
+  order, padded to ``total`` with copies of the last tile's key, padding zero; ``place``
+  constrains the keys and the draws to the pool's layout, so each device draws its own.
+  """
+  order = [b.to_run(np.arange(_count(b)).reshape(b.grid_shape)) for _, b in members]
+  # Padded in the tables (constants), not in the keys: padding a split array moves its edge.
+  keys = place(_tile_keys(members, order, total))
+  valid = np.concatenate([_valid(blocks) for _, blocks in members])
+  valid = np.pad(valid, [(0, total - len(valid)), (0, 0)], mode="edge")
+  sizes, dtype = members[0][1].sizes, members[0][0].dtype
+  drawn = _normals(keys, sizes, dtype)
+  inside = [
+      jax.lax.broadcasted_iota(jnp.int32, (total, *sizes), 1 + d)
+      < valid[:, d].reshape(-1, *(1,) * len(sizes))
+      for d in range(len(sizes))
+  ]
+  masked = jnp.where(functools.reduce(jnp.logical_and, inside), drawn, 0)
+  return place(masked)
+
+
+def _count(blocks: ShardBlocks) -> int:
+  """The tiles of ``blocks``' grid."""
+  return math.prod(blocks.grid_shape)
+
+
+def _tile_keys(
+    members: Sequence[tuple[TileNormal, ShardBlocks]], order: Sequence, total: int | None = None
+) -> jax.Array:
+  """The keys of each member's tiles (``order``: their grid indices, in the order wanted), one
+  member after another, repeating the last to ``total``: ``fold_in(key, t)`` for tile ``t``,
+  ``key`` itself for a param of one tile; one program for them all, the members' keys picked
+  in one gather."""
+  member = np.repeat(np.arange(len(members)), [len(o) for o in order])
+  tile = np.concatenate(order)
+  if total is not None:
+    member, tile = (np.pad(x, (0, total - len(x)), mode="edge") for x in (member, tile))
+  rows = np.array([probe.index for probe, _ in members])[member]
+  keys = members[0][0].keys
+  if all(probe.keys is keys for probe, _ in members):
+    base = keys[rows]
+  else:
+    base = jnp.stack([probe.keys[probe.index] for probe, _ in members])[member]
+  alone = np.array([_count(b) == 1 for _, b in members])[member].reshape(-1, 1)
+  return jnp.where(alone, base, jax.vmap(jax.random.fold_in)(base, tile))
+
+
+def _normals(keys: jax.Array, sizes: tuple[int, ...], dtype) -> jax.Array:
+  """One draw of ``sizes`` per key."""
+  return jax.vmap(lambda k: jax.random.normal(k, sizes, dtype))(keys)
+
+
+def _valid(blocks: ShardBlocks) -> np.ndarray:
+  """Per tile in run order, its extent inside the param along each tile dim: ``(count, k)``.
+  Pooled blocks are the param's global tile grid, padded at its far edges alone."""
+  dims = blocks.shape[int(blocks.scanned) :]
+  per_dim = [
+      [min(size, extent - p * size) for p in range(-(-extent // size))]
+      for extent, size in zip(dims, blocks.sizes)
+  ]
+  grid = np.stack(np.meshgrid(*per_dim, indexing="ij"), -1).reshape(-1, len(dims))
+  layers = blocks.shape[0] if blocks.scanned else 1
+  return np.tile(grid, (layers, 1)).astype(np.int32)
