@@ -55,12 +55,15 @@ def _runs(configs, count: int) -> list[tuple[list[float], int]]:
 @pytest.mark.parametrize("optax_name", ["adamw", "kron"])
 def test_accumulated_steps_train_as_the_whole_batch_in_less_memory(optax_name):
   counts = (1, 2, 4) if optax_name == "adamw" else (1, 4)
-  runs = _runs([_lm(optax_name=optax_name, grad_accum_steps=k) for k in counts], 5)
+  # Kron's batches are 128 rows: at 32 its update's temporaries (2.2 MB a device, its pooled
+  # tiles' work) outweigh the whole batch's activations, and both steps' peaks are the update's.
+  keys = dict(optax_name=optax_name, batch_size=32 if optax_name == "adamw" else 128)
+  runs = _runs([_lm(grad_accum_steps=k, **keys) for k in counts], 5)
   whole = runs[0][0]
   assert whole[-1] < whole[0]
   for losses, _ in runs[1:]:
     np.testing.assert_allclose(losses, whole, rtol=0, atol=1e-5)
-  temps = [temp for _, temp in runs]  # adamw: 874, 433, 263 kB per device; kron: 1685, 1492.
+  temps = [temp for _, temp in runs]  # adamw: 874, 433, 263 kB per device; kron: 3583, 2243.
   assert temps == sorted(temps, reverse=True) and temps[-1] < temps[0], temps
 
 
