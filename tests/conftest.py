@@ -10,7 +10,12 @@ half-written entry and aborted), and each write first lists and reads the whole 
 eviction check), so the quick programs are left out: keeping every eager op's program too made
 each write slower than the last (the example of Kron's ``triangular_inverse``: 2 s in an empty
 cache, 21 s with 6,000 entries there; the whole suite's doctests 555 s, against 110 s with this
-threshold, which leaves the suite 791 entries). Both settings reach the subprocesses tests start
+threshold, which leaves the suite 791 entries). A multi-device XLA:CPU program loaded from the
+cache orders its collectives by their data alone (each deserialized collective gets an ordering
+resource of its own), where a fresh compile orders them all: a collective that nothing reads
+can then run in another order on another device and deadlock, which hung a resumed trainer run
+until the pools' write-backs were made to precede their directions (``pools.run_pool``'s
+barrier, docs/optimizers.md). Both settings reach the subprocesses tests start
 through the environment, and so does the last: XLA:CPU compiling for speed of compile
 (``FAST_COMPILE``). The tests' models are tiny and run a few steps each, so compiling is what
 they wait on. LLVM at its lowest optimisation
