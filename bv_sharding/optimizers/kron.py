@@ -54,8 +54,8 @@ triangular solve) is computed on every step and kept with ``jnp.where`` instead:
 LAPACK calls inside ``lax.cond`` can deadlock XLA:CPU with several devices. Randomness
 (probing vectors, balancing coin) comes from ``fold_in(PRNGKey(5318008),
 count)`` with the same splits as psgd-jax, so runs are deterministic and match
-the reference. A param cut into mesh-independent tiles (``blocking="tiles"``) draws its probe
-tile by tile, each tile from its own key
+the reference. A param cut into mesh-independent tiles (``blocking="tiles"``), or unblocked and
+not scanned, draws its probe tile by tile, each tile from its own key
 (:class:`~bv_sharding.optimizers.draws.TileNormal`): a pool draws its tiles where it fits
 them instead of moving a param-shaped probe, and a param of one tile draws psgd-jax's.
 
@@ -586,9 +586,13 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
   # the tiles are fitted, padding zero; a param of one tile draws psgd-jax's probe.
   targets = momentum if settings.momentum_into_precond_update else grads
   scanned, tilings, blocks = _layers_and_blocks(updates, settings)
-  # Mesh-independent tiles draw their probes tile by tile (a pool's in place); shard-local
-  # blocks (blocking="local"), never pooled, draw theirs whole.
-  tiled = [t is not None and t.block_size is not None and t.blocking == "tiles" for t in tilings]
+  # Mesh-independent tiles draw their probes tile by tile (a pool's in place), and so does an
+  # unblocked param of one tile (its draw is psgd-jax's); shard-local blocks (blocking="local"),
+  # never pooled, and an unblocked scanned param (psgd-jax draws its layers as one) draw whole.
+  tiled = [
+      t is not None and t.blocking == "tiles" and (t.block_size is not None or not t.scanned)
+      for t in tilings
+  ]
   do_balance, probes = _probe_vectors(_probe_key(state["count"]), targets, tiled)
   # The fit's target is its own array unless it is the momentum (or, without momentum, the grad).
   own_target = settings.b1 > 0 and not settings.momentum_into_precond_update
