@@ -6,14 +6,14 @@ probe: tile ``t`` of the param's tile grid (row-major over
 ``jax.random.normal(jax.random.fold_in(key, t), tile)``, zero past the param's edges, and a
 param of one tile draws ``jax.random.normal(key, shape)``, as psgd-jax does. The values depend
 on the key and the tiles alone, never on the mesh. Blocks that run where their param lives
-take the probe param-shaped (:meth:`TileNormal.whole`); a pool draws its members' tiles in its
+take the probe param-shaped (:func:`wholes`); a pool draws its members' tiles in its
 own layout, each device its own (:func:`pooled`), so the probe never crosses the wire.
 
 Example:
     >>> from bv_sharding.optimizers.tiles import ShardBlocks
     >>> blocks = ShardBlocks((6, 4), (1, 1), block_size=4)  # two tiles, the second half padding
-    >>> probe = TileNormal(jax.random.split(jax.random.PRNGKey(0), 1), 0, (6, 4), jnp.float32)
-    >>> whole = probe.whole(blocks)
+    >>> probe = TileNormal(jax.random.split(jax.random.PRNGKey(0), 1), 0, jnp.float32)
+    >>> [whole] = wholes([(probe, blocks)])
     >>> tiles = pooled([(probe, blocks)], 2, lambda x: x)
     >>> bool((blocks.split(whole) == tiles).all()), float(abs(tiles[1, 2:]).sum())
     (True, 0.0)
@@ -35,26 +35,21 @@ from bv_sharding.optimizers.tiles import ShardBlocks
 
 
 class TileNormal(NamedTuple):
-  """A param-shaped Gaussian probe of ``shape`` and ``dtype``, drawn tile by tile from
-  ``keys[index]`` (module docstring). ``keys`` holds every param's key, so that a pool picks
-  its members' keys in one gather, not one slice each."""
+  """A param's Gaussian probe of ``dtype``, drawn tile by tile from ``keys[index]`` (module
+  docstring). ``keys`` holds every param's key (one update's), so that a pool picks its
+  members' keys in one gather, not one slice each.
+
+  Example:
+      >>> key = jax.random.PRNGKey(0)
+      >>> one_tile = ShardBlocks((3, 2), (1, 1), block_size=8)
+      >>> [whole] = wholes([(TileNormal(key[None], 0, jnp.float32), one_tile)])
+      >>> bool((whole == jax.random.normal(key, (3, 2))).all())
+      True
+  """
 
   keys: jax.Array
   index: int
-  shape: tuple[int, ...]
   dtype: Any
-
-  def whole(self, blocks: ShardBlocks) -> jax.Array:
-    """The probe, param-shaped (:func:`wholes` of one).
-
-    Example:
-        >>> key = jax.random.PRNGKey(0)
-        >>> one_tile = ShardBlocks((3, 2), (1, 1), block_size=8)
-        >>> whole = TileNormal(key[None], 0, (3, 2), jnp.float32).whole(one_tile)
-        >>> bool((whole == jax.random.normal(key, (3, 2))).all())
-        True
-    """
-    return wholes([(self, blocks)])[0]
 
 
 def wholes(members: Sequence[tuple[TileNormal, ShardBlocks]]) -> list[jax.Array]:
@@ -91,7 +86,7 @@ def drawn_whole(runs: Sequence, keep: set[tuple[int, int]] = frozenset()) -> lis
   Example:
       >>> from bv_sharding.optimizers.shard_run import BlockRun
       >>> blocks = ShardBlocks((4, 2), (1, 1), block_size=2)
-      >>> probe = TileNormal(jax.random.split(jax.random.PRNGKey(0), 1), 0, (4, 2), jnp.float32)
+      >>> probe = TileNormal(jax.random.split(jax.random.PRNGKey(0), 1), 0, jnp.float32)
       >>> [run, _] = drawn_whole([BlockRun(blocks, None, [probe], ()), None])
       >>> run.arrays[0].shape
       (4, 2)
@@ -153,10 +148,8 @@ def _tile_keys(
     member, tile = (np.pad(x, (0, total - len(x)), mode="edge") for x in (member, tile))
   rows = np.array([probe.index for probe, _ in members])[member]
   keys = members[0][0].keys
-  if all(probe.keys is keys for probe, _ in members):
-    base = keys[rows]
-  else:
-    base = jnp.stack([probe.keys[probe.index] for probe, _ in members])[member]
+  assert all(probe.keys is keys for probe, _ in members), "probes of one update's keys"
+  base = keys[rows]
   alone = np.array([_count(b) == 1 for _, b in members])[member].reshape(-1, 1)
   return jnp.where(alone, base, jax.vmap(jax.random.fold_in)(base, tile))
 
@@ -171,8 +164,8 @@ def _valid(blocks: ShardBlocks) -> np.ndarray:
   Pooled blocks are the param's global tile grid, padded at its far edges alone."""
   dims = blocks.shape[int(blocks.scanned) :]
   per_dim = [
-      [min(size, extent - p * size) for p in range(-(-extent // size))]
-      for extent, size in zip(dims, blocks.sizes)
+      [min(size, extent - start) for start in starts]
+      for extent, size, starts in zip(dims, blocks.sizes, blocks.tiles())
   ]
   grid = np.stack(np.meshgrid(*per_dim, indexing="ij"), -1).reshape(-1, len(dims))
   layers = blocks.shape[0] if blocks.scanned else 1

@@ -333,8 +333,7 @@ def _probe_vectors(key: jax.Array, grads: list[jax.Array], tiled: list[bool]):
   _, probe_key = jax.random.split(key)
   keys = jax.random.split(probe_key, len(grads))
   probes = [
-      TileNormal(keys, i, g.shape, g.dtype) if t else None
-      for i, (g, t) in enumerate(zip(grads, tiled))
+      TileNormal(keys, i, g.dtype) if t else None for i, (g, t) in enumerate(zip(grads, tiled))
   ]
   whole = [i for i, p in enumerate(probes) if p is None]
   if whole:

@@ -22,7 +22,7 @@ def test_a_pool_draws_the_whole_probes_tiles_in_place_with_no_collective():
   # 4 x 4 tiles: two (the second half padding), one (its key itself), two layers', four.
   shapes = [((6, 4), False), ((4, 4), False), ((2, 4, 4), True), ((8, 8), False)]
   members = [
-      (TileNormal(keys, i + 1, shape, jnp.float32), cut(shape, scanned))
+      (TileNormal(keys, i + 1, jnp.float32), cut(shape, scanned))
       for i, (shape, scanned) in enumerate(shapes)
   ]
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
