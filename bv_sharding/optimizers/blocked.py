@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers.draws import drawn_whole
+from bv_sharding.optimizers import moves
+from bv_sharding.optimizers.draws import TileNormal, drawn_whole
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.pools import drawn_in_place, pool_key, run_pool
@@ -133,7 +134,10 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   mesh axis, and ``fn`` runs once on the pool. A scalar every run of a pool passes as the same
   object stays a scalar; other scalars reach ``fn`` as one value per block (``(n,)``). Other
   runs of shard-local blocks that share the same run together, one call of ``fn`` per device
-  (:func:`~bv_sharding.optimizers.shard_run.run_together`); the others run alone
+  (:func:`~bv_sharding.optimizers.shard_run.run_together`), relaid ones (tiles pooled in
+  their param's layout, whole in another's:
+  :attr:`~bv_sharding.optimizers.tiles.ShardBlocks.relaid_from`) with their arrays moved
+  there and their outs back; the others run alone
   (:func:`~bv_sharding.optimizers.shard_run.run_alone`).
 
   Example:
@@ -143,6 +147,7 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
       >>> float(out.sum())
       32.0
   """
+  runs = [_relaid(run) for run in runs]
   results: list = [None] * len(runs)
   pools: dict[tuple, list[int]] = {}
   local: dict[tuple, list[int]] = {}
@@ -156,11 +161,13 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
       local.setdefault(pool_key(run) + (len(run.scalars),), []).append(i)
     else:
       alone.append(i)
-  # Probes a pool draws in place stay probes; every other one is drawn whole, in one go.
+  # Probes a pool or a group of shard-local runs draws in place stay probes; every other one
+  # is drawn whole, in one go.
   in_place = lambda members: [
       (i, j) for j in drawn_in_place([runs[i] for i in members]) for i in members
   ]
-  runs = drawn_whole(runs, {ij for members in pools.values() for ij in in_place(members)})
+  groups = [*pools.values(), *local.values()]
+  runs = drawn_whole(runs, {ij for members in groups for ij in in_place(members)})
   for i in alone:
     results[i] = run_alone(runs[i])
   for members in pools.values():
@@ -170,7 +177,27 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   for members in local.values():
     for i, result in zip(members, run_together([runs[i] for i in members])):
       results[i] = result
-  return results
+  return [_unrelaid(run, result) for run, result in zip(runs, results)]
+
+
+def _relaid(run: BlockRun | None) -> BlockRun | None:
+  """``run`` with its arrays moved from the param's spec to the layout its blocks run in,
+  where they are :attr:`~bv_sharding.optimizers.tiles.ShardBlocks.relaid_from` another (its
+  probes are drawn there)."""
+  if run is None or run.blocks.relaid_from is None or run.blocks.mesh is None:
+    return run
+  blocks = run.blocks
+  there = lambda x: moves.move(x, blocks.mesh, blocks.relaid_from, blocks.spec)
+  return run._replace(arrays=[a if isinstance(a, TileNormal) else there(a) for a in run.arrays])
+
+
+def _unrelaid(run: BlockRun | None, result):
+  """A relaid run's ``result`` with its outs moved back to the param's spec."""
+  if run is None or run.blocks.relaid_from is None or run.blocks.mesh is None:
+    return result
+  outs, new_stacks = result
+  back = lambda x: moves.move(x, run.blocks.mesh, run.blocks.spec, run.blocks.relaid_from)
+  return [back(o) for o in outs], new_stacks
 
 
 def _shard_local(blocks: ShardBlocks) -> bool:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bv_sharding.ops import stack_axes
 from bv_sharding.optimizers.tensor_ops import unblockify
 from bv_sharding.optimizers.tiles import ShardBlocks
 
@@ -120,14 +121,50 @@ def pooled(
   valid = np.concatenate([_valid(blocks) for _, blocks in members])
   valid = np.pad(valid, [(0, total - len(valid)), (0, 0)], mode="edge")
   sizes, dtype = members[0][1].sizes, members[0][0].dtype
-  drawn = _normals(keys, sizes, dtype)
+  return place(_inside(_normals(keys, sizes, dtype), valid))
+
+
+def in_shards(members: Sequence[tuple[TileNormal, ShardBlocks]], keys: jax.Array) -> jax.Array:
+  """Inside ``shard_map`` over each member's shard-local blocks (``keys``: the members'
+  :attr:`TileNormal.keys`, passed in whole): this device's tiles of every member's probe, one
+  member after another, each as :meth:`~bv_sharding.optimizers.tiles.ShardBlocks.split` cuts
+  its local shard; one RNG program for them all, each device drawing its own tiles."""
+  found = [_shard_tiles(blocks) for _, blocks in members]
+  drawn = _normals(
+      _tile_keys(members, [t for t, _ in found], keys=keys),
+      members[0][1].sizes,
+      members[0][0].dtype,
+  )
+  return _inside(drawn, jnp.concatenate([v for _, v in found]))
+
+
+def _shard_tiles(blocks: ShardBlocks) -> tuple[jax.Array, jax.Array]:
+  """Inside ``shard_map`` over shard-local ``blocks``: the grid indices of this device's
+  tiles (``(n,)``, in split order) and their extents inside the param (``(n, k)``)."""
+  local = np.indices(blocks.per_shard).reshape(len(blocks.per_shard), -1)
+  index = lambda k: jax.lax.axis_index(stack_axes((blocks.spec[k],)))
+  grid = [
+      (index(k) if shards > 1 else 0) * per + local[k]
+      for k, (shards, per) in enumerate(zip(blocks.shards, blocks.per_shard))
+  ]
+  strides = np.cumprod((1, *blocks.grid_shape[::-1]))[::-1][1:]
+  tile = sum(g * int(s) for g, s in zip(grid, strides))
+  dims = range(int(blocks.scanned), len(blocks.shape))
+  extents = [
+      jnp.clip(blocks.shape[d] - grid[d] * size, 0, size) for d, size in zip(dims, blocks.sizes)
+  ]
+  return jnp.asarray(tile, jnp.int32), jnp.stack(extents, -1).astype(jnp.int32)
+
+
+def _inside(drawn: jax.Array, valid) -> jax.Array:
+  """Tiles ``drawn`` ``(n, *sizes)`` zero past each one's extents ``valid`` ``(n, k)``."""
+  sizes = drawn.shape[1:]
   inside = [
-      jax.lax.broadcasted_iota(jnp.int32, (total, *sizes), 1 + d)
+      jax.lax.broadcasted_iota(jnp.int32, drawn.shape, 1 + d)
       < valid[:, d].reshape(-1, *(1,) * len(sizes))
       for d in range(len(sizes))
   ]
-  masked = jnp.where(functools.reduce(jnp.logical_and, inside), drawn, 0)
-  return place(masked)
+  return jnp.where(functools.reduce(jnp.logical_and, inside), drawn, 0)
 
 
 def _count(blocks: ShardBlocks) -> int:
@@ -136,20 +173,23 @@ def _count(blocks: ShardBlocks) -> int:
 
 
 def _tile_keys(
-    members: Sequence[tuple[TileNormal, ShardBlocks]], order: Sequence, total: int | None = None
+    members: Sequence[tuple[TileNormal, ShardBlocks]],
+    order: Sequence,
+    total: int | None = None,
+    keys: jax.Array | None = None,
 ) -> jax.Array:
   """The keys of each member's tiles (``order``: their grid indices, in the order wanted), one
   member after another, repeating the last to ``total``: ``fold_in(key, t)`` for tile ``t``,
   ``key`` itself for a param of one tile; one program for them all, the members' keys picked
-  in one gather."""
+  in one gather (from ``keys``, or their own)."""
   member = np.repeat(np.arange(len(members)), [len(o) for o in order])
-  tile = np.concatenate(order)
+  tile = np.concatenate(order) if total is not None else jnp.concatenate(order)
   if total is not None:
     member, tile = (np.pad(x, (0, total - len(x)), mode="edge") for x in (member, tile))
   rows = np.array([probe.index for probe, _ in members])[member]
-  keys = members[0][0].keys
-  assert all(probe.keys is keys for probe, _ in members), "probes of one update's keys"
-  base = keys[rows]
+  own = members[0][0].keys
+  assert all(probe.keys is own for probe, _ in members), "probes of one update's keys"
+  base = (own if keys is None else keys)[rows]
   alone = np.array([_count(b) == 1 for _, b in members])[member].reshape(-1, 1)
   return jnp.where(alone, base, jax.vmap(jax.random.fold_in)(base, tile))
 

@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
+from bv_sharding.optimizers import draws
 from bv_sharding.optimizers.placement import stored, stored_spec
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
 
@@ -71,7 +71,8 @@ def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:
   ``fn(block_stacks, stacks, *scalars) -> (out_block_stacks, new_stacks)`` per shard: the
   ``arrays`` are param-shaped and split into blocks for ``fn``, its outputs merged back to
   param shape; ``stacks`` go in and come back stored. On a mesh this is a ``shard_map`` over
-  the param's spec, the scalars replicated.
+  the blocks' spec, the scalars replicated (shard-local blocks: :func:`run_together` of one
+  run).
 
   Example:
       >>> double = lambda arrays, stacks: ([2 * arrays[0]], stacks)
@@ -91,18 +92,9 @@ def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:
     return outs, jax.tree.map(blocks.from_run, new_stacks)
   if blocks.owners is not None:
     return _run_owned(blocks, fn, arrays, stacks, scalars)
-  fn = _on_stored(blocks, fn)
   if blocks.dealt:
-    return _run_dealt(blocks, fn, arrays, stacks, scalars)
-  param = P(*blocks.spec)  # A stored stack's grid dims too: each device its own blocks.
-  mapped = jax.shard_map(
-      functools.partial(body, local=True),
-      mesh=blocks.mesh,
-      in_specs=(param, param, P()),
-      out_specs=(param, param),
-      check_vma=False,
-  )
-  return mapped(list(arrays), stacks, list(scalars))
+    return _run_dealt(blocks, _on_stored(blocks, fn), arrays, stacks, scalars)
+  return run_together([run])[0]
 
 
 def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
@@ -114,6 +106,9 @@ def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
   it gets alone; the program holds one copy of ``fn`` instead of one per param. A scalar every
   run passes as the same object stays a scalar; others reach ``fn`` as one value per block.
 
+  A probe that is a :class:`~bv_sharding.optimizers.draws.TileNormal` in every run is drawn
+  here, each device its own tiles (:func:`~bv_sharding.optimizers.draws.in_shards`).
+
   Example:
       >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
       >>> fn = lambda arrays, stacks, s: ([arrays[0] * s[:, None, None]], stacks)
@@ -122,19 +117,23 @@ def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
       >>> [float(outs[0].sum()) for outs, _ in run_together([one, two])]
       [16.0, 32.0]
   """
-  if len(runs) == 1:
-    return [run_alone(runs[0])]
   first = runs[0]
   shared = [all(r.scalars[k] is v for r in runs) for k, v in enumerate(first.scalars)]
   leading = lambda r: len(r.blocks.shards)
+  probes = [j for j, x in enumerate(first.arrays) if isinstance(x, draws.TileNormal)]
+  keys = first.arrays[probes[0]].keys if probes else None
 
-  def body(arrays, stacks, scalars):
-    cut = [[r.blocks.split(x, local=True) for x in xs] for r, xs in zip(runs, arrays)]
+  def body(arrays, stacks, scalars, keys):
+    cut = [
+        [None if j in probes else r.blocks.split(x, local=True) for j, x in enumerate(xs)]
+        for r, xs in zip(runs, arrays)
+    ]
     ordered = [
         jax.tree.map(lambda x, r=r: x.reshape(-1, *x.shape[leading(r) :]), s)
         for r, s in zip(runs, stacks)
     ]
-    counts = [jax.tree.leaves((c, o))[0].shape[0] for c, o in zip(cut, ordered)]
+    counts = [math.prod(r.blocks.per_shard) for r in runs]
+    drawn = lambda j: draws.in_shards([(r.arrays[j], r.blocks) for r in runs], keys)
     values = [
         v
         if same
@@ -142,9 +141,8 @@ def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
         for k, (v, same) in enumerate(zip(scalars[0], shared))
     ]
     join = lambda *parts: jnp.concatenate(parts)
-    outs, new = first.fn(
-        [join(*parts) for parts in zip(*cut)], jax.tree.map(join, *ordered), *values
-    )
+    joined = [drawn(j) if j in probes else join(*parts) for j, parts in enumerate(zip(*cut))]
+    outs, new = first.fn(joined, jax.tree.map(join, *ordered), *values)
     starts = [0, *itertools.accumulate(counts)]
     results = []
     for r, start, end in zip(runs, starts, starts[1:]):
@@ -155,17 +153,16 @@ def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
       results.append((merged, jax.tree.map(mine, new)))
     return results
 
-  specs = [P(*r.blocks.spec) for r in runs]
+  specs = [P(*r.blocks.spec) for r in runs]  # A stored stack's grid dims too.
   mapped = jax.shard_map(
       body,
       mesh=first.blocks.mesh,
-      in_specs=(specs, specs, P()),
+      in_specs=(specs, specs, P(), P()),
       out_specs=[(spec, spec) for spec in specs],
       check_vma=False,
   )
-  results = mapped(
-      [list(r.arrays) for r in runs], [r.stacks for r in runs], [list(r.scalars) for r in runs]
-  )
+  arrays = [[None if j in probes else x for j, x in enumerate(r.arrays)] for r in runs]
+  results = mapped(arrays, [r.stacks for r in runs], [list(r.scalars) for r in runs], keys)
   return [(list(outs), new) for outs, new in results]
 
 

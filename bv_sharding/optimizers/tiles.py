@@ -108,12 +108,16 @@ def shard_blocks(
       blocking == "local" or tiles_in_shards(shape, shards_of(dealt), block_size, scanned)
   )
   spec = dealt if in_pieces else spec
-  owners, pooled = None, False
+  owners, pooled, relaid_from = None, False, None
   if blocking == "tiles":
     whole = _whole_tiles(shape, shards_of(spec), block_size, scanned)
     owners = _owners(tuple(shape), spec, shards_of(spec), whole, block_size, scanned)
-    # Tiles that span shards and no holder owns, or that a dealt piece would cut: pooled.
+    # Tiles that span shards and no holder owns, or that a dealt piece would cut: pooled,
+    # unless the param's axes all on one dim put whole tiles in every shard: relaid there.
     pooled = owners is None and (not all(whole) or (dealt is not None and not in_pieces))
+    relaid = _relaid_spec(shape, spec, sizes, block_size, scanned) if pooled else None
+    if relaid is not None:
+      relaid_from, spec, pooled = spec, relaid, False
   shards = (1,) * len(shape) if pooled else shards_of(spec)
   # On a concrete mesh even a never-sharded param's blocks run in shard_map (whole on every
   # device): on global arrays XLA chose how to split their fit, and rematerialized it.
@@ -129,7 +133,25 @@ def shard_blocks(
       owners,
       pooled,
       math.prod(sizes.values()) if pooled else 1,
+      relaid_from,
   )
+
+
+def _relaid_spec(shape, spec, sizes: dict[str, int], block_size: int, scanned: bool):
+  """The spec with all of ``spec``'s mesh axes (in mesh order) on the first dim (not a scanned
+  layer axis) whose shards they would cut into whole ``block_size`` tiles; None when no dim
+  does, or ``spec`` names no axis.
+
+  Example:
+      >>> _relaid_spec((16, 6), (None, "data"), {"data": 2}, 4, False)  # 3 of a 4-tile's 6 columns
+      ('data', None)
+  """
+  axes = [a for a in sizes if a in stack_axes(spec)]
+  shards = math.prod(sizes[a] for a in axes)
+  for dim in range(int(scanned), len(shape)) if axes else ():
+    if shape[dim] % shards == 0 and (shape[dim] // shards) % block_size == 0:
+      return tuple(spec_entry(axes) if d == dim else None for d in range(len(shape)))
+  return None
 
 
 def _owners(shape, spec, shards, whole, block_size: int, scanned: bool):
@@ -209,6 +231,11 @@ class ShardBlocks:
   pooled tiles are stored spread at the ideal
   (:func:`~bv_sharding.optimizers.placement.stored_spec`) and move the same way as the
   arrays.
+  ``relaid_from``: the param's own spec, where its tiles would be pooled but its mesh axes all
+  on one dim put whole tiles in every shard (a 2048-row head split on its 32000 columns, with
+  8 devices and 256-tiles): ``spec`` is that layout, and the blocks are shard-local there. The
+  param's arrays move to it (one all-to-all each, of about a shard's bytes) and their results
+  back; the stacks are stored on it and never move.
   On an ``AbstractMesh`` (``mesh`` None) the same tiles are computed on global arrays, and
   the stacks are placed as on the concrete mesh.
   """
@@ -223,6 +250,7 @@ class ShardBlocks:
   owners: tuple[int, str, int] | None = None
   pooled: bool = False
   devices: int = 1
+  relaid_from: tuple | None = None
 
   @property
   def in_pool(self) -> bool:

@@ -200,3 +200,35 @@ def test_tiles_spanning_shards_are_fitted_by_their_owners(name):
   assert ("all-to-all", 2 * piece("b")) in found or ("all-to-all", piece("b")) in found, found
   assert ("collective-permute", piece("a") // 2) in found, found
   assert not [b for op, b in found if op == "all-gather"], found  # Nothing is gathered whole.
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["kron", "shampoo"])
+def test_tiles_pooled_in_their_layout_run_where_another_layout_holds_them_whole(name):
+  """A 128 x 24 head split on its columns over 8 devices: 3-column shards cut its 16-tiles,
+  which no holder owns (pooled, its factors moved every step), but its rows split 8 ways hold
+  whole tiles. Its blocks run there: the grad moves in and the direction back (one all-to-all
+  of a shard each), the factors stay where they are stored, and the steps are the global ones."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  blocks = shard_blocks((128, 24), P(None, "data"), mesh, 16)
+  assert (blocks.relaid_from, blocks.spec, blocks.pooled) == ((None, "data"), ("data", None), False)
+  params, specs = {"head": jax.random.normal(jax.random.key(0), (128, 24))}, {
+      "head": P(None, "data")
+  }
+  make = lambda layout: (
+      kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout)
+      if name == "kron"
+      else shampoo(1e-2, block_size=16, graft_type="adam", layout=layout)
+  )
+  layout = ParamLayout(specs, mesh)
+  tx = make(layout)
+  shardings, hlo = _shardings(tx, layout, params), []
+  on_mesh = _run(tx, params, shardings, hlo)
+  reference = _run(make(None), params)
+  np.testing.assert_allclose(on_mesh[0]["head"], reference[0]["head"], rtol=1e-5, atol=1e-6)
+  stacks = [s for s in jax.tree.leaves(shardings[1]) if len(s.spec) == 4]  # (8, 2, b, b) each
+  assert stacks and all(s.spec == P("data", None, None, None) for s in stacks)
+  found = traffic.collectives(hlo[0])
+  moved = [(c.op, c.result_bytes) for c in found if c.op != "all-reduce"]
+  assert moved == [("all-to-all", 128 * 24 * 4 // 8)] * 2, found  # One f32 shard each.
+  assert all(c.result_bytes <= 8 for c in found if c.op == "all-reduce"), found  # Scalars.
