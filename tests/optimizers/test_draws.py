@@ -8,8 +8,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bv_sharding.optimizers.draws import TileNormal, pooled, wholes
-from bv_sharding.optimizers.tiles import ShardBlocks
+import bv_sharding as bvs
+from bv_sharding.optimizers import ParamLayout, kron
+from bv_sharding.optimizers.draws import TileNormal, in_shards, pooled, wholes
+from bv_sharding.optimizers.tiles import ShardBlocks, shard_blocks
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -43,3 +45,57 @@ def test_a_pool_draws_the_whole_probes_tiles_in_place_with_no_collective():
   one_tile = jax.random.normal(keys[2], (4, 4))
   np.testing.assert_array_equal(tiles[2], one_tile)  # psgd-jax's draw of a (4, 4) param.
   assert len({t.tobytes() for t in tiles[:9]}) == 9  # Every tile its own key.
+
+
+def _mesh():
+  return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def test_shard_local_blocks_draw_their_own_tiles_of_the_whole_probe_with_no_collective():
+  keys = jax.random.split(jax.random.PRNGKey(5), 3)
+  mesh = _mesh()
+  # Rows over 8 devices: 4 x 4 tiles, two per shard (the second half padding); a scanned
+  # stack's two layers of one tile each per shard.
+  members = [
+      (TileNormal(keys, 1, jnp.float32), shard_blocks((32, 6), P("data"), mesh, 4)),
+      (TileNormal(keys, 2, jnp.float32), shard_blocks((2, 32, 4), P(None, "data"), mesh, 4, True)),
+  ]
+  assert all(b.shard_local and b.mesh is mesh for _, b in members)
+  draw = jax.jit(
+      jax.shard_map(lambda k: in_shards(members, k), mesh=mesh, in_specs=P(), out_specs=P("data"))
+  )
+  hlo = draw.lower(keys).compile().as_text()
+  assert not [op for op in COLLECTIVES if f" {op}(" in hlo or f" {op}-start(" in hlo]
+  tiles = np.asarray(draw(keys)).reshape(8, 4, 4, 4)  # Per device: 2 + 2 tiles.
+  wholes_ = [np.asarray(w) for w in wholes(members)]
+  for d in range(8):
+    rows = slice(4 * d, 4 * d + 4)
+    expected = [
+        b.split(w[rows] if not b.scanned else w[:, rows], local=True)
+        for w, (_, b) in zip(wholes_, members)
+    ]
+    np.testing.assert_array_equal(tiles[d], np.concatenate(expected))
+  assert not tiles[:, 1, :, 2:].any()  # Past the (32, 6) param's edge.
+
+
+def test_kron_update_on_shard_local_tiles_does_its_share_of_the_one_device_work():
+  """Each device draws and fits its own tiles: its update's FLOPs are 1/8 of the one-device
+  update's (0.95x that; 2.46x when every device drew every tile of the probe, as XLA
+  partitioned the probe drawn whole of a param split on its columns)."""
+  mesh = _mesh()
+  params = {"w": jnp.ones((32, 256))}
+  make = lambda layout: kron(
+      1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout
+  )
+  flops = lambda tx, params, state: (
+      jax.jit(tx.update).lower(params, state, params).compile().cost_analysis()["flops"]
+  )
+  whole = make(None)
+  one_device = flops(whole, params, jax.eval_shape(whole.init, params))
+  tx = make(ParamLayout({"w": P(None, "data")}, mesh))
+  tree = {"params": params, "opt": jax.eval_shape(tx.init, params)}
+  plan = bvs.plan(tree, [(".*w.*", 'shard_dim(axis="data", dim=1)')], mesh)
+  placed = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, plan.shardings
+  )
+  assert flops(tx, placed["params"], placed["opt"]) <= 1.2 * one_device / 8
