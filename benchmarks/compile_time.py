@@ -18,7 +18,7 @@ and the seconds it spent on them, emitting each fusion and LLVM compiling them
 optimizers of one run.
 
   python -m benchmarks.compile_time [--configs lm:size=small,lm:size=medium] \
-      [--optimizers adamw,kron,shampoo,muon] [--rounds 2] [--kernels]
+      [--optimizers adamw,kron,shampoo,muon] [--rounds 2] [--kernels] [--devices 8]
 """
 
 import os
@@ -149,9 +149,14 @@ def main(argv=None):
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="the first: the base")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("--kernels", action="store_true", help="profile the kernels compiled")
+  parser.add_argument(
+      "--devices", type=int, default=8, help="simulated devices (1: no collective at all)"
+  )
   args = parser.parse_args(argv)
-  # Here, not on import: the tests import this module and keep their shared cache.
+  # Here, not on import: the tests import this module and keep their shared cache (and
+  # their devices: jax starts its backend on the first compile, after this).
   jax.config.update("jax_enable_compilation_cache", False)
+  jax.config.update("jax_num_cpu_devices", args.devices)
   optimizers = args.optimizers.split(",")
   extra = " kernels | kernel s |" if args.kernels else ""
   print(
