@@ -163,6 +163,25 @@ def test_blocks_and_trajectory_do_not_depend_on_the_device_count():
     np.testing.assert_allclose(qs[0], qs[1], rtol=1e-5, atol=1e-6)  # The same state, in order.
 
 
+def _sixteen_tiles(name):
+  """Kron (fitting every step) or Shampoo with 16-tiles, on a layout (None: global arrays)."""
+  return lambda layout: (
+      kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout)
+      if name == "kron"
+      else shampoo(1e-2, block_size=16, graft_type="adam", layout=layout)
+  )
+
+
+def _run_on(mesh, make, params, specs):
+  """(the run on ``mesh``, the run on global arrays, the plan's shardings, the mesh run's
+  compiled program)."""
+  layout = ParamLayout(specs, mesh)
+  tx = make(layout)
+  shardings, hlo = _shardings(tx, layout, params), []
+  on_mesh = _run(tx, params, shardings, hlo)
+  return on_mesh, _run(make(None), params), shardings, hlo[0]
+
+
 # On 8 devices, rows over "data", 16-row tiles in 8- or 2-row shards: a's tiles span pairs of
 # shards and deal to them (collective permutes within each pair), b's span all 8 shards and
 # deal one per device (one all-to-all), c's 4 tiles cannot be dealt to 8 holders: pooled
@@ -179,23 +198,14 @@ def test_tiles_spanning_shards_are_fitted_by_their_owners(name):
   blocks = {k: shard_blocks(s, P("data"), mesh, 16) for k, s in SPANNING.items()}
   assert [blocks[k].owners for k in SPANNING] == [(0, "data", 2), (0, "data", 8), None]
   assert [blocks[k].pooled for k in SPANNING] == [False, False, True]
-  make = lambda layout: (
-      kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout)
-      if name == "kron"
-      else shampoo(1e-2, block_size=16, graft_type="adam", layout=layout)
-  )
-  layout = ParamLayout(specs, mesh)
-  tx = make(layout)
-  hlo = []
-  on_mesh = _run(tx, params, _shardings(tx, layout, params), hlo)
-  reference = _run(make(None), params)
+  on_mesh, reference, _, hlo = _run_on(mesh, _sixteen_tiles(name), params, specs)
   for k in SPANNING:
     np.testing.assert_allclose(on_mesh[0][k], reference[0][k], rtol=1e-5, atol=1e-6)
   if name == "kron":  # Each factor is that of its own tile, stored at the tile's place.
     for k in SPANNING:
       qs = [r[1][0]["Qs_preconditioners"][k][0] for r in (on_mesh, reference)]
       np.testing.assert_allclose(qs[0], qs[1], rtol=1e-5, atol=1e-6)
-  found = {(c.op, c.result_bytes) for c in traffic.collectives(hlo[0])}
+  found = {(c.op, c.result_bytes) for c in traffic.collectives(hlo)}
   piece = lambda k: np.prod(SPANNING[k]) * 4 // 8  # One device's f32 shard of a param.
   assert ("all-to-all", 2 * piece("b")) in found or ("all-to-all", piece("b")) in found, found
   assert ("collective-permute", piece("a") // 2) in found, found
@@ -215,20 +225,11 @@ def test_tiles_pooled_in_their_layout_run_where_another_layout_holds_them_whole(
   params, specs = {"head": jax.random.normal(jax.random.key(0), (128, 24))}, {
       "head": P(None, "data")
   }
-  make = lambda layout: (
-      kron(1e-2, preconditioner_update_probability=1.0, block_size=16, layout=layout)
-      if name == "kron"
-      else shampoo(1e-2, block_size=16, graft_type="adam", layout=layout)
-  )
-  layout = ParamLayout(specs, mesh)
-  tx = make(layout)
-  shardings, hlo = _shardings(tx, layout, params), []
-  on_mesh = _run(tx, params, shardings, hlo)
-  reference = _run(make(None), params)
+  on_mesh, reference, shardings, hlo = _run_on(mesh, _sixteen_tiles(name), params, specs)
   np.testing.assert_allclose(on_mesh[0]["head"], reference[0]["head"], rtol=1e-5, atol=1e-6)
   stacks = [s for s in jax.tree.leaves(shardings[1]) if len(s.spec) == 4]  # (8, 2, b, b) each
   assert stacks and all(s.spec == P("data", None, None, None) for s in stacks)
-  found = traffic.collectives(hlo[0])
+  found = traffic.collectives(hlo)
   moved = [(c.op, c.result_bytes) for c in found if c.op != "all-reduce"]
   assert moved == [("all-to-all", 128 * 24 * 4 // 8)] * 2, found  # One f32 shard each.
   assert all(c.result_bytes <= 8 for c in found if c.op == "all-reduce"), found  # Scalars.
