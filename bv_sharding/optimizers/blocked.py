@@ -161,12 +161,13 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
       local.setdefault(pool_key(run) + (len(run.scalars),), []).append(i)
     else:
       alone.append(i)
-  # Probes a pool or a group of shard-local runs draws in place stay probes; every other one
-  # is drawn whole, in one go.
+  # Probes a pool, a group of shard-local runs or a param's owners draw in place stay probes;
+  # every other one is drawn whole, in one go.
   in_place = lambda members: [
       (i, j) for j in drawn_in_place([runs[i] for i in members]) for i in members
   ]
-  groups = [*pools.values(), *local.values()]
+  owned = [[i] for i in alone if runs[i].blocks.owners and runs[i].blocks.mesh is not None]
+  groups = [*pools.values(), *local.values(), *owned]
   runs = drawn_whole(runs, {ij for members in groups for ij in in_place(members)})
   for i in alone:
     results[i] = run_alone(runs[i])

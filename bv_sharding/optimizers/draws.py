@@ -125,11 +125,12 @@ def pooled(
 
 
 def in_shards(members: Sequence[tuple[TileNormal, ShardBlocks]], keys: jax.Array) -> jax.Array:
-  """Inside ``shard_map`` over each member's shard-local blocks (``keys``: the members'
-  :attr:`TileNormal.keys`, passed in whole): this device's tiles of every member's probe, one
-  member after another, each as :meth:`~bv_sharding.optimizers.tiles.ShardBlocks.split` cuts
-  its local shard; one RNG program for them all, each device drawing its own tiles."""
-  found = [_shard_tiles(blocks) for _, blocks in members]
+  """Inside ``shard_map`` over each member's blocks' spec, shard-local or dealt to owners
+  (``keys``: the members' :attr:`TileNormal.keys`, passed in whole): the tiles of every
+  member's probe that this device fits, one member after another, each in its run order
+  (:meth:`~bv_sharding.optimizers.tiles.ShardBlocks.to_run`, which also orders the factors it
+  fits them with); one RNG program for them all, each device drawing its own tiles."""
+  found = [_device_tiles(blocks) for _, blocks in members]
   drawn = _normals(
       _tile_keys(members, [t for t, _ in found], keys=keys),
       members[0][1].sizes,
@@ -138,22 +139,15 @@ def in_shards(members: Sequence[tuple[TileNormal, ShardBlocks]], keys: jax.Array
   return _inside(drawn, jnp.concatenate([v for _, v in found]))
 
 
-def _shard_tiles(blocks: ShardBlocks) -> tuple[jax.Array, jax.Array]:
-  """Inside ``shard_map`` over shard-local ``blocks``: the grid indices of this device's
-  tiles (``(n,)``, in split order) and their extents inside the param (``(n, k)``)."""
-  local = np.indices(blocks.per_shard).reshape(len(blocks.per_shard), -1)
-  index = lambda k: jax.lax.axis_index(stack_axes((blocks.spec[k],)))
-  grid = [
-      (index(k) if shards > 1 else 0) * per + local[k]
-      for k, (shards, per) in enumerate(zip(blocks.shards, blocks.per_shard))
-  ]
-  strides = np.cumprod((1, *blocks.grid_shape[::-1]))[::-1][1:]
-  tile = sum(g * int(s) for g, s in zip(grid, strides))
-  dims = range(int(blocks.scanned), len(blocks.shape))
-  extents = [
-      jnp.clip(blocks.shape[d] - grid[d] * size, 0, size) for d, size in zip(dims, blocks.sizes)
-  ]
-  return jnp.asarray(tile, jnp.int32), jnp.stack(extents, -1).astype(jnp.int32)
+def _device_tiles(blocks: ShardBlocks) -> tuple[jax.Array, jax.Array]:
+  """Inside ``shard_map`` over ``blocks``' spec: the grid indices of the tiles this device fits
+  (``(n,)``, its share of the run order, picked from a table of every device's) and their
+  extents inside the param (``(n, k)``)."""
+  axes = stack_axes(blocks.spec)
+  order = np.asarray(blocks.to_run(np.arange(_count(blocks)).reshape(blocks.grid_shape)))
+  table = order.reshape(math.prod(blocks.shards), -1)
+  device = jax.lax.axis_index(axes) if axes else 0
+  return jnp.asarray(table)[device], jnp.asarray(_valid(blocks)[table])[device]
 
 
 def _inside(drawn: jax.Array, valid) -> jax.Array:
@@ -200,8 +194,8 @@ def _normals(keys: jax.Array, sizes: tuple[int, ...], dtype) -> jax.Array:
 
 
 def _valid(blocks: ShardBlocks) -> np.ndarray:
-  """Per tile in run order, its extent inside the param along each tile dim: ``(count, k)``.
-  Pooled blocks are the param's global tile grid, padded at its far edges alone."""
+  """Per tile in grid order (a pool's run order), its extent inside the param along each tile
+  dim: ``(count, k)``; the param's tile grid is padded at its far edges alone."""
   dims = blocks.shape[int(blocks.scanned) :]
   per_dim = [
       [min(size, extent - start) for start in starts]

@@ -203,7 +203,8 @@ def _run_dealt(blocks: ShardBlocks, fn: Callable, arrays, stacks, scalars):
 
 def _run_owned(blocks: ShardBlocks, fn: Callable, arrays, stacks, scalars):
   """A run with :attr:`~bv_sharding.optimizers.tiles.ShardBlocks.owners`: pieces of tiles to
-  their owners and back."""
+  their owners and back (a probe that is a
+  :class:`~bv_sharding.optimizers.draws.TileNormal` drawn by the owners, each its own tiles)."""
   dim, axis, holders = blocks.owners
   block_dim = 1 + dim - int(blocks.scanned)  # The dim in a (n, *sizes) stack.
   size = dict(blocks.mesh.shape)[axis]
@@ -234,8 +235,16 @@ def _run_owned(blocks: ShardBlocks, fn: Callable, arrays, stacks, scalars):
     there = back = lambda x, d: x
     specs, leaves = [blocks.stack_spec] * len(leaves), [blocks.to_run(x) for x in leaves]
 
-  def body(arrays, leaves, scalars):
-    tiles = [to_owners(blocks.split(x, local=True)) for x in arrays]
+  probes = [j for j, x in enumerate(arrays) if isinstance(x, draws.TileNormal)]
+  keys = arrays[probes[0]].keys if probes else None
+  owned = lambda j, x, keys: (
+      draws.in_shards([(arrays[j], blocks)], keys)
+      if j in probes
+      else to_owners(blocks.split(x, local=True))
+  )
+
+  def body(pieces, leaves, scalars, keys):
+    tiles = [owned(j, x, keys) for j, x in enumerate(pieces)]
     stacks = treedef.unflatten([there(x, d) for x, d in zip(leaves, dims)])
     outs, new_stacks = fn(tiles, stacks, *scalars)
     new_leaves = [back(x, d) for x, d in zip(jax.tree.leaves(new_stacks), dims)]
@@ -245,11 +254,12 @@ def _run_owned(blocks: ShardBlocks, fn: Callable, arrays, stacks, scalars):
   mapped = jax.shard_map(
       body,
       mesh=blocks.mesh,
-      in_specs=(param, specs, P()),
+      in_specs=(param, specs, P(), P()),
       out_specs=(param, specs),
       check_vma=False,
   )
-  outs, new_leaves = mapped(list(arrays), leaves, list(scalars))
+  pieces = [None if j in probes else x for j, x in enumerate(arrays)]
+  outs, new_leaves = mapped(pieces, leaves, list(scalars), keys)
   if not by_exchange:
     new_leaves = [blocks.from_run(x) for x in new_leaves]
   return outs, stored(blocks, treedef.unflatten(new_leaves))
