@@ -12,7 +12,7 @@ adamw's in the same round (the median of the rounds' ratios), and the compiled p
 instruction count (``as_text()``; noise-free, and what compile time grows with).
 
 With ``--kernels`` each compile is traced (``jax.profiler``) and two more columns say where
-XLA:CPU's time went: the kernels it compiled (its fused computations, identical ones once)
+XLA:CPU's time went: the kernels it compiled (its fused computations, each on its own)
 and the seconds it spent on them, emitting each fusion and LLVM compiling them
 (:func:`kernel_profile`). The trace adds its own time to the other columns: compare the
 optimizers of one run.
