@@ -19,8 +19,9 @@ says where each block's data is:
 
 Same math on any mesh (``blocking="tiles"``, the default): the blocks are the param's own
 grid of ``block_size`` tiles whatever the device count; where a tile spans several shards
-its holders exchange what it needs (:attr:`ShardBlocks.owners`) or it is pooled with other
-params' tiles and dealt over the mesh (:attr:`ShardBlocks.pooled`). So a state saved on one
+its holders exchange what it needs (:attr:`ShardBlocks.owners`), or the param's arrays move
+to a layout whose shards hold whole tiles (:attr:`ShardBlocks.relaid_from`), or it is pooled
+with other params' tiles and dealt over the mesh (:attr:`ShardBlocks.pooled`). So a state saved on one
 mesh is the state of any other, each factor still preconditioning its own tile.
 ``blocking="local"`` keeps blocks cut shard by shard: ``min(block_size, e_k)`` long, so
 another mesh may give other tiles. :func:`same_blocking` tells whether two layouts give
