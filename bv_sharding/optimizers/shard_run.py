@@ -82,14 +82,10 @@ def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:
       32.0
   """
   blocks, fn, arrays, stacks, scalars = run[:5]
-
-  def body(arrays, stacks, scalars, local):
-    outs, new_stacks = fn([blocks.split(x, local) for x in arrays], stacks, *scalars)
-    return [blocks.merge(o, local) for o in outs], new_stacks
-
   if blocks.mesh is None:
-    outs, new_stacks = body(arrays, jax.tree.map(blocks.to_run, stacks), scalars, local=False)
-    return outs, jax.tree.map(blocks.from_run, new_stacks)
+    run_order = jax.tree.map(blocks.to_run, stacks)
+    outs, new_stacks = fn([blocks.split(x) for x in arrays], run_order, *scalars)
+    return [blocks.merge(o) for o in outs], jax.tree.map(blocks.from_run, new_stacks)
   if blocks.owners is not None:
     return _run_owned(blocks, fn, arrays, stacks, scalars)
   if blocks.dealt:
