@@ -185,7 +185,7 @@ def _relaid(run: BlockRun | None) -> BlockRun | None:
   """``run`` with its arrays moved from the param's spec to the layout its blocks run in,
   where they are :attr:`~bv_sharding.optimizers.tiles.ShardBlocks.relaid_from` another (its
   probes are drawn there)."""
-  if run is None or run.blocks.relaid_from is None or run.blocks.mesh is None:
+  if run is None or not run.blocks.relaid:
     return run
   blocks = run.blocks
   there = lambda x: moves.move(x, blocks.mesh, blocks.relaid_from, blocks.spec)
@@ -194,7 +194,7 @@ def _relaid(run: BlockRun | None) -> BlockRun | None:
 
 def _unrelaid(run: BlockRun | None, result):
   """A relaid run's ``result`` with its outs moved back to the param's spec."""
-  if run is None or run.blocks.relaid_from is None or run.blocks.mesh is None:
+  if run is None or not run.blocks.relaid:
     return result
   outs, new_stacks = result
   back = lambda x: moves.move(x, run.blocks.mesh, run.blocks.spec, run.blocks.relaid_from)

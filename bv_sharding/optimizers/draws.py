@@ -58,7 +58,10 @@ class TileNormal(NamedTuple):
 def wholes(members: Sequence[tuple[TileNormal, ShardBlocks]]) -> list[jax.Array]:
   """Each member's probe, param-shaped: its tiles drawn and laid at their places in the param,
   padding cut; one RNG program for the members alike (the same blocks, sharded alike, and
-  dtype). Left to XLA's partitioner, each device draws the tiles of its own shard."""
+  dtype). For blocks computed on global arrays or on dealt pieces of a never-sharded param:
+  XLA does not split such a draw over a sharded param's shards (every device would draw every
+  tile), so sharded params' tiles are drawn where they are fitted (:func:`in_shards`,
+  :func:`pooled`)."""
   groups: dict[tuple, list[int]] = {}
   for i, (probe, blocks) in enumerate(members):
     groups.setdefault((blocks, probe.dtype), []).append(i)
@@ -117,7 +120,7 @@ def pooled(
   order, padded to ``total`` with copies of the last tile's key, padding zero; ``place``
   constrains the keys and the draws to the pool's layout, so each device draws its own.
   """
-  order = [b.to_run(np.arange(_count(b)).reshape(b.grid_shape)) for _, b in members]
+  order = [_run_order(b) for _, b in members]
   # Padded in the tables (constants), not in the keys: padding a split array moves its edge.
   keys = place(_tile_keys(members, order, total))
   valid = np.concatenate([_valid(blocks) for _, blocks in members])
@@ -146,8 +149,7 @@ def _device_tiles(blocks: ShardBlocks) -> tuple[jax.Array, jax.Array]:
   (``(n,)``, its share of the run order, picked from a table of every device's) and their
   extents inside the param (``(n, k)``)."""
   axes = stack_axes(blocks.spec)
-  order = np.asarray(blocks.to_run(np.arange(_count(blocks)).reshape(blocks.grid_shape)))
-  table = order.reshape(math.prod(blocks.shards), -1)
+  table = _run_order(blocks).reshape(math.prod(blocks.shards), -1)
   device = jax.lax.axis_index(axes) if axes else 0
   return jnp.asarray(table)[device], jnp.asarray(_valid(blocks)[table])[device]
 
@@ -161,6 +163,12 @@ def _inside(drawn: jax.Array, valid) -> jax.Array:
       for d in range(len(sizes))
   ]
   return jnp.where(functools.reduce(jnp.logical_and, inside), drawn, 0)
+
+
+def _run_order(blocks: ShardBlocks) -> np.ndarray:
+  """The grid indices of ``blocks``' tiles in their run order
+  (:meth:`~bv_sharding.optimizers.tiles.ShardBlocks.to_run`)."""
+  return np.asarray(blocks.to_run(np.arange(_count(blocks)).reshape(blocks.grid_shape)))
 
 
 def _count(blocks: ShardBlocks) -> int:

@@ -179,11 +179,10 @@ def triangular_inverse(q: jax.Array) -> jax.Array:
   Blockwise doubling: ``inv([[A, B], [0, D]]) = [[iA, -iA B iD], [0, iD]]``,
   starting from the inverses of the diagonal blocks of 64 (:func:`_block_inverses`, one
   loop), log2(n / 64) batched steps (n is padded to a power of 2 with identity): each step
-  is a program of its own, so fewer steps compile faster (blocks of 64 also ran fastest). Unlike a batched
-  ``triangular_solve`` it
-  calls no LAPACK kernel: jaxlib's batched CPU kernels split large batches
-  over the intra-op thread pool and wait for them, which deadlocks when
-  several simulated CPU devices occupy that pool.
+  is a program of its own, so fewer steps compile faster (blocks of 64 also ran fastest).
+  Unlike a batched ``triangular_solve`` it calls no LAPACK kernel: jaxlib's batched CPU
+  kernels split large batches over the intra-op thread pool and wait for them, which
+  deadlocks when several simulated CPU devices occupy that pool.
 
   Example:
       >>> q = jnp.array([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0], [0.0, 0.0, 4.0]])

@@ -260,6 +260,12 @@ class ShardBlocks:
     return self.pooled and self.mesh is not None
 
   @property
+  def relaid(self) -> bool:
+    """Whether the blocks run in another layout than their param's (:attr:`relaid_from`), on a
+    concrete mesh: its arrays move there and back."""
+    return self.relaid_from is not None and self.mesh is not None
+
+  @property
   def local_shape(self) -> tuple[int, ...]:
     return tuple(d // s for d, s in zip(self.shape, self.shards))
 
