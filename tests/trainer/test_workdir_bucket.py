@@ -48,6 +48,7 @@ from trainers.rundir import (
 )
 
 BUCKET = "bucket"
+STORED = []  # Called with each object's name and bytes once the emulator stores it.
 
 
 def with_generation(download):
@@ -87,6 +88,19 @@ def with_precondition(handler, object_name):
   return handler_checked
 
 
+def watched(create_file):
+  """The emulator's ``Storage.create_file``, then each of :data:`STORED` called with the new
+  object's name and bytes. The emulator serves one request at a time, so nothing else reaches
+  the bucket until they return."""
+
+  def create_watched(self, bucket, name, content, *args, **kwargs):
+    create_file(self, bucket, name, content, *args, **kwargs)
+    for watch in list(STORED):
+      watch(name, content)
+
+  return create_watched
+
+
 def _uploaded(request) -> str:
   """An upload's object name: in the query, or in a multipart or resumable upload's metadata."""
   if "name" in request.query:
@@ -110,6 +124,8 @@ def emulator():
       methods[method] = handler
     setattr(objects, name, handler)  # The router's fallback for uploads reads objects.insert.
     undo.append((method, name, original, routes))
+  create_file = storage.Storage.create_file
+  storage.Storage.create_file = watched(create_file)
   port = free_port()
   server = emulator_server.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
   server.start()
@@ -124,6 +140,7 @@ def emulator():
   before = {name: os.environ.get(name) for name in env}
   os.environ.update(env)
   yield env
+  storage.Storage.create_file = create_file
   for method, name, original, routes in undo:
     setattr(objects, name, original)
     for methods in routes:
@@ -485,6 +502,24 @@ def _steps(path: str) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in workdir.read_records(path)}
 
 
+def kill_after_checkpoint(process, run: str, step: int):
+  """A :data:`STORED` watcher that SIGKILLs ``process`` once checkpoint ``step`` of the bucket's
+  ``run`` is committed (orbax's commit file: a bucket has no rename) and a later step's metrics
+  record is stored, so a run resumed from that checkpoint recomputes some logged steps. It kills
+  from inside the emulator's request, so the run stores nothing after that record."""
+  committed = []
+
+  def watch(name: str, content: bytes):
+    if name == f"{run}/checkpoints/{step}/commit_success.txt":
+      committed.append(name)
+    elif committed and process.poll() is None and name.startswith(f"{run}/metrics"):
+      if any(json.loads(line)["step"] > step for line in content.decode().splitlines()):
+        process.kill()
+        process.wait()
+
+  return watch
+
+
 @pytest.mark.timeout(600)
 def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   run, total = f"gs://{BUCKET}/run", 60
@@ -493,16 +528,12 @@ def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   env = environment(**emulator)
   log = open(os.environ.get("BV_BUCKET_LOG", os.devnull), "w")
   first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-  deadline = time.monotonic() + 400
-  # SIGKILL once step 20's checkpoint is committed (orbax's commit file: a bucket has no
-  # rename) and a later step's record is in the bucket, so the resumed run recomputes some
-  # logged steps.
-  committed = epath.Path(run, "checkpoints", "20", "commit_success.txt")
-  while not (committed.exists() and max(_steps(f"{run}/metrics.jsonl"), default=0) > 20):
-    assert first.poll() is None and time.monotonic() < deadline, "the run ended first"
-    time.sleep(0.05)
-  first.send_signal(signal.SIGKILL)
-  first.wait()
+  STORED.append(kill_after_checkpoint(first, "run", 20))
+  try:
+    first.wait(timeout=400)
+  finally:
+    STORED.clear()
+  assert first.returncode == -signal.SIGKILL, "the run ended first"
   killed = _steps(f"{run}/metrics.jsonl")
   assert 20 < max(killed) < 40, "killed outside the steps after checkpoint 20"
   while True:  # The killed run's lock stays until its 1 s lease lapses.
