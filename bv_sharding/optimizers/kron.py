@@ -521,13 +521,17 @@ def _layers_and_blocks(params, settings) -> tuple[list[bool], list[Tiling | None
   """Per leaf of ``params``: whether it is scanned, its :func:`leaf_tiling` and its
   :class:`ShardBlocks` (both None where it is not blocked).
 
-  ``settings``: a :class:`_Settings` (its scanned_layers, block_size, blocking and layout).
+  ``settings``: a :class:`_Settings` (its scanned_layers, else its layout's stacked leaves,
+  block_size, blocking and layout).
   """
   treedef = jax.tree.structure(params)
   leaves = treedef.flatten_up_to(params)
   scanned = [False] * len(leaves)
-  if settings.scanned_layers is not None:
-    scanned = treedef.flatten_up_to(settings.scanned_layers)
+  layers = settings.scanned_layers
+  if layers is None and settings.layout is not None:
+    layers = settings.layout.stacked
+  if layers is not None:
+    scanned = treedef.flatten_up_to(layers)
   tilings = [
       leaf_tiling(p, s, settings.block_size, settings.blocking) for p, s in zip(leaves, scanned)
   ]
@@ -681,7 +685,8 @@ def scale_by_kron(
     precond_update_precision, precond_grads_precision: matmul precision of
       the Q fit / of preconditioning.
     scanned_layers: pytree of bools like params; a True leaf has a leading
-      layer axis that gets its own Qs (stacked as ``(L, d, d)``).
+      layer axis that gets its own Qs (stacked as ``(L, d, d)``). None: the
+      ``layout``'s ``stacked`` leaves, if it has them.
     block_size: if set, params with >= 2 (per-layer) dims are split into
       blocks of at most this size per dim, each with its own Qs (stacked as
       ``(n_blocks, b, b)``); None: each such param is one block, its Qs in

@@ -35,6 +35,10 @@ class ParamLayout:
 
   ``mesh`` is a ``jax.sharding.Mesh`` (the optimizer runs its blocks in
   ``shard_map``) or an ``AbstractMesh`` (same blocks, computed on global arrays).
+  ``stacked``: a bool per param leaf (a tree like ``specs``), True where the leaf's dim 0 is a
+  stack of layers (``flax.linen.scan``'s params), or None: none is. Kron then preconditions
+  each layer of such a leaf as its own matrix, as it does the same layers unscanned, unless it
+  is given ``scanned_layers`` itself.
   A training loop builds it from the plan of the params with :meth:`from_plan`. The mesh
   is kept with Auto axes (:func:`~bv_sharding.optimizers.axes.auto_mesh`): the registry's
   updates run in Auto axes on any mesh (``axes.py``).
@@ -48,14 +52,16 @@ class ParamLayout:
 
   specs: Any
   mesh: Any
+  stacked: Any = None
 
   def __post_init__(self):
     object.__setattr__(self, "mesh", auto_mesh(self.mesh))
 
   @classmethod
-  def from_plan(cls, plan) -> ParamLayout:
-    """The layout of a ``bvs.Plan`` made over ``{"params": abstract_params}``."""
-    return cls(plan.specs["params"], plan.mesh)
+  def from_plan(cls, plan, stacked=None) -> ParamLayout:
+    """The layout of a ``bvs.Plan`` made over ``{"params": abstract_params}``; ``stacked``: the
+    leaves that are stacks of layers (see the class), or None."""
+    return cls(plan.specs["params"], plan.mesh, stacked)
 
   @classmethod
   def from_record(cls, record: dict, params) -> ParamLayout:

@@ -233,3 +233,26 @@ def test_tiles_pooled_in_their_layout_run_where_another_layout_holds_them_whole(
   moved = [(c.op, c.result_bytes) for c in found if c.op != "all-reduce"]
   assert moved == [("all-to-all", 128 * 24 * 4 // 8)] * 2, found  # One f32 shard each.
   assert all(c.result_bytes <= 8 for c in found if c.op == "all-reduce"), found  # Scalars.
+
+
+def test_a_layouts_stacked_leaves_are_krons_scanned_layers():
+  """A layout's ``stacked`` leaves reach Kron as its ``scanned_layers``: the same state and steps
+  as Kron given them itself, each layer of the stack its own Qs; without them the stack's layer
+  axis is a tensor dim with a factor of its own."""
+  params, mesh = _params(), _mesh().abstract_mesh
+  make = lambda layout, scanned=None: kron(
+      1e-2,
+      preconditioner_update_probability=1.0,
+      block_size=4,
+      scanned_layers=scanned,
+      layout=layout,
+  )
+  stacked = make(ParamLayout(SPECS, mesh, stacked=SCANNED))
+  given = make(ParamLayout(SPECS, mesh), SCANNED)
+  qs = lambda tx: [
+      q.shape for q in jax.eval_shape(tx.init, params)[0]["Qs_preconditioners"]["stack"]
+  ]
+  assert qs(stacked) == qs(given) == [(2, 4, 8, 3, 4)] * 2  # Layers first, then each one's grid.
+  assert len(qs(make(ParamLayout(SPECS, mesh)))) == 3
+  for a, b in zip(jax.tree.leaves(_run(stacked, params)), jax.tree.leaves(_run(given, params))):
+    np.testing.assert_array_equal(a, b)

@@ -76,3 +76,26 @@ def test_a_rule_no_param_or_activation_names_is_a_warning():
   config.sharding_rules = (("act_batch", "data"), ("layers", ()), ("mlpp", "data"))
   with pytest.warns(bvs.ShardingWarning, match=r"config.sharding_rules names \['mlpp'\], which no"):
     build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
+
+
+def test_kron_preconditions_each_scanned_layer_as_its_own_matrix():
+  """The scanned model's layer stacks reach Kron as stacks of layers (the layout's ``stacked``):
+  each layer's ``(m, n)`` kernel gets its two Qs and a norm scale its diagonal, as unscanned, and
+  no ``L x L`` factor mixes the layers."""
+  config = tiny_lm("kron")
+  config.model.scan_layers = True
+  run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
+  params = run.plan.abstract()["params"]["layers"]
+  qs = {
+      e.name.split("Qs_preconditioners/layers/")[1]: e.shape
+      for e in run.plan.entries
+      if "Qs_preconditioners/layers/" in e.name
+  }
+  assert qs
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = "/".join(str(k.key) for k in path)
+    factors = {k: s for k, s in qs.items() if k.rsplit("/", 1)[0] == name}
+    assert len(factors) == leaf.ndim - 1 and all(s[0] == leaf.shape[0] for s in factors.values()), (
+        name,
+        factors,
+    )
