@@ -527,11 +527,10 @@ def _layers_and_blocks(params, settings) -> tuple[list[bool], list[Tiling | None
   treedef = jax.tree.structure(params)
   leaves = treedef.flatten_up_to(params)
   scanned = [False] * len(leaves)
-  layers = settings.scanned_layers
-  if layers is None and settings.layout is not None:
-    layers = settings.layout.stacked
-  if layers is not None:
-    scanned = treedef.flatten_up_to(layers)
+  if settings.scanned_layers is not None:
+    scanned = treedef.flatten_up_to(settings.scanned_layers)
+  elif settings.layout is not None:
+    scanned = settings.layout.stacked_leaves(params)
   tilings = [
       leaf_tiling(p, s, settings.block_size, settings.blocking) for p, s in zip(leaves, scanned)
   ]

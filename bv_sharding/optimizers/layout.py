@@ -36,9 +36,9 @@ class ParamLayout:
   ``mesh`` is a ``jax.sharding.Mesh`` (the optimizer runs its blocks in
   ``shard_map``) or an ``AbstractMesh`` (same blocks, computed on global arrays).
   ``stacked``: a bool per param leaf (a tree like ``specs``), True where the leaf's dim 0 is a
-  stack of layers (``flax.linen.scan``'s params), or None: none is. Kron then preconditions
-  each layer of such a leaf as its own matrix, as it does the same layers unscanned, unless it
-  is given ``scanned_layers`` itself.
+  stack of layers (``flax.linen.scan``'s params), or None: none is. Kron (unless given
+  ``scanned_layers`` itself) and Shampoo then precondition each layer of such a leaf as its own
+  matrix, as they do the same layers unscanned.
   A training loop builds it from the plan of the params with :meth:`from_plan`. The mesh
   is kept with Auto axes (:func:`~bv_sharding.optimizers.axes.auto_mesh`): the registry's
   updates run in Auto axes on any mesh (``axes.py``).
@@ -86,6 +86,20 @@ class ParamLayout:
         "mesh": [[name, size] for name, size in dict(self.mesh.shape).items()],
         "specs": [[entry(e) for e in spec] for spec in specs],
     }
+
+  def stacked_leaves(self, params) -> list[bool]:
+    """Per leaf of ``params`` (flattened), whether it is a stack of layers (:attr:`stacked`).
+
+    Example:
+        >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+        >>> ParamLayout({"a": P(), "b": P()}, mesh, stacked={"a": True, "b": False}).stacked_leaves(
+        ...     {"a": 0, "b": 0})
+        [True, False]
+    """
+    treedef = jax.tree.structure(params)
+    if self.stacked is None:
+      return [False] * treedef.num_leaves
+    return treedef.flatten_up_to(self.stacked)
 
   def blocks_of(self, params, block_size: int, scanned=None, blocking: str = "tiles") -> Any:
     """A :class:`ShardBlocks` per leaf of ``params`` (``scanned``: a bool per leaf)."""

@@ -148,7 +148,7 @@ def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsil
   return _precondition_blocks(blocks, roots), stats, roots
 
 
-def factor_tiling(block_size: int, blocking: str = "tiles") -> Tiling:
+def factor_tiling(block_size: int, blocking: str = "tiles", scanned: bool = False) -> Tiling:
   """How Shampoo cuts a param into blocks: unit dims dropped (``blocking``: see
   :func:`~bv_sharding.optimizers.tiles.shard_blocks`).
 
@@ -171,7 +171,7 @@ def factor_tiling(block_size: int, blocking: str = "tiles") -> Tiling:
       >>> on(1024).pooled  # 256 wide: one tile, for 4 devices
       True
   """
-  return Tiling(block_size, deal=True, blocking=blocking, unit_dims_dropped=True)
+  return Tiling(block_size, scanned, deal=True, blocking=blocking, unit_dims_dropped=True)
 
 
 def _cast_like(new: jax.Array | None, old: jax.Array | None):
@@ -208,17 +208,26 @@ class _Settings:
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
   """Each leaf's blocks (:func:`factor_tiling`), flattened like ``params``."""
-  tiling = factor_tiling(settings.block_size, settings.blocking)
-  return blocked.param_blocks(params, settings.layout, [tiling] * len(jax.tree.leaves(params)))
+  return blocked.param_blocks(params, settings.layout, _tilings(params, settings))
 
 
-def _init_leaf(param, blocks: ShardBlocks, settings: _Settings) -> ShampooParamState:
+def _tilings(params, settings: _Settings) -> list[Tiling]:
+  """Each leaf's :func:`factor_tiling`, a stack of layers (the layout's ``stacked``) cut layer
+  by layer."""
+  layout = settings.layout
+  stacked = (
+      [False] * len(jax.tree.leaves(params)) if layout is None else layout.stacked_leaves(params)
+  )
+  return [factor_tiling(settings.block_size, settings.blocking, s) for s in stacked]
+
+
+def _init_leaf(
+    param, blocks: ShardBlocks, tiling: Tiling, settings: _Settings
+) -> ShampooParamState:
   """One param's state: statistics ``matrix_epsilon * I``, roots ``I`` (None when every step
   refreshes them), zero moments, all in the param's dtype."""
   eye = [jnp.eye(b, dtype=param.dtype) for b in blocks.sizes]
-  stacks = lambda xs: blocked.grid_stacks(
-      xs, blocks, factor_tiling(settings.block_size, settings.blocking)
-  )
+  stacks = lambda xs: blocked.grid_stacks(xs, blocks, tiling)
   return ShampooParamState(
       stats=stacks([symmetric.pack(settings.matrix_epsilon * e) for e in eye]),
       roots=stacks(eye) if settings.keeps_roots else None,
@@ -231,7 +240,8 @@ def _shampoo_init(params, settings: _Settings) -> ShampooState:
   """``scale_by_shampoo``'s state for ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   blocks = _blocks_per_leaf(params, settings)
-  per_param = [_init_leaf(p, b, settings) for p, b in zip(leaves, blocks)]
+  tilings = _tilings(params, settings)
+  per_param = [_init_leaf(*leaf, settings) for leaf in zip(leaves, blocks, tilings)]
   return ShampooState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
 
 
@@ -292,6 +302,18 @@ def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
   return (direction + beta1 * momentum if nesterov else momentum), momentum
 
 
+def _norm(x: jax.Array, scanned: bool) -> jax.Array:
+  """``x``'s Frobenius norm; a stack of layers' (``scanned``), one per layer, broadcastable.
+
+  Example:
+      >>> _norm(jnp.ones((2, 3, 3)), True).ravel().tolist(), float(_norm(jnp.ones((2, 2)), False))
+      ([3.0, 3.0], 2.0)
+  """
+  if not scanned:
+    return jnp.linalg.norm(x)
+  return jnp.sqrt(jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)), keepdims=True))
+
+
 def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Settings):
   """One param's direction and new state; ``factors``: its blocks' (stats, roots, direction)."""
   graft = (settings.graft_type, settings.beta2, settings.epsilon)
@@ -306,7 +328,9 @@ def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Setting
   stats, roots, direction = state.stats, state.roots, graft_dir
   if factors is not None:
     stats, roots, precond = factors
-    scale = jnp.linalg.norm(graft_dir) / (jnp.linalg.norm(precond) + _NORM_EPS)
+    scale = _norm(graft_dir, state.stats.tiling.scanned) / (
+        _norm(precond, state.stats.tiling.scanned) + _NORM_EPS
+    )
     preconditioning = count >= settings.start_preconditioning_step
     direction = jnp.where(preconditioning, precond * scale, graft_dir)
   direction, new_momentum = _with_momentum(
@@ -399,7 +423,7 @@ def scale_by_shampoo(
     nesterov: Nesterov momentum ``d + beta1 m`` instead of ``m``.
     exponent_override: use ``S^{-1/p}`` with this p instead of 2 * factors.
     layout: the params' specs and mesh (:class:`ParamLayout`): blocks inside one
-      device's shard are updated there.
+      device's shard are updated there; its ``stacked`` leaves are cut layer by layer.
     blocking: "tiles" (the param's fixed grid of ``block_size`` tiles on any mesh)
       or "local" (each shard's own blocks, mesh-dependent math; see
       :func:`~bv_sharding.optimizers.tiles.shard_blocks`).
