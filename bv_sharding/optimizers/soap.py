@@ -156,8 +156,11 @@ class MergedTiling(Tiling):
   max_precond_dim: int = 10000
 
   def blocks(self, shape, spec, mesh) -> ShardBlocks:
-    merged = merged_shape(tuple(shape), self.max_precond_dim)
-    return super().blocks(merged, merged_spec(shape, spec, self.max_precond_dim), mesh)
+    layers = int(self.scanned)  # A stack of layers keeps its layer axis; each layer is merged.
+    spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    merged = merged_shape(tuple(shape[layers:]), self.max_precond_dim)
+    merged_of = merged_spec(shape[layers:], spec[layers:], self.max_precond_dim)
+    return super().blocks((*shape[:layers], *merged), (*spec[:layers], *merged_of), mesh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +182,8 @@ class _Settings:
   basis_tol: float = 0.0
 
 
-def _tiling(settings: _Settings) -> Tiling:
-  tiling = factor_tiling(settings.block_size, settings.blocking)
+def _tiling(settings: _Settings, scanned: bool = False) -> Tiling:
+  tiling = factor_tiling(settings.block_size, settings.blocking, scanned)
   if not settings.merge_dims:
     return tiling
   return MergedTiling(**dataclasses.asdict(tiling), max_precond_dim=settings.max_precond_dim)
@@ -203,20 +206,27 @@ def rotated_dims(shape, max_precond_dim: int, merge_dims=False, precondition_1d=
   return tuple(i for i, d in enumerate(kept) if d <= max_precond_dim)
 
 
-def _leaf_plans(params, settings: _Settings) -> list[tuple[ShardBlocks | None, tuple]]:
-  """Each leaf's (blocks, rotated dims); blocks None where no dim is rotated."""
+def _leaf_plans(params, settings: _Settings) -> list[tuple[ShardBlocks | None, tuple, Tiling]]:
+  """Each leaf's (blocks, rotated dims, tiling); blocks None where no dim is rotated. A stack of
+  layers (the layout's ``stacked``) is cut and rotated layer by layer."""
   leaves = jax.tree.leaves(params)
+  layout = settings.layout
+  stacked = [False] * len(leaves) if layout is None else layout.stacked_leaves(params)
   dims = [
-      rotated_dims(x.shape, settings.max_precond_dim, settings.merge_dims, settings.precondition_1d)
-      for x in leaves
+      rotated_dims(
+          x.shape[int(s) :], settings.max_precond_dim, settings.merge_dims, settings.precondition_1d
+      )
+      for x, s in zip(leaves, stacked)
   ]
-  tilings = [_tiling(settings) if d else None for d in dims]
-  return list(zip(blocked.param_blocks(params, settings.layout, tilings), dims))
+  tilings = [_tiling(settings, s) for s in stacked]
+  rotated = [t if d else None for t, d in zip(tilings, dims)]
+  return list(zip(blocked.param_blocks(params, settings.layout, rotated), dims, tilings))
 
 
-def _init_leaf(param, blocks: ShardBlocks | None, dims, settings: _Settings) -> SoapParamState:
+def _init_leaf(
+    param, blocks: ShardBlocks | None, dims, tiling: Tiling, settings: _Settings
+) -> SoapParamState:
   """One param's state: statistics 0 and bases I (float32), zero moments like the param."""
-  tiling = _tiling(settings)
   eyes = [jnp.eye(blocks.sizes[d], dtype=jnp.float32) for d in dims]
   stacks = lambda xs: blocked.grid_stacks(xs, blocks, tiling) if dims else Stacks([], tiling)
   return SoapParamState(
@@ -231,7 +241,7 @@ def _soap_init(params, settings: _Settings) -> SoapState:
   """``scale_by_soap``'s state for ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   plans = _leaf_plans(params, settings)
-  per_param = [_init_leaf(p, b, d, settings) for p, (b, d) in zip(leaves, plans)]
+  per_param = [_init_leaf(p, *plan, settings) for p, plan in zip(leaves, plans)]
   return SoapState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
 
 
@@ -436,8 +446,9 @@ def _adam(g, mu, nu, first, settings: _Settings):
   return direction, jnp.where(first, old_mu, mu), jnp.where(first, old_nu, nu)
 
 
-def _finish(direction, count, settings: _Settings):
-  """The param's step from its direction: normalised (``normalize_grads``), bias-corrected
+def _finish(direction, count, settings: _Settings, scanned: bool = False):
+  """The param's step from its direction: normalised (``normalize_grads``; a stack of layers'
+  (``scanned``) layer by layer), bias-corrected
   (``correct_bias``: ``sqrt(1 - b2^t) / (1 - b1^t)``), zero on the first step.
 
   Example:
@@ -447,7 +458,9 @@ def _finish(direction, count, settings: _Settings):
   """
   (b1, b2), t = settings.betas, jnp.maximum(count, 1).astype(jnp.float32)
   if settings.normalize_grads:
-    direction = direction / (1e-30 + jnp.sqrt(jnp.mean(jnp.square(direction))))
+    axes = tuple(range(1, direction.ndim)) if scanned else None
+    rms = jnp.sqrt(jnp.mean(jnp.square(direction), axis=axes, keepdims=scanned))
+    direction = direction / (1e-30 + rms)
   if settings.correct_bias:
     direction = direction * jnp.sqrt(1.0 - b2**t) / (1.0 - b1**t)
   return jnp.where(count == 0, 0.0, direction)
@@ -489,10 +502,10 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   refresh = (count > 0) & (count % settings.precondition_frequency == 0)
   hyper = (settings.betas, settings.shampoo_beta, settings.eps, settings.basis_tol)
   # The bases change only where they are refreshed or fitted: a pool moves them back only then.
-  new_bases = refresh | _any_unfit(s.stats for s, (_, dims) in zip(per_param, plans) if dims)
+  new_bases = refresh | _any_unfit(s.stats for s, (_, dims, _) in zip(per_param, plans) if dims)
   fns: dict[tuple, Any] = {}  # One function per kind of param: like tiles pool together.
   runs = []
-  for g, s, (blocks, dims) in zip(grads, per_param, plans):
+  for g, s, (blocks, dims, _) in zip(grads, per_param, plans):
     if not dims:
       runs.append(None)
       continue
@@ -502,14 +515,16 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
     runs.append(BlockRun(blocks, fn, arrays, stacks, flags, write_when=[None, new_bases]))
   new_updates, new_per_param = [], []
   place = param_placers(settings.layout, treedef)
-  for g, s, result, put in zip(grads, per_param, blocked.run_blocked(runs), place):
+  for g, s, result, put, (_, _, tiling) in zip(
+      grads, per_param, blocked.run_blocked(runs), place, plans
+  ):
     stats, bases = s.stats, s.bases
     if result is None:
       direction, mu, nu = _adam(g, s.mu, s.nu, first, settings)
     else:
       (direction, mu, nu), (stats, bases) = result
     cast = lambda x, like: x.reshape(like.shape).astype(like.dtype)
-    new_updates.append(put(cast(_finish(direction, count, settings), g)))
+    new_updates.append(put(cast(_finish(direction, count, settings, tiling.scanned), g)))
     new_per_param.append(SoapParamState(stats, bases, put(cast(mu, s.mu)), put(cast(nu, s.nu))))
   return treedef.unflatten(new_updates), SoapState(
       optax.safe_increment(count), treedef.unflatten(new_per_param)

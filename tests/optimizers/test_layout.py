@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
 from benchmarks import traffic
-from bv_sharding.optimizers import ParamLayout, kron, same_blocking, shampoo
+from bv_sharding.optimizers import ParamLayout, kron, same_blocking, shampoo, soap
 from bv_sharding.optimizers.tiles import shard_blocks
 
 STEPS = 4
@@ -258,11 +258,17 @@ def test_a_layouts_stacked_leaves_are_krons_scanned_layers():
     np.testing.assert_array_equal(a, b)
 
 
-def test_shampoo_cuts_a_layouts_stacked_leaves_layer_by_layer():
-  """Shampoo on a layout's ``stacked`` leaf: its layers' tiles, statistics and grafting norms are
-  each layer's own, so the stack's steps are those of its layers trained as separate params."""
+@pytest.mark.parametrize("name", ["shampoo", "soap"])
+def test_shampoo_and_soap_cut_a_layouts_stacked_leaves_layer_by_layer(name):
+  """Shampoo and SOAP on a layout's ``stacked`` leaf: its layers' tiles, statistics, bases and
+  norms (Shampoo's grafting, SOAP's ``normalize_grads``) are each layer's own, so the stack's
+  steps are those of its layers trained as separate params."""
   params, mesh = _params(), _mesh().abstract_mesh
-  make = lambda layout: shampoo(1e-2, block_size=4, graft_type="adam", layout=layout)
+  make = lambda layout: (
+      shampoo(1e-2, block_size=4, graft_type="adam", layout=layout)
+      if name == "shampoo"
+      else soap(1e-2, block_size=4, precondition_frequency=2, normalize_grads=True, layout=layout)
+  )
   stacked = _run(make(ParamLayout(SPECS, mesh, stacked=SCANNED)), params)[0]["stack"]
   layers = {**params, "stack": None, "layer0": params["stack"][0], "layer1": params["stack"][1]}
   specs = {**SPECS, "stack": None, "layer0": P("data", "model"), "layer1": P("data", "model")}
