@@ -1,6 +1,8 @@
 """The run builder: one frozen record per (config, mesh), the params planned once, any mesh."""
 
+import collections
 import dataclasses
+import re
 
 import jax
 import pytest
@@ -78,24 +80,32 @@ def test_a_rule_no_param_or_activation_names_is_a_warning():
     build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
 
 
-def test_kron_preconditions_each_scanned_layer_as_its_own_matrix():
-  """The scanned model's layer stacks reach Kron as stacks of layers (the layout's ``stacked``):
-  each layer's ``(m, n)`` kernel gets its two Qs and a norm scale its diagonal, as unscanned, and
-  no ``L x L`` factor mixes the layers."""
-  config = tiny_lm("kron")
+# A second-order optimizer's factor stacks of a scanned layer's param, by state path.
+FACTORS = {
+    "kron": r"Qs_preconditioners/layers/(.+)/\d+$",
+    "shampoo": r"per_param/layers/(.+)/stats/\d+$",
+    "soap": r"per_param/layers/(.+)/(?:stats|bases)/\d+$",
+}
+
+
+@pytest.mark.parametrize("optax_name", sorted(FACTORS))
+def test_second_order_optimizers_precondition_each_scanned_layer_as_its_own_matrix(optax_name):
+  """The scanned model's layer stacks reach the optimizers as stacks of layers (the layout's
+  ``stacked``): each layer's ``(m, n)`` kernel gets a factor per dim (SOAP: a statistic and a
+  basis), a norm scale its own (none under SOAP: 1-D params train with Adam), as unscanned, each
+  stacked over the layers; no ``L x L`` factor mixes the layers."""
+  config = tiny_lm(optax_name)
   config.model.scan_layers = True
   run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
-  params = run.plan.abstract()["params"]["layers"]
-  qs = {
-      e.name.split("Qs_preconditioners/layers/")[1]: e.shape
-      for e in run.plan.entries
-      if "Qs_preconditioners/layers/" in e.name
-  }
-  assert qs
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = "/".join(str(k.key) for k in path)
-    factors = {k: s for k, s in qs.items() if k.rsplit("/", 1)[0] == name}
-    assert len(factors) == leaf.ndim - 1 and all(s[0] == leaf.shape[0] for s in factors.values()), (
-        name,
-        factors,
-    )
+  params = {e.name.removeprefix("params/layers/"): e.shape for e in run.plan.entries}
+  params = {k: v for k, v in params.items() if not k.startswith(("params/", "opt/"))}
+  factors = collections.defaultdict(list)
+  for e in run.plan.entries:
+    if found := re.search(FACTORS[optax_name], e.name):
+      factors[found.group(1)].append(e.shape)
+  assert params and factors
+  for name, shape in params.items():
+    dims = len(shape) - 1  # Each layer's.
+    expected = (2 * dims if dims > 1 else 0) if optax_name == "soap" else dims
+    assert len(factors[name]) == expected, (name, factors[name])
+    assert all(s[0] == shape[0] for s in factors[name]), (name, factors[name])
