@@ -90,7 +90,7 @@ from optax import tree_utils as otu
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked, symmetric
 from bv_sharding.optimizers.draws import TileNormal
-from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.layout import ParamLayout, stacked_leaves
 from bv_sharding.optimizers.placement import Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 from bv_sharding.optimizers.tiles import ShardBlocks
@@ -526,11 +526,9 @@ def _layers_and_blocks(params, settings) -> tuple[list[bool], list[Tiling | None
   """
   treedef = jax.tree.structure(params)
   leaves = treedef.flatten_up_to(params)
-  scanned = [False] * len(leaves)
+  scanned = stacked_leaves(settings.layout, params)
   if settings.scanned_layers is not None:
     scanned = treedef.flatten_up_to(settings.scanned_layers)
-  elif settings.layout is not None:
-    scanned = settings.layout.stacked_leaves(params)
   tilings = [
       leaf_tiling(p, s, settings.block_size, settings.blocking) for p, s in zip(leaves, scanned)
   ]

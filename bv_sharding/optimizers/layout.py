@@ -87,20 +87,6 @@ class ParamLayout:
         "specs": [[entry(e) for e in spec] for spec in specs],
     }
 
-  def stacked_leaves(self, params) -> list[bool]:
-    """Per leaf of ``params`` (flattened), whether it is a stack of layers (:attr:`stacked`).
-
-    Example:
-        >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
-        >>> ParamLayout({"a": P(), "b": P()}, mesh, stacked={"a": True, "b": False}).stacked_leaves(
-        ...     {"a": 0, "b": 0})
-        [True, False]
-    """
-    treedef = jax.tree.structure(params)
-    if self.stacked is None:
-      return [False] * treedef.num_leaves
-    return treedef.flatten_up_to(self.stacked)
-
   def blocks_of(self, params, block_size: int, scanned=None, blocking: str = "tiles") -> Any:
     """A :class:`ShardBlocks` per leaf of ``params`` (``scanned``: a bool per leaf)."""
     scanned = jax.tree.map(lambda _: False, params) if scanned is None else scanned
@@ -111,6 +97,22 @@ class ParamLayout:
         for (x, spec), s in zip(leaves, treedef.flatten_up_to(scanned))
     ]
     return treedef.unflatten(blocks)
+
+
+def stacked_leaves(layout: ParamLayout | None, params) -> list[bool]:
+  """Per leaf of ``params`` (flattened), whether ``layout`` marks it a stack of layers
+  (:attr:`ParamLayout.stacked`); none is without a layout or its ``stacked``.
+
+  Example:
+      >>> mesh = jax.sharding.AbstractMesh((2,), ("data",))
+      >>> layout = ParamLayout({"a": P(), "b": P()}, mesh, stacked={"a": True, "b": False})
+      >>> stacked_leaves(layout, {"a": 0, "b": 0}), stacked_leaves(None, {"a": 0, "b": 0})
+      ([True, False], [False, False])
+  """
+  treedef = jax.tree.structure(params)
+  if layout is None or layout.stacked is None:
+    return [False] * treedef.num_leaves
+  return treedef.flatten_up_to(layout.stacked)
 
 
 def param_placers(layout: ParamLayout | None, treedef) -> list:

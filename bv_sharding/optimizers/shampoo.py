@@ -77,7 +77,7 @@ import optax
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked, symmetric
-from bv_sharding.optimizers.layout import ParamLayout, param_placers
+from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 from bv_sharding.optimizers.tiles import ShardBlocks
@@ -214,10 +214,7 @@ def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
 def _tilings(params, settings: _Settings) -> list[Tiling]:
   """Each leaf's :func:`factor_tiling`, a stack of layers (the layout's ``stacked``) cut layer
   by layer."""
-  layout = settings.layout
-  stacked = (
-      [False] * len(jax.tree.leaves(params)) if layout is None else layout.stacked_leaves(params)
-  )
+  stacked = stacked_leaves(settings.layout, params)
   return [factor_tiling(settings.block_size, settings.blocking, s) for s in stacked]
 
 

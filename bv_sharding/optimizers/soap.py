@@ -67,7 +67,7 @@ import optax
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked, symmetric
-from bv_sharding.optimizers.layout import ParamLayout, param_placers
+from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.shampoo import factor_tiling
 from bv_sharding.optimizers.shard_run import BlockRun
@@ -210,8 +210,7 @@ def _leaf_plans(params, settings: _Settings) -> list[tuple[ShardBlocks | None, t
   """Each leaf's (blocks, rotated dims, tiling); blocks None where no dim is rotated. A stack of
   layers (the layout's ``stacked``) is cut and rotated layer by layer."""
   leaves = jax.tree.leaves(params)
-  layout = settings.layout
-  stacked = [False] * len(leaves) if layout is None else layout.stacked_leaves(params)
+  stacked = stacked_leaves(settings.layout, params)
   dims = [
       rotated_dims(
           x.shape[int(s) :], settings.max_precond_dim, settings.merge_dims, settings.precondition_1d
