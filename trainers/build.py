@@ -110,7 +110,9 @@ def build(config, mesh) -> Run:
         stacklevel=2,
     )
   params = bvs.plan({"params": params_shapes}, strategy, mesh, rules=rules)
-  layout = optimizers.ParamLayout.from_plan(params, axes.stacked_layers(params_shapes))
+  layout = optimizers.ParamLayout.from_plan(
+      params, bvs.optimizers.layer_stacks(params_shapes, axes.LAYERS)
+  )
   tx, learning_rates = optimizer(config, layout)
   # Complete: block stacks are where the optimizer runs them (their Stacks declare it).
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)

@@ -20,7 +20,7 @@ Example:
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers.axes import auto_axes_update
 from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
-from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.layout import ParamLayout, layer_stacks
 from bv_sharding.optimizers.migration import BuiltOptimizer, migrate_state
 from bv_sharding.optimizers.muon import muon, scale_by_muon
 from bv_sharding.optimizers.placement import Stacks, Tiling
@@ -46,6 +46,7 @@ __all__ = [
     "auto_axes_update",
     "compute_dtype",
     "kron",
+    "layer_stacks",
     "migrate_state",
     "muon",
     "precond_update_prob_schedule",

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,7 +37,8 @@ class ParamLayout:
   ``mesh`` is a ``jax.sharding.Mesh`` (the optimizer runs its blocks in
   ``shard_map``) or an ``AbstractMesh`` (same blocks, computed on global arrays).
   ``stacked``: a bool per param leaf (a tree like ``specs``), True where the leaf's dim 0 is a
-  stack of layers (``flax.linen.scan``'s params), or None: none is. Kron (unless given
+  stack of layers (``flax.linen.scan``'s params; :func:`layer_stacks` reads them from flax's
+  logical names), or None: none is. Kron (unless given
   ``scanned_layers`` itself) and Shampoo then precondition each layer of such a leaf as its own
   matrix, as they do the same layers unscanned.
   A training loop builds it from the plan of the params with :meth:`from_plan`. The mesh
@@ -97,6 +99,22 @@ class ParamLayout:
         for (x, spec), s in zip(leaves, treedef.flatten_up_to(scanned))
     ]
     return treedef.unflatten(blocks)
+
+
+def layer_stacks(params, axis: str = "layers") -> Any:
+  """A bool per leaf of ``params`` (flax boxes, as a model's ``init`` returns them): whether
+  its first logical axis is ``axis``, the layer axis ``nn.scan(...,
+  metadata_params={nn.PARTITION_NAME: axis})`` adds; for ``ParamLayout.from_plan(plan,
+  layer_stacks(params))``.
+
+  Example:
+      >>> import flax.linen as nn, jax.numpy as jnp
+      >>> w = nn.LogicallyPartitioned(jnp.zeros((3, 2, 2)), ("layers", "embed", "mlp"))
+      >>> layer_stacks({"w": w, "b": jnp.zeros(2)})
+      {'b': False, 'w': True}
+  """
+  boxed = lambda x: isinstance(x, nn.Partitioned)
+  return jax.tree.map(lambda x: boxed(x) and x.names[:1] == (axis,), params, is_leaf=boxed)
 
 
 def stacked_leaves(layout: ParamLayout | None, params) -> list[bool]:

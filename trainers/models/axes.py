@@ -49,21 +49,6 @@ def unused_rules(rules, params) -> list[str]:
   return [name for name, _ in rules if name not in names | ACTIVATION_NAMES | {LAYERS}]
 
 
-def stacked_layers(params):
-  """A bool per leaf of ``params`` (flax boxes, as ``init`` returns them): whether its dim 0 is
-  the scanned layer axis (:data:`LAYERS`), for ``ParamLayout.from_plan(plan, stacked)``.
-
-  Example:
-    >>> params = {"w": nn.LogicallyPartitioned(jnp.zeros((3, 2, 2)), (LAYERS, "embed", "mlp"))}
-    >>> stacked_layers({**params, "b": jnp.zeros(2)})
-    {'b': False, 'w': True}
-  """
-  names = lambda x: x.names if isinstance(x, nn.Partitioned) else ()
-  return jax.tree.map(
-      lambda x: names(x)[:1] == (LAYERS,), params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
-  )
-
-
 def explicit_spec(names, shape) -> PartitionSpec | None:
   """The spec the rules give ``names`` over the current mesh's Explicit axes, for an array of
   ``shape``; ``None`` where nothing is Explicit or no rules are set.
