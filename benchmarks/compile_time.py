@@ -18,7 +18,8 @@ and the seconds it spent on them, emitting each fusion and LLVM compiling them
 optimizers of one run.
 
   python -m benchmarks.compile_time [--configs lm:size=small,lm:size=medium] \
-      [--optimizers adamw,kron,shampoo,muon] [--rounds 2] [--kernels] [--devices 8]
+      [--optimizers adamw,kron,shampoo,muon] [--rounds 2] [--kernels] [--devices 8] \
+      [--scan_layers true|false]
 """
 
 import os
@@ -116,15 +117,19 @@ def compile_once(config, kernels: bool = False) -> dict:
 
 
 def rounds(
-    spec: str, optimizers: list[str], count: int, kernels: bool = False
+    spec: str, optimizers: list[str], count: int, kernels: bool = False, scan: bool | None = None
 ) -> dict[str, list[dict]]:
   """Per optimizer, its :func:`compile_once` of each round, the optimizers alternating;
-  each with its ``ratio``: CPU seconds over the same round's first optimizer's."""
+  each with its ``ratio``: CPU seconds over the same round's first optimizer's. ``scan``: the
+  model's ``scan_layers`` (None: as configured)."""
   out = {name: [] for name in optimizers}
   for _ in range(count):
     first = None
     for name in optimizers:
-      r = compile_once(config_for(spec, name), kernels)
+      config = config_for(spec, name)
+      if scan is not None:
+        config.model.scan_layers = scan
+      r = compile_once(config, kernels)
       first = first or r["cpu"]
       out[name].append({**r, "ratio": r["cpu"] / first})
   return out
@@ -152,6 +157,11 @@ def main(argv=None):
   parser.add_argument(
       "--devices", type=int, default=8, help="simulated devices (1: no collective at all)"
   )
+  parser.add_argument(
+      "--scan_layers",
+      default="",
+      help="true or false: the model's scan_layers (default: the config's)",
+  )
   args = parser.parse_args(argv)
   # Here, not on import: the tests import this module and keep their shared cache (and
   # their devices: jax starts its backend on the first compile, after this).
@@ -164,9 +174,11 @@ def main(argv=None):
       f"CPU x {optimizers[0]} | instructions |{extra}"
   )
   print("|---|---|---|---|---|---|---|---|" + "---|" * (2 if args.kernels else 0))
+  scan = {"": None, "true": True, "false": False}[args.scan_layers]
   for spec in config_specs(args.configs):
-    for name, measured in rounds(spec, optimizers, args.rounds, args.kernels).items():
-      print(row(spec, name, measured), flush=True)
+    label = spec if scan is None else f"{spec} (scan_layers={args.scan_layers})"
+    for name, measured in rounds(spec, optimizers, args.rounds, args.kernels, scan).items():
+      print(row(label, name, measured), flush=True)
 
 
 if __name__ == "__main__":
