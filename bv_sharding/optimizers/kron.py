@@ -526,8 +526,9 @@ def _layers_and_blocks(params, settings) -> tuple[list[bool], list[Tiling | None
   """
   treedef = jax.tree.structure(params)
   leaves = treedef.flatten_up_to(params)
-  scanned = stacked_leaves(settings.layout, params)
-  if settings.scanned_layers is not None:
+  if settings.scanned_layers is None:
+    scanned = stacked_leaves(settings.layout, params)
+  else:
     scanned = treedef.flatten_up_to(settings.scanned_layers)
   tilings = [
       leaf_tiling(p, s, settings.block_size, settings.blocking) for p, s in zip(leaves, scanned)

@@ -38,9 +38,9 @@ class ParamLayout:
   ``shard_map``) or an ``AbstractMesh`` (same blocks, computed on global arrays).
   ``stacked``: a bool per param leaf (a tree like ``specs``), True where the leaf's dim 0 is a
   stack of layers (``flax.linen.scan``'s params; :func:`layer_stacks` reads them from flax's
-  logical names), or None: none is. Kron (unless given
-  ``scanned_layers`` itself) and Shampoo then precondition each layer of such a leaf as its own
-  matrix, as they do the same layers unscanned.
+  logical names), or None: none is. Kron (unless given ``scanned_layers`` itself), Shampoo
+  and SOAP then precondition each layer of such a leaf as its own matrix, as they do the same
+  layers unscanned.
   A training loop builds it from the plan of the params with :meth:`from_plan`. The mesh
   is kept with Auto axes (:func:`~bv_sharding.optimizers.axes.auto_mesh`): the registry's
   updates run in Auto axes on any mesh (``axes.py``).

@@ -236,8 +236,8 @@ def _init_leaf(
 def _shampoo_init(params, settings: _Settings) -> ShampooState:
   """``scale_by_shampoo``'s state for ``params``."""
   leaves, treedef = jax.tree.flatten(params)
-  blocks = _blocks_per_leaf(params, settings)
   tilings = _tilings(params, settings)
+  blocks = blocked.param_blocks(params, settings.layout, tilings)
   per_param = [_init_leaf(*leaf, settings) for leaf in zip(leaves, blocks, tilings)]
   return ShampooState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
 
