@@ -11,7 +11,11 @@ params will be: no argument beyond big_vision's ``make(config, params, sched_kw=
 ``make`` gets the params unboxed (``nn.unbox(params_shape)``), so a
 ``logical_partitioning`` op sees no flax names there and the strategy's next op decides;
 big_vision's own models carry no names, and a model that does gets the same math with
-its blocks gathered to this layout.
+its blocks gathered to this layout. For the same reason the layers a model stacks with
+``nn.scan`` (big_vision's ViT with ``scan=True``: ``Transformer/encoderblock/...``, dim 0 the
+depth) are named by the config: ``config.scanned_layers``, a regex or a list of them over the
+param names as ``config.schedule``'s (:func:`scanned_layers`). Kron, Shampoo and SOAP then
+precondition each layer of those params as its own matrix, as they would the layers unscanned.
 
 Example:
   >>> import jax
@@ -27,12 +31,14 @@ import warnings
 import jax
 from jax.experimental import mesh_utils
 
-from bv_sharding.errors import ShardingWarning
+from bv_sharding import names
+from bv_sharding.big_vision.masks import first_match
+from bv_sharding.errors import ConfigError, ShardingWarning
 from bv_sharding.mesh import axis_sizes
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.planning import plan
 
-__all__ = ["DEFAULT_RULES", "DEFAULT_STRATEGY", "layout_of", "mesh_of"]
+__all__ = ["DEFAULT_RULES", "DEFAULT_STRATEGY", "layout_of", "mesh_of", "scanned_layers"]
 
 DEFAULT_STRATEGY = ((".*", "replicate"),)  # train.py's defaults when the config has none.
 DEFAULT_RULES = (("act_batch", "data"),)
@@ -61,11 +67,57 @@ def layout_of(config, params) -> ParamLayout:
 
   The params are planned as ``train.py``'s ``{"params": ...}`` so the strategy's regexes see
   the same names; its warnings (an ``opt/...`` entry matching no param) are left to the
-  train state's own plan.
+  train state's own plan. Its ``stacked`` leaves are :func:`scanned_layers`'.
+
+  Raises:
+    ConfigError: a ``config.scanned_layers`` mistake (:func:`scanned_layers`).
+    ShardingError: a ``config.mesh`` that does not fit the devices, or a strategy mistake.
   """
+  stacked = scanned_layers(config, params)
   strategy = config.get("sharding_strategy") or list(DEFAULT_STRATEGY)
   rules = config.get("sharding_rules") or list(DEFAULT_RULES)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", ShardingWarning)
     params_plan = plan({"params": params}, strategy, mesh_of(config), rules=rules)
-  return ParamLayout.from_plan(params_plan)
+  return ParamLayout.from_plan(params_plan, stacked)
+
+
+def scanned_layers(config, params):
+  """A bool per leaf of ``params``: whether ``config.scanned_layers`` (a regex, or a list of
+  them, fullmatching the ``/``-joined param names as ``config.schedule``'s do) names it a
+  stack of layers, dim 0 the layers (``nn.scan``'s params); None without the key.
+
+  Example:
+      >>> params = {"encoderblock": {"kernel": jax.ShapeDtypeStruct((12, 64, 64), "float32")},
+      ...           "head": {"kernel": jax.ShapeDtypeStruct((64, 10), "float32")}}
+      >>> scanned_layers({"scanned_layers": "encoderblock/.*"}, params)
+      {'encoderblock': {'kernel': True}, 'head': {'kernel': False}}
+
+  Raises:
+    ConfigError: a value that is not a regex or a list of them, a regex that names no
+      param, or a named param of fewer than 2 dims (no layer of it is a matrix or a vector).
+  """
+  patterns = config.get("scanned_layers")
+  if patterns is None:
+    return None
+  patterns = [patterns] if isinstance(patterns, str) else patterns
+  if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) for p in patterns):
+    raise ConfigError(
+        f"config.scanned_layers={patterns!r}: write a regex of the stacked params' names, or a "
+        'list of them, e.g. "Transformer/encoderblock/.*"'
+    )
+  named = names.flatten(params)[0]
+  for pattern in patterns:
+    if not any(jax.tree.leaves(first_match([pattern], "config.scanned_layers", False)(params))):
+      raise ConfigError(
+          f"config.scanned_layers regex {pattern!r} names no param; the names look like "
+          f"{named[0][0]!r} (a regex fullmatches the whole name)"
+      )
+  stacked = first_match(patterns, "config.scanned_layers", cover=False)(params)
+  for (name, x), flag in zip(named, jax.tree.leaves(stacked)):
+    if flag and len(x.shape) < 2:
+      raise ConfigError(
+          f"config.scanned_layers names {name!r} of shape {tuple(x.shape)}: a stack of layers "
+          "has the layers on dim 0 and each layer's own dims after it; leave it out of the regex"
+      )
+  return stacked

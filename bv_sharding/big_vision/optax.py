@@ -33,14 +33,13 @@ Example:
 """
 
 import operator
-import re
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import optax
 
-from bv_sharding import names
 from bv_sharding.big_vision.layout import layout_of
+from bv_sharding.big_vision.masks import first_match
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.big_vision.transformations import takes_layout, transformation
 from bv_sharding.errors import ConfigError
@@ -68,7 +67,9 @@ def make(config, params, *, sched_kw: Mapping) -> tuple[optax.GradientTransforma
 
   Args:
     config: ``optax_name``, ``lr``, and optionally ``optax``, ``schedule``, ``wd``,
-      ``wd_mults``, ``lr_mults``, ``grad_clip_norm``.
+      ``wd_mults``, ``lr_mults``, ``grad_clip_norm``; for the library's optimizers also
+      ``mesh``, ``sharding_strategy``, ``sharding_rules`` and ``scanned_layers``
+      (:func:`~bv_sharding.big_vision.layout.layout_of`).
     params: the (unboxed) params or their shapes; the regexes are checked against them,
       and the library's optimizers are laid out on them (module docstring).
     sched_kw: ``total_steps`` and optionally ``batch_size``, ``data_size``.
@@ -79,7 +80,8 @@ def make(config, params, *, sched_kw: Mapping) -> tuple[optax.GradientTransforma
 
   Raises:
     ConfigError: a key big_vision retired, an unknown name or argument, a schedule key or
-      value big_vision rejects, or a param no ``config.schedule`` regex takes.
+      value big_vision rejects, a param no ``config.schedule`` regex takes, or a
+      ``config.scanned_layers`` mistake.
     ShardingError: for the library's optimizers, a ``config.mesh`` that does not fit the
       devices or a strategy mistake.
   """
@@ -93,10 +95,16 @@ def make(config, params, *, sched_kw: Mapping) -> tuple[optax.GradientTransforma
     )
   entries = schedule_entries(config)
   schedules = [None if s is None else make_schedule(1.0, **sched_kw, **s) for _, s in entries]
-  _first_match([regex for regex, _ in entries], "config.schedule", cover=True)(params)
-  name = config["optax_name"]
+  first_match([regex for regex, _ in entries], "config.schedule", cover=True)(params)
+  name, kwargs = config["optax_name"], optax_kwargs(config)
+  if isinstance(kwargs.get("scanned_layers"), str):
+    raise ConfigError(
+        f"config.optax.scanned_layers={kwargs['scanned_layers']!r}: name the stacked params "
+        "with config.scanned_layers instead (a regex of their names, read for every library "
+        "optimizer)"
+    )
   layout = layout_of(config, params) if takes_layout(name) else None
-  tx = chain(config, transformation(name, optax_kwargs(config), layout), schedules)
+  tx = chain(config, transformation(name, kwargs, layout), schedules)
   return tx, [s for s in schedules if s is not None]
 
 
@@ -110,7 +118,7 @@ def chain(config, tx: optax.GradientTransformation, schedules: Sequence):
   entries = schedule_entries(config)
   patterns = [regex for regex, _ in entries]
   frozen_flags = [s is None for s in schedules]
-  frozen = _first_match(patterns, "config.schedule", cover=True, pick=frozen_flags)
+  frozen = first_match(patterns, "config.schedule", cover=True, pick=frozen_flags)
   trainable = _negated(frozen)
   clip = config.get("grad_clip_norm")
   lr_mults = _pairs(config, "lr_mults", ())
@@ -228,7 +236,7 @@ def replace_frozen(schedule, pytree, replacement, log=None):
     return pytree
   entries = schedule_entries({"schedule": schedule})
   flags = [s is None for _, s in entries]
-  frozen = _first_match([r for r, _ in entries], "config.schedule", cover=True, pick=flags)
+  frozen = first_match([r for r, _ in entries], "config.schedule", cover=True, pick=flags)
   return jax.tree.map(lambda v, f: replacement if f else v, pytree, frozen(pytree))
 
 
@@ -246,44 +254,11 @@ def _pairs(config, key: str, default) -> tuple:
 def _nth(pairs: Sequence, i: int, where: str) -> Callable:
   """Mask of the leaves whose first matching regex among ``pairs`` is entry ``i``."""
   flags = [j == i for j in range(len(pairs))]
-  return _first_match([regex for regex, _ in pairs], where, cover=False, pick=flags)
+  return first_match([regex for regex, _ in pairs], where, cover=False, pick=flags)
 
 
 def _negated(mask: Callable) -> Callable:
   return lambda tree: jax.tree.map(operator.not_, mask(tree))
-
-
-def _first_match(patterns: Sequence[str], where: str, cover: bool, pick=None) -> Callable:
-  """``tree -> bool tree``: per leaf, ``pick[i]`` for the first pattern ``i`` it fullmatches
-  (``False`` for none); ``pick=None`` marks every matched leaf. Boxes count as leaves.
-
-  Raises:
-    ConfigError: a pattern starting with ``/``; when the mask is computed, with ``cover``, a
-      leaf that no pattern matches.
-  """
-  for pattern in patterns:
-    if pattern.startswith("/"):
-      raise ConfigError(
-          f"{where} regex {pattern!r} starts with '/', which no param name does; write "
-          f"{pattern.lstrip('/')!r}"
-      )
-  compiled = [re.compile(p) for p in patterns]
-  pick = [True] * len(compiled) if pick is None else list(pick)
-
-  def mask(tree):
-    named, treedef = names.flatten(tree)
-    flags = []
-    for name, _ in named:
-      first = next((i for i, c in enumerate(compiled) if c.fullmatch(name)), None)
-      if first is None and cover:
-        raise ConfigError(
-            f"param {name!r} matches no regex of {where} {list(patterns)}; every param must be "
-            "covered: add a '.*' entry, or (regex, None) to freeze it"
-        )
-      flags.append(first is not None and pick[first])
-    return jax.tree.unflatten(treedef, flags)
-
-  return mask
 
 
 def _plain(value) -> dict:

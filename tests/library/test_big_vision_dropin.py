@@ -312,6 +312,99 @@ def test_big_visions_flow_places_and_trains_each_optimizer_name(optimizer, model
   assert [p for p in placements if p[1] != p[2]] == []
 
 
+class EncoderBlock(nn.Module):
+  """One layer of :class:`ScannedViT`: attention (3-D kernels), an MLP kernel, a norm scale."""
+
+  @nn.compact
+  def __call__(self, x, _):
+    x = x + nn.MultiHeadDotProductAttention(num_heads=8, use_bias=False, name="attention")(x, x)
+    x = x + nn.Dense(64, use_bias=False, name="mlp")(nn.LayerNorm(use_bias=False, name="norm")(x))
+    return x, None
+
+
+class ScannedViT(nn.Module):
+  """big_vision's ViT with ``scan=True`` in small: the encoder's layers stacked by ``nn.scan``
+  under ``encoderblock`` (dim 0 the depth), no logical names, as big_vision's models."""
+
+  depth: int = 2
+
+  @nn.compact
+  def __call__(self, images):
+    x = nn.Conv(64, (4, 4), strides=(4, 4), use_bias=False, name="embedding")(images)
+    x = x.reshape(x.shape[0], -1, 64)
+    scan = nn.scan(
+        EncoderBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.depth
+    )
+    x, _ = scan(name="encoderblock")(x, None)
+    return nn.Dense(16, use_bias=False, name="head")(x.mean(axis=1))
+
+
+SECOND_ORDER = {
+    **{name: OPTIMIZERS[name] for name in ("kron", "shampoo")},
+    "soap": ("bv_sharding.scale_by_soap", dict(block_size=32), 3e-3),
+}
+
+
+def _stack_tilings(opt_shape) -> dict:
+  """Per param name under the state's block stacks, the tiling that cut it and its stacks'
+  shapes."""
+  found = {}
+  is_stacks = lambda x: isinstance(x, Stacks)
+  for path, node in jax.tree_util.tree_flatten_with_path(opt_shape, is_leaf=is_stacks)[0]:
+    if is_stacks(node):
+      name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+      found[name] = (node.tiling, [x.shape for x in node])
+  return found
+
+
+@pytest.mark.parametrize("optimizer", sorted(SECOND_ORDER))
+def test_config_scanned_layers_precondition_each_stacked_layer_as_its_own_matrix(optimizer):
+  """``config.scanned_layers`` names the stacks of a scanned ViT: Kron, Shampoo and SOAP cut
+  each layer of them on its own (no factor spans the layers), and only of them; without the
+  key the depth is one more tensor dim to them. Kron's flow trains and is placed as planned."""
+  name, kwargs, lr = SECOND_ORDER[optimizer]
+  model = ScannedViT()
+  config = dict(
+      optax_name=name,
+      optax=kwargs,
+      lr=lr,
+      schedule=dict(decay_type="cosine", warmup_steps=1),
+      mesh=[("data", -1)],
+      sharding_strategy=[(".*", 'fsdp(axis="data", min_size_to_shard_mb=0)')],
+      sharding_rules=[("act_batch", "data")],
+  )
+  example = jnp.zeros((16, 16, 16, 3))
+  params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), example)["params"]))
+  shapes = lambda config: _stack_tilings(
+      jax.eval_shape(bv_optax.make(config, params, sched_kw=dict(total_steps=4))[0].init, params)
+  )
+  scanned = shapes({**config, "scanned_layers": "encoderblock/.*"})
+  plain = shapes(config)
+  stacked = {k: v for k, v in scanned.items() if "encoderblock" in k}
+  assert stacked and scanned.keys() <= plain.keys()  # Kron: a layer's norm scale is a vector
+  for key, (tiling, _) in scanned.items():
+    assert tiling.scanned == (key in stacked), key
+    assert not plain[key][0].scanned
+  for key, (_, stacks) in stacked.items():
+    # Each factor stacked over the 2 layers, none 2 x 2 (the depth's own factor, unscanned).
+    assert all(shape[0] == 2 for shape in stacks), (key, stacks)
+    assert plain[key][1] != stacks, key
+    assert not any(shape[-2:] == (2, 2) for shape in stacks), (key, stacks)
+  if optimizer == "kron":
+    config["scanned_layers"] = ["encoderblock/.*"]
+    config["lr"] = 0.03
+    batch = _batch(0)
+    flow = train_state_flow(
+        config, model, example, batch, _classifier_loss(model), mesh_of(config), steps=4
+    )
+    assert flow.losses[-1] < 0.9 * flow.losses[0], flow.losses
+    assert jax.tree.map(lambda x: x.sharding, flow.state["opt"]) == flow.shardings["opt"]
+    placements = _stack_placements(
+        flow.opt_shape, flow.params_shape, flow.shardings, mesh_of(config)
+    )
+    assert placements and [p for p in placements if p[1] != p[2]] == []
+
+
 def _params(tree: dict) -> dict:
   root = {}
   for name, (shape, dtype) in tree.items():
@@ -422,6 +515,22 @@ def test_big_visions_own_sgd_keeps_no_state_and_momentum_hp_keeps_bfloat16():
         (dict(lr_mults=[(".*", 0.0)]), ["must be > 0", "(regex, None)"]),
         (dict(wd=0.1, wd_mults=[("/.*", 1.0)]), ["config.wd_mults regex '/.*'", "write '.*'"]),
         (dict(schedule=dict(decay_typ="cosine")), ["did you mean 'decay_type'"]),
+        (
+            dict(optax_name="bv_sharding.scale_by_kron", scanned_layers="enc/.*"),
+            ["config.scanned_layers regex 'enc/.*' names no param", "'img/w'"],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_kron", scanned_layers=["img/.*"]),
+            ["names 'img/w' of shape (2,)", "leave it out"],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_shampoo", scanned_layers=3),
+            ["config.scanned_layers=3", "regex"],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_kron", optax=dict(scanned_layers="img/.*")),
+            ["config.optax.scanned_layers='img/.*'", "config.scanned_layers instead"],
+        ),
     ],
 )
 def test_section_mistakes_raise_the_librarys_error_naming_the_fix(values, fragments):
