@@ -2,7 +2,9 @@
 
 Read by big_vision (``--config tiny_vit.py:OPTAX_NAME[,KEY=VALUE...]``): the argument names
 ``config.optax_name`` and the ``config.optax`` arguments, e.g.
-``tiny_vit.py:bv_sharding.scale_by_shampoo,block_size=32,graft_type='adam'``. The data's
+``tiny_vit.py:bv_sharding.scale_by_shampoo,block_size=32,graft_type='adam'``; the one key
+``scan=True`` is not the optimizer's: it scans the encoder's blocks (big_vision's
+``config.model.scan``) and names their stacks in ``config.scanned_layers``. The data's
 ``.jsonl`` (``make_data.py``) is set with ``--config.input.data.fname``; ``run.sh`` does both.
 
 A ViT of width 64, 2 blocks, 4 heads, patch 8 on 32x32 images of 8 classes, batch 32,
@@ -28,6 +30,7 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
   """The config; ``arg`` is ``OPTAX_NAME[,KEY=VALUE...]`` (default ``scale_by_adam``)."""
   name, *pairs = (arg or "scale_by_adam").split(",")
   optax = {k: _value(v) for k, v in (pair.split("=", 1) for pair in pairs)}
+  scan = optax.pop("scan", False)
 
   config = mlc.ConfigDict()
   config.seed = 0
@@ -51,8 +54,17 @@ def get_config(arg: str | None = None) -> mlc.ConfigDict:
 
   config.model_name = "vit"
   config.model = dict(
-      variant="mu/8", width=64, depth=2, mlp_dim=256, num_heads=4, rep_size=True, pool_type="tok"
+      variant="mu/8",
+      width=64,
+      depth=2,
+      mlp_dim=256,
+      num_heads=4,
+      rep_size=True,
+      pool_type="tok",
+      scan=scan,
   )
+  if scan:  # Each layer of the scanned blocks is its own matrix to Kron, Shampoo and SOAP.
+    config.scanned_layers = "Transformer/encoderblock/.*"
 
   config.optax_name = name
   config.optax = optax
