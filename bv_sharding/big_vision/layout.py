@@ -106,18 +106,21 @@ def scanned_layers(config, params):
         f"config.scanned_layers={patterns!r}: write a regex of the stacked params' names, or a "
         'list of them, e.g. "Transformer/encoderblock/.*"'
     )
-  named = names.flatten(params)[0]
-  for pattern in patterns:
-    if not any(jax.tree.leaves(first_match([pattern], "config.scanned_layers", False)(params))):
+  named, treedef = names.flatten(params)
+  masks = [
+      jax.tree.leaves(first_match([p], "config.scanned_layers", False)(params)) for p in patterns
+  ]
+  for pattern, mask in zip(patterns, masks):
+    if not any(mask):
       raise ConfigError(
           f"config.scanned_layers regex {pattern!r} names no param; the names look like "
           f"{named[0][0]!r} (a regex fullmatches the whole name)"
       )
-  stacked = first_match(patterns, "config.scanned_layers", cover=False)(params)
-  for (name, x), flag in zip(named, jax.tree.leaves(stacked)):
+  stacked = [any(flags) for flags in zip(*masks)]
+  for (name, x), flag in zip(named, stacked):
     if flag and len(x.shape) < 2:
       raise ConfigError(
           f"config.scanned_layers names {name!r} of shape {tuple(x.shape)}: a stack of layers "
           "has the layers on dim 0 and each layer's own dims after it; leave it out of the regex"
       )
-  return stacked
+  return jax.tree.unflatten(treedef, stacked)
