@@ -34,8 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
-from bv_sharding.optimizers import draws, moves
-from bv_sharding.optimizers.placement import spread, stored
+from bv_sharding.optimizers import draws, moves, ordering
+from bv_sharding.optimizers.placement import spread, stored, stored_spec
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
 
@@ -135,9 +135,10 @@ def like_groups(runs: Sequence[BlockRun]) -> list[list[int]]:
   return list(groups.values())
 
 
-def run_pool(runs: Sequence[BlockRun]):
-  """``(outs per run, new stacks per run)``: ``fn`` once on the runs' blocks, in ``shard_map``
-  over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
+def run_pool(runs: Sequence[BlockRun], wait=None):
+  """``(outs per run, new stacks per run, token)``: ``fn`` once on the runs' blocks, in
+  ``shard_map`` over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of
+  the tiles).
 
   Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
   split over the mesh axes along a tile dim, and so are its stacks (stored spread,
@@ -150,7 +151,10 @@ def run_pool(runs: Sequence[BlockRun]):
   ``stacks`` is a sequence, each entry a tree of stacks. An array the runs read only when a
   flag holds, and an entry of stacks they change only then (the same flag object in every
   run's ``read_when`` or ``write_when``), moves in or back under ``lax.cond`` on that flag
-  (:func:`gated`): on the other steps it stays where it is.
+  (:func:`gated`): on the other steps it stays where it is. Each gated move waits for every
+  move before it and the moves after it for it, and the pool's moves for ``wait`` (a
+  :func:`~bv_sharding.optimizers.ordering.token` of the pool before, or None); the third
+  result is the token the next pool waits for.
   """
   mesh = runs[0].blocks.mesh
   sizes = dict(mesh.shape)
@@ -192,10 +196,14 @@ def run_pool(runs: Sequence[BlockRun]):
     # Each array resharded to its params' tile layout, then cut into their tiles.
     natural = _tiles_tail(blocks, tile_spec)
     cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, natural=natural: flat(
-        shift(jax.vmap(blocks.split)(move(stack(*xs), src, dst)), natural, to_tail=True)
+        shift(
+            jax.vmap(blocks.split)(move(ordering.after(stack(*xs), wait), src, dst)),
+            natural,
+            to_tail=True,
+        )
     )
     cuts.append(lambda j, like=like, cut=cut: cut([r.arrays[j] for r in like]))
-    grouped = jax.tree.map(stack, *[r.stacks for r in like])
+    grouped = ordering.after(jax.tree.map(stack, *[r.stacks for r in like]), wait)
     factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
 
   def pooled_array(j):
@@ -204,11 +212,19 @@ def run_pool(runs: Sequence[BlockRun]):
       return draws.pooled(members, total, lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))))
     return pool([cut(j) for cut in cuts])
 
-  arrays = [
-      gated(when, functools.partial(pooled_array, j))
-      for j, when in enumerate(shared_flags(runs, "read_when", len(runs[0].arrays)))
-  ]
+  # The moves every step makes first; then each gated one, waiting for those before it
+  # (ordering.py: on XLA:CPU a cond's collectives are not ordered with the others).
+  dealt_spec = lambda x: tuple(dealt) + (None,) * (x.ndim - 1)
+  flags = shared_flags(runs, "read_when", len(runs[0].arrays))
+  arrays = [pooled_array(j) if when is None else None for j, when in enumerate(flags)]
   stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
+  moved = [x for x in arrays if x is not None] + jax.tree.leaves(stacks)
+  wait = ordering.token(moved, [dealt_spec(x) for x in moved], mesh) if moved else wait
+  for j, when in enumerate(flags):
+    if when is not None:
+      x = gated(ordering.after(when, wait), functools.partial(pooled_array, j))
+      arrays[j] = place(x, P(*dealt_spec(x)))
+      wait = ordering.token([arrays[j]], [dealt_spec(x)], mesh)
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in ordered]):
     same = all(v is values[0] for v in values)
@@ -233,7 +249,7 @@ def run_pool(runs: Sequence[BlockRun]):
   outs, new_stacks = body(arrays, stacks, per_block)
   out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
   outs = [out_of_pool(o) for o in outs]
-  merged, slots, start = [None] * len(runs), [], 0
+  merged, slots, start, exits = [None] * len(runs), [], 0, []
   for members in groups:
     blocks, k = runs[members[0]].blocks, len(members)
     n = blocks.count
@@ -243,6 +259,7 @@ def run_pool(runs: Sequence[BlockRun]):
     natural = _tiles_tail(blocks, tile_spec)
     back = [jax.vmap(blocks.merge)(shift(mine(o), natural, to_tail=False)) for o in outs]
     back = [move(x, tile_spec, param_spec) for x in back]
+    exits += [(x, param_spec) for x in back]
     for j, i in enumerate(members):
       merged[i] = [x[j] for x in back]
     slots.append((members, blocks, mine))
@@ -259,14 +276,27 @@ def run_pool(runs: Sequence[BlockRun]):
     return out
 
   old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
-  back = [
-      gated(
-          when,
-          lambda k=k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k])),
-          lambda k=k: old_stacks(k),
-      )
-      for k, when in enumerate(shared_flags(runs, "write_when", len(new_stacks)))
-  ]
+  # The write-backs every step makes, then each gated one, after every move before it: the
+  # updates' and those write-backs' (ordering.py). A cond ends as a whole: one of its
+  # results is enough to wait for.
+  flags = shared_flags(runs, "write_when", len(new_stacks))
+  back, done = [None] * len(new_stacks), list(exits)
+  for k, when in enumerate(flags):
+    if when is None:
+      back[k] = stacks_back(jax.tree.map(out_of_pool, new_stacks[k]))
+      done += [
+          (x, stored_spec(r.blocks, x.shape, sizes))
+          for r, stacks in zip(runs, back[k])
+          for x in jax.tree.leaves(stacks)
+      ]
+  wait = ordering.token(*zip(*done), mesh) if done else wait
+  for k, when in enumerate(flags):
+    if when is not None:
+      make = lambda k=k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k]))
+      back[k] = gated(ordering.after(when, wait), make, lambda k=k: old_stacks(k))
+      written = jax.tree.leaves(back[k][0])[:1]  # Run 0's first stack.
+      specs = [stored_spec(runs[0].blocks, x.shape, sizes) for x in written]
+      wait = ordering.token(written, specs, mesh) if written else wait
   # The directions wait for the stacks' write-back: an XLA:CPU executable loaded from jax's
   # persistent cache orders its collectives by their data alone (each deserialized collective
   # holds its own ordering resource), so a write-back's all-to-all under lax.cond, which nothing
@@ -274,7 +304,8 @@ def run_pool(runs: Sequence[BlockRun]):
   # deadlock (a resumed run of a tiny Llama on 2 devices, beside another, hung so in 2 of 4
   # tries with its program cached, in none of 5 with this barrier).
   merged, back = jax.lax.optimization_barrier((merged, back))
-  return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
+  per_run = [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
+  return merged, per_run, wait
 
 
 def drawn_in_place(runs: Sequence[BlockRun]) -> set[int]:

@@ -85,14 +85,19 @@ BETWEEN_FITS = {"kron": 1.15, "shampoo": 1.23, "soap": 1.86}
 # them, no moves), -> 1.73x with the registry's blocks of 256 (one tile shape), shampoo:local
 # 1.55x (2026-12-05); 1.76x and 1.61x with the statistics packed (a gather each way per factor),
 # SOAP 2.87x -> 2.96x; Kron's Qs packed: kron 2.36x -> 2.40x, kron:local 2.52x -> 2.56x; Kron's
-# probes drawn in its pools: kron 2.40x -> 2.31x (no probe's cut and moves).
+# probes drawn in its pools: kron 2.40x -> 2.31x (no probe's cut and moves). When the pools'
+# gated moves began to wait for every move before them (ordering.py: a cond's collectives
+# deadlocked XLA:CPU's devices in 1 of 16 runs), 2026-12-05: a zero read from one number of
+# each moved array, per pool and per write-back: shampoo 1.76x -> 2.05x (its statistics go
+# back every step, each param's stack read), soap 2.96x -> 3.14x, kron within 2.31x; on
+# lm.py small kron's compiled kernels 438 -> 440 (python -m benchmarks.compile_time --kernels).
 INSTRUCTIONS = {
     "kron:local": 2.56,
     "shampoo:local": 1.61,
     "kron": 2.31,
-    "shampoo": 1.76,
+    "shampoo": 2.05,
     "muon": 1.24,
-    "soap": 2.96,
+    "soap": 3.14,
 }
 
 
