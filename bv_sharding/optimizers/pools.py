@@ -280,10 +280,11 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
   # updates' and those write-backs' (ordering.py). A cond ends as a whole: one of its
   # results is enough to wait for.
   flags = shared_flags(runs, "write_when", len(new_stacks))
+  written = lambda k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k]))
   back, done = [None] * len(new_stacks), list(exits)
   for k, when in enumerate(flags):
     if when is None:
-      back[k] = stacks_back(jax.tree.map(out_of_pool, new_stacks[k]))
+      back[k] = written(k)
       done += [
           (x, stored_spec(r.blocks, x.shape, sizes))
           for r, stacks in zip(runs, back[k])
@@ -292,11 +293,10 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
   wait = ordering.token(*zip(*done), mesh) if done else wait
   for k, when in enumerate(flags):
     if when is not None:
-      make = lambda k=k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k]))
-      back[k] = gated(ordering.after(when, wait), make, lambda k=k: old_stacks(k))
-      written = jax.tree.leaves(back[k][0])[:1]  # Run 0's first stack.
-      specs = [stored_spec(runs[0].blocks, x.shape, sizes) for x in written]
-      wait = ordering.token(written, specs, mesh) if written else wait
+      back[k] = gated(ordering.after(when, wait), lambda k=k: written(k), lambda k=k: old_stacks(k))
+      first = jax.tree.leaves(back[k][0])[:1]  # Run 0's first stack.
+      specs = [stored_spec(runs[0].blocks, x.shape, sizes) for x in first]
+      wait = ordering.token(first, specs, mesh) if first else wait
   # The directions wait for the stacks' write-back: an XLA:CPU executable loaded from jax's
   # persistent cache orders its collectives by their data alone (each deserialized collective
   # holds its own ordering resource), so a write-back's all-to-all under lax.cond, which nothing

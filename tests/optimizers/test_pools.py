@@ -68,11 +68,10 @@ def _jaxprs_in(params: dict):
         yield x
 
 
-def _moves(jaxpr) -> bool:
-  """Whether ``jaxpr`` holds a sharding constraint (where XLA may place a collective)."""
-  return any(
-      eqn.primitive.name == "sharding_constraint" or any(map(_moves, _jaxprs_in(eqn.params)))
-      for eqn in jaxpr.eqns
+def _moving(eqn) -> bool:
+  """Whether ``eqn`` is or holds a sharding constraint (where XLA may place a collective)."""
+  return eqn.primitive.name == "sharding_constraint" or any(
+      any(map(_moving, jaxpr.eqns)) for jaxpr in _jaxprs_in(eqn.params)
   )
 
 
@@ -89,10 +88,7 @@ def _unordered_moves(jaxpr) -> list[tuple[int, int]]:
     inputs = [made_by[v] for v in eqn.invars if isinstance(v, jax.extend.core.Var) and v in made_by]
     before.append(set().union(*(before[j] | {j} for j in inputs)))
     made_by.update({v: i for v in eqn.outvars})
-  moving = lambda eqn: eqn.primitive.name == "sharding_constraint" or any(
-      map(_moves, _jaxprs_in(eqn.params))
-  )
-  moves = [i for i, eqn in enumerate(jaxpr.eqns) if moving(eqn) and _pooled(eqn)]
+  moves = [i for i, eqn in enumerate(jaxpr.eqns) if _moving(eqn) and _pooled(eqn)]
   conds = [i for i in moves if jaxpr.eqns[i].primitive.name == "cond"]
   return [
       (c, m) for c in conds for m in moves if m != c and c not in before[m] and m not in before[c]
@@ -112,8 +108,6 @@ def test_each_gated_move_waits_for_the_moves_before_it_and_the_rest_for_it(name)
   step = lambda params, opt, k: tx.update(jax.grad(_loss)(params, k), opt, params)
   with jax.set_mesh(mesh):
     jaxpr = jax.make_jaxpr(step)(abstract, jax.eval_shape(tx.init, abstract), 0.0).jaxpr
-  conds = [
-      e for e in jaxpr.eqns if e.primitive.name == "cond" and _moves(e.params["branches"][-1].jaxpr)
-  ]
+  conds = [e for e in jaxpr.eqns if e.primitive.name == "cond" and _moving(e)]
   assert conds, "no gated move to order"
   assert _unordered_moves(jaxpr) == []
