@@ -24,6 +24,7 @@ from bv_sharding.optimizers.layout import ParamLayout, layer_stacks
 from bv_sharding.optimizers.migration import BuiltOptimizer, migrate_state
 from bv_sharding.optimizers.muon import muon, scale_by_muon
 from bv_sharding.optimizers.placement import Stacks, Tiling
+from bv_sharding.optimizers.pools import gated_moves
 from bv_sharding.optimizers.rebirth import ramp, ramp_in, refill
 from bv_sharding.optimizers.shampoo import (
     ShampooParamState,
@@ -45,6 +46,7 @@ __all__ = [
     "SoapState",
     "auto_axes_update",
     "compute_dtype",
+    "gated_moves",
     "kron",
     "layer_stacks",
     "migrate_state",

@@ -171,9 +171,8 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   runs = drawn_whole(runs, {ij for members in groups for ij in in_place(members)})
   for i in alone:
     results[i] = run_alone(runs[i])
-  wait = None  # Each pool after the one before (ordering.py).
   for members in pools.values():
-    outs, new_stacks, wait = run_pool([runs[i] for i in members], wait)
+    outs, new_stacks = run_pool([runs[i] for i in members])
     for i, out, new in zip(members, outs, new_stacks):
       results[i] = (out, new)
   for members in local.values():

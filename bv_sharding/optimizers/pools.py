@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from collections.abc import Sequence
@@ -34,8 +36,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
-from bv_sharding.optimizers import draws, moves, ordering
-from bv_sharding.optimizers.placement import spread, stored, stored_spec
+from bv_sharding.optimizers import draws, moves
+from bv_sharding.optimizers.placement import spread, stored
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
 
@@ -96,20 +98,65 @@ def shared_flags(runs: Sequence[BlockRun], field: str, count: int) -> list:
   ]
 
 
-def gated(when, make, otherwise=None):
+_SKIPPING = contextvars.ContextVar("skipping", default=None)
+
+
+@contextlib.contextmanager
+def gated_moves(skip: bool):
+  """Within it, pools skip their gated moves (:func:`gated`) on the steps that do not need them
+  (``skip`` True) or make them on every step (False), whatever the devices; outside it, they
+  skip them except on XLA:CPU (:func:`skips`). A step reads it when it is traced: so an
+  accelerator's step can be compiled, and its bytes counted, on CPU devices.
+
+  Example:
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> with gated_moves(True):
+      ...   skips(mesh)
+      True
+      >>> skips(mesh)  # CPU devices
+      False
+  """
+  token = _SKIPPING.set(skip)
+  try:
+    yield
+  finally:
+    _SKIPPING.reset(token)
+
+
+def skips(mesh) -> bool:
+  """Whether pools on ``mesh`` skip their gated moves under ``lax.cond`` (:func:`gated`): on
+  accelerators, unless :func:`gated_moves` says otherwise.
+
+  XLA:CPU runs a program's independent operations concurrently, and keeps its collectives in
+  one order among themselves but not with a ``lax.cond`` that holds some: one device can enter
+  the cond's all-to-all while another waits in a collective the cond neither reads nor makes,
+  and both wait forever (big_vision's flow of Kron on a small ViT did so in 1 of 16 runs,
+  2026-12-05, with a pool's write-back under ``lax.cond``). An accelerator runs a device's
+  collectives in the program's one order, and skipping saves their bytes.
+  """
+  skip = _SKIPPING.get()
+  return mesh.devices.flat[0].platform != "cpu" if skip is None else skip
+
+
+def gated(when, make, otherwise=None, skip: bool = True):
   """``make()``, or, when ``when`` (a boolean scalar, not None) is false, ``otherwise()``
-  (default: zeros of ``make``'s shapes) in its place, under ``lax.cond``: the collectives of
-  ``make`` run only on the steps that need them.
+  (default: zeros of ``make``'s shapes) in its place: under ``lax.cond`` where ``skip``, so
+  that the collectives of ``make`` run only on the steps that need them, else both made and
+  one picked (``jnp.where``), the same values.
 
   Example:
       >>> gated(jnp.bool_(False), lambda: jnp.ones(2)).tolist(), gated(None, lambda: 1)
       ([0.0, 0.0], 1)
+      >>> gated(jnp.bool_(False), lambda: jnp.ones(2), skip=False).tolist()
+      [0.0, 0.0]
   """
   if when is None:
     return make()
   if otherwise is None:
     otherwise = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(make))
-  return jax.lax.cond(when, make, otherwise)
+  if skip:
+    return jax.lax.cond(when, make, otherwise)
+  return jax.tree.map(lambda new, old: jnp.where(when, new, old), make(), otherwise())
 
 
 def pool_key(run: BlockRun) -> tuple:
@@ -135,10 +182,9 @@ def like_groups(runs: Sequence[BlockRun]) -> list[list[int]]:
   return list(groups.values())
 
 
-def run_pool(runs: Sequence[BlockRun], wait=None):
-  """``(outs per run, new stacks per run, token)``: ``fn`` once on the runs' blocks, in
-  ``shard_map`` over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of
-  the tiles).
+def run_pool(runs: Sequence[BlockRun]):
+  """``(outs per run, new stacks per run)``: ``fn`` once on the runs' blocks, in ``shard_map``
+  over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
 
   Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
   split over the mesh axes along a tile dim, and so are its stacks (stored spread,
@@ -150,11 +196,9 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
   holds one move per group of like params, not one per param, and the bytes are the same.
   ``stacks`` is a sequence, each entry a tree of stacks. An array the runs read only when a
   flag holds, and an entry of stacks they change only then (the same flag object in every
-  run's ``read_when`` or ``write_when``), moves in or back under ``lax.cond`` on that flag
-  (:func:`gated`): on the other steps it stays where it is. Each gated move waits for every
-  move before it and the moves after it for it, and the pool's moves for ``wait`` (a
-  :func:`~bv_sharding.optimizers.ordering.token` of the pool before, or None); the third
-  result is the token the next pool waits for.
+  run's ``read_when`` or ``write_when``), moves in or back only when the flag holds
+  (:func:`gated`: on accelerators; on XLA:CPU it moves every step and the flag picks, the same
+  values: :func:`skips`).
   """
   mesh = runs[0].blocks.mesh
   sizes = dict(mesh.shape)
@@ -196,14 +240,10 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
     # Each array resharded to its params' tile layout, then cut into their tiles.
     natural = _tiles_tail(blocks, tile_spec)
     cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, natural=natural: flat(
-        shift(
-            jax.vmap(blocks.split)(move(ordering.after(stack(*xs), wait), src, dst)),
-            natural,
-            to_tail=True,
-        )
+        shift(jax.vmap(blocks.split)(move(stack(*xs), src, dst)), natural, to_tail=True)
     )
     cuts.append(lambda j, like=like, cut=cut: cut([r.arrays[j] for r in like]))
-    grouped = ordering.after(jax.tree.map(stack, *[r.stacks for r in like]), wait)
+    grouped = jax.tree.map(stack, *[r.stacks for r in like])
     factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
 
   def pooled_array(j):
@@ -212,19 +252,12 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
       return draws.pooled(members, total, lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))))
     return pool([cut(j) for cut in cuts])
 
-  # The moves every step makes first; then each gated one, waiting for those before it
-  # (ordering.py: on XLA:CPU a cond's collectives are not ordered with the others).
-  dealt_spec = lambda x: tuple(dealt) + (None,) * (x.ndim - 1)
-  flags = shared_flags(runs, "read_when", len(runs[0].arrays))
-  arrays = [pooled_array(j) if when is None else None for j, when in enumerate(flags)]
+  skip = skips(mesh)
+  arrays = [
+      gated(when, functools.partial(pooled_array, j), skip=skip)
+      for j, when in enumerate(shared_flags(runs, "read_when", len(runs[0].arrays)))
+  ]
   stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
-  moved = [x for x in arrays if x is not None] + jax.tree.leaves(stacks)
-  wait = ordering.token(moved, [dealt_spec(x) for x in moved], mesh) if moved else wait
-  for j, when in enumerate(flags):
-    if when is not None:
-      x = gated(ordering.after(when, wait), functools.partial(pooled_array, j))
-      arrays[j] = place(x, P(*dealt_spec(x)))
-      wait = ordering.token([arrays[j]], [dealt_spec(x)], mesh)
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in ordered]):
     same = all(v is values[0] for v in values)
@@ -249,7 +282,7 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
   outs, new_stacks = body(arrays, stacks, per_block)
   out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
   outs = [out_of_pool(o) for o in outs]
-  merged, slots, start, exits = [None] * len(runs), [], 0, []
+  merged, slots, start = [None] * len(runs), [], 0
   for members in groups:
     blocks, k = runs[members[0]].blocks, len(members)
     n = blocks.count
@@ -259,7 +292,6 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
     natural = _tiles_tail(blocks, tile_spec)
     back = [jax.vmap(blocks.merge)(shift(mine(o), natural, to_tail=False)) for o in outs]
     back = [move(x, tile_spec, param_spec) for x in back]
-    exits += [(x, param_spec) for x in back]
     for j, i in enumerate(members):
       merged[i] = [x[j] for x in back]
     slots.append((members, blocks, mine))
@@ -276,36 +308,16 @@ def run_pool(runs: Sequence[BlockRun], wait=None):
     return out
 
   old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
-  # The write-backs every step makes, then each gated one, after every move before it: the
-  # updates' and those write-backs' (ordering.py). A cond ends as a whole: one of its
-  # results is enough to wait for.
-  flags = shared_flags(runs, "write_when", len(new_stacks))
-  written = lambda k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k]))
-  back, done = [None] * len(new_stacks), list(exits)
-  for k, when in enumerate(flags):
-    if when is None:
-      back[k] = written(k)
-      done += [
-          (x, stored_spec(r.blocks, x.shape, sizes))
-          for r, stacks in zip(runs, back[k])
-          for x in jax.tree.leaves(stacks)
-      ]
-  wait = ordering.token(*zip(*done), mesh) if done else wait
-  for k, when in enumerate(flags):
-    if when is not None:
-      back[k] = gated(ordering.after(when, wait), lambda k=k: written(k), lambda k=k: old_stacks(k))
-      first = jax.tree.leaves(back[k][0])[:1]  # Run 0's first stack.
-      specs = [stored_spec(runs[0].blocks, x.shape, sizes) for x in first]
-      wait = ordering.token(first, specs, mesh) if first else wait
-  # The directions wait for the stacks' write-back: an XLA:CPU executable loaded from jax's
-  # persistent cache orders its collectives by their data alone (each deserialized collective
-  # holds its own ordering resource), so a write-back's all-to-all under lax.cond, which nothing
-  # reads, could run before another collective on one device and after it on another: a
-  # deadlock (a resumed run of a tiny Llama on 2 devices, beside another, hung so in 2 of 4
-  # tries with its program cached, in none of 5 with this barrier).
-  merged, back = jax.lax.optimization_barrier((merged, back))
-  per_run = [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
-  return merged, per_run, wait
+  back = [
+      gated(
+          when,
+          lambda k=k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k])),
+          lambda k=k: old_stacks(k),
+          skip=skip,
+      )
+      for k, when in enumerate(shared_flags(runs, "write_when", len(new_stacks)))
+  ]
+  return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
 
 
 def drawn_in_place(runs: Sequence[BlockRun]) -> set[int]:
