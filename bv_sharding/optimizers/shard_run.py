@@ -50,9 +50,11 @@ class BlockRun(NamedTuple):
   ``read_when`` (one entry per array) and ``write_when`` (one per entry of ``stacks``) name
   work a step may skip: an entry that is a boolean scalar, not None, says that ``fn`` reads
   that array only on the steps where it is true (it gets zeros on the others), or returns
-  that stack changed only on those steps (unchanged on the others). A pool moves such an
-  array in, and such a stack back, under ``lax.cond``: only on those steps
-  (:func:`~bv_sharding.optimizers.pools.run_pool`). Kron's fit, on its update steps, is one.
+  that stack changed only on those steps (unchanged on the others). On an accelerator a pool
+  moves such an array in, and such a stack back, only on those steps, under ``lax.cond``
+  (:func:`~bv_sharding.optimizers.pools.run_pool`; on CPU devices every step, the flag
+  picking: :func:`~bv_sharding.optimizers.pools.skips`). Kron's fit, on its update steps, is
+  one.
   """
 
   blocks: ShardBlocks
