@@ -37,6 +37,7 @@ import jax
 import optax
 
 from benchmarks.throughput import init_state, lm_config, setup
+from bv_sharding.optimizers import skipping
 from trainers.settings import cli
 
 SETTLE = 2  # Steps of each run left out of the medians (compile, then caches).
@@ -71,7 +72,9 @@ def step_seconds(step, state, batches) -> list[float]:
 
 def update_gflop(tx, state, counters: dict) -> float:
   """GFLOP per device (XLA's count) of one update of ``state`` with the state fields named in
-  ``counters`` fixed at their values: a refresh count costs more than the next.
+  ``counters`` fixed at their values, compiled as an accelerator runs it (the work a step may
+  skip under ``lax.cond``: ``bv_sharding.optimizers.skipping``): a refresh count costs more
+  than the next.
 
   Example:
       >>> import jax.numpy as jnp
@@ -85,7 +88,9 @@ def update_gflop(tx, state, counters: dict) -> float:
   update = lambda grads, opt, params: tx.update(
       grads, optax.tree_utils.tree_set(opt, **fixed), params
   )
-  compiled = jax.jit(update).lower(state["params"], state["opt"], state["params"]).compile()
+  with skipping(True):
+    lowered = jax.jit(update).lower(state["params"], state["opt"], state["params"])
+  compiled = lowered.compile()
   return float(compiled.cost_analysis().get("flops", 0.0)) / 1e9
 
 

@@ -13,8 +13,8 @@ state bytes per device over the ideal (total / N), and whether XLA printed
 that takes no ``lax.cond``'s true branch (``traffic.wire_bytes(hlo, branch=0)``): Kron's
 between its Q fits, Shampoo's between root refreshes, whose pools move the fit's inputs in and
 the new factors back only on those steps. The step compiled is the one an accelerator runs:
-its pools skip those moves under ``lax.cond`` (``pools.gated_moves(True)``), where on CPU
-devices they make them every step (``pools.skips``). Kron and Shampoo run with their
+its pools skip those moves under ``lax.cond`` (``gating.skipping(True)``), where on CPU
+devices they make them every step (``gating.skips``). Kron and Shampoo run with their
 default blocks (the param's fixed tiles) and as "kron:local"/"shampoo:local" with
 shard-local blocks (``config.optax.blocking="local"``). Each config is compiled on a mesh
 with Auto axes and on one with Explicit axes (``config.mesh_axis_types``; the loss gathers
@@ -49,7 +49,7 @@ import flax.linen as nn  # noqa: E402
 
 import bv_sharding as bvs  # noqa: E402
 from benchmarks import traffic, zoo  # noqa: E402
-from bv_sharding.optimizers import gated_moves  # noqa: E402
+from bv_sharding.optimizers import skipping  # noqa: E402
 from trainers import build  # noqa: E402
 from trainers.settings import cli  # noqa: E402
 
@@ -123,10 +123,10 @@ def compile_step(config):
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   run = build.build(config, mesh)
   start = time.perf_counter()
-  with captured_stderr() as log, gated_moves(True):
+  with captured_stderr() as log, skipping(True):
     hlo = build.compile_step(run).train.as_text()
   seconds = time.perf_counter() - start
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules), gated_moves(True):
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules), skipping(True):
     flops = update_flops(run.tx, run.plan.abstract())
   return hlo, log[0], seconds, (mesh, run.plan, flops)
 

@@ -19,12 +19,12 @@ Example:
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers.axes import auto_axes_update
+from bv_sharding.optimizers.gating import skipping
 from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
 from bv_sharding.optimizers.layout import ParamLayout, layer_stacks
 from bv_sharding.optimizers.migration import BuiltOptimizer, migrate_state
 from bv_sharding.optimizers.muon import muon, scale_by_muon
 from bv_sharding.optimizers.placement import Stacks, Tiling
-from bv_sharding.optimizers.pools import gated_moves
 from bv_sharding.optimizers.rebirth import ramp, ramp_in, refill
 from bv_sharding.optimizers.shampoo import (
     ShampooParamState,
@@ -46,7 +46,7 @@ __all__ = [
     "SoapState",
     "auto_axes_update",
     "compute_dtype",
-    "gated_moves",
+    "skipping",
     "kron",
     "layer_stacks",
     "migrate_state",

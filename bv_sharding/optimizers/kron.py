@@ -88,7 +88,7 @@ import optax
 from optax import tree_utils as otu
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked, symmetric
+from bv_sharding.optimizers import blocked, gating, symmetric
 from bv_sharding.optimizers.draws import TileNormal
 from bv_sharding.optimizers.layout import ParamLayout, stacked_leaves
 from bv_sharding.optimizers.placement import Tiling
@@ -450,21 +450,15 @@ class _Settings:
   blocking: str
 
 
-def _fit_and_precondition(
-    qs, momentum, target, probe, do_update, do_balance, stacked, settings, in_blocks=False
-):
+def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, stacked, settings):
   """One param's (or block stack's) Kron step: balance and fit the Qs on ``target``
   with ``probe``, keep the fit where ``do_update``, precondition ``momentum``.
 
   ``stacked``: the Qs are stacks (scanned layers or blocks); ``settings``: a
   :class:`_Settings`. Stacked Qs solve with :func:`triangular_inverse`: jaxlib spreads a
   batched LAPACK solve over XLA's CPU thread pool and waits, which deadlocks when
-  several (simulated) devices hold the pool's threads. ``in_blocks``: the arrays are a block
-  run's, each device's own, and the fit runs only on update steps, under ``lax.cond``. On
-  global arrays (a param not blocked, its Qs diagonal) XLA would put collectives in that cond,
-  which XLA:CPU's devices may take in different orders with the step's other collectives
-  (:mod:`~bv_sharding.optimizers.pools`), so there the fit runs every step and is kept where
-  ``do_update``.
+  several (simulated) devices hold the pool's threads. Stacked Qs are fitted only on update
+  steps, under ``lax.cond`` where that is safe (:func:`~bv_sharding.optimizers.gating.cond`).
   """
   vmapped = lambda fn: jax.vmap(fn) if stacked else fn
 
@@ -475,8 +469,8 @@ def _fit_and_precondition(
       fit = functools.partial(update_qs, lr=settings.preconditioner_lr, solve_by_inverse=stacked)
       return [n.astype(o.dtype) for n, o in zip(vmapped(fit)(start, target, probe), qs)]
 
-  if in_blocks:  # Matmuls alone: under lax.cond, as psgd-jax fits.
-    qs = jax.lax.cond(do_update, fitted, list, qs)
+  if stacked:  # Matmuls alone: under lax.cond where that is safe, as psgd-jax fits.
+    qs = gating.cond(do_update, fitted, list, qs)
   else:
     qs = [jnp.where(do_update, n, o) for n, o in zip(fitted(qs), qs)]
   with jax.default_matmul_precision(settings.precond_grads_precision):
@@ -498,7 +492,7 @@ def _fit_blocks(arrays, stacks, damping, *flags, own_target: bool, settings):
   (stored,) = stacks  # A tile's triangular Qs packed (symmetric.pack_upper): (n, b / 2 + 1, b).
   qs = [symmetric.unpack_upper(q) if q.ndim == 3 else q for q in stored]
   fit = (qs, m, _damped(t[0] if own_target else m, v, damping), v)
-  new_qs, direction = _fit_and_precondition(*fit, *flags, True, settings, in_blocks=True)
+  new_qs, direction = _fit_and_precondition(*fit, *flags, True, settings)
   kept = lambda new, old: new if new.shape == old.shape else symmetric.pack_upper(new)
   return [direction], [[kept(n, s) for n, s in zip(new_qs, stored)]]
 

@@ -23,8 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 from collections.abc import Sequence
@@ -37,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
 from bv_sharding.optimizers import draws, moves
+from bv_sharding.optimizers.gating import gated, skips
 from bv_sharding.optimizers.placement import spread, stored
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
@@ -98,67 +97,6 @@ def shared_flags(runs: Sequence[BlockRun], field: str, count: int) -> list:
   ]
 
 
-_SKIPPING = contextvars.ContextVar("skipping", default=None)
-
-
-@contextlib.contextmanager
-def gated_moves(skip: bool):
-  """Within it, pools skip their gated moves (:func:`gated`) on the steps that do not need them
-  (``skip`` True) or make them on every step (False), whatever the devices; outside it, they
-  skip them except on XLA:CPU (:func:`skips`). A step reads it when it is traced: so an
-  accelerator's step can be compiled, and its bytes counted, on CPU devices.
-
-  Example:
-      >>> mesh = jax.make_mesh((1,), ("data",))
-      >>> with gated_moves(True):
-      ...   skips(mesh)
-      True
-      >>> skips(mesh)  # CPU devices
-      False
-  """
-  token = _SKIPPING.set(skip)
-  try:
-    yield
-  finally:
-    _SKIPPING.reset(token)
-
-
-def skips(mesh) -> bool:
-  """Whether pools on ``mesh`` skip their gated moves under ``lax.cond`` (:func:`gated`): on
-  accelerators, unless :func:`gated_moves` says otherwise.
-
-  XLA:CPU runs a program's independent operations concurrently, and keeps its collectives in
-  one order among themselves but not with a ``lax.cond`` that holds some: one device can enter
-  the cond's all-to-all while another waits in a collective the cond neither reads nor makes,
-  and both wait forever (big_vision's flow of Kron on a small ViT did so in 1 of 16 runs,
-  2026-12-05, with a pool's write-back under ``lax.cond``). An accelerator runs a device's
-  collectives in the program's one order, and skipping saves their bytes.
-  """
-  skip = _SKIPPING.get()
-  return mesh.devices.flat[0].platform != "cpu" if skip is None else skip
-
-
-def gated(when, make, otherwise=None, skip: bool = True):
-  """``make()``, or, when ``when`` (a boolean scalar, not None) is false, ``otherwise()``
-  (default: zeros of ``make``'s shapes) in its place: under ``lax.cond`` where ``skip``, so
-  that the collectives of ``make`` run only on the steps that need them, else both made and
-  one picked (``jnp.where``), the same values.
-
-  Example:
-      >>> gated(jnp.bool_(False), lambda: jnp.ones(2)).tolist(), gated(None, lambda: 1)
-      ([0.0, 0.0], 1)
-      >>> gated(jnp.bool_(False), lambda: jnp.ones(2), skip=False).tolist()
-      [0.0, 0.0]
-  """
-  if when is None:
-    return make()
-  if otherwise is None:
-    otherwise = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(make))
-  if skip:
-    return jax.lax.cond(when, make, otherwise)
-  return jax.tree.map(lambda new, old: jnp.where(when, new, old), make(), otherwise())
-
-
 def pool_key(run: BlockRun) -> tuple:
   """What runs share to join one pool: ``fn`` (the same object), the mesh, the dtypes and
   :func:`_stacks_key`."""
@@ -197,8 +135,8 @@ def run_pool(runs: Sequence[BlockRun]):
   ``stacks`` is a sequence, each entry a tree of stacks. An array the runs read only when a
   flag holds, and an entry of stacks they change only then (the same flag object in every
   run's ``read_when`` or ``write_when``), moves in or back only when the flag holds
-  (:func:`gated`: on accelerators; on XLA:CPU it moves every step and the flag picks, the same
-  values: :func:`skips`).
+  (:func:`~bv_sharding.optimizers.gating.gated`: on accelerators; on XLA:CPU it moves every
+  step and the flag picks, the same values: :mod:`~bv_sharding.optimizers.gating`).
   """
   mesh = runs[0].blocks.mesh
   sizes = dict(mesh.shape)

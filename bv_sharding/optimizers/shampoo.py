@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked, symmetric
+from bv_sharding.optimizers import blocked, gating, symmetric
 from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
@@ -138,13 +138,14 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
 
 def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon):
   """One block stack's step: statistics EMA, roots (new only where ``refresh``: their
-  ``eigh`` under ``lax.cond``; ``roots`` None: new on every step), direction."""
+  ``eigh`` under ``lax.cond`` where that is safe, :mod:`~bv_sharding.optimizers.gating`;
+  ``roots`` None: new on every step), direction."""
   gram = lambda axis: symmetric.pack(jax.vmap(gram_along, (0, None))(blocks, axis))
   stats = [_ema(s, gram(axis), beta2) for axis, s in enumerate(stats)]
   p = exponent or 2 * len(stats)
   fresh = lambda: [inverse_pth_root(symmetric.unpack(s), p, matrix_epsilon) for s in stats]
   kept = lambda: [r.astype(n.dtype) for r, n in zip(roots, jax.eval_shape(fresh))]
-  roots = fresh() if roots is None else jax.lax.cond(refresh, fresh, kept)
+  roots = fresh() if roots is None else gating.cond(refresh, fresh, kept)
   return _precondition_blocks(blocks, roots), stats, roots
 
 

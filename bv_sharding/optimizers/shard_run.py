@@ -53,7 +53,7 @@ class BlockRun(NamedTuple):
   that stack changed only on those steps (unchanged on the others). On an accelerator a pool
   moves such an array in, and such a stack back, only on those steps, under ``lax.cond``
   (:func:`~bv_sharding.optimizers.pools.run_pool`; on CPU devices every step, the flag
-  picking: :func:`~bv_sharding.optimizers.pools.skips`). Kron's fit, on its update steps, is
+  picking: :mod:`~bv_sharding.optimizers.gating`). Kron's fit, on its update steps, is
   one.
   """
 

@@ -66,7 +66,7 @@ import numpy as np
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked, symmetric
+from bv_sharding.optimizers import blocked, gating, symmetric
 from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.shampoo import factor_tiling
@@ -361,7 +361,7 @@ def _refit(stats, basis, nu, dim: int, unfit, refresh, tol: float):
       values, vectors = jnp.linalg.eigh(separated)
       return values[::-1], vectors[:, ::-1]
 
-    values, vectors = jax.lax.cond(unfit, fit, lambda: (values, jnp.linalg.qr(power)[0]))
+    values, vectors = gating.cond(unfit, fit, lambda: (values, jnp.linalg.qr(power)[0]))
     return jnp.where(unfit | refresh, canonical(s, values, vectors, tol), old)
 
   inputs = (stats, separated, separated @ sorted_basis, values, basis, unfit)
@@ -380,7 +380,8 @@ def _new_bases(stats, bases, nu, unfit, refresh, *, dims, tol):
 def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   """One block stack's step (module docstring): (Adam's direction in the old bases, rotated
   back; new ``mu``, ``nu``, statistics and bases). :func:`_refit` (a block's ``eigh`` or
-  QR, one matrix a call) runs under ``lax.cond``, only on the steps that need it; the moments
+  QR, one matrix a call) runs under ``lax.cond`` (where that is safe,
+  :mod:`~bv_sharding.optimizers.gating`), only on the steps that need it; the moments
   are carried into the new bases only then."""
   (b1, b2), shampoo_beta, eps, tol = hyper
   g = g.astype(jnp.float32)
@@ -393,7 +394,7 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   grams = [symmetric.pack(jax.vmap(gram_along, (0, None))(g, d)) for d in dims]
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
-  new_bases, sorted_nu = jax.lax.cond(
+  new_bases, sorted_nu = gating.cond(
       refresh | any_unfit,
       functools.partial(_new_bases, dims=dims, tol=tol),
       lambda _, q, n, *__: (list(q), n),
@@ -405,7 +406,7 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   )
   unfit = unfit.reshape(unfit.shape + (1,) * (mu.ndim - 1))
   moved = lambda mu: _rotate(_rotate(mu, bases, dims, back=True), new_bases, dims, back=False)
-  carried = jax.lax.cond(
+  carried = gating.cond(
       refresh | any_unfit, lambda mu: jnp.where(refresh | unfit, moved(mu), mu), lambda mu: mu, mu
   )
   mu = jnp.where(first, old_mu, carried)

@@ -13,7 +13,7 @@ import pytest
 
 import bv_sharding as bvs
 from benchmarks import traffic
-from bv_sharding.optimizers import gated_moves, kron, shampoo, soap
+from bv_sharding.optimizers import kron, shampoo, skipping, soap
 from tests.optimizers import own_loop, strategies
 
 SHAPES, SPECS = strategies.VIT_SHAPES, strategies.VIT_SPECS
@@ -59,21 +59,23 @@ def test_steps_between_fits_match_global_arrays(name):
     np.testing.assert_allclose(tiled[key], whole[key], atol=TOLERANCE[name], err_msg=key)
 
 
+@pytest.mark.parametrize("laid_out", [True, False], ids=["layout", "no_layout"])
 @pytest.mark.parametrize("name", ["kron", "shampoo", "kron_unblocked", "soap"])
-def test_on_cpu_devices_no_collective_runs_under_a_cond(name):
+def test_on_cpu_devices_no_collective_runs_under_a_cond(name, laid_out):
   """XLA:CPU keeps a ``lax.cond``'s collectives in no order with the step's others, and two
   devices taking them in different orders wait for each other forever (big_vision's Kron flow
   on a small ViT did, 1 run in 16). On CPU devices the pools make their gated moves every
-  step and pick by the flag (the steps above check the values), and a param not blocked fits
-  its diagonal Qs without a cond: the compiled step of a user's loop holds no collective in a
-  cond. An accelerator's step skips those moves under ``lax.cond``, as ``gated_moves(True)``
-  compiles it here."""
+  step and pick by the flag (the steps above check the values), and the fits and refreshes on
+  sharded global arrays (without a layout, XLA puts collectives in them) are made every step
+  and picked: the compiled step of a user's loop holds no collective in a cond. An
+  accelerator's step skips them under ``lax.cond``, as ``skipping(True)`` compiles it."""
   make = {
       **SKIPPING,
       "soap": lambda layout: soap(1e-2, block_size=8, precondition_frequency=3, layout=layout),
   }[name]
+  made = make if laid_out else lambda layout: make(None)
   mesh = bvs.make_mesh([("data", 4), ("model", 2)])
   in_conds = lambda hlo: [c for c in traffic.collectives(hlo) if c.branches]
-  assert in_conds(own_loop.compiled_step(make, SHAPES, SPECS, mesh, _loss)) == []
-  with gated_moves(True):
-    assert in_conds(own_loop.compiled_step(make, SHAPES, SPECS, mesh, _loss))
+  assert in_conds(own_loop.compiled_step(made, SHAPES, SPECS, mesh, _loss)) == []
+  with skipping(True):
+    assert in_conds(own_loop.compiled_step(made, SHAPES, SPECS, mesh, _loss))
