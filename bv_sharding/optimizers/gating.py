@@ -1,19 +1,20 @@
 """Work a step may skip: under ``lax.cond`` where that is safe, else made every step and picked.
 
-The optimizers skip their costly work on the steps that do not need it (Kron's fit, Shampoo's
-and SOAP's refreshes), and a pool skips moving the factors that work leaves unchanged
-(:func:`~bv_sharding.optimizers.pools.run_pool`). Under ``lax.cond`` that is free of
-collectives where each device works on its own arrays (inside ``shard_map``), but a cond that
-holds collectives, a pool's moves or those XLA puts in work on sharded global arrays, is not
-safe on XLA:CPU: it runs a program's independent operations concurrently and keeps its
-collectives in one order among themselves, but not with such a cond, so one device can enter
-the cond's collective while another waits in a collective the cond neither reads nor makes, and
-both wait forever (big_vision's flow of Kron on a small ViT did, in 1 of 16 runs, 2026-12-05,
-with a pool's write-back under ``lax.cond``). An accelerator runs a device's collectives in the
-program's one order. So :func:`cond` and :func:`gated` skip under ``lax.cond`` on accelerators,
-on one device and inside ``shard_map``, and elsewhere make both sides and pick one with
-``jnp.where``: the same values. :func:`skipping` overrides the choice, for what is traced
-inside it.
+The optimizers skip their costly work on the steps that do not need it: Kron's fit, Shampoo's
+and SOAP's refreshes. A pool skips moving the factors that work leaves unchanged
+(:func:`~bv_sharding.optimizers.pools.run_pool`). Inside ``shard_map`` each device works on
+its own arrays, and a ``lax.cond`` there holds no collective. A cond that holds collectives (a
+pool's moves, or those XLA puts in work on sharded global arrays) is not safe on XLA:CPU. It
+runs a program's independent operations concurrently and keeps its collectives in one order
+among themselves, but not with such a cond. So one device can enter the cond's collective while
+another waits in one the cond neither reads nor makes, and both wait forever. Big_vision's flow
+of Kron on a small ViT did, in 1 of 16 runs (2026-12-05, a pool's write-back under
+``lax.cond``). An accelerator runs a device's collectives in the program's one order.
+
+So the skippable work goes under ``lax.cond`` on accelerators, on one device and inside
+``shard_map`` (:func:`skips`, :func:`skips_here`). Elsewhere both sides are made and
+``jnp.where`` picks one: the same values (:func:`gated`, :func:`cond`). :func:`skipping`
+overrides the choice for what is traced inside it.
 
 Example:
     >>> cond(jnp.bool_(True), lambda x: x + 1, lambda x: x, jnp.ones(2)).tolist()
