@@ -14,7 +14,7 @@ that takes no ``lax.cond``'s true branch (``traffic.wire_bytes(hlo, branch=0)``)
 between its Q fits, Shampoo's between root refreshes, whose pools move the fit's inputs in and
 the new factors back only on those steps. The step compiled is the one an accelerator runs:
 its pools skip those moves under ``lax.cond`` (``gating.skipping(True)``), where on CPU
-devices they make them every step (``gating.skips``). Kron and Shampoo run with their
+devices they make them every step (``gating.skips_here``). Kron and Shampoo run with their
 default blocks (the param's fixed tiles) and as "kron:local"/"shampoo:local" with
 shard-local blocks (``config.optax.blocking="local"``). Each config is compiled on a mesh
 with Auto axes and on one with Explicit axes (``config.mesh_axis_types``; the loss gathers

@@ -15,7 +15,7 @@ cache orders its collectives by their data alone (each deserialized collective g
 resource of its own), where a fresh compile orders them all: a collective that nothing reads
 can then run in another order on another device and deadlock, which hung a resumed trainer run
 while the pools' write-backs ran under ``lax.cond`` (on CPU devices they no longer do:
-``gating.skips``, docs/optimizers.md). Both settings reach the subprocesses tests start
+``gating.skips_here``, docs/optimizers.md). Both settings reach the subprocesses tests start
 through the environment, and so does the last: XLA:CPU compiling for speed of compile
 (``FAST_COMPILE``). The tests' models are tiny and run a few steps each, so compiling is what
 they wait on. LLVM at its lowest optimisation

@@ -12,7 +12,7 @@ of Kron on a small ViT did, in 1 of 16 runs (2026-12-05, a pool's write-back und
 ``lax.cond``). An accelerator runs a device's collectives in the program's one order.
 
 So the skippable work goes under ``lax.cond`` on accelerators, on one device and inside
-``shard_map`` (:func:`skips`, :func:`skips_here`). Elsewhere both sides are made and
+``shard_map`` (:func:`skips_here`). Elsewhere both sides are made and
 ``jnp.where`` picks one: the same values (:func:`gated`, :func:`cond`). :func:`skipping`
 overrides the choice for what is traced inside it.
 
@@ -36,18 +36,17 @@ _SKIPPING = contextvars.ContextVar("skipping", default=None)
 @contextlib.contextmanager
 def skipping(skip: bool):
   """Within it, work a step may skip is skipped under ``lax.cond`` (``skip`` True) or made on
-  every step and picked (False), whatever the devices (:func:`skips`, :func:`skips_here`). A
+  every step and picked (False), whatever the devices (:func:`skips_here`). A
   step reads it when it is traced: so an accelerator's step can be compiled, and its bytes and
   FLOPs counted, on CPU devices. Entering and leaving it clear jax's in-memory caches, so that
   no trace made on one side is reused on the other (jax keys its traces by the function, not by
   this choice).
 
   Example:
-      >>> mesh = jax.make_mesh((1,), ("data",))
       >>> with skipping(True):
-      ...   skips(mesh)
+      ...   skips_here()
       True
-      >>> skips(mesh)  # CPU devices
+      >>> skips_here()  # 8 CPU devices
       False
   """
   jax.clear_caches()
@@ -57,13 +56,6 @@ def skipping(skip: bool):
   finally:
     _SKIPPING.reset(token)
     jax.clear_caches()
-
-
-def skips(mesh) -> bool:
-  """Whether pools on ``mesh`` (a ``Mesh``) skip their moves under ``lax.cond``: on
-  accelerators, unless :func:`skipping` says otherwise."""
-  skip = _SKIPPING.get()
-  return mesh.devices.flat[0].platform != "cpu" if skip is None else skip
 
 
 def skips_here() -> bool:
@@ -84,23 +76,24 @@ def skips_here() -> bool:
   return jax.default_backend() != "cpu" or jax.device_count() == 1
 
 
-def gated(when, make, otherwise=None, skip: bool = True):
+def gated(when, make, otherwise=None):
   """``make()``, or, when ``when`` (a boolean scalar, not None) is false, ``otherwise()``
-  (default: zeros of ``make``'s shapes) in its place: under ``lax.cond`` where ``skip``, so
-  that the work of ``make`` runs only on the steps that need it, else both made and one
-  picked (``jnp.where``), the same values.
+  (default: zeros of ``make``'s shapes) in its place: under ``lax.cond`` where
+  :func:`skips_here`, so that the work of ``make`` runs only on the steps that need it, else
+  both made and one picked (``jnp.where``), the same values.
 
   Example:
       >>> gated(jnp.bool_(False), lambda: jnp.ones(2)).tolist(), gated(None, lambda: 1)
       ([0.0, 0.0], 1)
-      >>> gated(jnp.bool_(False), lambda: jnp.ones(2), skip=False).tolist()
+      >>> with skipping(True):
+      ...   gated(jnp.bool_(False), lambda: jnp.ones(2)).tolist()
       [0.0, 0.0]
   """
   if when is None:
     return make()
   if otherwise is None:
     otherwise = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(make))
-  if skip:
+  if skips_here():
     return jax.lax.cond(when, make, otherwise)
   return jax.tree.map(lambda new, old: jnp.where(when, new, old), make(), otherwise())
 
@@ -108,4 +101,4 @@ def gated(when, make, otherwise=None, skip: bool = True):
 def cond(when, true_fn, false_fn, *operands):
   """``jax.lax.cond(when, true_fn, false_fn, *operands)`` where :func:`skips_here`, else both
   functions applied and one result picked by ``when``."""
-  return gated(when, lambda: true_fn(*operands), lambda: false_fn(*operands), skips_here())
+  return gated(when, lambda: true_fn(*operands), lambda: false_fn(*operands))

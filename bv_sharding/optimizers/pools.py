@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
 from bv_sharding.optimizers import draws, moves
-from bv_sharding.optimizers.gating import gated, skips
+from bv_sharding.optimizers.gating import gated
 from bv_sharding.optimizers.placement import spread, stored
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
@@ -190,9 +190,8 @@ def run_pool(runs: Sequence[BlockRun]):
       return draws.pooled(members, total, lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))))
     return pool([cut(j) for cut in cuts])
 
-  skip = skips(mesh)
   arrays = [
-      gated(when, functools.partial(pooled_array, j), skip=skip)
+      gated(when, functools.partial(pooled_array, j))
       for j, when in enumerate(shared_flags(runs, "read_when", len(runs[0].arrays)))
   ]
   stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
@@ -251,7 +250,6 @@ def run_pool(runs: Sequence[BlockRun]):
           when,
           lambda k=k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k])),
           lambda k=k: old_stacks(k),
-          skip=skip,
       )
       for k, when in enumerate(shared_flags(runs, "write_when", len(new_stacks)))
   ]

@@ -218,7 +218,7 @@ def test_explicit_axes_step_moves_what_the_auto_step_moves(spec):
 def test_the_step_cpu_devices_run_holds_no_collective_under_a_cond(optimizer):
   """The trainer's step as it runs on CPU devices (not as ``step_traffic`` compiles it for an
   accelerator): no collective under a ``lax.cond``, which XLA:CPU's devices could take in
-  different orders (``gating.skips``)."""
+  different orders (``gating.skips_here``)."""
   config = config_with("lm", optimizer)
   mesh = bvs.make_mesh(config.mesh, axis_types=build.axis_types(config))
   hlo = build.compile_step(build.build(config, mesh)).train.as_text()
