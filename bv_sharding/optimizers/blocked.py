@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
+from bv_sharding.ops import stack_axes
 from bv_sharding.optimizers import moves
 from bv_sharding.optimizers.draws import TileNormal, drawn_whole
 from bv_sharding.optimizers.layout import ParamLayout
@@ -147,7 +149,8 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
       >>> float(out.sum())
       32.0
   """
-  runs = [_relaid(run) for run in runs]
+  turned = [run is not None and run.turnable and turns(run.blocks) for run in runs]
+  runs = [_turned(run) if t else _relaid(run) for run, t in zip(runs, turned)]
   results: list = [None] * len(runs)
   pools: dict[tuple, list[int]] = {}
   local: dict[tuple, list[int]] = {}
@@ -178,7 +181,54 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   for members in local.values():
     for i, result in zip(members, run_together([runs[i] for i in members])):
       results[i] = result
-  return [_unrelaid(run, result) for run, result in zip(runs, results)]
+  return [
+      _unturned(result) if t else _unrelaid(run, result)
+      for run, result, t in zip(runs, results, turned)
+  ]
+
+
+def turns(blocks: ShardBlocks) -> bool:
+  """Whether a pooled 2-D param's tiles run transposed (:attr:`BlockRun.turnable`): tiles
+  taller than wide, or square ones of a param split on its columns alone. Turned, like tiles
+  of both orientations join one pool (fewer pools, less padding), and a param split on its
+  columns reaches it without first moving to its rows.
+
+  Example:
+      >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+      >>> pooled = lambda shape, spec: ShardBlocks(shape, (1, 1), 4, spec=spec, mesh=mesh,
+      ...                                          pooled=True)
+      >>> turns(pooled((6, 2), (None, None))), turns(pooled((2, 6), (None, None)))
+      (True, False)
+      >>> turns(pooled((4, 4), (None, "data"))), turns(pooled((4, 4), ("data", None)))
+      (True, False)
+  """
+  if not blocks.in_pool or blocks.scanned or len(blocks.shape) != 2:
+    return False
+  rows, cols = blocks.sizes
+  split = [bool(stack_axes((entry,))) for entry in blocks.spec]
+  return rows > cols or (rows == cols and split == [False, True])
+
+
+def _swapped(stacks) -> list:
+  """Per-dim factor stacks in grid form (``(rows, cols, ...)`` each), for the transposed param:
+  each entry's list reversed and its grid's two dims swapped (its own inverse)."""
+  return [[jnp.swapaxes(x, 0, 1) for x in reversed(entry)] for entry in stacks]
+
+
+def _turned(run: BlockRun) -> BlockRun:
+  """``run`` on its param's transpose (:func:`turns`)."""
+  blocks = run.blocks
+  return run._replace(
+      blocks=dataclasses.replace(blocks, shape=blocks.shape[::-1], spec=blocks.spec[::-1]),
+      arrays=[x._replace(turned=True) if isinstance(x, TileNormal) else x.T for x in run.arrays],
+      stacks=_swapped(run.stacks),
+  )
+
+
+def _unturned(result):
+  """A turned run's ``result`` in its param's own orientation."""
+  outs, new_stacks = result
+  return [o.T for o in outs], _swapped(new_stacks)
 
 
 def _relaid(run: BlockRun | None) -> BlockRun | None:

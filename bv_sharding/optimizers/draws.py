@@ -53,6 +53,7 @@ class TileNormal(NamedTuple):
   keys: jax.Array
   index: int
   dtype: Any
+  turned: bool = False  # Its 2-D param's pool runs it transposed (blocked.turns).
 
 
 def wholes(members: Sequence[tuple[TileNormal, ShardBlocks]]) -> list[jax.Array]:
@@ -120,13 +121,18 @@ def pooled(
   order, padded to ``total`` with copies of the last tile's key, padding zero; ``place``
   constrains the keys and the draws to the pool's layout, so each device draws its own.
   """
-  order = [_run_order(b) for _, b in members]
+  order = [_probe_order(probe, b) for probe, b in members]
   # Padded in the tables (constants), not in the keys: padding a split array moves its edge.
   keys = place(_tile_keys(members, order, total))
-  valid = np.concatenate([_valid(blocks) for _, blocks in members])
-  valid = np.pad(valid, [(0, total - len(valid)), (0, 0)], mode="edge")
+  pad = lambda x: np.pad(x, [(0, total - len(x))] + [(0, 0)] * (x.ndim - 1), mode="edge")
+  valid = pad(np.concatenate([_valid(blocks) for _, blocks in members]))
   sizes, dtype = members[0][1].sizes, members[0][0].dtype
-  return place(_inside(_normals(keys, sizes, dtype), valid))
+  drawn = _normals(keys, sizes, dtype)
+  turned = pad(np.repeat([probe.turned for probe, _ in members], [len(o) for o in order]))
+  if turned.any():  # A turned tile is its own draw transposed (a draw's values fill it flat).
+    flipped = drawn.reshape(total, *sizes[::-1]).swapaxes(1, 2)
+    drawn = jnp.where(turned.reshape(-1, 1, 1), flipped, drawn)
+  return place(_inside(drawn, valid))
 
 
 def in_shards(members: Sequence[tuple[TileNormal, ShardBlocks]], keys: jax.Array) -> jax.Array:
@@ -169,6 +175,24 @@ def _run_order(blocks: ShardBlocks) -> np.ndarray:
   """The grid indices of ``blocks``' tiles in their run order
   (:meth:`~bv_sharding.optimizers.tiles.ShardBlocks.to_run`)."""
   return np.asarray(blocks.to_run(np.arange(_count(blocks)).reshape(blocks.grid_shape)))
+
+
+def _probe_order(probe: TileNormal, blocks: ShardBlocks) -> np.ndarray:
+  """The grid indices in its param of the tiles of ``probe`` in their run order on ``blocks``:
+  where the run is turned (``blocks`` those of the transposed param), each turned tile's index
+  in the param's own grid.
+
+  Example:
+      >>> blocks = ShardBlocks((4, 6), (1, 1), block_size=2)  # The turned grid of a 6 x 4 param.
+      >>> probe = TileNormal(None, 0, jnp.float32, turned=True)
+      >>> _probe_order(probe, blocks).tolist()  # The param's grid is 3 x 2, read by columns.
+      [0, 2, 4, 1, 3, 5]
+  """
+  order = _run_order(blocks)
+  if not probe.turned:
+    return order
+  rows, cols = blocks.grid_shape
+  return np.arange(rows * cols).reshape(cols, rows).T.ravel()[order]
 
 
 def _count(blocks: ShardBlocks) -> int:

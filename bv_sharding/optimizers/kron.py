@@ -515,7 +515,9 @@ def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, setti
   arrays = [momentum, target, probe] if own_target else [momentum, probe]
   do_update = flags[0]
   fitting = [None] + [do_update] * (len(arrays) - 1)  # The momentum is read on every step.
-  return blocked.BlockRun(blocks, fit, arrays, [qs], [damping, *flags], fitting, [do_update])
+  return blocked.BlockRun(
+      blocks, fit, arrays, [qs], [damping, *flags], fitting, [do_update], turnable=True
+  )
 
 
 def _layers_and_blocks(params, settings) -> tuple[list[bool], list[Tiling | None], list]:

@@ -368,6 +368,7 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
           refresh,
           (),
           [None, *refresh],
+          turnable=True,
       )
       if s.stats
       else None

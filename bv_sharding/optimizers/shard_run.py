@@ -55,6 +55,11 @@ class BlockRun(NamedTuple):
   (:func:`~bv_sharding.optimizers.pools.run_pool`; on CPU devices every step, the flag
   picking: :mod:`~bv_sharding.optimizers.gating`). Kron's fit, on its update steps, is
   one.
+
+  ``turnable``: ``fn`` does the same work on a 2-D tile's transpose when each entry of
+  ``stacks`` is a list of per-dim factor stacks and that list is reversed (Shampoo's and
+  SOAP's tiles, whose factors are per dim alike). A pooled run may then run turned
+  (:func:`~bv_sharding.optimizers.blocked.turns`).
   """
 
   blocks: ShardBlocks
@@ -64,6 +69,7 @@ class BlockRun(NamedTuple):
   scalars: Sequence[jax.Array] = ()
   read_when: Sequence[jax.Array | None] = ()
   write_when: Sequence[jax.Array | None] = ()
+  turnable: bool = False
 
 
 def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:

@@ -512,7 +512,8 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
     fn = fns.setdefault(dims, functools.partial(_soap_run, dims=dims, hyper=hyper))
     arrays = [x.reshape(blocks.shape) for x in (g, s.mu, s.nu)]
     stacks, flags = [s.stats, s.bases], [first, refresh]
-    runs.append(BlockRun(blocks, fn, arrays, stacks, flags, write_when=[None, new_bases]))
+    turnable = dims == (0, 1)  # Both dims rotated: the same work on the transpose.
+    runs.append(BlockRun(blocks, fn, arrays, stacks, flags, (), [None, new_bases], turnable))
   new_updates, new_per_param = [], []
   place = param_placers(settings.layout, treedef)
   for g, s, result, put, (_, _, tiling) in zip(

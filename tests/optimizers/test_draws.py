@@ -48,6 +48,31 @@ def test_a_pool_draws_the_whole_probes_tiles_in_place_with_no_collective():
   assert len({t.tobytes() for t in tiles[:9]}) == 9  # Every tile its own key.
 
 
+@pytest.mark.parametrize("plain_shape, turned_shape", [((3, 8), (6, 3)), ((4, 8), (8, 6))])
+def test_a_turned_members_tiles_are_its_whole_probes_transposed(plain_shape, turned_shape):
+  """A pool that runs a param transposed (``blocked.turns``) draws its probe's tiles as the
+  param's own orientation draws them, transposed: the probe does not depend on the turn. Tiles
+  of 3 x 4 (a (6, 3) param turned, its second tile half padding) and of 4 x 4 (an (8, 6)
+  param's 2 x 2 grid, read in the turned grid's order)."""
+  keys = jax.random.split(jax.random.PRNGKey(7), 2)
+  pooled_blocks = lambda shape: ShardBlocks(shape, (1, 1), block_size=4, pooled=True)
+  plain, turned = TileNormal(keys, 0, jnp.float32), TileNormal(keys, 1, jnp.float32, turned=True)
+  members = [(plain, pooled_blocks(plain_shape)), (turned, pooled_blocks(turned_shape[::-1]))]
+  mesh = _mesh()
+  dealt = lambda x: jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, P("data", *(None,) * (x.ndim - 1)))
+  )
+  tiles = np.asarray(jax.jit(lambda: pooled(members, 8, dealt))())
+  [whole_plain, whole_turned] = wholes(
+      [(plain, members[0][1]), (turned._replace(turned=False), pooled_blocks(turned_shape))]
+  )
+  expected = [members[0][1].split(whole_plain), members[1][1].split(whole_turned.T)]
+  # Within float32 rounding: XLA fuses the turned draw's arithmetic apart from the whole one's.
+  np.testing.assert_allclose(
+      tiles[: sum(len(x) for x in expected)], np.concatenate(expected), rtol=1e-6, atol=1e-6
+  )
+
+
 def _mesh():
   return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
