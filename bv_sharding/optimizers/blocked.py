@@ -182,53 +182,60 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
     for i, result in zip(members, run_together([runs[i] for i in members])):
       results[i] = result
   return [
-      _unturned(result) if t else _unrelaid(run, result)
+      _unturned(run, result) if t else _unrelaid(run, result)
       for run, result, t in zip(runs, results, turned)
   ]
 
 
 def turns(blocks: ShardBlocks) -> bool:
-  """Whether a pooled 2-D param's tiles run transposed (:attr:`BlockRun.turnable`): tiles
-  taller than wide, or square ones of a param split on its columns alone. Turned, like tiles
-  of both orientations join one pool (fewer pools, less padding), and a param split on its
-  columns reaches it without first moving to its rows.
+  """Whether a pooled param of 2-D tiles (a matrix, or a stack of layers' matrices) runs
+  transposed (:attr:`BlockRun.turnable`): tiles taller than wide, or square ones of a param
+  split on its columns alone. Turned, like tiles of both orientations join one pool (fewer
+  pools, less padding), and a param split on its columns reaches it without first moving to
+  its rows.
 
   Example:
       >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
-      >>> pooled = lambda shape, spec: ShardBlocks(shape, (1, 1), 4, spec=spec, mesh=mesh,
-      ...                                          pooled=True)
+      >>> pooled = lambda shape, spec, scanned=False: ShardBlocks(
+      ...     shape, (1,) * len(shape), 4, scanned, spec=spec, mesh=mesh, pooled=True)
       >>> turns(pooled((6, 2), (None, None))), turns(pooled((2, 6), (None, None)))
       (True, False)
-      >>> turns(pooled((4, 4), (None, "data"))), turns(pooled((4, 4), ("data", None)))
+      >>> turns(pooled((4, 4), (None, "data"))), turns(pooled((2, 4, 4), (None, "data", None), True))
       (True, False)
   """
-  if not blocks.in_pool or blocks.scanned or len(blocks.shape) != 2:
+  if not blocks.in_pool or len(blocks.sizes) != 2:
     return False
   rows, cols = blocks.sizes
-  split = [bool(stack_axes((entry,))) for entry in blocks.spec]
+  split = [bool(stack_axes((entry,))) for entry in blocks.spec[int(blocks.scanned) :]]
   return rows > cols or (rows == cols and split == [False, True])
 
 
-def _swapped(stacks) -> list:
-  """Per-dim factor stacks in grid form (``(rows, cols, ...)`` each), for the transposed param:
-  each entry's list reversed and its grid's two dims swapped (its own inverse)."""
-  return [[jnp.swapaxes(x, 0, 1) for x in reversed(entry)] for entry in stacks]
+def _swapped(stacks, grid: int) -> list:
+  """Per-dim factor stacks in grid form (``(*grid, ...)`` each, ``grid`` dims, the tile rows
+  and columns last), for the transposed param: each entry's list reversed and its grid's last
+  two dims swapped (its own inverse)."""
+  return [[jnp.swapaxes(x, grid - 2, grid - 1) for x in reversed(entry)] for entry in stacks]
 
 
 def _turned(run: BlockRun) -> BlockRun:
-  """``run`` on its param's transpose (:func:`turns`)."""
+  """``run`` on its param's transpose (:func:`turns`; a stack of layers' matrices, each)."""
   blocks = run.blocks
+  turn = lambda dims: (*dims[:-2], dims[-1], dims[-2])
   return run._replace(
-      blocks=dataclasses.replace(blocks, shape=blocks.shape[::-1], spec=blocks.spec[::-1]),
-      arrays=[x._replace(turned=True) if isinstance(x, TileNormal) else x.T for x in run.arrays],
-      stacks=_swapped(run.stacks),
+      blocks=dataclasses.replace(blocks, shape=turn(blocks.shape), spec=turn(blocks.spec)),
+      arrays=[
+          x._replace(turned=True) if isinstance(x, TileNormal) else jnp.swapaxes(x, -1, -2)
+          for x in run.arrays
+      ],
+      stacks=_swapped(run.stacks, len(blocks.grid_shape)),
   )
 
 
-def _unturned(result):
-  """A turned run's ``result`` in its param's own orientation."""
+def _unturned(run: BlockRun, result):
+  """A turned ``run``'s ``result`` in its param's own orientation."""
   outs, new_stacks = result
-  return [o.T for o in outs], _swapped(new_stacks)
+  grid = len(run.blocks.grid_shape)
+  return [jnp.swapaxes(o, -1, -2) for o in outs], _swapped(new_stacks, grid)
 
 
 def _relaid(run: BlockRun | None) -> BlockRun | None:

@@ -179,8 +179,8 @@ def _run_order(blocks: ShardBlocks) -> np.ndarray:
 
 def _probe_order(probe: TileNormal, blocks: ShardBlocks) -> np.ndarray:
   """The grid indices in its param of the tiles of ``probe`` in their run order on ``blocks``:
-  where the run is turned (``blocks`` those of the transposed param), each turned tile's index
-  in the param's own grid.
+  where the run is turned (``blocks`` those of the transposed param, or of a stack of layers'
+  transposed matrices), each turned tile's index in the param's own grid.
 
   Example:
       >>> blocks = ShardBlocks((4, 6), (1, 1), block_size=2)  # The turned grid of a 6 x 4 param.
@@ -191,8 +191,9 @@ def _probe_order(probe: TileNormal, blocks: ShardBlocks) -> np.ndarray:
   order = _run_order(blocks)
   if not probe.turned:
     return order
-  rows, cols = blocks.grid_shape
-  return np.arange(rows * cols).reshape(cols, rows).T.ravel()[order]
+  *layers, rows, cols = blocks.grid_shape
+  own = np.arange(_count(blocks)).reshape(*layers, cols, rows)
+  return np.swapaxes(own, -1, -2).ravel()[order]
 
 
 def _count(blocks: ShardBlocks) -> int:
