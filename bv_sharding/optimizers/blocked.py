@@ -133,9 +133,10 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   object), the tile shape and the stacks' structure, shapes and dtypes form one pool on a
   concrete mesh (:func:`~bv_sharding.optimizers.pools.run_pool`): their block stacks (arrays
   and stacks) are concatenated, padded to a multiple of the device count and split over every
-  mesh axis, and ``fn`` runs once on the pool. A scalar every run of a pool passes as the same
-  object stays a scalar; other scalars reach ``fn`` as one value per block (``(n,)``). Other
-  runs of shard-local blocks that share the same run together, one call of ``fn`` per device
+  mesh axis, and ``fn`` runs once on the pool (a run that :func:`turns` joins it on its
+  param's transpose, and its results are turned back). A scalar every run of a pool passes as
+  the same object stays a scalar; other scalars reach ``fn`` as one value per block (``(n,)``).
+  Other runs of shard-local blocks that share the same run together, one call of ``fn`` per device
   (:func:`~bv_sharding.optimizers.shard_run.run_together`), relaid ones (tiles pooled in
   their param's layout, whole in another's:
   :attr:`~bv_sharding.optimizers.tiles.ShardBlocks.relaid_from`) with their arrays moved
@@ -200,7 +201,8 @@ def turns(blocks: ShardBlocks) -> bool:
       ...     shape, (1,) * len(shape), 4, scanned, spec=spec, mesh=mesh, pooled=True)
       >>> turns(pooled((6, 2), (None, None))), turns(pooled((2, 6), (None, None)))
       (True, False)
-      >>> turns(pooled((4, 4), (None, "data"))), turns(pooled((2, 4, 4), (None, "data", None), True))
+      >>> stack = pooled((2, 4, 4), (None, "data", None), scanned=True)  # Split on its rows.
+      >>> turns(pooled((4, 4), (None, "data"))), turns(stack)
       (True, False)
   """
   if not blocks.in_pool or len(blocks.sizes) != 2:

@@ -53,7 +53,7 @@ class TileNormal(NamedTuple):
   keys: jax.Array
   index: int
   dtype: Any
-  turned: bool = False  # Its 2-D param's pool runs it transposed (blocked.turns).
+  turned: bool = False  # Its param's pool runs its matrices transposed (blocked.turns).
 
 
 def wholes(members: Sequence[tuple[TileNormal, ShardBlocks]]) -> list[jax.Array]:

@@ -57,9 +57,9 @@ class BlockRun(NamedTuple):
   one.
 
   ``turnable``: ``fn`` does the same work on a 2-D tile's transpose when each entry of
-  ``stacks`` is a list of per-dim factor stacks and that list is reversed (Shampoo's and
-  SOAP's tiles, whose factors are per dim alike). A pooled run may then run turned
-  (:func:`~bv_sharding.optimizers.blocked.turns`).
+  ``stacks`` is a list of per-dim factor stacks and that list is reversed (Kron's and
+  Shampoo's tiles, and SOAP's where it rotates both dims: their factors are per dim alike). A
+  pooled run may then run turned (:func:`~bv_sharding.optimizers.blocked.turns`).
   """
 
   blocks: ShardBlocks
