@@ -10,7 +10,8 @@ splits them over every mesh axis, so each device fits and applies its ``1/N`` of
 tiles, in one ``shard_map`` (a device holding padding alone skips the work:
 :func:`unless_padding`). Every reshard on the way moves one run of mesh axes at a time
 (:func:`~bv_sharding.optimizers.moves.move`). Each array is first resharded to its param's
-tile layout (:func:`_tile_spec`) and each stored stack is kept spread at the ideal
+tile layout (:func:`_tile_spec`) and seen as each device's pieces of its tiles
+(:mod:`~bv_sharding.optimizers.pieces`), and each stored stack is kept spread at the ideal
 (:func:`~bv_sharding.optimizers.placement.stored_spec`), so that the move to the pool and back
 is one all-to-all per array, of about a shard's bytes.
 
@@ -36,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from bv_sharding.ops import stack_axes
 from bv_sharding.optimizers import draws, moves
 from bv_sharding.optimizers.gating import gated
+from bv_sharding.optimizers.pieces import Layout, from_pieces, to_pieces
 from bv_sharding.optimizers.placement import spread, stored
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
@@ -124,16 +126,18 @@ def run_pool(runs: Sequence[BlockRun]):
   """``(outs per run, new stacks per run)``: ``fn`` once on the runs' blocks, in ``shard_map``
   over the pool's dim 0 split over every mesh axis (each device its ``1/N`` of the tiles).
 
-  Each run's arrays are cut into tiles on their :func:`_tile_spec` and the tiles held
-  split over the mesh axes along a tile dim, and so are its stacks (stored spread,
-  :func:`~bv_sharding.optimizers.placement.stored_spec`), so that joining them is local and
-  the pool's move to dim 0 (and back) is one all-to-all per array. Each stack is split along
-  a block dim of its own: a 3-D or 4-D param's tile stack ``(n, *sizes)`` and its factor
-  stacks (``(n, b, b)``, ``(n, b)``) differ in rank. Runs of like params (:func:`like_groups`)
-  are stacked first and move as one array (a leading dim no mesh axis splits): the program
-  holds one move per group of like params, not one per param, and the bytes are the same.
-  ``stacks`` is a sequence, each entry a tree of stacks. An array the runs read only when a
-  flag holds, and an entry of stacks they change only then (the same flag object in every
+  Each run's arrays are cut into tiles on their :func:`_tile_spec` (most often their param's
+  own spec) and the tiles, split however that leaves them, seen as each device's pieces
+  (:func:`~bv_sharding.optimizers.pieces.to_pieces`, local), so that tiles split on their rows
+  and on their columns join one array, whose move to dim 0 (and back) is one all-to-all; in
+  the ``shard_map`` each slot's tile is read back from its pieces by its own layout. The
+  stacks are stored spread over the mesh axes along a block dim of their own
+  (:func:`~bv_sharding.optimizers.placement.stored_spec`: a 3-D or 4-D param's factor stacks,
+  ``(n, b, b)`` and ``(n, b)``, differ in rank), and move the same way. Runs of like params
+  (:func:`like_groups`) are stacked first and move as one array (a leading dim no mesh axis
+  splits): the program holds one move per group of like params, not one per param, and the
+  bytes are the same. ``stacks`` is a sequence, each entry a tree of stacks. An array the
+  runs read only when a flag holds, and an entry of stacks they change only then (the same flag object in every
   run's ``read_when`` or ``write_when``), moves in or back only when the flag holds
   (:func:`~bv_sharding.optimizers.gating.gated`: on accelerators; on XLA:CPU it moves every
   step and the flag picks, the same values: :mod:`~bv_sharding.optimizers.gating`).
@@ -143,20 +147,12 @@ def run_pool(runs: Sequence[BlockRun]):
   axes = stack_axes((), sizes)
   dealt = P(spec_entry(axes))
   place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
   move = lambda x, src, dst: moves.move(x, mesh, src, dst)
+  spread_pieces, dealt_pieces = (None, spec_entry(axes), None), (spec_entry(axes), None, None)
 
   # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
   tail = lambda x: (None, *spread(x.shape[1:], axes, sizes))
   along = lambda x: place(x, P(*tail(x)))
-
-  # A group's tile stack (k, n, *tile) between where its cut leaves it (_tiles_tail) and the
-  # pool's tail: to the tail after the cut, back before the merge.
-  def shift(x, natural, to_tail: bool):
-    if natural is None:
-      return x
-    ends = [(None, *natural), (None, *tail(x[0]))]
-    return move(x, *(ends if to_tail else ends[::-1]))
 
   groups = like_groups(runs)
   ordered = [runs[i] for members in groups for i in members]  # The pool's order.
@@ -170,25 +166,41 @@ def run_pool(runs: Sequence[BlockRun]):
 
   stack = lambda *xs: jnp.stack(xs)
   flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
+  tile_specs = [(None, *_tile_spec(runs[m[0]].blocks, sizes)) for m in groups]
+  layouts = [_layout(runs[m[0]].blocks, spec, axes) for m, spec in zip(groups, tile_specs)]
+  kinds = list(dict.fromkeys(layouts))  # The pool's distinct layouts, each slot's one of them.
+  width = max(layout.width for layout in kinds)
   cuts, factors = [], []
-  for members in groups:
+  for members, tile_spec, layout in zip(groups, tile_specs, layouts):
     blocks, like = runs[members[0]].blocks, [runs[i] for i in members]
     param_spec = (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
-    tile_spec = (None, *_tile_spec(blocks, sizes))
-    # Each array resharded to its params' tile layout, then cut into their tiles.
-    natural = _tiles_tail(blocks, tile_spec)
-    cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, natural=natural: flat(
-        shift(jax.vmap(blocks.split)(move(stack(*xs), src, dst)), natural, to_tail=True)
+    # Each array resharded to its params' tile layout, cut into their tiles, seen as pieces.
+    cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, layout=layout: place(
+        to_pieces(
+            place(
+                flat(jax.vmap(blocks.split)(move(stack(*xs), src, dst))), P(None, *layout.entries)
+            ),
+            layout,
+            width,
+        ),
+        P(*spread_pieces),
     )
     cuts.append(lambda j, like=like, cut=cut: cut([r.arrays[j] for r in like]))
     grouped = jax.tree.map(stack, *[r.stacks for r in like])
     factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
+  kind = [kinds.index(layout) for members, layout in zip(groups, layouts) for _ in members]
+  slot_kinds = jnp.array(
+      [k for k, n in zip(kind, counts) for _ in range(n)] + kind[-1:] * (total - real)
+  )
+
+  drawn = drawn_in_place(runs)
 
   def pooled_array(j):
-    if j in drawn_in_place(runs):
+    if j in drawn:
       members = [(r.arrays[j], r.blocks) for r in ordered]
       return draws.pooled(members, total, lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))))
-    return pool([cut(j) for cut in cuts])
+    stack = jnp.concatenate([cut(j) for cut in cuts])
+    return move(padded(stack, total), spread_pieces, dealt_pieces)
 
   arrays = [
       gated(when, functools.partial(pooled_array, j))
@@ -205,30 +217,40 @@ def run_pool(runs: Sequence[BlockRun]):
         else jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values, counts)])
     )
 
-  def body(arrays, stacks, per_block):
+  def body(arrays, stacks, per_block, slot_kinds):
     start = jax.lax.axis_index(axes) * (total // mesh.size)
     mine = lambda v: jax.lax.dynamic_slice_in_dim(
         jnp.pad(v, (0, total - v.shape[0])), start, total // mesh.size
     )
     scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
-    return unless_padding(lambda: runs[0].fn(arrays, stacks, *scalars), start, real, total)
+    chosen = lambda options: _chosen(mine(slot_kinds), options)
+    tiles = [
+        x if j in drawn else chosen([from_pieces(x, layout) for layout in kinds])
+        for j, x in enumerate(arrays)
+    ]
+    outs, new = unless_padding(lambda: runs[0].fn(tiles, stacks, *scalars), start, real, total)
+    return [chosen([to_pieces(o, layout, width) for layout in kinds]) for o in outs], new
 
   body = jax.shard_map(
-      body, mesh=mesh, in_specs=(dealt, dealt, P()), out_specs=(dealt, dealt), check_vma=False
+      body,
+      mesh=mesh,
+      in_specs=(dealt, dealt, P(), P()),
+      out_specs=(P(*dealt_pieces), dealt),
+      check_vma=False,
   )
-  outs, new_stacks = body(arrays, stacks, per_block)
+  outs, new_stacks = body(arrays, stacks, per_block, slot_kinds)
+  outs = [move(o, dealt_pieces, spread_pieces) for o in outs]
   out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
-  outs = [out_of_pool(o) for o in outs]
   merged, slots, start = [None] * len(runs), [], 0
-  for members in groups:
+  for members, tile_spec, layout in zip(groups, tile_specs, layouts):
     blocks, k = runs[members[0]].blocks, len(members)
     n = blocks.count
     param_spec = (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
-    tile_spec = (None, *_tile_spec(blocks, sizes))
     mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
-    natural = _tiles_tail(blocks, tile_spec)
-    back = [jax.vmap(blocks.merge)(shift(mine(o), natural, to_tail=False)) for o in outs]
-    back = [move(x, tile_spec, param_spec) for x in back]
+    tiles = lambda o, start=start, k=k, n=n, layout=layout: place(
+        from_pieces(o[start : start + k * n], layout), P(None, *layout.entries)
+    ).reshape(k, n, *layout.tile)
+    back = [move(jax.vmap(blocks.merge)(tiles(o)), tile_spec, param_spec) for o in outs]
     for j, i in enumerate(members):
       merged[i] = [x[j] for x in back]
     slots.append((members, blocks, mine))
@@ -263,6 +285,28 @@ def drawn_in_place(runs: Sequence[BlockRun]) -> set[int]:
   return {j for j in range(count) if all(isinstance(r.arrays[j], draws.TileNormal) for r in runs)}
 
 
+def _layout(blocks: ShardBlocks, tile_spec: tuple, axes: tuple) -> Layout:
+  """How a group's tile stack is split when it becomes pieces: as cutting on ``tile_spec``
+  leaves it (:func:`_tiles_tail`), else spread over ``axes`` on its tile dims."""
+  sizes = dict(blocks.mesh.shape)
+  natural = _tiles_tail(blocks, tile_spec)
+  entries = natural[1:] if natural is not None else spread(blocks.sizes, axes, sizes)
+  return Layout(blocks.sizes, tuple(entries), tuple(axes), tuple(sizes.items()))
+
+
+def _chosen(kinds: jax.Array, options: Sequence[jax.Array]) -> jax.Array:
+  """Each slot (dim 0) of ``options[kinds[slot]]``.
+
+  Example:
+      >>> _chosen(jnp.array([1, 0]), [jnp.zeros((2, 3)), jnp.ones((2, 3))]).sum(1).tolist()
+      [3.0, 0.0]
+  """
+  picked = options[0]
+  for k, option in enumerate(options[1:], 1):
+    picked = jnp.where((kinds == k).reshape(-1, *(1,) * (option.ndim - 1)), option, picked)
+  return picked
+
+
 def _tiles_tail(blocks: ShardBlocks, tile_spec: tuple) -> tuple | None:
   """Where cutting a param on ``tile_spec`` (a group's, its dim 0 the group's) leaves its tile
   stack ``(n, *tile)``: each tile dim split as its param dim is, when each divides; None when
@@ -276,20 +320,23 @@ def _tiles_tail(blocks: ShardBlocks, tile_spec: tuple) -> tuple | None:
 
 
 def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
-  """Where a pooled param is cut into tiles: all its mesh axes (in mesh order) on the
-  first dim whose shards they keep in step with the tiles (each shard whole tiles, or
-  whole pieces of one tile); without such a dim, its spec with each axis out of step
-  moved to a dim it keeps in step, else dropped (gathered over).
+  """Where a pooled param is cut into tiles: its own spec where each dim's shards keep in
+  step with the tiles (each shard whole tiles, or whole pieces of one tile); else all its
+  mesh axes (in mesh order) on the first dim they keep in step; without such a dim, its spec
+  with each axis out of step moved to a dim it keeps in step, else dropped (gathered over).
 
   Cutting the param into tiles is then a reshape XLA partitions as it is, and the tiles
-  reach the pool (split over the mesh axes on dim 0) in one all-to-all; a moved axis costs
-  another (each of about a shard's bytes).
+  reach the pool as pieces in one all-to-all; a moved axis costs another (each of about a
+  shard's bytes).
 
   Example:
       >>> mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
       >>> blocks = ShardBlocks((768, 256), (1, 1), 256, spec=("model", "data"), pooled=True)
       >>> _tile_spec(blocks, dict(mesh.shape))  # 384-row shards: all on the columns
       P(None, ('data', 'model'))
+      >>> head = ShardBlocks((128, 256), (1, 1), 256, spec=(None, "data"), pooled=True)
+      >>> _tile_spec(head, dict(mesh.shape))  # 64-column pieces of its one tile: kept
+      P(None, 'data')
   """
   dims = range(int(blocks.scanned), len(blocks.shape))
   entries = [list(stack_axes((e,))) for e in blocks.spec]
@@ -298,6 +345,8 @@ def _tile_spec(blocks: ShardBlocks, sizes: dict[str, int]) -> P:
   in_step = lambda d, axes: _in_step(
       blocks.shape[d], math.prod(sizes[a] for a in axes), blocks.block_size
   )
+  if all(in_step(d, entries[d]) for d in dims):
+    return P(*blocks.spec)
   together = next((d for d in dims if in_step(d, ordered)), None)
   if together is not None:
     return P(
