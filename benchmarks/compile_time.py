@@ -30,6 +30,7 @@ os.environ.setdefault(*ONE_BLAS_THREAD)  # Before numpy loads OpenBLAS (trainers
 
 import contextlib
 import pathlib
+import re
 import statistics
 import tempfile
 import time
@@ -57,6 +58,22 @@ def instructions(hlo: str) -> int:
       2
   """
   return sum(" = " in line for line in hlo.splitlines())
+
+
+def kernels(hlo: str) -> int:
+  """The distinct fused computations of compiled HLO text, names and metadata aside: the
+  kernels XLA compiles (one per distinct body; like fusions share one), noise-free.
+
+  Example:
+      >>> step = jax.jit(lambda a, b: (a * 2 + 1, b * 2 + 1))  # Two fusions, one body.
+      >>> x = jax.numpy.ones(4)
+      >>> kernels(step.lower(x, x).compile().as_text())
+      1
+  """
+  bodies = re.split(r"\n(?=\S)", hlo)
+  fused = [b for b in bodies if re.match(r"%?(fused|wrapped)\S* ", b)]
+  strip = lambda body: re.sub(r"%[\w.\-]+|, metadata=\{[^}]*\}", "", body.split("\n", 1)[-1])
+  return len({strip(body) for body in fused})
 
 
 # The profiler's events of XLA:CPU compiling kernels: one per fused computation emitted, and
