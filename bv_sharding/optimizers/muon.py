@@ -52,6 +52,7 @@ from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.ops import axes_of
+from bv_sharding.optimizers import opaque
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.moves import move
 
@@ -128,6 +129,8 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
   spec_of = lambda i: _matrix_spec(specs[i], leaves[i].shape) if owners > 1 else None
   pieces: dict[int, list[jax.Array]] = {i: [] for i in stacks}
   left = []  # (leaf, matrices, their matrix spec as held) of every shape's last round
+  longest = max(map(len, groups.values()), default=0)
+  index = opaque.indices(longest, mesh) if owners > 1 else None
   for members in groups.values():
     spec = _shared([spec_of(i) for i in members])
     # Members held alike side by side, the shared layout's first: each run moves as one.
@@ -142,11 +145,11 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
       n = sum(stacks[i].shape[0] for i in run)
       mine = _moved(done[min(start, full) : min(start + n, full)], mesh, spec, held)
       at = start
-      for i in run:
+      for position, i in enumerate(run):
         k = stacks[i].shape[0]
         lo, hi = min(at, full), min(at + k, full)
         if hi > lo:
-          pieces[i].append(mine[lo - start : hi - start])
+          pieces[i].append(_piece(mine, lo - start, hi - lo, position, index))
         if at + k > full:
           left.append((i, stack[max(at, full) : at + k], held if spec is None else spec))
         at += k
@@ -170,6 +173,15 @@ def orthogonalize(tree, dims, ns: Callable[[jax.Array], jax.Array], layout=None)
       piece = jax.lax.with_sharding_constraint(piece, NamedSharding(mesh, specs[i]))
     out[i] = piece
   return treedef.unflatten(out)
+
+
+def _piece(stack: jax.Array, offset: int, size: int, position: int, index) -> jax.Array:
+  """``stack[offset : offset + size]``: the matrices of a run's member at ``position``, read
+  at an index XLA cannot see (``index``, :func:`~bv_sharding.optimizers.opaque.indices`) where
+  the members before it are all of its size, so like members share their kernels."""
+  if index is None or offset != position * size:
+    return stack[offset : offset + size]
+  return jax.lax.dynamic_slice_in_dim(stack, index[position] * size, size)
 
 
 def _matrix_spec(spec: P, shape) -> tuple | None:

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bv_sharding.ops import stack_axes
-from bv_sharding.optimizers import draws, moves
+from bv_sharding.optimizers import draws, moves, opaque
 from bv_sharding.optimizers.gating import gated
 from bv_sharding.optimizers.pieces import Layout, from_pieces, to_pieces
 from bv_sharding.optimizers.placement import spread, stored
@@ -136,7 +136,8 @@ def run_pool(runs: Sequence[BlockRun]):
   ``(n, b, b)`` and ``(n, b)``, differ in rank), and move the same way. Runs of like params
   (:func:`like_groups`) are stacked first and move as one array (a leading dim no mesh axis
   splits): the program holds one move per group of like params, not one per param, and the
-  bytes are the same. ``stacks`` is a sequence, each entry a tree of stacks. An array the
+  bytes are the same; each reads its results from the group's at an index XLA cannot see
+  (:mod:`~bv_sharding.optimizers.opaque`), so their kernels are one. ``stacks`` is a sequence, each entry a tree of stacks. An array the
   runs read only when a flag holds, and an entry of stacks they change only then (the same flag object in every
   run's ``read_when`` or ``write_when``), moves in or back only when the flag holds
   (:func:`~bv_sharding.optimizers.gating.gated`: on accelerators; on XLA:CPU it moves every
@@ -229,19 +230,18 @@ def run_pool(runs: Sequence[BlockRun]):
         for j, x in enumerate(arrays)
     ]
     outs, new = unless_padding(lambda: runs[0].fn(tiles, stacks, *scalars), start, real, total)
-    pieces = [chosen([to_pieces(o, layout, width) for layout in kinds]) for o in outs]
-    return pieces, new, _nans(jax.tree.leaves((arrays, stacks))[0])
+    return [chosen([to_pieces(o, layout, width) for layout in kinds]) for o in outs], new
 
   body = jax.shard_map(
       body,
       mesh=mesh,
       in_specs=(dealt, dealt, P(), P()),
-      out_specs=(P(*dealt_pieces), dealt, P()),
+      out_specs=(P(*dealt_pieces), dealt),
       check_vma=False,
   )
-  outs, new_stacks, trips = body(arrays, stacks, per_block, slot_kinds)
+  outs, new_stacks = body(arrays, stacks, per_block, slot_kinds)
   outs = [move(o, dealt_pieces, spread_pieces) for o in outs]
-  index = opaque_indices(max(map(len, groups)), trips)
+  index = opaque.indices(max(map(len, groups)), mesh)
   out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
   merged, slots, start = [None] * len(runs), [], 0
   for members, tile_spec, layout in zip(groups, tile_specs, layouts):
@@ -254,7 +254,7 @@ def run_pool(runs: Sequence[BlockRun]):
     ).reshape(k, n, *layout.tile)
     back = [move(jax.vmap(blocks.merge)(tiles(o)), tile_spec, param_spec) for o in outs]
     for j, i in enumerate(members):
-      merged[i] = [jax.lax.dynamic_index_in_dim(x, index[j], keepdims=False) for x in back]
+      merged[i] = [opaque.member(x, index[j]) for x in back]
     slots.append((members, blocks, mine))
     start += k * n
 
@@ -265,12 +265,7 @@ def run_pool(runs: Sequence[BlockRun]):
           lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new
       )
       for j, i in enumerate(members):
-        out[i] = stored(
-            blocks,
-            jax.tree.map(
-                lambda x, j=j: jax.lax.dynamic_index_in_dim(x, index[j], keepdims=False), unrun
-            ),
-        )
+        out[i] = stored(blocks, jax.tree.map(lambda x, j=j: opaque.member(x, index[j]), unrun))
     return out
 
   old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
@@ -283,31 +278,6 @@ def run_pool(runs: Sequence[BlockRun]):
       for k, when in enumerate(shared_flags(runs, "write_when", len(new_stacks)))
   ]
   return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
-
-
-def opaque_indices(count: int, trips: jax.Array) -> list[jax.Array]:
-  """The int32 scalars ``0, ..., count - 1``, as values XLA cannot fold into the kernels that
-  read them. ``trips``: an int32 scalar XLA cannot know (its value does not matter).
-
-  ``stack[j]`` for each member of a stack compiles one kernel per member, each with its own
-  offset, fused into each consumer of the member's slice (XLA:CPU compiles a kernel in about
-  20 ms). Read at an index that is data, like members' kernels are one kernel. The indices
-  go through one loop of ``trips`` trips, which leaves them as they are (``max(j, 0)``).
-
-  Example:
-      >>> [int(i) for i in jax.jit(lambda n: opaque_indices(3, n))(jnp.int32(2))]
-      [0, 1, 2]
-  """
-  step = lambda carry: (carry[0] - 1, [jnp.maximum(i, 0) for i in carry[1]])
-  start = (trips, [jnp.int32(j) for j in range(count)])
-  return jax.lax.while_loop(lambda carry: carry[0] > 0, step, start)[1]
-
-
-def _nans(x: jax.Array) -> jax.Array:
-  """Whether ``x``'s first element is NaN, as an int32 scalar: 0 in practice, and XLA cannot
-  know it (:func:`opaque_indices`' trips)."""
-  first = x.reshape(-1)[:1]
-  return jnp.sum(first != first, dtype=jnp.int32)
 
 
 def drawn_in_place(runs: Sequence[BlockRun]) -> set[int]:
