@@ -12,8 +12,8 @@ tiles, in one ``shard_map`` (a device holding padding alone skips the work:
 (:func:`~bv_sharding.optimizers.moves.move`). Each array is first resharded to its param's
 tile layout (:func:`_tile_spec`) and seen as each device's pieces of its tiles
 (:mod:`~bv_sharding.optimizers.pieces`), and each stored stack is kept spread at the ideal
-(:func:`~bv_sharding.optimizers.placement.stored_spec`), so that the move to the pool and back
-is one all-to-all per array, of about a shard's bytes.
+(:func:`~bv_sharding.optimizers.placement.stored_spec`), so that all of them move to the pool,
+and back, in one all-to-all each way, of about their shards' bytes.
 
 Example:
     >>> from bv_sharding.optimizers.tiles import shard_blocks
@@ -24,13 +24,13 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -133,7 +133,10 @@ def run_pool(runs: Sequence[BlockRun]):
   the ``shard_map`` each slot's tile is read back from its pieces by its own layout. The
   stacks are stored spread over the mesh axes along a block dim of their own
   (:func:`~bv_sharding.optimizers.placement.stored_spec`: a 3-D or 4-D param's factor stacks,
-  ``(n, b, b)`` and ``(n, b)``, differ in rank), and move the same way. Runs of like params
+  ``(n, b, b)`` and ``(n, b)``, differ in rank), and are seen as pieces too: what moves each
+  way under one flag (below) and in one dtype moves as one array, the pieces side by side
+  (:func:`_bundles`), so a pool takes one all-to-all each way however many arrays and factors
+  it moves (XLA:CPU compiles each all-to-all of a new shape as a kernel per device). Runs of like params
   (:func:`like_groups`) are stacked first and move as one array (a leading dim no mesh axis
   splits): the program holds one move per group of like params, not one per param, and the
   bytes are the same; each reads its results from the group's at an index XLA cannot see
@@ -160,10 +163,6 @@ def run_pool(runs: Sequence[BlockRun]):
   counts = [run.blocks.count for run in ordered]
   real = sum(counts)
   total = real + -real % mesh.size
-
-  def pool(parts):  # Padded with copies of the last block: finite, and dropped after.
-    stack = jnp.concatenate([along(x) for x in parts])
-    return move(padded(stack, total), tail(stack), tuple(dealt) + (None,) * (stack.ndim - 1))
 
   stack = lambda *xs: jnp.stack(xs)
   flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
@@ -195,19 +194,47 @@ def run_pool(runs: Sequence[BlockRun]):
   )
 
   drawn = drawn_in_place(runs)
-
-  def pooled_array(j):
-    if j in drawn:
-      members = [(r.arrays[j], r.blocks) for r in ordered]
-      return draws.pooled(members, total, lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))))
-    stack = jnp.concatenate([cut(j) for cut in cuts])
-    return move(padded(stack, total), spread_pieces, dealt_pieces)
-
-  arrays = [
-      gated(when, functools.partial(pooled_array, j))
-      for j, when in enumerate(shared_flags(runs, "read_when", len(runs[0].arrays)))
+  read_when = shared_flags(runs, "read_when", len(runs[0].arrays))
+  write_when = shared_flags(runs, "write_when", len(runs[0].stacks))
+  # The pool's stacks: per entry, a tree whose every leaf is one stack, split along a block dim.
+  entries = jax.tree.map(lambda *parts: jnp.concatenate([along(x) for x in parts]), *factors)
+  leaves = [jax.tree.leaves(entry) for entry in entries]
+  stack_layouts = [[_stack_layout(x.shape[1:], axes, sizes) for x in xs] for xs in leaves]
+  # What moves in, as pieces: each array not drawn in place, and each stack.
+  ins = [
+      _Part(read_when[j], runs[0].arrays[j].dtype, width, ("array", j), None)
+      for j in range(len(read_when))
+      if j not in drawn
+  ] + [
+      _Part(None, x.dtype, layout.width, ("stack", k, i), layout)
+      for k, (xs, layouts_k) in enumerate(zip(leaves, stack_layouts))
+      for i, (x, layout) in enumerate(zip(xs, layouts_k))
   ]
-  stacks = jax.tree.map(lambda *parts: pool(parts), *factors)
+
+  def pieces_in(part: _Part) -> jax.Array:
+    if part.name[0] == "array":
+      return jnp.concatenate([cut(part.name[1]) for cut in cuts])
+    return to_pieces(leaves[part.name[1]][part.name[2]], part.layout)
+
+  moved_in = [
+      gated(
+          ins[members[0]].when,
+          lambda members=members: move(
+              padded(jnp.concatenate([pieces_in(ins[i]) for i in members], axis=-1), total),
+              spread_pieces,
+              dealt_pieces,
+          ),
+      )
+      for members in _bundles(ins)
+  ]
+  probes = {
+      j: draws.pooled(
+          [(r.arrays[j], r.blocks) for r in ordered],
+          total,
+          lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))),
+      )
+      for j in drawn
+  }
   shared, per_block = [], []
   for values in zip(*[r.scalars for r in ordered]):
     same = all(v is values[0] for v in values)
@@ -217,32 +244,60 @@ def run_pool(runs: Sequence[BlockRun]):
         if same
         else jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values, counts)])
     )
+  outs_spec: list[_Part] = []  # What moves out, as the body makes it.
 
-  def body(arrays, stacks, per_block, slot_kinds):
+  def body(moved_in, probes, per_block, slot_kinds):
     start = jax.lax.axis_index(axes) * (total // mesh.size)
     mine = lambda v: jax.lax.dynamic_slice_in_dim(
         jnp.pad(v, (0, total - v.shape[0])), start, total // mesh.size
     )
     scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
     chosen = lambda options: _chosen(mine(slot_kinds), options)
+    got = _unbundled(ins, _bundles(ins), moved_in)
     tiles = [
-        x if j in drawn else chosen([from_pieces(x, layout) for layout in kinds])
-        for j, x in enumerate(arrays)
+        probes[j]
+        if j in drawn
+        else chosen([from_pieces(got[("array", j)], layout) for layout in kinds])
+        for j in range(len(read_when))
+    ]
+    stacks = [
+        jax.tree.unflatten(
+            jax.tree.structure(entry),
+            [from_pieces(got[("stack", k, i)], layout) for i, layout in enumerate(layouts_k)],
+        )
+        for k, (entry, layouts_k) in enumerate(zip(entries, stack_layouts))
     ]
     outs, new = unless_padding(lambda: runs[0].fn(tiles, stacks, *scalars), start, real, total)
-    return [chosen([to_pieces(o, layout, width) for layout in kinds]) for o in outs], new
+    made = [chosen([to_pieces(o, layout, width) for layout in kinds]) for o in outs]
+    outs_spec[:] = [_Part(None, o.dtype, width, ("out", j), None) for j, o in enumerate(made)]
+    for k, entry in enumerate(new):
+      for i, (x, layout) in enumerate(zip(jax.tree.leaves(entry), stack_layouts[k])):
+        made.append(to_pieces(x, layout))
+        outs_spec.append(_Part(write_when[k], x.dtype, layout.width, ("stack", k, i), layout))
+    return [jnp.concatenate([made[i] for i in members], axis=-1) for members in _bundles(outs_spec)]
 
   body = jax.shard_map(
       body,
       mesh=mesh,
-      in_specs=(dealt, dealt, P(), P()),
-      out_specs=(P(*dealt_pieces), dealt),
+      in_specs=(P(*dealt_pieces), dealt, P(), P()),
+      out_specs=P(*dealt_pieces),
       check_vma=False,
   )
-  outs, new_stacks = body(arrays, stacks, per_block, slot_kinds)
-  outs = [move(o, dealt_pieces, spread_pieces) for o in outs]
+  moved_out = body(moved_in, probes, per_block, slot_kinds)
+  bundles_out = _bundles(outs_spec)
+
+  def back_from(flag) -> dict:
+    """The pieces of what moves out under ``flag`` (None: every step), moved back, by name."""
+    chosen = [b for b, m in enumerate(bundles_out) if outs_spec[m[0]].when is flag]
+    return _unbundled(
+        outs_spec,
+        [bundles_out[b] for b in chosen],
+        [move(moved_out[b], dealt_pieces, spread_pieces) for b in chosen],
+    )
+
+  always = back_from(None)
+  outs = [always[("out", j)] for j in range(sum(p.name[0] == "out" for p in outs_spec))]
   index = opaque.indices(max(map(len, groups)), mesh)
-  out_of_pool = lambda x: move(x, tuple(dealt) + (None,) * (x.ndim - 1), tail(x))
   merged, slots, start = [None] * len(runs), [], 0
   for members, tile_spec, layout in zip(groups, tile_specs, layouts):
     blocks, k = runs[members[0]].blocks, len(members)
@@ -258,7 +313,14 @@ def run_pool(runs: Sequence[BlockRun]):
     slots.append((members, blocks, mine))
     start += k * n
 
-  def stacks_back(new):  # One entry of the pool's new stacks, back to each run's stored stack.
+  def stacks_back(k, parts: dict):  # Entry k of the pool's new stacks, back to each run's.
+    new = jax.tree.unflatten(
+        jax.tree.structure(entries[k]),
+        [
+            along(from_pieces(parts[("stack", k, i)], layout))
+            for i, layout in enumerate(stack_layouts[k])
+        ],
+    )
     out = [None] * len(runs)
     for members, blocks, mine in slots:
       unrun = jax.tree.map(
@@ -269,15 +331,63 @@ def run_pool(runs: Sequence[BlockRun]):
     return out
 
   old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
-  back = [
-      gated(
-          when,
-          lambda k=k: stacks_back(jax.tree.map(out_of_pool, new_stacks[k])),
-          lambda k=k: old_stacks(k),
-      )
-      for k, when in enumerate(shared_flags(runs, "write_when", len(new_stacks)))
-  ]
+  back = [None] * len(write_when)
+  for flag in {id(f): f for f in write_when}.values():
+    ks = [k for k, f in enumerate(write_when) if f is flag]
+    results = gated(
+        flag,
+        lambda ks=ks, flag=flag: [
+            stacks_back(k, always if flag is None else back_from(flag)) for k in ks
+        ],
+        lambda ks=ks: [old_stacks(k) for k in ks],
+    )
+    for k, result in zip(ks, results):
+      back[k] = result
   return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
+
+
+class _Part(NamedTuple):
+  """One array a pool moves, as pieces: moved only when ``when`` holds (None: every step),
+  its dtype, its pieces' width, its name, and (for a stack) how it is seen as pieces."""
+
+  when: Any
+  dtype: Any
+  width: int
+  name: tuple
+  layout: Layout | None
+
+
+def _bundles(parts: Sequence[_Part]) -> list[list[int]]:
+  """The indices of ``parts`` grouped by their flag (the same object) and dtype, in order of
+  first appearance: each group moves as one array, concatenated along the pieces' dim.
+
+  Example:
+      >>> part = lambda when, dtype: _Part(when, dtype, 1, (), None)
+      >>> flag = jnp.bool_(True)
+      >>> _bundles([part(None, "f4"), part(flag, "f4"), part(None, "f4"), part(None, "bf16")])
+      [[0, 2], [1], [3]]
+  """
+  groups: dict[tuple, list[int]] = {}
+  for i, part in enumerate(parts):
+    groups.setdefault((id(part.when), part.dtype), []).append(i)
+  return list(groups.values())
+
+
+def _unbundled(parts: Sequence[_Part], groups: Sequence[list[int]], bundles) -> dict:
+  """Each part's pieces, by name, cut from ``bundles`` (one array per group of ``groups``, its
+  parts' pieces side by side)."""
+  out = {}
+  for bundle, group in zip(bundles, groups):
+    ends = np.cumsum([parts[i].width for i in group])
+    for i, end in zip(group, ends):
+      out[parts[i].name] = bundle[..., end - parts[i].width : end]
+  return out
+
+
+def _stack_layout(shape: tuple, axes: tuple, sizes: dict[str, int]) -> Layout:
+  """How a pool's stack of factors of ``shape`` is split (spread along its own dims) when it
+  moves as pieces."""
+  return Layout(tuple(shape), spread(shape, axes, sizes), tuple(axes), tuple(sizes.items()))
 
 
 def drawn_in_place(runs: Sequence[BlockRun]) -> set[int]:

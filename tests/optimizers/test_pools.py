@@ -101,3 +101,16 @@ def test_like_params_add_no_kernels(name):
       for count in (8, 16)
   }
   assert kernels[16] - kernels[8] <= 4, kernels  # At constant indices: 12 (Muon) to 30 more.
+
+
+@pytest.mark.parametrize("name, most", [("shampoo_every_step", 4), ("shampoo", 5), ("kron", 5)])
+def test_a_pool_moves_its_arrays_and_factors_together(name, most):
+  """What a pool moves each way under one flag, its arrays and its factor stacks, moves as one
+  array of pieces: one all-to-all. Eight like 16 x 16 params over 8 devices, in tiles of 8
+  (each tile's rows span four devices): the gradient's cut into tiles and its update's merge
+  take one each, the pool one each way, and Shampoo's roots, read only on the steps between
+  refreshes, one more. Moved one by one they took 8, 12 and 8."""
+  mesh = bvs.make_mesh([("data", 8)])
+  shapes = {f"layer{i}": (16, 16) for i in range(8)}
+  hlo = own_loop.compiled_step(SKIPPING[name], shapes, {k: ("data",) for k in shapes}, mesh, _loss)
+  assert len([c for c in traffic.collectives(hlo) if c.op == "all-to-all"]) <= most
