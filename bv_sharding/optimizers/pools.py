@@ -136,13 +136,14 @@ def run_pool(runs: Sequence[BlockRun]):
   ``(n, b, b)`` and ``(n, b)``, differ in rank), and are seen as pieces too: what moves each
   way under one flag (below) and in one dtype moves as one array, the pieces side by side
   (:func:`_bundles`), so a pool takes one all-to-all each way however many arrays and factors
-  it moves (XLA:CPU compiles each all-to-all of a new shape as a kernel per device). Runs of like params
-  (:func:`like_groups`) are stacked first and move as one array (a leading dim no mesh axis
-  splits): the program holds one move per group of like params, not one per param, and the
+  it moves (XLA:CPU compiles each all-to-all of a new shape as a kernel per device). Runs of
+  like params (:func:`like_groups`) are stacked first and move as one array (a leading dim no
+  mesh axis splits): the program holds one move per group of like params, not one per param, and the
   bytes are the same; each reads its results from the group's at an index XLA cannot see
-  (:mod:`~bv_sharding.optimizers.opaque`), so their kernels are one. ``stacks`` is a sequence, each entry a tree of stacks. An array the
-  runs read only when a flag holds, and an entry of stacks they change only then (the same flag object in every
-  run's ``read_when`` or ``write_when``), moves in or back only when the flag holds
+  (:mod:`~bv_sharding.optimizers.opaque`), so their kernels are one. ``stacks`` is a
+  sequence, each entry a tree of stacks. An array the runs read only when a flag holds, and an
+  entry of stacks they change only then (the same flag object in every run's ``read_when`` or
+  ``write_when``), moves in or back only when the flag holds
   (:func:`~bv_sharding.optimizers.gating.gated`: on accelerators; on XLA:CPU it moves every
   step and the flag picks, the same values: :mod:`~bv_sharding.optimizers.gating`).
   """
@@ -169,11 +170,11 @@ def run_pool(runs: Sequence[BlockRun]):
   tile_specs = [(None, *_tile_spec(runs[m[0]].blocks, sizes)) for m in groups]
   layouts = [_layout(runs[m[0]].blocks, spec, axes) for m, spec in zip(groups, tile_specs)]
   kinds = list(dict.fromkeys(layouts))  # The pool's distinct layouts, each slot's one of them.
+  param_specs = [_param_spec(runs[m[0]].blocks) for m in groups]
   width = max(layout.width for layout in kinds)
   cuts, factors = [], []
-  for members, tile_spec, layout in zip(groups, tile_specs, layouts):
+  for members, tile_spec, layout, param_spec in zip(groups, tile_specs, layouts, param_specs):
     blocks, like = runs[members[0]].blocks, [runs[i] for i in members]
-    param_spec = (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
     # Each array resharded to its params' tile layout, cut into their tiles, seen as pieces.
     cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, layout=layout: place(
         to_pieces(
@@ -216,6 +217,7 @@ def run_pool(runs: Sequence[BlockRun]):
       return jnp.concatenate([cut(part.name[1]) for cut in cuts])
     return to_pieces(leaves[part.name[1]][part.name[2]], part.layout)
 
+  bundles_in = _bundles(ins)
   moved_in = [
       gated(
           ins[members[0]].when,
@@ -225,7 +227,7 @@ def run_pool(runs: Sequence[BlockRun]):
               dealt_pieces,
           ),
       )
-      for members in _bundles(ins)
+      for members in bundles_in
   ]
   probes = {
       j: draws.pooled(
@@ -253,7 +255,7 @@ def run_pool(runs: Sequence[BlockRun]):
     )
     scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
     chosen = lambda options: _chosen(mine(slot_kinds), options)
-    got = _unbundled(ins, _bundles(ins), moved_in)
+    got = _unbundled(ins, bundles_in, moved_in)
     tiles = [
         probes[j]
         if j in drawn
@@ -299,10 +301,9 @@ def run_pool(runs: Sequence[BlockRun]):
   outs = [always[("out", j)] for j in range(sum(p.name[0] == "out" for p in outs_spec))]
   index = opaque.indices(max(map(len, groups)), mesh)
   merged, slots, start = [None] * len(runs), [], 0
-  for members, tile_spec, layout in zip(groups, tile_specs, layouts):
+  for members, tile_spec, layout, param_spec in zip(groups, tile_specs, layouts, param_specs):
     blocks, k = runs[members[0]].blocks, len(members)
     n = blocks.count
-    param_spec = (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
     mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
     tiles = lambda o, start=start, k=k, n=n, layout=layout: place(
         from_pieces(o[start : start + k * n], layout), P(None, *layout.entries)
@@ -402,8 +403,14 @@ def _layout(blocks: ShardBlocks, tile_spec: tuple, axes: tuple) -> Layout:
   leaves it (:func:`_tiles_tail`), else spread over ``axes`` on its tile dims."""
   sizes = dict(blocks.mesh.shape)
   natural = _tiles_tail(blocks, tile_spec)
-  entries = natural[1:] if natural is not None else spread(blocks.sizes, axes, sizes)
-  return Layout(blocks.sizes, tuple(entries), tuple(axes), tuple(sizes.items()))
+  if natural is None:
+    return _stack_layout(blocks.sizes, axes, sizes)
+  return Layout(blocks.sizes, tuple(natural[1:]), tuple(axes), tuple(sizes.items()))
+
+
+def _param_spec(blocks: ShardBlocks) -> tuple:
+  """A group's stacked params' spec: the group's dim, then the param's spec, padded."""
+  return (None, *blocks.spec, *(None,) * (len(blocks.shape) - len(blocks.spec)))
 
 
 def _chosen(kinds: jax.Array, options: Sequence[jax.Array]) -> jax.Array:
