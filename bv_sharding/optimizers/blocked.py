@@ -41,7 +41,7 @@ from bv_sharding.optimizers import moves
 from bv_sharding.optimizers.draws import TileNormal, drawn_whole
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Stacks, Tiling
-from bv_sharding.optimizers.pools import drawn_in_place, pool_key, run_pool
+from bv_sharding.optimizers.pools import drawn_in_place, pool_key, run_pools
 from bv_sharding.optimizers.shard_run import BlockRun, run_alone, run_together
 from bv_sharding.optimizers.tiles import BLOCKINGS, ShardBlocks
 
@@ -175,8 +175,8 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   runs = drawn_whole(runs, {ij for members in groups for ij in in_place(members)})
   for i in alone:
     results[i] = run_alone(runs[i])
-  for members in pools.values():
-    outs, new_stacks = run_pool([runs[i] for i in members])
+  pooled = run_pools([[runs[i] for i in members] for members in pools.values()])
+  for members, (outs, new_stacks) in zip(pools.values(), pooled):
     for i, out, new in zip(members, outs, new_stacks):
       results[i] = (out, new)
   for members in local.values():

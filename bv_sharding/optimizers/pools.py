@@ -65,22 +65,25 @@ def padded(stack: jax.Array, length: int) -> jax.Array:
   return jnp.concatenate([stack, jnp.repeat(stack[-1:], length - stack.shape[0], axis=0)])
 
 
-def unless_padding(run, start, real: int, total: int) -> Any:
-  """``run()`` on a device whose slots of the pool start at ``start``, unless they are all
-  padding (``start >= real`` of ``total`` slots): zeros of its shapes there, which are dropped
-  anyway. A pool of fewer tiles than devices then runs its tiles once, not once per device.
-  The work holds no collective, so devices may take different branches. On one host of
-  simulated devices, where every device's work shares the same cores, this halved Kron's and
-  Shampoo's update of a one-layer Llama's params on 8 devices (338 -> 179 ms and 353 -> 172 ms).
+def unless_padding(run, start, count: int, real: int, always: bool = False) -> Any:
+  """``run()`` on a device whose ``count`` slots of a pool start at slot ``start``, unless
+  they are all padding (none in ``0 .. real - 1``): zeros of its shapes there, which are
+  dropped anyway (``always``: every slot is a tile). A pool of fewer tiles than devices then
+  runs its tiles once, not once per device. The work holds no collective, so devices may
+  take different branches. On one host of simulated devices, where every device's work
+  shares the same cores, this halved Kron's and Shampoo's update of a one-layer Llama's
+  params on 8 devices (338 -> 179 ms and 353 -> 172 ms).
 
   Example:
-      >>> unless_padding(lambda: jnp.ones(2), jnp.array(4), 3, 8).tolist()
+      >>> unless_padding(lambda: jnp.ones(2), jnp.array(4), 2, 3).tolist()
       [0.0, 0.0]
+      >>> unless_padding(lambda: jnp.ones(2), jnp.array(-1), 2, 3).tolist()  # slot 0 is a tile
+      [1.0, 1.0]
   """
-  if real == total:
+  if always:
     return run()
   skipped = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run))
-  return jax.lax.cond(start < real, run, skipped)
+  return jax.lax.cond((start < real) & (start + count > 0), run, skipped)
 
 
 def shared_flags(runs: Sequence[BlockRun], field: str, count: int) -> list:
@@ -147,204 +150,421 @@ def run_pool(runs: Sequence[BlockRun]):
   (:func:`~bv_sharding.optimizers.gating.gated`: on accelerators; on XLA:CPU it moves every
   step and the flag picks, the same values: :mod:`~bv_sharding.optimizers.gating`).
   """
-  mesh = runs[0].blocks.mesh
-  sizes = dict(mesh.shape)
-  axes = stack_axes((), sizes)
-  dealt = P(spec_entry(axes))
-  place = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-  move = lambda x, src, dst: moves.move(x, mesh, src, dst)
-  spread_pieces, dealt_pieces = (None, spec_entry(axes), None), (spec_entry(axes), None, None)
+  return run_pools([runs])[0]
 
-  # A stack (tiles or factors, of any rank) split along a block dim, never its dim 0.
-  tail = lambda x: (None, *spread(x.shape[1:], axes, sizes))
-  along = lambda x: place(x, P(*tail(x)))
 
-  groups = like_groups(runs)
-  ordered = [runs[i] for members in groups for i in members]  # The pool's order.
-  counts = [run.blocks.count for run in ordered]
-  real = sum(counts)
-  total = real + -real % mesh.size
+def run_pools(pools: Sequence[Sequence[BlockRun]]) -> list:
+  """Each pool's :func:`run_pool` result, a pool riding in another's padding where it fits.
 
-  stack = lambda *xs: jnp.stack(xs)
-  flat = lambda x: x.reshape(-1, *x.shape[2:])  # A group's (k, n, ...) stacks as (k * n, ...).
-  tile_specs = [(None, *_tile_spec(runs[m[0]].blocks, sizes)) for m in groups]
-  layouts = [_layout(runs[m[0]].blocks, spec, axes) for m, spec in zip(groups, tile_specs)]
-  kinds = list(dict.fromkeys(layouts))  # The pool's distinct layouts, each slot's one of them.
-  param_specs = [_param_spec(runs[m[0]].blocks) for m in groups]
-  width = max(layout.width for layout in kinds)
-  cuts, factors = [], []
-  for members, tile_spec, layout, param_spec in zip(groups, tile_specs, layouts, param_specs):
-    blocks, like = runs[members[0]].blocks, [runs[i] for i in members]
-    # Each array resharded to its params' tile layout, cut into their tiles, seen as pieces.
-    cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, layout=layout: place(
-        to_pieces(
-            place(
-                flat(jax.vmap(blocks.split)(move(stack(*xs), src, dst))), P(None, *layout.entries)
-            ),
-            layout,
-            width,
-        ),
-        P(*spread_pieces),
-    )
-    cuts.append(lambda j, like=like, cut=cut: cut([r.arrays[j] for r in like]))
-    grouped = jax.tree.map(stack, *[r.stacks for r in like])
-    factors.append(jax.tree.map(lambda x, blocks=blocks: flat(jax.vmap(blocks.to_run)(x)), grouped))
-  kind = [kinds.index(layout) for members, layout in zip(groups, layouts) for _ in members]
-  slot_kinds = jnp.array(
-      [k for k, n in zip(kind, counts) for _ in range(n)] + kind[-1:] * (total - real)
-  )
+  A pool pads its tiles to a multiple of the device count, and its padding slots move like
+  the others. A pool that moves everything every step and draws nothing in place
+  (:attr:`_Pool.free`) rides in such a pool's padding where its tiles' pieces fit, several
+  side by side in each padding slot (:meth:`_Pool.seats`): they move in and back inside the
+  host's all-to-alls, and the devices that hold those slots run its tiles in the host's
+  ``shard_map``. It then moves no byte of its own and takes no all-to-all (Shampoo on a small
+  Llama over 8 devices: its 5 norm scales' tiles of 128 ride in one padding slot of its pool of
+  14 tiles of 128 x 256).
 
-  drawn = drawn_in_place(runs)
-  read_when = shared_flags(runs, "read_when", len(runs[0].arrays))
-  write_when = shared_flags(runs, "write_when", len(runs[0].stacks))
-  # The pool's stacks: per entry, a tree whose every leaf is one stack, split along a block dim.
-  entries = jax.tree.map(lambda *parts: jnp.concatenate([along(x) for x in parts]), *factors)
-  leaves = [jax.tree.leaves(entry) for entry in entries]
-  stack_layouts = [[_stack_layout(x.shape[1:], axes, sizes) for x in xs] for xs in leaves]
-  # What moves in, as pieces: each array not drawn in place, and each stack.
-  ins = [
-      _Part(read_when[j], runs[0].arrays[j].dtype, width, ("array", j), None)
-      for j in range(len(read_when))
-      if j not in drawn
-  ] + [
-      _Part(None, x.dtype, layout.width, ("stack", k, i), layout)
-      for k, (xs, layouts_k) in enumerate(zip(leaves, stack_layouts))
-      for i, (x, layout) in enumerate(zip(xs, layouts_k))
-  ]
+  Example:
+      >>> run_pools([])
+      []
+  """
+  prepared = [_Pool(runs) for runs in pools]
+  hosts = _hosts(prepared)
+  results: list = [None] * len(prepared)
+  for h, pool in enumerate(prepared):
+    if h in hosts:
+      continue
+    riders = [r for r, host in hosts.items() if host == h]
+    got = _run(pool, prepared[riders[0]] if riders else None)
+    for i, result in zip([h, *riders], got):
+      results[i] = result
+  return results
 
-  def pieces_in(part: _Part) -> jax.Array:
-    if part.name[0] == "array":
-      return jnp.concatenate([cut(part.name[1]) for cut in cuts])
-    return to_pieces(leaves[part.name[1]][part.name[2]], part.layout)
 
-  bundles_in = _bundles(ins)
-  moved_in = [
-      gated(
-          ins[members[0]].when,
-          lambda members=members: move(
-              padded(jnp.concatenate([pieces_in(ins[i]) for i in members], axis=-1), total),
-              spread_pieces,
-              dealt_pieces,
+def _hosts(pools: Sequence[_Pool]) -> dict[int, int]:
+  """The pool each rider rides in, by index: each :attr:`~_Pool.free` pool, smallest first,
+  in the first other free pool that neither rides nor carries one yet and seats it."""
+  hosts: dict[int, int] = {}
+  free = sorted((i for i, pool in enumerate(pools) if pool.free), key=lambda i: pools[i].moved)
+  for r in free:
+    taken = set(hosts) | set(hosts.values())
+    if r in taken:
+      continue
+    host = next((h for h in free if h != r and h not in taken and pools[h].seats(pools[r])), None)
+    if host is not None:
+      hosts[r] = host
+  return hosts
+
+
+class _Pool:
+  """A pool's runs, ready to run (:func:`_run`): what moves in as pieces (:meth:`pieces_in`),
+  each device's work on its slots (:meth:`inner`) and the way back (:meth:`finish`)."""
+
+  def __init__(self, runs: Sequence[BlockRun]):
+    self.runs = runs
+    self.mesh = mesh = runs[0].blocks.mesh
+    sizes = dict(mesh.shape)
+    self.axes = axes = stack_axes((), sizes)
+    self.dealt = P(spec_entry(axes))
+    self.spread_pieces = (None, spec_entry(axes), None)  # Each device its piece of every tile.
+    self.dealt_pieces = (spec_entry(axes), None, None)  # Each device its slots' tiles, whole.
+    self.groups = groups = like_groups(runs)
+    self.ordered = ordered = [runs[i] for members in groups for i in members]  # Its order.
+    counts = [run.blocks.count for run in ordered]
+    self.real = sum(counts)
+    self.total = self.real + -self.real % mesh.size
+    self.tile_specs = [(None, *_tile_spec(runs[m[0]].blocks, sizes)) for m in groups]
+    self.layouts = [
+        _layout(runs[m[0]].blocks, spec, axes) for m, spec in zip(groups, self.tile_specs)
+    ]
+    self.kinds = list(dict.fromkeys(self.layouts))  # Distinct layouts, each slot's one of them.
+    self.param_specs = [_param_spec(runs[m[0]].blocks) for m in groups]
+    self.width = max(layout.width for layout in self.kinds)
+    self.cuts, factors = [], []
+    for members, tile_spec, layout, param_spec in zip(
+        groups, self.tile_specs, self.layouts, self.param_specs
+    ):
+      blocks, like = runs[members[0]].blocks, [runs[i] for i in members]
+      # Each array resharded to its params' tile layout, cut into their tiles, seen as pieces.
+      cut = lambda xs, blocks=blocks, src=param_spec, dst=tile_spec, layout=layout: self.place(
+          to_pieces(
+              self.place(
+                  _flat(jax.vmap(blocks.split)(self.move(_stack(*xs), src, dst))),
+                  P(None, *layout.entries),
+              ),
+              layout,
+              self.width,
           ),
+          P(*self.spread_pieces),
       )
-      for members in bundles_in
-  ]
-  probes = {
-      j: draws.pooled(
-          [(r.arrays[j], r.blocks) for r in ordered],
-          total,
-          lambda x: place(x, P(*dealt, *(None,) * (x.ndim - 1))),
+      self.cuts.append(lambda j, like=like, cut=cut: cut([r.arrays[j] for r in like]))
+      grouped = jax.tree.map(_stack, *[r.stacks for r in like])
+      factors.append(
+          jax.tree.map(lambda x, blocks=blocks: _flat(jax.vmap(blocks.to_run)(x)), grouped)
       )
-      for j in drawn
-  }
-  shared, per_block = [], []
-  for values in zip(*[r.scalars for r in ordered]):
-    same = all(v is values[0] for v in values)
-    shared.append(values[0] if same else None)
-    per_block.append(
-        None
-        if same
-        else jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values, counts)])
-    )
-  outs_spec: list[_Part] = []  # What moves out, as the body makes it.
+    kind = [self.kinds.index(layout) for m, layout in zip(groups, self.layouts) for _ in m]
+    self.slot_kinds = np.array([k for k, n in zip(kind, counts) for _ in range(n)])
 
-  def body(moved_in, probes, per_block, slot_kinds):
-    start = jax.lax.axis_index(axes) * (total // mesh.size)
-    mine = lambda v: jax.lax.dynamic_slice_in_dim(
-        jnp.pad(v, (0, total - v.shape[0])), start, total // mesh.size
+    self.drawn = drawn_in_place(runs)
+    self.read_when = shared_flags(runs, "read_when", len(runs[0].arrays))
+    self.write_when = shared_flags(runs, "write_when", len(runs[0].stacks))
+    # The pool's stacks: per entry, a tree whose every leaf is one stack, split along a block dim.
+    self.entries = jax.tree.map(
+        lambda *parts: jnp.concatenate([self.along(x) for x in parts]), *factors
     )
-    scalars = [s if v is None else mine(v) for s, v in zip(shared, per_block)]
-    chosen = lambda options: _chosen(mine(slot_kinds), options)
-    got = _unbundled(ins, bundles_in, moved_in)
+    self.leaves = [jax.tree.leaves(entry) for entry in self.entries]
+    self.stack_layouts = [
+        [_stack_layout(x.shape[1:], axes, sizes) for x in xs] for xs in self.leaves
+    ]
+    # What moves in, as pieces: each array not drawn in place, and each stack.
+    self.ins = [
+        _Part(self.read_when[j], runs[0].arrays[j].dtype, self.width, ("array", j), None)
+        for j in range(len(self.read_when))
+        if j not in self.drawn
+    ] + [
+        _Part(None, x.dtype, layout.width, ("stack", k, i), layout)
+        for k, (xs, layouts_k) in enumerate(zip(self.leaves, self.stack_layouts))
+        for i, (x, layout) in enumerate(zip(xs, layouts_k))
+    ]
+    self.bundles_in = _bundles(self.ins)
+    self.shared, self.per_block = [], []
+    for values in zip(*[r.scalars for r in ordered]):
+      same = all(v is values[0] for v in values)
+      self.shared.append(values[0] if same else None)
+      self.per_block.append(
+          None
+          if same
+          else jnp.concatenate([jnp.broadcast_to(v, (n,)) for v, n in zip(values, counts)])
+      )
+    self.outs_spec: list[_Part] = []  # What moves out, as the body makes it (:meth:`inner`).
+
+  def place(self, x: jax.Array, spec: P) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def move(self, x: jax.Array, src, dst) -> jax.Array:
+    return moves.move(x, self.mesh, src, dst)
+
+  def along(self, x: jax.Array) -> jax.Array:
+    """A stack (tiles or factors, of any rank) split along a block dim, never its dim 0."""
+    sizes = dict(self.mesh.shape)
+    return self.place(x, P(None, *spread(x.shape[1:], self.axes, sizes)))
+
+  @property
+  def free(self) -> bool:
+    """Whether everything moves in and back every step and nothing is drawn in place: such a
+    pool may carry a rider, or ride (:meth:`seats`)."""
+    flags = [*self.read_when, *self.write_when]
+    return not self.drawn and all(f is None for f in flags)
+
+  @property
+  def moved(self) -> int:
+    """Elements this pool moves in per device piece, over all its slots."""
+    return self.total * sum(part.width for part in self.ins)
+
+  def widths(self, parts: Sequence[_Part]) -> dict:
+    """Each bundle's width (its parts' pieces side by side), by dtype; free pools alone."""
+    return {parts[m[0]].dtype: sum(parts[i].width for i in m) for m in _bundles(parts)}
+
+  def out_parts(self) -> list[_Part]:
+    """What :meth:`inner` moves out, found once by tracing it on one slot (no work done)."""
+    if not self.outs_spec:
+      n = self.mesh.size
+      one = [
+          jax.ShapeDtypeStruct((1, n, sum(self.ins[i].width for i in m)), self.ins[m[0]].dtype)
+          for m in self.bundles_in
+      ]
+      jax.eval_shape(lambda b: self.inner(b, {}, self.per_block, 0, 1, (0, self.total)), one)
+    return self.outs_spec
+
+  def seats(self, rider: _Pool) -> int:
+    """How many of ``rider``'s tiles ride side by side in each of this pool's padding slots
+    (0: it cannot ride here): both pools free, on one mesh, each of the rider's bundles (in
+    and out) beside one of this pool's of its dtype, and all its tiles in the padding.
+
+    Example:
+        >>> from bv_sharding.optimizers.tiles import ShardBlocks
+        >>> mesh = jax.make_mesh((4,), ("data",), (jax.sharding.AxisType.Auto,))
+        >>> same = lambda tiles, stacks: (tiles, stacks)
+        >>> run = lambda size: BlockRun(
+        ...     ShardBlocks((size,), (1,), size, spec=(None,), pooled=True, mesh=mesh),
+        ...     same, [jnp.ones(size)], ()
+        ... )
+        >>> _Pool([run(16)]).seats(_Pool([run(4)]))  # 3 padding slots; pieces 4 and 1 wide
+        4
+    """
+    if rider is self or rider.mesh != self.mesh or not (self.free and rider.free):
+      return 0
+    per = []
+    for mine, theirs in (
+        (self.widths(self.ins), rider.widths(rider.ins)),
+        (self.widths(self.out_parts()), rider.widths(rider.out_parts())),
+    ):
+      if not set(theirs) <= set(mine):
+        return 0
+      per += [mine[dtype] // width for dtype, width in theirs.items()]
+    fits = min(per, default=0)
+    return fits if fits and (self.total - self.real) * fits >= rider.real else 0
+
+  def pieces_in(self, bundle: int) -> jax.Array:
+    """Bundle ``bundle`` of what moves in: its parts' pieces side by side, ``(real, N, w)``."""
+
+    def pieces(part: _Part) -> jax.Array:
+      if part.name[0] == "array":
+        return jnp.concatenate([cut(part.name[1]) for cut in self.cuts])
+      return to_pieces(self.leaves[part.name[1]][part.name[2]], part.layout)
+
+    return jnp.concatenate([pieces(self.ins[i]) for i in self.bundles_in[bundle]], axis=-1)
+
+  def inner(self, bundles, probes, per_block, start, count, span) -> list:
+    """One device's work on its ``count`` slots, the first at ``start`` in the pool's order
+    (``span``: the least start and the most end any device has; past the tiles is padding),
+    from its in-bundles' pieces to its out-bundles'."""
+    low, high = span
+    mine = lambda v: jax.lax.dynamic_slice_in_dim(
+        jnp.pad(v, (-low, high - v.shape[0]), mode="edge"), start - low, count
+    )
+    scalars = [s if v is None else mine(v) for s, v in zip(self.shared, per_block)]
+    kinds = mine(jnp.asarray(self.slot_kinds))
+    chosen = lambda options: _chosen(kinds, options)
+    got = _unbundled(self.ins, self.bundles_in, bundles)
     tiles = [
         probes[j]
-        if j in drawn
-        else chosen([from_pieces(got[("array", j)], layout) for layout in kinds])
-        for j in range(len(read_when))
+        if j in self.drawn
+        else chosen([from_pieces(got[("array", j)], layout) for layout in self.kinds])
+        for j in range(len(self.read_when))
     ]
     stacks = [
         jax.tree.unflatten(
             jax.tree.structure(entry),
             [from_pieces(got[("stack", k, i)], layout) for i, layout in enumerate(layouts_k)],
         )
-        for k, (entry, layouts_k) in enumerate(zip(entries, stack_layouts))
+        for k, (entry, layouts_k) in enumerate(zip(self.entries, self.stack_layouts))
     ]
-    outs, new = unless_padding(lambda: runs[0].fn(tiles, stacks, *scalars), start, real, total)
-    made = [chosen([to_pieces(o, layout, width) for layout in kinds]) for o in outs]
-    outs_spec[:] = [_Part(None, o.dtype, width, ("out", j), None) for j, o in enumerate(made)]
+    work = lambda: self.runs[0].fn(tiles, stacks, *scalars)
+    outs, new = unless_padding(work, start, count, self.real, low >= 0 and high <= self.real)
+    made = [chosen([to_pieces(o, layout, self.width) for layout in self.kinds]) for o in outs]
+    self.outs_spec[:] = [
+        _Part(None, o.dtype, self.width, ("out", j), None) for j, o in enumerate(made)
+    ]
     for k, entry in enumerate(new):
-      for i, (x, layout) in enumerate(zip(jax.tree.leaves(entry), stack_layouts[k])):
+      for i, (x, layout) in enumerate(zip(jax.tree.leaves(entry), self.stack_layouts[k])):
         made.append(to_pieces(x, layout))
-        outs_spec.append(_Part(write_when[k], x.dtype, layout.width, ("stack", k, i), layout))
-    return [jnp.concatenate([made[i] for i in members], axis=-1) for members in _bundles(outs_spec)]
+        outs_spec = _Part(self.write_when[k], x.dtype, layout.width, ("stack", k, i), layout)
+        self.outs_spec.append(outs_spec)
+    return [jnp.concatenate([made[i] for i in m], axis=-1) for m in _bundles(self.outs_spec)]
+
+  def finish(self, parts_for) -> tuple[list, list]:
+    """``(outs per run, new stacks per run)`` from the out-pieces moved back: ``parts_for(flag)``
+    gives, by name, those that move back under ``flag`` (None: every step)."""
+    runs, groups = self.runs, self.groups
+    always = parts_for(None)
+    outs = [always[("out", j)] for j in range(sum(p.name[0] == "out" for p in self.outs_spec))]
+    index = opaque.indices(max(map(len, groups)), self.mesh)
+    merged, slots, start = [None] * len(runs), [], 0
+    for members, tile_spec, layout, param_spec in zip(
+        groups, self.tile_specs, self.layouts, self.param_specs
+    ):
+      blocks, k = runs[members[0]].blocks, len(members)
+      n = blocks.count
+      mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
+      tiles = lambda o, start=start, k=k, n=n, layout=layout: self.place(
+          from_pieces(o[start : start + k * n], layout), P(None, *layout.entries)
+      ).reshape(k, n, *layout.tile)
+      back = [self.move(jax.vmap(blocks.merge)(tiles(o)), tile_spec, param_spec) for o in outs]
+      for j, i in enumerate(members):
+        merged[i] = [opaque.member(x, index[j]) for x in back]
+      slots.append((members, blocks, mine))
+      start += k * n
+
+    def stacks_back(k, parts: dict):  # Entry k of the pool's new stacks, back to each run's.
+      new = jax.tree.unflatten(
+          jax.tree.structure(self.entries[k]),
+          [
+              self.along(from_pieces(parts[("stack", k, i)], layout))
+              for i, layout in enumerate(self.stack_layouts[k])
+          ],
+      )
+      out = [None] * len(runs)
+      for members, blocks, mine in slots:
+        unrun = jax.tree.map(
+            lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new
+        )
+        for j, i in enumerate(members):
+          out[i] = stored(blocks, jax.tree.map(lambda x, j=j: opaque.member(x, index[j]), unrun))
+      return out
+
+    old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
+    back = [None] * len(self.write_when)
+    for flag in {id(f): f for f in self.write_when}.values():
+      ks = [k for k, f in enumerate(self.write_when) if f is flag]
+      results = gated(
+          flag,
+          lambda ks=ks, flag=flag: [stacks_back(k, parts_for(flag)) for k in ks],
+          lambda ks=ks: [old_stacks(k) for k in ks],
+      )
+      for k, result in zip(ks, results):
+        back[k] = result
+    return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
+
+
+def _run(pool: _Pool, rider: _Pool | None) -> list[tuple[list, list]]:
+  """``pool``'s result (and ``rider``'s after it): the pool's pieces, padded (the rider's in
+  its padding slots), moved to the devices that run them in one all-to-all per bundle, both
+  pools' work in one ``shard_map``, and their out-pieces moved back alike."""
+  mesh, real, total = pool.mesh, pool.real, pool.total
+  local = total // mesh.size
+  per = 0 if rider is None else pool.seats(rider)
+  by_dtype = lambda parts, dtype: next(
+      b for b, m in enumerate(_bundles(parts)) if parts[m[0]].dtype == dtype
+  )
+
+  def padded_in(b: int) -> jax.Array:
+    pieces = pool.pieces_in(b)
+    dtype = pool.ins[pool.bundles_in[b][0]].dtype
+    if rider is None or dtype not in rider.widths(rider.ins):
+      return padded(pieces, total)
+    ride = rider.pieces_in(by_dtype(rider.ins, dtype))
+    return jnp.concatenate([pieces, _seated(ride, per, total - real, pieces.shape[-1])])
+
+  moved_in = [
+      gated(
+          pool.ins[members[0]].when,
+          lambda b=b: pool.move(
+              pool.place(padded_in(b), P(*pool.spread_pieces)),
+              pool.spread_pieces,
+              pool.dealt_pieces,
+          ),
+      )
+      for b, members in enumerate(pool.bundles_in)
+  ]
+  probes = {
+      j: draws.pooled(
+          [(r.arrays[j], r.blocks) for r in pool.ordered],
+          total,
+          lambda x: pool.place(x, P(*pool.dealt, *(None,) * (x.ndim - 1))),
+      )
+      for j in pool.drawn
+  }
+  rider_per_block = [] if rider is None else rider.per_block
+
+  def body(bundles, probes, per_block, rider_per_block):
+    device = jax.lax.axis_index(pool.axes)
+    outs = pool.inner(bundles, probes, per_block, device * local, local, (0, total))
+    if rider is None:
+      return outs
+    dtypes = rider.widths(rider.ins)
+    seen = [
+        _unseated(bundles[by_dtype(pool.ins, dtype)], per, width) for dtype, width in dtypes.items()
+    ]
+    span = (-real * per, (total - real) * per)
+    theirs = rider.inner(
+        seen, {}, rider_per_block, (device * local - real) * per, local * per, span
+    )
+    padding = (device * local + jnp.arange(local) >= real).reshape(-1, 1, 1)
+    for x in theirs:
+      b = by_dtype(pool.outs_spec, x.dtype)
+      outs[b] = jnp.where(padding, _seated(x, per, local, outs[b].shape[-1]), outs[b])
+    return outs
 
   body = jax.shard_map(
       body,
       mesh=mesh,
-      in_specs=(P(*dealt_pieces), dealt, P(), P()),
-      out_specs=P(*dealt_pieces),
+      in_specs=(P(*pool.dealt_pieces), pool.dealt, P(), P()),
+      out_specs=P(*pool.dealt_pieces),
       check_vma=False,
   )
-  moved_out = body(moved_in, probes, per_block, slot_kinds)
-  bundles_out = _bundles(outs_spec)
+  moved_out = body(moved_in, probes, pool.per_block, rider_per_block)
+  bundles_out = _bundles(pool.outs_spec)
+  flagged = lambda flag: [b for b, m in enumerate(bundles_out) if pool.outs_spec[m[0]].when is flag]
+  back = lambda flag: {
+      b: pool.move(moved_out[b], pool.dealt_pieces, pool.spread_pieces) for b in flagged(flag)
+  }
+  always = back(None)
+  parts = lambda moved: _unbundled(
+      pool.outs_spec, [bundles_out[b] for b in moved], list(moved.values())
+  )
+  results = [pool.finish(lambda flag: parts(always if flag is None else back(flag)))]
+  if rider is not None:
+    theirs = _bundles(rider.outs_spec)
+    seen = [
+        _unseated(always[by_dtype(pool.outs_spec, rider.outs_spec[m[0]].dtype)][real:], per, w)
+        for m, w in zip(theirs, [sum(rider.outs_spec[i].width for i in m) for m in theirs])
+    ]
+    got = _unbundled(rider.outs_spec, theirs, [x[: rider.real] for x in seen])
+    results.append(rider.finish(lambda flag: got))
+  return results
 
-  def back_from(flag) -> dict:
-    """The pieces of what moves out under ``flag`` (None: every step), moved back, by name."""
-    chosen = [b for b, m in enumerate(bundles_out) if outs_spec[m[0]].when is flag]
-    return _unbundled(
-        outs_spec,
-        [bundles_out[b] for b in chosen],
-        [move(moved_out[b], dealt_pieces, spread_pieces) for b in chosen],
-    )
 
-  always = back_from(None)
-  outs = [always[("out", j)] for j in range(sum(p.name[0] == "out" for p in outs_spec))]
-  index = opaque.indices(max(map(len, groups)), mesh)
-  merged, slots, start = [None] * len(runs), [], 0
-  for members, tile_spec, layout, param_spec in zip(groups, tile_specs, layouts, param_specs):
-    blocks, k = runs[members[0]].blocks, len(members)
-    n = blocks.count
-    mine = lambda x, start=start, k=k, n=n: x[start : start + k * n].reshape(k, n, *x.shape[1:])
-    tiles = lambda o, start=start, k=k, n=n, layout=layout: place(
-        from_pieces(o[start : start + k * n], layout), P(None, *layout.entries)
-    ).reshape(k, n, *layout.tile)
-    back = [move(jax.vmap(blocks.merge)(tiles(o)), tile_spec, param_spec) for o in outs]
-    for j, i in enumerate(members):
-      merged[i] = [opaque.member(x, index[j]) for x in back]
-    slots.append((members, blocks, mine))
-    start += k * n
+def _stack(*xs: jax.Array) -> jax.Array:
+  return jnp.stack(xs)
 
-  def stacks_back(k, parts: dict):  # Entry k of the pool's new stacks, back to each run's.
-    new = jax.tree.unflatten(
-        jax.tree.structure(entries[k]),
-        [
-            along(from_pieces(parts[("stack", k, i)], layout))
-            for i, layout in enumerate(stack_layouts[k])
-        ],
-    )
-    out = [None] * len(runs)
-    for members, blocks, mine in slots:
-      unrun = jax.tree.map(
-          lambda x, blocks=blocks, mine=mine: jax.vmap(blocks.from_run)(mine(x)), new
-      )
-      for j, i in enumerate(members):
-        out[i] = stored(blocks, jax.tree.map(lambda x, j=j: opaque.member(x, index[j]), unrun))
-    return out
 
-  old_stacks = lambda k: [stored(r.blocks, r.stacks[k]) for r in runs]
-  back = [None] * len(write_when)
-  for flag in {id(f): f for f in write_when}.values():
-    ks = [k for k, f in enumerate(write_when) if f is flag]
-    results = gated(
-        flag,
-        lambda ks=ks, flag=flag: [
-            stacks_back(k, always if flag is None else back_from(flag)) for k in ks
-        ],
-        lambda ks=ks: [old_stacks(k) for k in ks],
-    )
-    for k, result in zip(ks, results):
-      back[k] = result
-  return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
+def _flat(x: jax.Array) -> jax.Array:
+  """A group's ``(k, n, ...)`` stacks as ``(k * n, ...)``."""
+  return x.reshape(-1, *x.shape[2:])
+
+
+def _seated(pieces: jax.Array, per: int, slots: int, width: int) -> jax.Array:
+  """A rider's pieces ``(k, N, w)`` (padded with copies of the last tile to ``slots * per``),
+  ``per`` tiles side by side in each of ``slots`` slots ``width`` wide: ``(slots, N, width)``.
+
+  Example:
+      >>> pieces = jnp.arange(6.0).reshape(3, 1, 2)
+      >>> _seated(pieces, 2, 2, 5)[:, 0].tolist()
+      [[0.0, 1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 4.0, 5.0, 0.0]]
+      >>> _unseated(_seated(pieces, 2, 2, 5), 2, 2)[:3].tolist() == pieces.tolist()
+      True
+  """
+  k, n, w = pieces.shape
+  x = jnp.swapaxes(padded(pieces, slots * per).reshape(slots, per, n, w), 1, 2)
+  return jnp.pad(x.reshape(slots, n, per * w), ((0, 0), (0, 0), (0, width - per * w)))
+
+
+def _unseated(slots: jax.Array, per: int, w: int) -> jax.Array:
+  """The rider's pieces that :func:`_seated` put in ``slots``: ``(len(slots) * per, N, w)``."""
+  s, n, _ = slots.shape
+  return jnp.swapaxes(slots[..., : per * w].reshape(s, n, per, w), 1, 2).reshape(s * per, n, w)
 
 
 class _Part(NamedTuple):
