@@ -362,7 +362,7 @@ class _Pool:
     from its in-bundles' pieces to its out-bundles'."""
     low, high = span
     mine = lambda v: jax.lax.dynamic_slice_in_dim(
-        jnp.pad(v, (-low, high - v.shape[0]), mode="edge"), start - low, count
+        jnp.pad(v, (-low, high - v.shape[0])), start - low, count
     )
     scalars = [s if v is None else mine(v) for s, v in zip(self.shared, per_block)]
     kinds = mine(jnp.asarray(self.slot_kinds))
