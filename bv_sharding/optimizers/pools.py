@@ -175,25 +175,28 @@ def run_pools(pools: Sequence[Sequence[BlockRun]]) -> list:
   for h, pool in enumerate(prepared):
     if h in hosts:
       continue
-    riders = [r for r, host in hosts.items() if host == h]
-    got = _run(pool, prepared[riders[0]] if riders else None)
-    for i, result in zip([h, *riders], got):
+    riders = [(r, per) for r, (host, per) in hosts.items() if host == h]
+    rider, per = (prepared[riders[0][0]], riders[0][1]) if riders else (None, 0)
+    for i, result in zip([h, *(r for r, _ in riders)], _run(pool, rider, per)):
       results[i] = result
   return results
 
 
-def _hosts(pools: Sequence[_Pool]) -> dict[int, int]:
-  """The pool each rider rides in, by index: each :attr:`~_Pool.free` pool, smallest first,
-  in the first other free pool that neither rides nor carries one yet and seats it."""
-  hosts: dict[int, int] = {}
+def _hosts(pools: Sequence[_Pool]) -> dict[int, tuple[int, int]]:
+  """Each rider's host and its tiles per padding slot (:meth:`_Pool.seats`), by index: each
+  :attr:`~_Pool.free` pool, smallest first, rides in the first other free pool that neither
+  rides nor carries one yet and seats it."""
+  hosts: dict[int, tuple[int, int]] = {}
   free = sorted((i for i, pool in enumerate(pools) if pool.free), key=lambda i: pools[i].moved)
   for r in free:
-    taken = set(hosts) | set(hosts.values())
+    taken = set(hosts) | {host for host, _ in hosts.values()}
     if r in taken:
       continue
-    host = next((h for h in free if h != r and h not in taken and pools[h].seats(pools[r])), None)
-    if host is not None:
-      hosts[r] = host
+    for h in (h for h in free if h != r and h not in taken):
+      per = pools[h].seats(pools[r])
+      if per:
+        hosts[r] = (h, per)
+        break
   return hosts
 
 
@@ -302,10 +305,6 @@ class _Pool:
     """Elements this pool moves in per device piece, over all its slots."""
     return self.total * sum(part.width for part in self.ins)
 
-  def widths(self, parts: Sequence[_Part]) -> dict:
-    """Each bundle's width (its parts' pieces side by side), by dtype; free pools alone."""
-    return {parts[m[0]].dtype: sum(parts[i].width for i in m) for m in _bundles(parts)}
-
   def out_parts(self) -> list[_Part]:
     """What :meth:`inner` moves out, found once by tracing it on one slot (no work done)."""
     if not self.outs_spec:
@@ -337,8 +336,8 @@ class _Pool:
       return 0
     per = []
     for mine, theirs in (
-        (self.widths(self.ins), rider.widths(rider.ins)),
-        (self.widths(self.out_parts()), rider.widths(rider.out_parts())),
+        (_widths(self.ins), _widths(rider.ins)),
+        (_widths(self.out_parts()), _widths(rider.out_parts())),
     ):
       if not set(theirs) <= set(mine):
         return 0
@@ -390,8 +389,8 @@ class _Pool:
     for k, entry in enumerate(new):
       for i, (x, layout) in enumerate(zip(jax.tree.leaves(entry), self.stack_layouts[k])):
         made.append(to_pieces(x, layout))
-        outs_spec = _Part(self.write_when[k], x.dtype, layout.width, ("stack", k, i), layout)
-        self.outs_spec.append(outs_spec)
+        part = _Part(self.write_when[k], x.dtype, layout.width, ("stack", k, i), layout)
+        self.outs_spec.append(part)
     return [jnp.concatenate([made[i] for i in m], axis=-1) for m in _bundles(self.outs_spec)]
 
   def finish(self, parts_for) -> tuple[list, list]:
@@ -448,13 +447,14 @@ class _Pool:
     return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
 
 
-def _run(pool: _Pool, rider: _Pool | None) -> list[tuple[list, list]]:
+def _run(pool: _Pool, rider: _Pool | None, per: int) -> list[tuple[list, list]]:
   """``pool``'s result (and ``rider``'s after it): the pool's pieces, padded (the rider's in
-  its padding slots), moved to the devices that run them in one all-to-all per bundle, both
-  pools' work in one ``shard_map``, and their out-pieces moved back alike."""
+  its padding slots, ``per`` tiles a slot), moved to the devices that run them in one
+  all-to-all per bundle, both pools' work in one ``shard_map``, and their out-pieces moved
+  back alike."""
   mesh, real, total = pool.mesh, pool.real, pool.total
   local = total // mesh.size
-  per = 0 if rider is None else pool.seats(rider)
+  riding = {} if rider is None else _widths(rider.ins)  # The rider's in-bundles, by dtype.
   by_dtype = lambda parts, dtype: next(
       b for b, m in enumerate(_bundles(parts)) if parts[m[0]].dtype == dtype
   )
@@ -462,7 +462,7 @@ def _run(pool: _Pool, rider: _Pool | None) -> list[tuple[list, list]]:
   def padded_in(b: int) -> jax.Array:
     pieces = pool.pieces_in(b)
     dtype = pool.ins[pool.bundles_in[b][0]].dtype
-    if rider is None or dtype not in rider.widths(rider.ins):
+    if dtype not in riding:
       return padded(pieces, total)
     ride = rider.pieces_in(by_dtype(rider.ins, dtype))
     return jnp.concatenate([pieces, _seated(ride, per, total - real, pieces.shape[-1])])
@@ -493,9 +493,8 @@ def _run(pool: _Pool, rider: _Pool | None) -> list[tuple[list, list]]:
     outs = pool.inner(bundles, probes, per_block, device * local, local, (0, total))
     if rider is None:
       return outs
-    dtypes = rider.widths(rider.ins)
     seen = [
-        _unseated(bundles[by_dtype(pool.ins, dtype)], per, width) for dtype, width in dtypes.items()
+        _unseated(bundles[by_dtype(pool.ins, dtype)], per, width) for dtype, width in riding.items()
     ]
     span = (-real * per, (total - real) * per)
     theirs = rider.inner(
@@ -592,6 +591,12 @@ def _bundles(parts: Sequence[_Part]) -> list[list[int]]:
   for i, part in enumerate(parts):
     groups.setdefault((id(part.when), part.dtype), []).append(i)
   return list(groups.values())
+
+
+def _widths(parts: Sequence[_Part]) -> dict:
+  """Each bundle's width (its parts' pieces side by side), by dtype: a free pool's bundles,
+  one per dtype (:attr:`_Pool.free`)."""
+  return {parts[m[0]].dtype: sum(parts[i].width for i in m) for m in _bundles(parts)}
 
 
 def _unbundled(parts: Sequence[_Part], groups: Sequence[list[int]], bundles) -> dict:
