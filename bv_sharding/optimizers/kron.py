@@ -371,10 +371,8 @@ def _probe_vectors(key: jax.Array, grads: list[jax.Array], tiled: list[bool]):
 
 def normals(keys: jax.Array, likes: list[jax.Array]) -> list[jax.Array]:
   """``jax.random.normal(keys[i], likes[i].shape, likes[i].dtype)`` for each ``i``, those of
-  one shape and dtype drawn in one loop (``lax.map``): the same values, one RNG program per
-  shape instead of one per array. The loop's output is materialized: a draw outside a loop is
-  recomputed by XLA inside each fusion that reads it (a param-shaped draw is a few hundred
-  instructions to compile, and Kron's step reads each probe in several).
+  one shape and dtype drawn in one loop (:func:`_drawn_apart`): the same values, one RNG
+  program per shape instead of one per array.
 
   Example:
       >>> keys = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -388,10 +386,26 @@ def normals(keys: jax.Array, likes: list[jax.Array]) -> list[jax.Array]:
     groups.setdefault((x.shape, x.dtype), []).append(i)
   out: list = [None] * len(likes)
   for (shape, dtype), members in groups.items():
-    draw = lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype)
-    for i, x in zip(members, jax.lax.map(draw, keys[jnp.array(members)])):
+    for i, x in zip(members, _drawn_apart(keys[jnp.array(members)], shape, dtype)):
       out[i] = x
   return out
+
+
+def _drawn_apart(keys: jax.Array, shape: tuple[int, ...], dtype) -> tuple[jax.Array, ...]:
+  """One draw of ``shape`` per key, each its own array. A loop draws one a turn and shifts
+  its carry along, so the draws leave it apart: read as rows of one stacked draw, each row's
+  slice would be fused into every kernel that reads it, one kernel per row (a few per param
+  to compile), and a draw outside a loop is recomputed inside each kernel that reads it.
+
+  Example:
+      >>> keys = jax.random.split(jax.random.PRNGKey(0), 2)
+      >>> first, second = _drawn_apart(keys, (3,), jnp.float32)
+      >>> bool((second == jax.random.normal(keys[1], (3,))).all())
+      True
+  """
+  turn = lambda i, drawn: drawn[1:] + (jax.random.normal(keys[i], shape, dtype),)
+  start = tuple(jnp.zeros(shape, dtype) for _ in range(len(keys)))
+  return jax.lax.fori_loop(0, len(keys), turn, start)
 
 
 def leaf_tiling(
