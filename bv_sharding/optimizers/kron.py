@@ -88,7 +88,7 @@ import optax
 from optax import tree_utils as otu
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked, gating, symmetric
+from bv_sharding.optimizers import blocked, gating, opaque, symmetric
 from bv_sharding.optimizers.draws import TileNormal
 from bv_sharding.optimizers.layout import ParamLayout, stacked_leaves
 from bv_sharding.optimizers.placement import Tiling
@@ -371,8 +371,9 @@ def _probe_vectors(key: jax.Array, grads: list[jax.Array], tiled: list[bool]):
 
 def normals(keys: jax.Array, likes: list[jax.Array]) -> list[jax.Array]:
   """``jax.random.normal(keys[i], likes[i].shape, likes[i].dtype)`` for each ``i``, those of
-  one shape and dtype drawn in one loop (:func:`_drawn_apart`): the same values, one RNG
-  program per shape instead of one per array.
+  one shape and dtype drawn in one loop (:func:`~bv_sharding.optimizers.opaque.apart`): the
+  same values, one RNG program per shape instead of one per array, and one kernel per shape
+  for each that reads them.
 
   Example:
       >>> keys = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -386,26 +387,12 @@ def normals(keys: jax.Array, likes: list[jax.Array]) -> list[jax.Array]:
     groups.setdefault((x.shape, x.dtype), []).append(i)
   out: list = [None] * len(likes)
   for (shape, dtype), members in groups.items():
-    for i, x in zip(members, _drawn_apart(keys[jnp.array(members)], shape, dtype)):
+    own = keys[jnp.array(members)]
+    draw = lambda j, shape=shape, dtype=dtype, own=own: jax.random.normal(own[j], shape, dtype)
+    like = jax.ShapeDtypeStruct(shape, dtype)
+    for i, x in zip(members, opaque.apart(draw, len(members), like)):
       out[i] = x
   return out
-
-
-def _drawn_apart(keys: jax.Array, shape: tuple[int, ...], dtype) -> tuple[jax.Array, ...]:
-  """One draw of ``shape`` per key, each its own array. A loop draws one a turn and shifts
-  its carry along, so the draws leave it apart: read as rows of one stacked draw, each row's
-  slice would be fused into every kernel that reads it, one kernel per row (a few per param
-  to compile), and a draw outside a loop is recomputed inside each kernel that reads it.
-
-  Example:
-      >>> keys = jax.random.split(jax.random.PRNGKey(0), 2)
-      >>> first, second = _drawn_apart(keys, (3,), jnp.float32)
-      >>> bool((second == jax.random.normal(keys[1], (3,))).all())
-      True
-  """
-  turn = lambda i, drawn: drawn[1:] + (jax.random.normal(keys[i], shape, dtype),)
-  start = tuple(jnp.zeros(shape, dtype) for _ in range(len(keys)))
-  return jax.lax.fori_loop(0, len(keys), turn, start)
 
 
 def leaf_tiling(

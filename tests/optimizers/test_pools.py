@@ -103,6 +103,29 @@ def test_like_params_add_no_kernels(name):
   assert kernels[16] - kernels[8] <= 4, kernels  # At constant indices: 12 (Muon) to 30 more.
 
 
+def test_like_params_drawn_whole_add_no_kernels():
+  """Kron draws the probes of the params it fits whole (here 1-D scales) in one loop per shape,
+  and each draw leaves the loop as its own array (``opaque.apart``): the kernels that read the
+  probes are one per shape, however many like params there are. Read as rows of one stacked
+  draw, each param added 3 (4 scales: 60 kernels, 8: 72; on configs/lm.py medium, Kron's step
+  358 -> 310)."""
+  mesh = bvs.make_mesh([("data", 8)])
+  scales = lambda count: {f"scale{i}": (16,) for i in range(count)}
+  kernels = {
+      count: compile_time.kernels(
+          own_loop.compiled_step(
+              lambda layout: kron(1e-2, layout=layout),
+              scales(count),
+              {k: ("data",) for k in scales(count)},
+              mesh,
+              _loss,
+          )
+      )
+      for count in (4, 8)
+  }
+  assert kernels[8] == kernels[4], kernels
+
+
 @pytest.mark.parametrize("name, most", [("shampoo_every_step", 4), ("shampoo", 5), ("kron", 5)])
 def test_a_pool_moves_its_arrays_and_factors_together(name, most):
   """What a pool moves each way under one flag, its arrays and its factor stacks, moves as one
