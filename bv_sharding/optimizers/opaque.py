@@ -41,7 +41,7 @@ def indices(count: int, mesh: jax.sharding.Mesh) -> list[jax.Array]:
 
 def member(stack: jax.Array, index: jax.Array) -> jax.Array:
   """``stack[index]`` (dim 0), read at an index from :func:`indices`."""
-  return jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)
+  return jax.lax.dynamic_index_in_dim(stack, index, keepdims=False, allow_negative_indices=False)
 
 
 def apart(fn, count: int, like: jax.ShapeDtypeStruct) -> tuple[jax.Array, ...]:
