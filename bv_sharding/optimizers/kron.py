@@ -351,14 +351,11 @@ def _clip_rms(u: jax.Array, max_rms: float = 1.1) -> jax.Array:
   return u / jnp.maximum(1.0, rms / max_rms)
 
 
-def _probe_vectors(key: jax.Array, grads: list[jax.Array], tiled: list[bool]):
-  """The balancing coin and one Gaussian probe per grad, keyed as in psgd-jax: drawn whole,
-  or, where ``tiled``, tile by tile where the tiles are fitted
-  (:class:`~bv_sharding.optimizers.draws.TileNormal`)."""
-  key, coin_key = jax.random.split(key)
-  do_balance = jax.random.uniform(coin_key) < _BALANCE_PROBABILITY
-  _, probe_key = jax.random.split(key)
-  keys = jax.random.split(probe_key, len(grads))
+def _probe_vectors(count: jax.Array, grads: list[jax.Array], tiled: list[bool]):
+  """Step ``count``'s balancing coin and one Gaussian probe per grad, keyed as in psgd-jax
+  (:func:`_coin_and_keys`): drawn whole, or, where ``tiled``, tile by tile where the tiles are
+  fitted (:class:`~bv_sharding.optimizers.draws.TileNormal`)."""
+  coin, keys = _coin_and_keys(count, len(grads))
   probes = [
       TileNormal(keys, i, g.dtype) if t else None for i, (g, t) in enumerate(zip(grads, tiled))
   ]
@@ -366,7 +363,49 @@ def _probe_vectors(key: jax.Array, grads: list[jax.Array], tiled: list[bool]):
   if whole:
     for i, v in zip(whole, normals(keys[np.array(whole)], [grads[i] for i in whole])):
       probes[i] = v
-  return do_balance, probes
+  return coin < _BALANCE_PROBABILITY, probes
+
+
+def _coin_and_keys(count: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+  """Step ``count``'s balancing coin (a uniform draw) and ``n`` probe keys, psgd-jax's:
+  ``fold_in(PRNGKey(seed), count)``, split (the second), split (the key, and the coin's key),
+  split (the second: the probes' key), split into ``n``; the coin ``uniform(coin's key)``.
+
+  The ``j``-th key of a split is ``fold_in(key, j)`` (threefry's partitionable split), and a
+  uniform draw's 32 bits are the two words of ``fold_in(key, 0)`` xor-ed, their top 23 the
+  fraction; so the chain is one loop of one ``fold_in`` over ``n + 1`` lanes, the coin's last,
+  taken after its fourth turn: one threefry program where the chain's seven calls compiled one
+  each (on CPU, a loop and a few kernels a call). With partitionable threefry off (jax's
+  ``jax_threefry_partitionable``), the chain's calls themselves.
+
+  Example:
+      >>> coin, keys = _coin_and_keys(jnp.int32(3), 2)
+      >>> key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), 3))[1]
+      >>> key, coin_key = jax.random.split(key)
+      >>> want = jax.random.split(jax.random.split(key)[1], 2)
+      >>> bool(coin == jax.random.uniform(coin_key)), bool((keys == want).all())
+      (True, True)
+  """
+  seed = jax.random.PRNGKey(_PRNG_SEED)
+  if not jax.config.jax_threefry_partitionable:
+    key, coin = jax.random.split(jax.random.split(jax.random.fold_in(seed, count))[1])
+    return jax.random.uniform(coin), jax.random.split(jax.random.split(key)[1], n)
+  turns = np.zeros((4, n + 1), np.uint32)  # Each turn's data per lane, after the count's.
+  turns[0] = 1  # The second of the first split.
+  turns[1, n] = 1  # The key's lanes take the first of the second split, the coin the second.
+  turns[2, :n] = 1  # The probes' key: the second of the third split (the coin's bits: 0).
+  turns[3, :n] = np.arange(n)  # The probes: the n-way split.
+  data = jnp.concatenate([jnp.full((1, n + 1), count, jnp.uint32), turns])
+  fold = jax.vmap(jax.random.fold_in)
+
+  def turn(i, carry):
+    keys = fold(carry[0], data[i])
+    return keys, jnp.where(i == 3, keys[n], carry[1])
+
+  start = jnp.broadcast_to(seed, (n + 1, *seed.shape))
+  keys, bits = jax.lax.fori_loop(0, len(data), turn, (start, seed))
+  fraction = ((bits[0] ^ bits[1]) >> 9).astype(jnp.float32) * 2.0**-23
+  return fraction, keys[:n]
 
 
 def normals(keys: jax.Array, likes: list[jax.Array]) -> list[jax.Array]:
@@ -591,12 +630,6 @@ def _count_to_update(counter: jax.Array, probability: Probability, count: jax.Ar
   return do_update, jnp.where(do_update, 0, counter)
 
 
-def _probe_key(count: jax.Array) -> jax.Array:
-  """The key of step ``count``'s balancing coin and probes, split as psgd-jax does."""
-  _, key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), count))
-  return key
-
-
 def _damping(target: jax.Array) -> jax.Array:
   """psgd's damping of the fit's target: ``sqrt(eps) * mean|target|`` (times the probe)."""
   damp = jnp.sqrt(jnp.finfo(jnp.float32).eps)
@@ -625,7 +658,7 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
       t is not None and t.blocking == "tiles" and (t.block_size is not None or not t.scanned)
       for t in tilings
   ]
-  do_balance, probes = _probe_vectors(_probe_key(state["count"]), targets, tiled)
+  do_balance, probes = _probe_vectors(state["count"], targets, tiled)
   # The fit's target is its own array unless it is the momentum (or, without momentum, the grad).
   own_target = settings.b1 > 0 and not settings.momentum_into_precond_update
   fit = functools.partial(_fit_blocks, own_target=own_target, settings=settings)
