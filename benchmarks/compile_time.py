@@ -8,7 +8,9 @@ each compile, so every optimizer pays its whole compile. The optimizers alternat
 alike; a row gives the median seconds of tracing and lowering, of XLA's compile and their
 sum, the process's CPU seconds for that sum (``time.process_time``: every thread of the
 process, and little changed by other processes on a shared host), those CPU seconds over
-adamw's in the same round (the median of the rounds' ratios), and the compiled program's
+adamw's in the same round (the median of the rounds' ratios), the least CPU seconds of its
+rounds over adamw's least (a shared host's noise only adds time, so the least of several rounds
+is the nearest to the compile's own cost, as ``timeit`` reports), and the compiled program's
 instruction count (``as_text()``; noise-free, and what compile time grows with).
 
 With ``--kernels`` each compile is traced (``jax.profiler``) and two more columns say where
@@ -152,12 +154,15 @@ def rounds(
   return out
 
 
-def row(spec: str, name: str, measured: list[dict]) -> str:
-  """One table row: the medians over the rounds."""
+def row(spec: str, name: str, measured: list[dict], base_least: float) -> str:
+  """One table row: the medians over the rounds, and the least CPU seconds over
+  ``base_least`` (the base optimizer's least)."""
   median = lambda key: statistics.median(r[key] for r in measured)
+  least = min(r["cpu"] for r in measured) / base_least
   cells = (
       f"| {spec} | {name} | {median('lower'):.1f} | {median('compile'):.1f} | "
-      f"{median('total'):.1f} | {median('cpu'):.1f} | {median('ratio'):.2f} | {measured[0]['instructions']} |"
+      f"{median('total'):.1f} | {median('cpu'):.1f} | {median('ratio'):.2f} | {least:.2f} | "
+      f"{measured[0]['instructions']} |"
   )
   if "kernels" in measured[0]:
     cells += f" {measured[0]['kernels']} | {median('kernel_s'):.1f} |"
@@ -188,14 +193,16 @@ def main(argv=None):
   extra = " kernels | kernel s |" if args.kernels else ""
   print(
       f"| config | optimizer | trace+lower s | XLA compile s | total s | CPU s | "
-      f"CPU x {optimizers[0]} | instructions |{extra}"
+      f"CPU x {optimizers[0]} | least CPU x {optimizers[0]} | instructions |{extra}"
   )
-  print("|---|---|---|---|---|---|---|---|" + "---|" * (2 if args.kernels else 0))
+  print("|---|---|---|---|---|---|---|---|---|" + "---|" * (2 if args.kernels else 0))
   scan = {"": None, "true": True, "false": False}[args.scan_layers]
   for spec in config_specs(args.configs):
     label = spec if scan is None else f"{spec} (scan_layers={args.scan_layers})"
-    for name, measured in rounds(spec, optimizers, args.rounds, args.kernels, scan).items():
-      print(row(label, name, measured), flush=True)
+    measured = rounds(spec, optimizers, args.rounds, args.kernels, scan)
+    least = min(r["cpu"] for r in measured[optimizers[0]])
+    for name, runs in measured.items():
+      print(row(label, name, runs, least), flush=True)
 
 
 if __name__ == "__main__":
