@@ -92,11 +92,12 @@ BETWEEN_FITS = {"kron": 1.09, "shampoo": 1.13, "soap": 1.42}
 # one all-to-all, not one per array, and XLA:CPU cuts each all-to-all into a kernel per device):
 # kron 2.95x, shampoo 2.08x, soap 2.87x. The shard-local blocks still run one program per param
 # (kron:local). With Kron's whole probes drawn apart (opaque.apart) and members read without
-# jax's negative-index fix-up (2026-12-06): kron 2.82x (4.13x local), shampoo 1.95x, soap 2.86x.
+# jax's negative-index fix-up (2026-12-06): kron 2.82x (4.13x local), shampoo 1.95x, soap 2.86x;
+# with Kron's key chain as one loop (kron._coin_and_keys): kron 2.70x (4.01x local).
 KERNELS = {
-    "kron:local": 4.13,
+    "kron:local": 4.01,
     "shampoo:local": 2.30,
-    "kron": 2.82,
+    "kron": 2.70,
     "shampoo": 1.95,
     "muon": 1.64,
     "soap": 2.86,
