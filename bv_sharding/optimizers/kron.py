@@ -378,13 +378,17 @@ def _coin_and_keys(count: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
   each (on CPU, a loop and a few kernels a call). With partitionable threefry off (jax's
   ``jax_threefry_partitionable``), the chain's calls themselves.
 
-  Example:
-      >>> coin, keys = _coin_and_keys(jnp.int32(3), 2)
-      >>> key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), 3))[1]
-      >>> key, coin_key = jax.random.split(key)
-      >>> want = jax.random.split(jax.random.split(key)[1], 2)
-      >>> bool(coin == jax.random.uniform(coin_key)), bool((keys == want).all())
-      (True, True)
+  Example (the chain's own calls, with partitionable threefry on and off):
+      >>> def chain(count, n):
+      ...   key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(_PRNG_SEED), count))[1]
+      ...   key, coin_key = jax.random.split(key)
+      ...   return jax.random.uniform(coin_key), jax.random.split(jax.random.split(key)[1], n)
+      >>> for partitionable in (True, False):
+      ...   with jax.threefry_partitionable(partitionable):
+      ...     (coin, keys), (want_coin, want) = _coin_and_keys(jnp.int32(3), 2), chain(3, 2)
+      ...     print(bool(coin == want_coin), bool((keys == want).all()))
+      True True
+      True True
   """
   seed = jax.random.PRNGKey(_PRNG_SEED)
   if not jax.config.jax_threefry_partitionable:
