@@ -136,6 +136,8 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   mesh axis, and ``fn`` runs once on the pool (a run that :func:`turns` joins it on its
   param's transpose, and its results are turned back). A scalar every run of a pool passes as
   the same object stays a scalar; other scalars reach ``fn`` as one value per block (``(n,)``).
+  A run's :attr:`~bv_sharding.optimizers.shard_run.BlockRun.squares` follow its outs (a pool's
+  summed once for all its runs, :func:`~bv_sharding.optimizers.pools.run_pool`).
   Other runs of shard-local blocks that share the same run together, one call of ``fn`` per device
   (:func:`~bv_sharding.optimizers.shard_run.run_together`), relaid ones (tiles pooled in
   their param's layout, whole in another's:
@@ -176,16 +178,31 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   for i in alone:
     results[i] = run_alone(runs[i])
   pooled = run_pools([[runs[i] for i in members] for members in pools.values()])
+  squares: dict[int, list] = {}  # A pooled run's sums of squares, after its outs.
   for members, (outs, new_stacks) in zip(pools.values(), pooled):
     for i, out, new in zip(members, outs, new_stacks):
-      results[i] = (out, new)
+      count = len(out) - len(runs[i].squares)
+      results[i], squares[i] = (out[:count], new), out[count:]
   for members in local.values():
     for i, result in zip(members, run_together([runs[i] for i in members])):
       results[i] = result
-  return [
+  done = [
       _unturned(run, result) if t else _unrelaid(run, result)
       for run, result, t in zip(runs, results, turned)
   ]
+  return [
+      None
+      if result is None
+      else (
+          [*result[0], *squares.get(i, [_sum_of_squares(result[0][j]) for j in run.squares])],
+          result[1],
+      )
+      for i, (run, result) in enumerate(zip(runs, done))
+  ]
+
+
+def _sum_of_squares(x: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.square(x.astype(jnp.float32)))
 
 
 def turns(blocks: ShardBlocks) -> bool:

@@ -345,10 +345,18 @@ def balance_qs(qs: list[jax.Array]) -> list[jax.Array]:
   return [q * (gmean / n).astype(q.dtype) for q, n in zip(qs, norms)]
 
 
-def _clip_rms(u: jax.Array, max_rms: float = 1.1) -> jax.Array:
-  """Preconditioned grads should have RMS ~1: cap it at ``max_rms``."""
-  rms = jnp.sqrt(jnp.mean(jnp.square(u)))
-  return u / jnp.maximum(1.0, rms / max_rms)
+def _clip_rms(u: jax.Array, squares: jax.Array | None = None, max_rms: float = 1.1) -> jax.Array:
+  """Preconditioned grads should have RMS ~1: cap it at ``max_rms``. ``squares``: ``u``'s sum
+  of squares, where its blocks' run gave it
+  (:attr:`~bv_sharding.optimizers.shard_run.BlockRun.squares`).
+
+  Example:
+      >>> u = jnp.full(4, 2.2)  # RMS 2.2: capped at 1.1
+      >>> [round(float(x[0]), 4) for x in (_clip_rms(u), _clip_rms(u, jnp.sum(u * u)))]
+      [1.1, 1.1]
+  """
+  mean = jnp.mean(jnp.square(u)) if squares is None else squares / u.size
+  return u / jnp.maximum(1.0, jnp.sqrt(mean).astype(u.dtype) / max_rms)
 
 
 def _probe_vectors(count: jax.Array, grads: list[jax.Array], tiled: list[bool]):
@@ -560,7 +568,7 @@ def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, setti
   do_update = flags[0]
   fitting = [None] + [do_update] * (len(arrays) - 1)  # The momentum is read on every step.
   return blocked.BlockRun(
-      blocks, fit, arrays, [qs], [damping, *flags], fitting, [do_update], turnable=True
+      blocks, fit, arrays, [qs], [damping, *flags], fitting, [do_update], True, squares=[0]
   )
 
 
@@ -675,12 +683,13 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
   ran = blocked.run_blocked([x if isinstance(x, blocked.BlockRun) else None for x in leaves])
   new_qs, out = [], []
   for leaf, result, g in zip(leaves, ran, grads):
+    squares = None
     if result is None:
       q, direction = leaf
     else:
-      (direction,), (q,) = result
+      (direction, squares), (q,) = result
     new_qs.append(q)
-    out.append(_clip_rms(direction).astype(g.dtype))
+    out.append(_clip_rms(direction, squares).astype(g.dtype))
   new_state = dict(
       count=count,
       mu=otu.tree_cast(mu, settings.mu_dtype),

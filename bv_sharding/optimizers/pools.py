@@ -148,7 +148,10 @@ def run_pool(runs: Sequence[BlockRun]):
   entry of stacks they change only then (the same flag object in every run's ``read_when`` or
   ``write_when``), moves in or back only when the flag holds
   (:func:`~bv_sharding.optimizers.gating.gated`: on accelerators; on XLA:CPU it moves every
-  step and the flag picks, the same values: :mod:`~bv_sharding.optimizers.gating`).
+  step and the flag picks, the same values: :mod:`~bv_sharding.optimizers.gating`). A run's
+  :attr:`~bv_sharding.optimizers.shard_run.BlockRun.squares` follow its outs: each slot's sum of
+  squares is taken once, on the out pieces moved back (one kernel for the pool), and each
+  param's is the sum over its slots.
   """
   return run_pools([runs])[0]
 
@@ -400,6 +403,10 @@ class _Pool:
     always = parts_for(None)
     outs = [always[("out", j)] for j in range(sum(p.name[0] == "out" for p in self.outs_spec))]
     index = opaque.indices(max(map(len, groups)), self.mesh)
+    per_slot = {  # Each slot's sum of squares of an out some run wants it of.
+        j: jnp.sum(jnp.square(outs[j].astype(jnp.float32)), axis=(1, 2))
+        for j in sorted({j for run in runs for j in run.squares})
+    }
     merged, slots, start = [None] * len(runs), [], 0
     for members, tile_spec, layout, param_spec in zip(
         groups, self.tile_specs, self.layouts, self.param_specs
@@ -411,8 +418,10 @@ class _Pool:
           from_pieces(o[start : start + k * n], layout), P(None, *layout.entries)
       ).reshape(k, n, *layout.tile)
       back = [self.move(jax.vmap(blocks.merge)(tiles(o)), tile_spec, param_spec) for o in outs]
+      sums = {j: x[start : start + k * n].reshape(k, n).sum(1) for j, x in per_slot.items()}
       for j, i in enumerate(members):
         merged[i] = [opaque.member(x, index[j]) for x in back]
+        merged[i] += [opaque.member(sums[o], index[j]) for o in runs[i].squares]
       slots.append((members, blocks, mine))
       start += k * n
 

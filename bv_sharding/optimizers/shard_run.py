@@ -60,6 +60,11 @@ class BlockRun(NamedTuple):
   ``stacks`` is a list of per-dim factor stacks and that list is reversed (Kron's and
   Shampoo's tiles, and SOAP's where it rotates both dims: their factors are per dim alike). A
   pooled run may then run turned (:func:`~bv_sharding.optimizers.blocked.turns`).
+
+  ``squares``: the outs whose sum of squares over the whole param (float32) the run wants
+  too: :func:`~bv_sharding.optimizers.blocked.run_all` returns them after its outs (a pool
+  sums its tiles' squares once for all its params, where each param's own sum is a kernel
+  per param shape). The padding of a partial tile must come out zero.
   """
 
   blocks: ShardBlocks
@@ -70,6 +75,7 @@ class BlockRun(NamedTuple):
   read_when: Sequence[jax.Array | None] = ()
   write_when: Sequence[jax.Array | None] = ()
   turnable: bool = False
+  squares: Sequence[int] = ()
 
 
 def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:

@@ -10,10 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
 from benchmarks import compile_time, traffic
-from bv_sharding.optimizers import kron, muon, shampoo, skipping, soap
+from bv_sharding.optimizers import Tiling, kron, muon, shampoo, skipping, soap
+from bv_sharding.optimizers.blocked import run_all
+from bv_sharding.optimizers.shard_run import BlockRun
 from tests.optimizers import own_loop, strategies
 
 SHAPES, SPECS = strategies.VIT_SHAPES, strategies.VIT_SPECS
@@ -162,3 +166,32 @@ def test_a_small_pool_rides_in_a_bigger_ones_padding():
   whole, _, _ = own_loop.train(lambda layout: make(None), shapes, specs, mesh, _loss, 3)
   for key in shapes:
     np.testing.assert_allclose(tiled[key], whole[key], atol=TOLERANCE["shampoo"], err_msg=key)
+
+
+def test_a_pool_gives_each_params_sum_of_squares():
+  """A run's ``squares`` (Kron's clip reads them): a pool sums its tiles' squares once, on the
+  pieces that come back, and each param gets the sum over its tiles, as the param's own sum of
+  squares: partial tiles (12 rows in tiles of 8), like params stacked, a param split on its
+  columns (run turned), all in one pool on 4 x 2 devices."""
+  mesh = bvs.make_mesh([("data", 4), ("model", 2)])
+  specs = {"a": P("data", None), "b": P("data", None), "c": P(None, ("data", "model"))}
+  shapes = {"a": (12, 8), "b": (12, 8), "c": (8, 16)}
+  double = lambda arrays, stacks: ([2.0 * arrays[0]], stacks)  # Padding stays 0, as it must.
+  runs = {
+      k: BlockRun(Tiling(8).blocks(shapes[k], specs[k], mesh), double, [], [], turnable=True)
+      for k in shapes
+  }
+  assert all(run.blocks.in_pool for run in runs.values())
+  xs = {k: jnp.arange(np.prod(s), dtype=jnp.float32).reshape(s) / 50 for k, s in shapes.items()}
+
+  def step(xs):
+    ran = run_all([r._replace(arrays=[xs[k]], squares=[0]) for k, r in runs.items()])
+    return {k: out for k, ((*out,), _) in zip(runs, ran)}
+
+  with jax.set_mesh(mesh):
+    placed = {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in xs.items()}
+    got = jax.jit(step)(placed)
+  for k, x in xs.items():
+    out, squares = got[k]
+    np.testing.assert_allclose(out, 2.0 * x, rtol=1e-6)
+    np.testing.assert_allclose(squares, np.sum(np.square(2.0 * x)), rtol=1e-5)
