@@ -157,16 +157,19 @@ def run_pool(runs: Sequence[BlockRun]):
 
 
 def run_pools(pools: Sequence[Sequence[BlockRun]]) -> list:
-  """Each pool's :func:`run_pool` result, a pool riding in another's padding where it fits.
+  """Each pool's :func:`run_pool` result, a pool riding in another's slots where it fits.
 
   A pool pads its tiles to a multiple of the device count, and its padding slots move like
   the others. A pool that moves everything every step and draws nothing in place
-  (:attr:`_Pool.free`) rides in such a pool's padding where its tiles' pieces fit, several
-  side by side in each padding slot (:meth:`_Pool.seats`): they move in and back inside the
-  host's all-to-alls, and the devices that hold those slots run its tiles in the host's
-  ``shard_map``. It then moves no byte of its own and takes no all-to-all (Shampoo on a small
-  Llama over 8 devices: its 5 norm scales' tiles of 128 ride in one padding slot of its pool of
-  14 tiles of 128 x 256).
+  (:attr:`_Pool.free`) rides in such a pool where its tiles' pieces fit, several side by side
+  in a slot (:meth:`_Pool.seats`): in the host's padding slots, or, where those are too few,
+  in slots the host adds at the end of every device's share (so that each device runs a few
+  of the rider's tiles, as it would in the rider's own pool). Its tiles move in and back
+  inside the host's all-to-alls and the devices that hold those slots run them in the host's
+  ``shard_map``: it takes no all-to-all of its own. (Shampoo on a small Llama over 8 devices:
+  its 5 norm scales' tiles of 128 ride in one padding slot of its pool of 14 tiles of
+  128 x 256; on a medium one, its 34 tiles of the scales ride in 2 slots added to each
+  device's 53.)
 
   Example:
       >>> run_pools([])
@@ -178,27 +181,35 @@ def run_pools(pools: Sequence[Sequence[BlockRun]]) -> list:
   for h, pool in enumerate(prepared):
     if h in hosts:
       continue
-    riders = [(r, per) for r, (host, per) in hosts.items() if host == h]
-    rider, per = (prepared[riders[0][0]], riders[0][1]) if riders else (None, 0)
-    for i, result in zip([h, *(r for r, _ in riders)], _run(pool, rider, per)):
+    riders = [(r, seats) for r, (host, seats) in hosts.items() if host == h]
+    rider, seats = (prepared[riders[0][0]], riders[0][1]) if riders else (None, Seats(0, 0))
+    for i, result in zip([h, *(r for r, _ in riders)], _run(pool, rider, seats)):
       results[i] = result
   return results
 
 
-def _hosts(pools: Sequence[_Pool]) -> dict[int, tuple[int, int]]:
-  """Each rider's host and its tiles per padding slot (:meth:`_Pool.seats`), by index: each
+class Seats(NamedTuple):
+  """Where a rider's tiles ride: ``per`` side by side in each slot, in the host's padding
+  slots (``extra`` 0) or in ``extra`` slots added to every device's share."""
+
+  per: int
+  extra: int
+
+
+def _hosts(pools: Sequence[_Pool]) -> dict[int, tuple[int, Seats]]:
+  """Each rider's host and its :class:`Seats` (:meth:`_Pool.seats`), by index: each
   :attr:`~_Pool.free` pool, smallest first, rides in the first other free pool that neither
   rides nor carries one yet and seats it."""
-  hosts: dict[int, tuple[int, int]] = {}
+  hosts: dict[int, tuple[int, Seats]] = {}
   free = sorted((i for i, pool in enumerate(pools) if pool.free), key=lambda i: pools[i].moved)
   for r in free:
     taken = set(hosts) | {host for host, _ in hosts.values()}
     if r in taken:
       continue
     for h in (h for h in free if h != r and h not in taken):
-      per = pools[h].seats(pools[r])
-      if per:
-        hosts[r] = (h, per)
+      seats = pools[h].seats(pools[r])
+      if seats.per:
+        hosts[r] = (h, seats)
         break
   return hosts
 
@@ -319,10 +330,13 @@ class _Pool:
       jax.eval_shape(lambda b: self.inner(b, {}, self.per_block, 0, 1, (0, self.total)), one)
     return self.outs_spec
 
-  def seats(self, rider: _Pool) -> int:
-    """How many of ``rider``'s tiles ride side by side in each of this pool's padding slots
-    (0: it cannot ride here): both pools free, on one mesh, each of the rider's bundles (in
-    and out) beside one of this pool's of its dtype, and all its tiles in the padding.
+  def seats(self, rider: _Pool) -> Seats:
+    """Where ``rider``'s tiles ride in this pool (:class:`Seats`; ``per`` 0: they cannot):
+    both pools free, on one mesh, each of the rider's bundles (in and out) beside one of this
+    pool's of its dtype, ``per`` tiles side by side in a slot; all in the padding slots if
+    they fit there, else in slots added to every device's share where those move at most
+    twice the elements the rider's own pool would (a few more bytes for one all-to-all less
+    each way).
 
     Example:
         >>> from bv_sharding.optimizers.tiles import ShardBlocks
@@ -333,20 +347,34 @@ class _Pool:
         ...     same, [jnp.ones(size)], ()
         ... )
         >>> _Pool([run(16)]).seats(_Pool([run(4)]))  # 3 padding slots; pieces 4 and 1 wide
-        4
+        Seats(per=4, extra=0)
+        >>> host = _Pool([run(16) for _ in range(4)])  # 4 tiles on 4 devices: no padding
+        >>> host.seats(_Pool([run(4) for _ in range(6)]))  # a slot more on each device
+        Seats(per=4, extra=1)
     """
+    none = Seats(0, 0)
     if rider is self or rider.mesh != self.mesh or not (self.free and rider.free):
-      return 0
-    per = []
+      return none
+    per, host_width = [], 0
     for mine, theirs in (
         (_widths(self.ins), _widths(rider.ins)),
         (_widths(self.out_parts()), _widths(rider.out_parts())),
     ):
       if not set(theirs) <= set(mine):
-        return 0
+        return none
       per += [mine[dtype] // width for dtype, width in theirs.items()]
+      host_width += sum(mine[dtype] for dtype in theirs)
     fits = min(per, default=0)
-    return fits if fits and (self.total - self.real) * fits >= rider.real else 0
+    if not fits:
+      return none
+    if (self.total - self.real) * fits >= rider.real:
+      return Seats(fits, 0)
+    n = self.mesh.size
+    extra = -(-rider.real // (fits * n))
+    own = rider.total * (
+        sum(_widths(rider.ins).values()) + sum(_widths(rider.out_parts()).values())
+    )
+    return Seats(fits, extra) if n * extra * host_width <= 2 * own else none
 
   def pieces_in(self, bundle: int) -> jax.Array:
     """Bundle ``bundle`` of what moves in: its parts' pieces side by side, ``(real, N, w)``."""
@@ -456,17 +484,22 @@ class _Pool:
     return merged, [list(per_run) for per_run in zip(*back)] if back else [[] for _ in runs]
 
 
-def _run(pool: _Pool, rider: _Pool | None, per: int) -> list[tuple[list, list]]:
-  """``pool``'s result (and ``rider``'s after it): the pool's pieces, padded (the rider's in
-  its padding slots, ``per`` tiles a slot), moved to the devices that run them in one
-  all-to-all per bundle, both pools' work in one ``shard_map``, and their out-pieces moved
-  back alike."""
+def _run(pool: _Pool, rider: _Pool | None, seats: Seats) -> list[tuple[list, list]]:
+  """``pool``'s result (and ``rider``'s after it): the pool's pieces, padded (the rider's
+  seated in its slots, :class:`Seats`), moved to the devices that run them in one all-to-all
+  per bundle, both pools' work in one ``shard_map``, and their out-pieces moved back alike."""
   mesh, real, total = pool.mesh, pool.real, pool.total
-  local = total // mesh.size
+  n, local = mesh.size, total // mesh.size
+  per, extra = seats
   riding = {} if rider is None else _widths(rider.ins)  # The rider's in-bundles, by dtype.
   by_dtype = lambda parts, dtype: next(
       b for b, m in enumerate(_bundles(parts)) if parts[m[0]].dtype == dtype
   )
+  # The rider's slots: the pool's padding, or ``extra`` more after each device's ``local``.
+  by_device = lambda x: x.reshape(n, -1, *x.shape[1:])
+  joined = lambda mine, theirs: _flat(jnp.concatenate([by_device(mine), by_device(theirs)], 1))
+  ours = lambda x: _flat(by_device(x)[:, :local])
+  theirs_of = lambda x: _flat(by_device(x)[:, local:]) if extra else x[real:]
 
   def padded_in(b: int) -> jax.Array:
     pieces = pool.pieces_in(b)
@@ -474,6 +507,8 @@ def _run(pool: _Pool, rider: _Pool | None, per: int) -> list[tuple[list, list]]:
     if dtype not in riding:
       return padded(pieces, total)
     ride = rider.pieces_in(by_dtype(rider.ins, dtype))
+    if extra:
+      return joined(padded(pieces, total), _seated(ride, per, n * extra, pieces.shape[-1]))
     return jnp.concatenate([pieces, _seated(ride, per, total - real, pieces.shape[-1])])
 
   moved_in = [
@@ -499,20 +534,26 @@ def _run(pool: _Pool, rider: _Pool | None, per: int) -> list[tuple[list, list]]:
 
   def body(bundles, probes, per_block, rider_per_block):
     device = jax.lax.axis_index(pool.axes)
-    outs = pool.inner(bundles, probes, per_block, device * local, local, (0, total))
+    outs = pool.inner(
+        [b[:local] for b in bundles], probes, per_block, device * local, local, (0, total)
+    )
     if rider is None:
       return outs
-    seen = [
-        _unseated(bundles[by_dtype(pool.ins, dtype)], per, width) for dtype, width in riding.items()
-    ]
-    span = (-real * per, (total - real) * per)
-    theirs = rider.inner(
-        seen, {}, rider_per_block, (device * local - real) * per, local * per, span
-    )
+    slots = lambda b: b[local:] if extra else b  # Where the rider's tiles sit.
+    seen = [_unseated(slots(bundles[by_dtype(pool.ins, d)]), per, w) for d, w in riding.items()]
+    if extra:
+      start, count, span = device * extra * per, extra * per, (0, n * extra * per)
+    else:
+      start, count = (device * local - real) * per, local * per
+      span = (-real * per, (total - real) * per)
+    theirs = rider.inner(seen, {}, rider_per_block, start, count, span)
     padding = (device * local + jnp.arange(local) >= real).reshape(-1, 1, 1)
     for x in theirs:
       b = by_dtype(pool.outs_spec, x.dtype)
-      outs[b] = jnp.where(padding, _seated(x, per, local, outs[b].shape[-1]), outs[b])
+      if extra:
+        outs[b] = jnp.concatenate([outs[b], _seated(x, per, extra, outs[b].shape[-1])])
+      else:
+        outs[b] = jnp.where(padding, _seated(x, per, local, outs[b].shape[-1]), outs[b])
     return outs
 
   body = jax.shard_map(
@@ -530,13 +571,13 @@ def _run(pool: _Pool, rider: _Pool | None, per: int) -> list[tuple[list, list]]:
   }
   always = back(None)
   parts = lambda moved: _unbundled(
-      pool.outs_spec, [bundles_out[b] for b in moved], list(moved.values())
+      pool.outs_spec, [bundles_out[b] for b in moved], [ours(x) for x in moved.values()]
   )
   results = [pool.finish(lambda flag: parts(always if flag is None else back(flag)))]
   if rider is not None:
     theirs = _bundles(rider.outs_spec)
     seen = [
-        _unseated(always[by_dtype(pool.outs_spec, rider.outs_spec[m[0]].dtype)][real:], per, w)
+        _unseated(theirs_of(always[by_dtype(pool.outs_spec, rider.outs_spec[m[0]].dtype)]), per, w)
         for m, w in zip(theirs, [sum(rider.outs_spec[i].width for i in m) for m in theirs])
     ]
     got = _unbundled(rider.outs_spec, theirs, [x[: rider.real] for x in seen])

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bv_sharding.optimizers import opaque
 from bv_sharding.optimizers.shampoo import GRAD_UNITS
 from bv_sharding.optimizers.soap import SoapState
 
@@ -451,13 +452,18 @@ def refill(beta: float, corrected: bool = False) -> optax.GradientTransformation
 
   def update(updates, state, params=None):
     del params
-    terms = jax.tree.map(optax.safe_increment, state.terms)
-    return jax.tree.map(scaled, updates, terms), RefillState(terms)
-
-  def scaled(u, n):
-    missing = beta ** n.astype(jnp.float32)
-    scale = refill_scale(missing) * (1.0 - missing if corrected else 1.0)
-    return (u * scale).astype(u.dtype)
+    counts, treedef = jax.tree.flatten(state.terms)
+    if not counts:
+      return updates, state
+    # Every param's scale in one vector, each then its own scalar (opaque.apart): the scalar
+    # math once, not once per param (Shampoo on lm medium: 2,700 of its step's instructions).
+    terms = [optax.safe_increment(n) for n in counts]
+    missing = beta ** jnp.stack(terms).astype(jnp.float32)
+    scales = refill_scale(missing) * (1.0 - missing if corrected else 1.0)
+    like = jax.ShapeDtypeStruct((), scales.dtype)
+    each = opaque.apart(lambda j: scales[j], len(counts), like)
+    scaled = [(u * s).astype(u.dtype) for u, s in zip(treedef.flatten_up_to(updates), each)]
+    return treedef.unflatten(scaled), RefillState(treedef.unflatten(terms))
 
   return optax.GradientTransformation(init, update)
 
