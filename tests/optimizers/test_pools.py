@@ -143,40 +143,21 @@ def test_a_pool_moves_its_arrays_and_factors_together(name, most):
   assert len([c for c in traffic.collectives(hlo) if c.op == "all-to-all"]) <= most
 
 
-def test_a_small_pool_rides_in_a_bigger_ones_padding():
+@pytest.mark.parametrize("matrices, scales", [(3, 3), (8, 12)], ids=["padding", "added_slots"])
+def test_a_small_pool_rides_in_a_bigger_one(matrices, scales):
   """A pool pads its tiles to a multiple of the device count, and its padding moves like its
   tiles. A pool whose pieces fit there rides in it (``pools.run_pools``): its tiles move in
   and back inside the bigger pool's all-to-alls and run on the devices that hold those slots.
   Three (16, 8) params in tiles of 8 make 6 tiles over 8 devices (2 padding slots); three
-  never-sharded (8,) scales, a pool of their own, ride in them: they add no all-to-all, and
-  the steps are those on global arrays. (On configs/lm.py, Shampoo's norm scales rode so:
-  6.50 -> 6.44 MB a step.)"""
+  never-sharded (8,) scales, a pool of their own, ride in them. Eight such params fill 16
+  slots, no padding; twelve scales ride in one slot added to each device's share, three side
+  by side (``pools.Seats``). Either way they add no all-to-all, and the steps are those on
+  global arrays. (On configs/lm.py, Shampoo's norm scales rode in the padding: 6.50 -> 6.44 MB a
+  step; on size=medium its 34 scale tiles ride in added slots: 8 -> 6 all-to-alls and 312 ->
+  298 kernels, 0.2% more bytes.)"""
   mesh = bvs.make_mesh([("data", 8)])
-  kernels = {f"w{i}": (16, 8) for i in range(3)}
-  shapes = {**kernels, **{f"scale{i}": (8,) for i in range(3)}}
-  specs = {k: ("data",) if k in kernels else (None,) for k in shapes}
-  make = SKIPPING["shampoo_every_step"]
-  step = lambda shapes: own_loop.compiled_step(
-      make, shapes, {k: specs[k] for k in shapes}, mesh, _loss
-  )
-  to_all = lambda shapes: [c for c in traffic.collectives(step(shapes)) if c.op == "all-to-all"]
-  assert len(to_all(shapes)) == len(to_all(kernels))
-  tiled, opt, plan = own_loop.train(make, shapes, specs, mesh, _loss, 3)
-  assert plan.mismatches({"params": tiled, "opt": opt}) == []
-  whole, _, _ = own_loop.train(lambda layout: make(None), shapes, specs, mesh, _loss, 3)
-  for key in shapes:
-    np.testing.assert_allclose(tiled[key], whole[key], atol=TOLERANCE["shampoo"], err_msg=key)
-
-
-def test_a_pool_too_big_for_the_padding_rides_in_slots_added_to_each_device():
-  """Eight (16, 8) params in tiles of 8 fill 16 slots on 8 devices: no padding. Twelve
-  never-sharded (8,) scales, a pool of their own, ride in one slot added to each device's
-  share, three side by side (``pools.Seats``): they add no all-to-all, and the steps are those
-  on global arrays. (Shampoo on configs/lm.py:size=medium: its 34 scale tiles ride so, 8 -> 6
-  all-to-alls and 312 -> 298 kernels, 0.2% more bytes.)"""
-  mesh = bvs.make_mesh([("data", 8)])
-  kernels = {f"w{i}": (16, 8) for i in range(8)}
-  shapes = {**kernels, **{f"scale{i}": (8,) for i in range(12)}}
+  kernels = {f"w{i}": (16, 8) for i in range(matrices)}
+  shapes = {**kernels, **{f"scale{i}": (8,) for i in range(scales)}}
   specs = {k: ("data",) if k in kernels else (None,) for k in shapes}
   make = SKIPPING["shampoo_every_step"]
   step = lambda shapes: own_loop.compiled_step(
