@@ -8,10 +8,11 @@ each compile, so every optimizer pays its whole compile. The optimizers alternat
 alike; a row gives the median seconds of tracing and lowering, of XLA's compile and their
 sum, the process's CPU seconds for that sum (``time.process_time``: every thread of the
 process, and little changed by other processes on a shared host), those CPU seconds over
-adamw's in the same round (the median of the rounds' ratios), the least CPU seconds of its
-rounds over adamw's least (a shared host's noise only adds time, so the least of several rounds
-is the nearest to the compile's own cost, as ``timeit`` reports), and the compiled program's
-instruction count (``as_text()``; noise-free, and what compile time grows with).
+adamw's in the same round (the median of the rounds' ratios, ± their standard deviation: the
+noise of one round), the least CPU seconds of its rounds over adamw's least (a shared host's
+noise only adds time, so the least of several rounds is the nearest to the compile's own cost,
+as ``timeit`` reports), and the compiled program's instruction count (``as_text()``;
+noise-free, and what compile time grows with).
 
 With ``--kernels`` each compile is traced (``jax.profiler``) and two more columns say where
 XLA:CPU's time went: the kernels it compiled (its fused computations, each on its own)
@@ -155,13 +156,15 @@ def rounds(
 
 
 def row(spec: str, name: str, measured: list[dict], base_least: float) -> str:
-  """One table row: the medians over the rounds, and the least CPU seconds over
-  ``base_least`` (the base optimizer's least)."""
+  """One table row: the medians over the rounds (the ratio's ± the rounds' standard deviation),
+  and the least CPU seconds over ``base_least`` (the base optimizer's least)."""
   median = lambda key: statistics.median(r[key] for r in measured)
   least = min(r["cpu"] for r in measured) / base_least
+  spread = statistics.pstdev(r["ratio"] for r in measured)
   cells = (
       f"| {spec} | {name} | {median('lower'):.1f} | {median('compile'):.1f} | "
-      f"{median('total'):.1f} | {median('cpu'):.1f} | {median('ratio'):.2f} | {least:.2f} | "
+      f"{median('total'):.1f} | {median('cpu'):.1f} | {median('ratio'):.2f} ± {spread:.2f} | "
+      f"{least:.2f} | "
       f"{measured[0]['instructions']} |"
   )
   if "kernels" in measured[0]:
