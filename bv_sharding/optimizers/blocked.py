@@ -191,18 +191,19 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
       for run, result, t in zip(runs, results, turned)
   ]
   return [
-      None
-      if result is None
-      else (
-          [*result[0], *squares.get(i, [_sum_of_squares(result[0][j]) for j in run.squares])],
-          result[1],
-      )
-      for i, (run, result) in enumerate(zip(runs, done))
+      _with_squares(run, result, squares.get(i)) for i, (run, result) in enumerate(zip(runs, done))
   ]
 
 
-def _sum_of_squares(x: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.square(x.astype(jnp.float32)))
+def _with_squares(run: BlockRun | None, result, pooled: list | None):
+  """``result`` with ``run``'s :attr:`~bv_sharding.optimizers.shard_run.BlockRun.squares` after
+  its outs: the pool's (``pooled``), else each out's own float32 sum of squares."""
+  if result is None:
+    return None
+  outs, stacks = result
+  if pooled is None:
+    pooled = [jnp.sum(jnp.square(outs[j].astype(jnp.float32))) for j in run.squares]
+  return [*outs, *pooled], stacks
 
 
 def turns(blocks: ShardBlocks) -> bool:

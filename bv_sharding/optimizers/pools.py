@@ -355,7 +355,7 @@ class _Pool:
     none = Seats(0, 0)
     if rider is self or rider.mesh != self.mesh or not (self.free and rider.free):
       return none
-    per, host_width = [], 0
+    per, host_width, rider_width = [], 0, 0
     for mine, theirs in (
         (_widths(self.ins), _widths(rider.ins)),
         (_widths(self.out_parts()), _widths(rider.out_parts())),
@@ -364,6 +364,7 @@ class _Pool:
         return none
       per += [mine[dtype] // width for dtype, width in theirs.items()]
       host_width += sum(mine[dtype] for dtype in theirs)
+      rider_width += sum(theirs.values())
     fits = min(per, default=0)
     if not fits:
       return none
@@ -371,10 +372,7 @@ class _Pool:
       return Seats(fits, 0)
     n = self.mesh.size
     extra = -(-rider.real // (fits * n))
-    own = rider.total * (
-        sum(_widths(rider.ins).values()) + sum(_widths(rider.out_parts()).values())
-    )
-    return Seats(fits, extra) if n * extra * host_width <= 2 * own else none
+    return Seats(fits, extra) if n * extra * host_width <= 2 * rider.total * rider_width else none
 
   def pieces_in(self, bundle: int) -> jax.Array:
     """Bundle ``bundle`` of what moves in: its parts' pieces side by side, ``(real, N, w)``."""
@@ -498,7 +496,7 @@ def _run(pool: _Pool, rider: _Pool | None, seats: Seats) -> list[tuple[list, lis
   # The rider's slots: the pool's padding, or ``extra`` more after each device's ``local``.
   by_device = lambda x: x.reshape(n, -1, *x.shape[1:])
   joined = lambda mine, theirs: _flat(jnp.concatenate([by_device(mine), by_device(theirs)], 1))
-  ours = lambda x: _flat(by_device(x)[:, :local])
+  ours = (lambda x: _flat(by_device(x)[:, :local])) if extra else (lambda x: x)
   theirs_of = lambda x: _flat(by_device(x)[:, local:]) if extra else x[real:]
 
   def padded_in(b: int) -> jax.Array:
