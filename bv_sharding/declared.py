@@ -10,7 +10,9 @@ node in the state, the param it belongs to by its path (as following does) and p
 node's leaves where ``place`` says, whatever strategy entry matches them: the plan is then
 where the transformation runs its state. Keyed on the node's type, not on the transformation,
 so a plain ``jax.eval_shape(tx.init, params)`` tree (big_vision's ``train.py``) is placed the
-same. Every other state leaf is followed as before.
+same. Every other state leaf is followed as before. A node that holds several params' state
+together (an optimizer's pool of tiles kept where it runs) is registered ``per_param=False``:
+``place(node, mesh_sizes)``, wherever it sits in the state.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -37,15 +39,17 @@ from bv_sharding.errors import ShardingError
 from bv_sharding.specs import Spec, axes_of
 
 _PLACERS: dict[type, Callable] = {}
+_PER_PARAM: dict[type, bool] = {}
 
 
-def register_state(node_type: type, place: Callable) -> None:
+def register_state(node_type: type, place: Callable, per_param: bool = True) -> None:
   """Declares where ``node_type``'s leaves are kept: ``place(node, param_shape, param_spec,
   mesh_sizes) -> [spec per leaf of node]`` (module docstring). Registering a type again
   replaces its function.
 
   ``node_type`` must be a pytree node type (registered with ``jax.tree_util``), holding the
-  state of one param, found below that param's path in the state tree.
+  state of one param, found below that param's path in the state tree; or, ``per_param``
+  False, state of no one param: ``place(node, mesh_sizes)``.
   """
   if not isinstance(node_type, type) or not callable(place):
     raise ShardingError(
@@ -53,6 +57,7 @@ def register_state(node_type: type, place: Callable) -> None:
         "function place(node, param_shape, param_spec, mesh_sizes) -> specs"
     )
   _PLACERS[node_type] = place
+  _PER_PARAM[node_type] = per_param
 
 
 def is_declared(x) -> bool:
@@ -64,20 +69,24 @@ def declared_specs(tree, param_of: Callable, sizes: dict[str, int], name_of: Cal
   """``{leaf name: (spec, param name, why)}`` for the leaves of every registered node in
   ``tree`` whose param ``param_of(path components)`` finds (``(name, shape, spec)`` or None).
 
-  ``name_of(key_path)``: a leaf's name, as the plan names leaves.
+  ``name_of(key_path)``: a leaf's name, as the plan names leaves. A ``per_param=False``
+  node's leaves have param name None.
   """
   found = {}
   nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_declared)
   for path, node in nodes:
     if not is_declared(node):
       continue
-    name = name_of(path)
-    param = param_of(tuple(name.split("/")))
-    if param is None:
-      continue
-    param_name, shape, spec = param
+    name, place = name_of(path), _PLACERS[type(node)]
+    if _PER_PARAM[type(node)]:
+      param = param_of(tuple(name.split("/")))
+      if param is None:
+        continue
+      param_name, shape, spec = param
+      specs = list(place(node, tuple(shape), tuple(spec), dict(sizes)))
+    else:
+      param_name, specs = None, list(place(node, dict(sizes)))
     leaves = jax.tree_util.tree_flatten_with_path(node)[0]
-    specs = list(_PLACERS[type(node)](node, tuple(shape), tuple(spec), dict(sizes)))
     if len(specs) != len(leaves):
       raise ShardingError(
           f"{type(node).__name__}'s placement gave {len(specs)} specs for the {len(leaves)} "

@@ -427,8 +427,11 @@ def _declared(tree, by_path: dict, planned: dict, decided: dict, sizes) -> dict:
 
 
 def _declared_entry(leaf: Leaf, placed: tuple, decided: dict, pats, sizes) -> Entry:
-  """A state leaf placed as its node type declares: its spec, following its param."""
+  """A state leaf placed as its node type declares: its spec, following its param (if any)."""
   spec, param, how = placed
+  if param is None:
+    leaf = dataclasses.replace(leaf, state=True)
+    return _entry(leaf, sizes, spec, how, _claim(pats, leaf.name))
   param_entry = decided[param]
   follow = following.Follow(param, param_entry.shape, tuple(param_entry.spec), how, spec)
   leaf = dataclasses.replace(leaf, state=True, follow=follow)

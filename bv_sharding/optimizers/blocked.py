@@ -110,15 +110,16 @@ def run_blocked(
 ) -> list[tuple[list[jax.Array], list[Stacks]] | None]:
   """:func:`run_all` of runs whose ``stacks`` are a sequence of :class:`Stacks`: each run's
   ``(outs, new stacks)``, each new stack a :class:`Stacks` with its old one's tiling (the
-  stacks run in their grid form and are kept in their stored one)."""
+  stacks run in their grid form and are kept in their stored one); a resident run's new
+  stacks are its pool's new state, as they come."""
   grid = lambda r: [[s.tiling.grid_form(x, r.blocks) for x in s] for s in r.stacks]
   bare = [None if r is None else r._replace(stacks=grid(r)) for r in runs]
   stored = lambda new, old, blocks: Stacks(
       [old.tiling.stored_form(x, blocks) for x in new], old.tiling
   )
   return [
-      None
-      if result is None
+      result
+      if result is None or run.resident is not None
       else (result[0], [stored(new, old, run.blocks) for new, old in zip(result[1], run.stacks)])
       for run, result in zip(runs, run_all(bare))
   ]
@@ -152,18 +153,15 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
       >>> float(out.sum())
       32.0
   """
-  turned = [run is not None and run.turnable and turns(run.blocks) for run in runs]
-  runs = [_turned(run) if t else _relaid(run) for run, t in zip(runs, turned)]
+  turned, runs = _oriented(runs)
   results: list = [None] * len(runs)
-  pools: dict[tuple, list[int]] = {}
+  pools = _pools(runs)
   local: dict[tuple, list[int]] = {}
   alone = []
   for i, run in enumerate(runs):
-    if run is None:
+    if run is None or run.blocks.in_pool:
       continue
-    if run.blocks.in_pool:
-      pools.setdefault(pool_key(run), []).append(i)
-    elif _shard_local(run.blocks):
+    if _shard_local(run.blocks):
       local.setdefault(pool_key(run) + (len(run.scalars),), []).append(i)
     else:
       alone.append(i)
@@ -193,6 +191,40 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   return [
       _with_squares(run, result, squares.get(i)) for i, (run, result) in enumerate(zip(runs, done))
   ]
+
+
+def pools_of(runs: Sequence[BlockRun | None]) -> list[tuple[list[int], ShardBlocks]]:
+  """The runs :func:`run_all` pools together: each pool's members (indices into ``runs``, in
+  order of first appearance) and its first member's blocks as the pool runs them (turned
+  where :func:`turns`: every member's tiles are of their shape). What an optimizer that keeps a
+  pool's state where it runs (:attr:`~bv_sharding.optimizers.shard_run.BlockRun.resident`)
+  sizes it by.
+
+  Example:
+      >>> mesh = jax.make_mesh((1,), ("data",), (jax.sharding.AxisType.Auto,))
+      >>> tall = Tiling(8).blocks((8, 4), ("data",), mesh)  # One 8 x 4 tile: turned
+      >>> pooled = dataclasses.replace(tall, pooled=True)
+      >>> run = lambda blocks: BlockRun(blocks, None, [jnp.ones(blocks.shape)], (), turnable=True)
+      >>> [(members, blocks.shape) for members, blocks in pools_of([run(pooled), None, run(pooled)])]
+      [([0, 2], (4, 8))]
+  """
+  _, oriented = _oriented(runs)
+  return [(members, oriented[members[0]].blocks) for members in _pools(oriented).values()]
+
+
+def _oriented(runs: Sequence[BlockRun | None]) -> tuple[list[bool], list[BlockRun | None]]:
+  """Which runs turn (:func:`turns`), and the runs as they run: turned, or relaid."""
+  turned = [run is not None and run.turnable and turns(run.blocks) for run in runs]
+  return turned, [_turned(run) if t else _relaid(run) for run, t in zip(runs, turned)]
+
+
+def _pools(runs: Sequence[BlockRun | None]) -> dict[tuple, list[int]]:
+  """The pooled runs' indices by :func:`~bv_sharding.optimizers.pools.pool_key`."""
+  pools: dict[tuple, list[int]] = {}
+  for i, run in enumerate(runs):
+    if run is not None and run.blocks.in_pool:
+      pools.setdefault(pool_key(run), []).append(i)
+  return pools
 
 
 def _with_squares(run: BlockRun | None, result, pooled: list | None):
@@ -252,10 +284,12 @@ def _turned(run: BlockRun) -> BlockRun:
 
 
 def _unturned(run: BlockRun, result):
-  """A turned ``run``'s ``result`` in its param's own orientation."""
+  """A turned ``run``'s ``result`` in its param's own orientation (a resident pool's state
+  stays in the pool's)."""
   outs, new_stacks = result
-  grid = len(run.blocks.grid_shape)
-  return [jnp.swapaxes(o, -1, -2) for o in outs], _swapped(new_stacks, grid)
+  if run.resident is None:
+    new_stacks = _swapped(new_stacks, len(run.blocks.grid_shape))
+  return [jnp.swapaxes(o, -1, -2) for o in outs], new_stacks
 
 
 def _relaid(run: BlockRun | None) -> BlockRun | None:

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bv_sharding import ops
 from bv_sharding.ops import stack_axes
 from bv_sharding.optimizers import draws, moves, opaque
 from bv_sharding.optimizers.gating import gated
@@ -53,6 +54,50 @@ def _stacks_key(blocks: ShardBlocks, stacks) -> tuple:
       jax.tree.structure(stacks),
       tuple(tuple(x.shape[grid:]) for x in jax.tree.leaves(stacks)),
   )
+
+
+class Resident(dict):
+  """A pool's state kept where the pool runs it (:attr:`~bv_sharding.optimizers.shard_run.\
+BlockRun.resident`): named arrays (or lists of them), each ``(slots, ...)``, one slot per tile
+  in the pool's order (:func:`slot_count` of them, the last ones padding), split over every mesh
+  axis on dim 0, so that each device holds its own slots' state and the step moves none of it.
+  A pytree node whose placement is declared to the plan (``per_param=False``), wherever it sits
+  in a state.
+
+  Example:
+      >>> import bv_sharding as bvs
+      >>> mesh = bvs.make_abstract_mesh([("data", 2), ("model", 2)], 4)
+      >>> tree = {"pools": [Resident(mu=jax.ShapeDtypeStruct((8, 4, 4), "float32"))]}
+      >>> bvs.plan(tree, [], mesh).by_name()["pools/0/mu"].spec
+      P(('data', 'model'), None, None)
+  """
+
+
+jax.tree_util.register_pytree_with_keys(
+    Resident,
+    lambda r: ([(jax.tree_util.DictKey(k), r[k]) for k in sorted(r)], tuple(sorted(r))),
+    lambda keys, children: Resident(zip(keys, children)),
+    lambda r: ([r[k] for k in sorted(r)], tuple(sorted(r))),
+)
+
+
+def _held_specs(node: Resident, sizes: dict[str, int]) -> list:
+  """Every leaf of ``node`` split over every mesh axis (in mesh order) on its dim 0."""
+  return [P(spec_entry(stack_axes((), sizes))) for _ in jax.tree.leaves(node)]
+
+
+ops.register_state(Resident, _held_specs, per_param=False)
+
+
+def slot_count(tiles: int, devices: int) -> int:
+  """How many slots a pool of ``tiles`` tiles takes on ``devices`` devices: the tiles padded to
+  a multiple of the device count.
+
+  Example:
+      >>> slot_count(12, 8), slot_count(16, 8)
+      (16, 16)
+  """
+  return tiles + -tiles % devices
 
 
 def padded(stack: jax.Array, length: int) -> jax.Array:
@@ -106,7 +151,7 @@ def pool_key(run: BlockRun) -> tuple:
   """What runs share to join one pool: ``fn`` (the same object), the mesh, the dtypes and
   :func:`_stacks_key`."""
   dtypes = tuple(x.dtype for x in [*run.arrays, *jax.tree.leaves(run.stacks)])
-  return (run.fn, run.blocks.mesh, dtypes) + _stacks_key(run.blocks, run.stacks)
+  return (run.fn, run.blocks.mesh, dtypes, id(run.resident)) + _stacks_key(run.blocks, run.stacks)
 
 
 def like_groups(runs: Sequence[BlockRun]) -> list[list[int]]:
@@ -230,7 +275,7 @@ class _Pool:
     self.ordered = ordered = [runs[i] for members in groups for i in members]  # Its order.
     counts = [run.blocks.count for run in ordered]
     self.real = sum(counts)
-    self.total = self.real + -self.real % mesh.size
+    self.total = slot_count(self.real, mesh.size)
     self.tile_specs = [(None, *_tile_spec(runs[m[0]].blocks, sizes)) for m in groups]
     self.layouts = [
         _layout(runs[m[0]].blocks, spec, axes) for m, spec in zip(groups, self.tile_specs)
@@ -264,6 +309,7 @@ class _Pool:
     self.slot_kinds = np.array([k for k, n in zip(kind, counts) for _ in range(n)])
 
     self.drawn = drawn_in_place(runs)
+    self.resident = runs[0].resident  # The pool's state kept where it runs, or None.
     self.read_when = shared_flags(runs, "read_when", len(runs[0].arrays))
     self.write_when = shared_flags(runs, "write_when", len(runs[0].stacks))
     # The pool's stacks: per entry, a tree whose every leaf is one stack, split along a block dim.
@@ -299,6 +345,10 @@ class _Pool:
   def place(self, x: jax.Array, spec: P) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
+  def hold(self, x: jax.Array) -> jax.Array:
+    """A leaf of the pool's resident state, split over every mesh axis on its slots."""
+    return self.place(x, P(*self.dealt, *(None,) * (x.ndim - 1)))
+
   def move(self, x: jax.Array, src, dst) -> jax.Array:
     return moves.move(x, self.mesh, src, dst)
 
@@ -312,7 +362,7 @@ class _Pool:
     """Whether everything moves in and back every step and nothing is drawn in place: such a
     pool may carry a rider, or ride (:meth:`seats`)."""
     flags = [*self.read_when, *self.write_when]
-    return not self.drawn and all(f is None for f in flags)
+    return not self.drawn and self.resident is None and all(f is None for f in flags)
 
   @property
   def moved(self) -> int:
@@ -327,7 +377,12 @@ class _Pool:
           jax.ShapeDtypeStruct((1, n, sum(self.ins[i].width for i in m)), self.ins[m[0]].dtype)
           for m in self.bundles_in
       ]
-      jax.eval_shape(lambda b: self.inner(b, {}, self.per_block, 0, 1, (0, self.total)), one)
+      held = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype), self.resident)
+      jax.eval_shape(
+          lambda b, held: self.inner(b, {}, self.per_block, 0, 1, (0, self.total), held),
+          one,
+          held,
+      )
     return self.outs_spec
 
   def seats(self, rider: _Pool) -> Seats:
@@ -384,10 +439,11 @@ class _Pool:
 
     return jnp.concatenate([pieces(self.ins[i]) for i in self.bundles_in[bundle]], axis=-1)
 
-  def inner(self, bundles, probes, per_block, start, count, span) -> list:
+  def inner(self, bundles, probes, per_block, start, count, span, held=None) -> tuple:
     """One device's work on its ``count`` slots, the first at ``start`` in the pool's order
     (``span``: the least start and the most end any device has; past the tiles is padding),
-    from its in-bundles' pieces to its out-bundles'."""
+    from its in-bundles' pieces to its out-bundles'; with its slots of the pool's resident
+    state (``held``), that state's new slots too (else None)."""
     low, high = span
     mine = lambda v: jax.lax.dynamic_slice_in_dim(
         jnp.pad(v, (-low, high - v.shape[0])), start - low, count
@@ -409,8 +465,9 @@ class _Pool:
         )
         for k, (entry, layouts_k) in enumerate(zip(self.entries, self.stack_layouts))
     ]
-    work = lambda: self.runs[0].fn(tiles, stacks, *scalars)
+    work = lambda: self.runs[0].fn(tiles, stacks if held is None else held, *scalars)
     outs, new = unless_padding(work, start, count, self.real, low >= 0 and high <= self.real)
+    kept, new = (None, new) if held is None else (new, ())
     made = [chosen([to_pieces(o, layout, self.width) for layout in self.kinds]) for o in outs]
     self.outs_spec[:] = [
         _Part(None, o.dtype, self.width, ("out", j), None) for j, o in enumerate(made)
@@ -420,7 +477,7 @@ class _Pool:
         made.append(to_pieces(x, layout))
         part = _Part(self.write_when[k], x.dtype, layout.width, ("stack", k, i), layout)
         self.outs_spec.append(part)
-    return [jnp.concatenate([made[i] for i in m], axis=-1) for m in _bundles(self.outs_spec)]
+    return [jnp.concatenate([made[i] for i in m], axis=-1) for m in _bundles(self.outs_spec)], kept
 
   def finish(self, parts_for) -> tuple[list, list]:
     """``(outs per run, new stacks per run)`` from the out-pieces moved back: ``parts_for(flag)``
@@ -524,19 +581,19 @@ def _run(pool: _Pool, rider: _Pool | None, seats: Seats) -> list[tuple[list, lis
       j: draws.pooled(
           [(r.arrays[j], r.blocks) for r in pool.ordered],
           total,
-          lambda x: pool.place(x, P(*pool.dealt, *(None,) * (x.ndim - 1))),
+          pool.hold,
       )
       for j in pool.drawn
   }
   rider_per_block = [] if rider is None else rider.per_block
 
-  def body(bundles, probes, per_block, rider_per_block):
+  def body(bundles, probes, per_block, rider_per_block, held):
     device = jax.lax.axis_index(pool.axes)
-    outs = pool.inner(
-        [b[:local] for b in bundles], probes, per_block, device * local, local, (0, total)
+    outs, held = pool.inner(
+        [b[:local] for b in bundles], probes, per_block, device * local, local, (0, total), held
     )
     if rider is None:
-      return outs
+      return outs, held
     slots = lambda b: b[local:] if extra else b  # Where the rider's tiles sit.
     seen = [_unseated(slots(bundles[by_dtype(pool.ins, d)]), per, w) for d, w in riding.items()]
     if extra:
@@ -544,7 +601,7 @@ def _run(pool: _Pool, rider: _Pool | None, seats: Seats) -> list[tuple[list, lis
     else:
       start, count = (device * local - real) * per, local * per
       span = (-real * per, (total - real) * per)
-    theirs = rider.inner(seen, {}, rider_per_block, start, count, span)
+    theirs, _ = rider.inner(seen, {}, rider_per_block, start, count, span)
     padding = (device * local + jnp.arange(local) >= real).reshape(-1, 1, 1)
     for x in theirs:
       b = by_dtype(pool.outs_spec, x.dtype)
@@ -552,16 +609,16 @@ def _run(pool: _Pool, rider: _Pool | None, seats: Seats) -> list[tuple[list, lis
         outs[b] = jnp.concatenate([outs[b], _seated(x, per, extra, outs[b].shape[-1])])
       else:
         outs[b] = jnp.where(padding, _seated(x, per, local, outs[b].shape[-1]), outs[b])
-    return outs
+    return outs, held
 
   body = jax.shard_map(
       body,
       mesh=mesh,
-      in_specs=(P(*pool.dealt_pieces), pool.dealt, P(), P()),
-      out_specs=P(*pool.dealt_pieces),
+      in_specs=(P(*pool.dealt_pieces), pool.dealt, P(), P(), pool.dealt),
+      out_specs=(P(*pool.dealt_pieces), pool.dealt),
       check_vma=False,
   )
-  moved_out = body(moved_in, probes, pool.per_block, rider_per_block)
+  moved_out, held = body(moved_in, probes, pool.per_block, rider_per_block, pool.resident)
   bundles_out = _bundles(pool.outs_spec)
   flagged = lambda flag: [b for b, m in enumerate(bundles_out) if pool.outs_spec[m[0]].when is flag]
   back = lambda flag: {
@@ -572,6 +629,8 @@ def _run(pool: _Pool, rider: _Pool | None, seats: Seats) -> list[tuple[list, lis
       pool.outs_spec, [bundles_out[b] for b in moved], [ours(x) for x in moved.values()]
   )
   results = [pool.finish(lambda flag: parts(always if flag is None else back(flag)))]
+  if held is not None:  # Each run's new stacks: the pool's new state, kept where it runs.
+    results = [(results[0][0], [jax.tree.map(pool.hold, held)] * len(pool.runs))]
   if rider is not None:
     theirs = _bundles(rider.outs_spec)
     seen = [

@@ -65,6 +65,12 @@ class BlockRun(NamedTuple):
   too: :func:`~bv_sharding.optimizers.blocked.run_all` returns them after its outs (a pool
   sums its tiles' squares once for all its params, where each param's own sum is a kernel
   per param shape). The padding of a partial tile must come out zero.
+
+  ``resident``: the state of the pool this pooled run joins, kept where the pool runs it (a
+  tree of ``(slots, ...)`` arrays split over every mesh axis on their dim 0, one slot per
+  tile, :mod:`~bv_sharding.optimizers.pools`); every run of the pool gives the same object
+  and has no ``stacks`` of its own. ``fn`` gets each device's slots of it as its stacks, and
+  the run's new stacks are the pool's new state.
   """
 
   blocks: ShardBlocks
@@ -76,6 +82,7 @@ class BlockRun(NamedTuple):
   write_when: Sequence[jax.Array | None] = ()
   turnable: bool = False
   squares: Sequence[int] = ()
+  resident: Any = None
 
 
 def run_alone(run: BlockRun) -> tuple[list[jax.Array], Any]:

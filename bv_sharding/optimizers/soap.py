@@ -69,6 +69,7 @@ from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked, gating, symmetric
 from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
+from bv_sharding.optimizers.pools import Resident, slot_count
 from bv_sharding.optimizers.shampoo import factor_tiling
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
@@ -85,10 +86,12 @@ class SoapParamState(NamedTuple):
 
 
 class SoapState(NamedTuple):
-  """``count`` (steps taken, the first one included) and the per-param states."""
+  """``count`` (steps taken, the first one included), the per-param states and, with
+  ``resident``, the pools' states (:class:`~bv_sharding.optimizers.pools.Resident`)."""
 
   count: jax.Array
   per_param: Any
+  pools: tuple = ()
 
 
 def merged_shape(shape, max_precond_dim: int) -> tuple[int, ...]:
@@ -180,6 +183,7 @@ class _Settings:
   layout: ParamLayout | None
   blocking: str
   basis_tol: float = 0.0
+  resident: bool = False
 
 
 def _tiling(settings: _Settings, scanned: bool = False) -> Tiling:
@@ -222,17 +226,71 @@ def _leaf_plans(params, settings: _Settings) -> list[tuple[ShardBlocks | None, t
   return list(zip(blocked.param_blocks(params, settings.layout, rotated), dims, tilings))
 
 
+def _born_factors(sizes, dims) -> tuple[list[jax.Array], list[jax.Array]]:
+  """One tile's statistics (0, packed) and bases (I), float32, per rotated dim."""
+  eyes = [jnp.eye(sizes[d], dtype=jnp.float32) for d in dims]
+  return [symmetric.pack(jnp.zeros_like(e)) for e in eyes], eyes
+
+
 def _init_leaf(
-    param, blocks: ShardBlocks | None, dims, tiling: Tiling, settings: _Settings
+    param, blocks: ShardBlocks | None, dims, tiling: Tiling, held: bool
 ) -> SoapParamState:
-  """One param's state: statistics 0 and bases I (float32), zero moments like the param."""
-  eyes = [jnp.eye(blocks.sizes[d], dtype=jnp.float32) for d in dims]
+  """One param's state: statistics 0 and bases I (float32), zero moments like the param; a
+  param whose tiles' state its pool holds (``held``), none."""
+  if held:
+    return SoapParamState(Stacks([], tiling), Stacks([], tiling), None, None)
+  stats, bases = _born_factors(blocks.sizes, dims) if dims else ([], [])
   stacks = lambda xs: blocked.grid_stacks(xs, blocks, tiling) if dims else Stacks([], tiling)
   return SoapParamState(
-      stats=stacks([symmetric.pack(jnp.zeros_like(e)) for e in eyes]),
-      bases=stacks(eyes),
-      mu=jnp.zeros_like(param),
-      nu=jnp.zeros_like(param),
+      stats=stacks(stats), bases=stacks(bases), mu=jnp.zeros_like(param), nu=jnp.zeros_like(param)
+  )
+
+
+class _Pool(NamedTuple):
+  """A pool :func:`~bv_sharding.optimizers.blocked.run_all` forms of SOAP's runs: its members
+  (leaf indices), its tiles' blocks as it runs them, the dims it rotates and its slots."""
+
+  members: list[int]
+  blocks: ShardBlocks
+  dims: tuple
+  slots: int
+
+
+def _pools(leaves, plans, settings: _Settings) -> list[_Pool]:
+  """The pools whose state is kept where they run (``resident``; none otherwise)."""
+  if not settings.resident:
+    return []
+  mesh = settings.layout.mesh if settings.layout is not None else None
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise OptimizerError(
+        "scale_by_soap(resident=True) keeps each pool's state on the devices that run it: give "
+        "layout=ParamLayout.from_plan(plan) of a plan on a concrete mesh (bvs.make_mesh)"
+    )
+  fns: dict[tuple, Any] = {}  # Like tiles pool together only if their work is the same.
+  runs = [
+      None
+      if not dims
+      else BlockRun(blocks, fns.setdefault(dims, lambda: None), [], [], turnable=dims == (0, 1))
+      for _, (blocks, dims, _) in zip(leaves, plans)
+  ]
+  tiles = lambda members: sum(plans[i][0].count for i in members)
+  return [
+      _Pool(m, b, plans[m[0]][1], slot_count(tiles(m), mesh.size))
+      for m, b in blocked.pools_of(runs)
+  ]
+
+
+def _init_pool(pool: _Pool, leaves) -> Resident:
+  """A pool's state: each slot's tile's moments (0, the members' dtype, else float32),
+  statistics (0) and bases (I)."""
+  slots = pool.slots
+  dtypes = {leaves[i].dtype for i in pool.members}
+  dtype = dtypes.pop() if len(dtypes) == 1 else jnp.float32
+  stats, bases = _born_factors(pool.blocks.sizes, pool.dims)
+  slotted = lambda x: jnp.broadcast_to(x, (slots, *x.shape))
+  zeros = jnp.zeros((slots, *pool.blocks.sizes), dtype)
+  return Resident(
+      mu=zeros, nu=zeros, stats=[slotted(x) for x in stats], bases=[slotted(x) for x in bases]
   )
 
 
@@ -240,8 +298,14 @@ def _soap_init(params, settings: _Settings) -> SoapState:
   """``scale_by_soap``'s state for ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   plans = _leaf_plans(params, settings)
-  per_param = [_init_leaf(p, *plan, settings) for p, plan in zip(leaves, plans)]
-  return SoapState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
+  pools = _pools(leaves, plans, settings)
+  held = {i for pool in pools for i in pool.members}
+  per_param = [_init_leaf(p, *plan, i in held) for i, (p, plan) in enumerate(zip(leaves, plans))]
+  return SoapState(
+      jnp.zeros([], jnp.int32),
+      treedef.unflatten(per_param),
+      tuple(_init_pool(pool, leaves) for pool in pools),
+  )
 
 
 def _rotate(x: jax.Array, bases, dims, back: bool) -> jax.Array:
@@ -435,6 +499,24 @@ def _soap_run(arrays, factors, first, refresh, *, dims, hyper):
   return [direction, mu, nu], [stats, bases]
 
 
+def _soap_held(arrays, held: Resident, first, refresh, *, dims, hyper):
+  """:func:`_soap_blocks` on a device's slots of a pool whose state is kept where it runs:
+  ``([direction], the slots' new state)``, the state in its own dtypes."""
+  direction, mu, nu, stats, bases = _soap_blocks(
+      arrays[0],
+      held["mu"],
+      held["nu"],
+      held["stats"],
+      held["bases"],
+      first,
+      refresh,
+      dims=dims,
+      hyper=hyper,
+  )
+  new = Resident(mu=mu, nu=nu, stats=stats, bases=bases)
+  return [direction], jax.tree.map(lambda x, old: x.astype(old.dtype), new, held)
+
+
 def _adam(g, mu, nu, first, settings: _Settings):
   """A param no dim of which is rotated: Adam's direction and moments (unchanged on the
   first step)."""
@@ -501,34 +583,54 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   first = count == 0
   refresh = (count > 0) & (count % settings.precondition_frequency == 0)
   hyper = (settings.betas, settings.shampoo_beta, settings.eps, settings.basis_tol)
+  pools = _pools(grads, plans, settings)
+  pool_of = {i: k for k, pool in enumerate(pools) for i in pool.members}
+  held = [
+      functools.partial(_soap_held, dims=pool.dims, hyper=hyper) for pool in pools
+  ]  # One function per pool: its runs pool together, as the state's pools.
   # The bases change only where they are refreshed or fitted: a pool moves them back only then.
-  new_bases = refresh | _any_unfit(s.stats for s, (_, dims, _) in zip(per_param, plans) if dims)
+  new_bases = refresh | _any_unfit(
+      s.stats
+      for i, (s, (_, dims, _)) in enumerate(zip(per_param, plans))
+      if dims and i not in pool_of
+  )
   fns: dict[tuple, Any] = {}  # One function per kind of param: like tiles pool together.
   runs = []
-  for g, s, (blocks, dims, _) in zip(grads, per_param, plans):
+  for i, (g, s, (blocks, dims, _)) in enumerate(zip(grads, per_param, plans)):
     if not dims:
       runs.append(None)
+      continue
+    turnable = dims == (0, 1)  # Both dims rotated: the same work on the transpose.
+    if i in pool_of:  # Its pool's state is kept where the pool runs: only the gradient moves.
+      k = pool_of[i]
+      g = g.astype(jnp.float32).reshape(blocks.shape)
+      runs.append(
+          BlockRun(blocks, held[k], [g], [], [first, refresh], (), (), turnable, (), state.pools[k])
+      )
       continue
     fn = fns.setdefault(dims, functools.partial(_soap_run, dims=dims, hyper=hyper))
     arrays = [x.reshape(blocks.shape) for x in (g, s.mu, s.nu)]
     stacks, flags = [s.stats, s.bases], [first, refresh]
-    turnable = dims == (0, 1)  # Both dims rotated: the same work on the transpose.
     runs.append(BlockRun(blocks, fn, arrays, stacks, flags, (), [None, new_bases], turnable))
-  new_updates, new_per_param = [], []
+  new_updates, new_per_param, new_pools = [], [], list(state.pools)
   place = param_placers(settings.layout, treedef)
-  for g, s, result, put, (_, _, tiling) in zip(
-      grads, per_param, blocked.run_blocked(runs), place, plans
+  cast = lambda x, like: x.reshape(like.shape).astype(like.dtype)
+  for i, (g, s, result, put, (_, _, tiling)) in enumerate(
+      zip(grads, per_param, blocked.run_blocked(runs), place, plans)
   ):
-    stats, bases = s.stats, s.bases
-    if result is None:
-      direction, mu, nu = _adam(g, s.mu, s.nu, first, settings)
+    if i in pool_of:
+      (direction,), new_pools[pool_of[i]] = result
+      new_per_param.append(s)
     else:
-      (direction, mu, nu), (stats, bases) = result
-    cast = lambda x, like: x.reshape(like.shape).astype(like.dtype)
+      stats, bases = s.stats, s.bases
+      if result is None:
+        direction, mu, nu = _adam(g, s.mu, s.nu, first, settings)
+      else:
+        (direction, mu, nu), (stats, bases) = result
+      new_per_param.append(SoapParamState(stats, bases, put(cast(mu, s.mu)), put(cast(nu, s.nu))))
     new_updates.append(put(cast(_finish(direction, count, settings, tiling.scanned), g)))
-    new_per_param.append(SoapParamState(stats, bases, put(cast(mu, s.mu)), put(cast(nu, s.nu))))
   return treedef.unflatten(new_updates), SoapState(
-      optax.safe_increment(count), treedef.unflatten(new_per_param)
+      optax.safe_increment(count), treedef.unflatten(new_per_param), tuple(new_pools)
   )
 
 
@@ -546,6 +648,7 @@ def scale_by_soap(
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
     basis_tol: float = 0.0,
+    resident: bool = False,
 ) -> optax.GradientTransformation:
   """SOAP's direction (no learning rate); arguments as the reference's ``SOAP``.
 
@@ -571,6 +674,14 @@ def scale_by_soap(
       within 5e-4 over 30 steps on 2 to 8 devices), at a cost in quality (its eval loss 0.096
       above the default's on that model); 0 (the default): only exact ties, the reference's
       bases, which follow float rounding.
+    resident: keep the state of pooled tiles (tiles that span their param's shards, fitted
+      whole on one device each: :mod:`~bv_sharding.optimizers.pools`) on the devices that
+      run them: one :class:`~bv_sharding.optimizers.pools.Resident` per pool in
+      ``SoapState.pools``, instead of each param's moments and factors stored spread over the
+      mesh and moved to the pool and back every step. The step then moves only the
+      gradient's and the direction's pieces; the state takes the pool's padding (its tiles
+      rounded up to a multiple of the device count) and its shapes depend on the mesh. Needs
+      ``layout`` on a concrete mesh.
 
   Example:
       >>> tx = scale_by_soap(block_size=2)
@@ -594,6 +705,7 @@ def scale_by_soap(
       layout,
       blocking,
       basis_tol,
+      resident,
   )
   if len(settings.betas) != 2 or not all(0 <= b < 1 for b in (*settings.betas, shampoo_beta)):
     raise OptimizerError(f"betas={betas!r}, shampoo_beta={shampoo_beta!r}: decays in [0, 1)")
@@ -647,6 +759,7 @@ def soap(
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
     basis_tol: float = 0.0,
+    resident: bool = False,
 ) -> optax.GradientTransformation:
   """SOAP with the learning rate and the reference's weight decay (:func:`decay_after_step`;
   ``mask``: which params get it). The other arguments are :func:`scale_by_soap`'s.
@@ -670,6 +783,7 @@ def soap(
       layout=layout,
       blocking=blocking,
       basis_tol=basis_tol,
+      resident=resident,
   )
   decay = decay_after_step(learning_rate, weight_decay) if weight_decay else None
   if decay is not None and mask is not None:
