@@ -118,9 +118,10 @@ BASIS_TOL = 1e-2
 
 
 @functools.cache
-def _trajectory(mesh_name: str, blocking: str = "tiles"):
+def _trajectory(mesh_name: str, blocking: str = "tiles", resident: bool = False):
   """``(params after STEPS steps, state's mismatches with its plan, the state's shapes)`` on
-  ``mesh_name``, its blocks cut by ``blocking``."""
+  ``mesh_name``, its blocks cut by ``blocking``, its pools' state kept where they run
+  (``resident``) or not."""
   data, model = MESHES[mesh_name]
   mesh = bvs.make_mesh([("data", data), ("model", model)], devices=jax.devices()[: data * model])
   make = lambda layout: soap(
@@ -130,6 +131,7 @@ def _trajectory(mesh_name: str, blocking: str = "tiles"):
       layout=layout,
       blocking=blocking,
       basis_tol=BASIS_TOL,
+      resident=resident,
   )
   params, opt, plan = own_loop.train(make, SHAPES, SPECS, mesh, _loss, STEPS)
   shapes = jax.tree.map(lambda x: x.shape, opt)
@@ -148,6 +150,38 @@ def test_same_trajectory_on_any_mesh_and_state_placed_as_planned(mesh):
     assert worst <= 1e-4, (mesh, name, worst)
   start = np.random.default_rng(0).standard_normal(SHAPES["dense"])
   assert float(np.max(np.abs(one["dense"] - start))) > 0.1  # It moved.
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh", ["8", "4x2"])
+def test_resident_pools_take_the_same_steps_holding_their_state_where_they_run(mesh):
+  """``resident=True``: the pooled tiles' moments and factors live in one array per pool and
+  kind, split over every device on its slots (the plan places them so and the step keeps them
+  there), and the run is the one-device run and the one whose state moves to the pools and
+  back each step (measured: within 4e-6 of the latter over 20 steps; a program compiled
+  another way rounds another way)."""
+  one, _, _ = _trajectory("1")
+  moved, _, moved_shapes = _trajectory(mesh)
+  got, mismatches, shapes = _trajectory(mesh, resident=True)
+  assert mismatches == [], mismatches
+  for name in SHAPES:
+    np.testing.assert_allclose(got[name], moved[name], rtol=0, atol=2e-5, err_msg=name)
+    np.testing.assert_allclose(got[name], one[name], rtol=0, atol=1e-4, err_msg=name)
+  devices = int(np.prod(MESHES[mesh]))
+  is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+  pools = jax.tree.leaves(shapes[0].pools, is_leaf=is_shape)
+  assert pools and all(shape[0] % devices == 0 for shape in pools), pools
+  # The pooled params keep no moments of their own; the shard-local ones keep theirs.
+  kept = {name for name, s in shapes[0].per_param.items() if s.mu is not None}
+  assert "bias" in kept and kept < set(SHAPES), kept
+  assert all(moved_shapes[0].per_param[name].mu is not None for name in SHAPES)
+
+
+def test_resident_pools_need_a_concrete_mesh():
+  mesh = jax.sharding.AbstractMesh((8,), ("data",))
+  layout = bvs.optimizers.ParamLayout({"w": jax.sharding.PartitionSpec("data")}, mesh)
+  with pytest.raises(bvs.Error, match="concrete mesh"):
+    scale_by_soap(block_size=4, layout=layout, resident=True).init({"w": jnp.ones((8, 4))})
 
 
 @pytest.mark.timeout(600)
