@@ -12,6 +12,8 @@ Example:
   (True, 15)
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -141,21 +143,22 @@ def optimizers(params, scanned=False, block_size=64):
 
 def train_with(config, optimizer: str):
   """``config`` (changed in place, and returned) training ``optimizer``: a registry name,
-  ``<name>:local`` for Kron's or Shampoo's shard-local blocks (``config.optax.blocking``), or
-  ``soap:resident`` for SOAP's pools' state kept where they run (``config.optax.resident``).
+  ``<name>:local`` for Kron's or Shampoo's shard-local blocks (``config.optax.blocking``),
+  or ``soap:resident`` for SOAP's pools' state kept where they run, every pool
+  (``config.optax.resident_padding``).
 
   Example:
     >>> from configs import lm
     >>> config = train_with(lm.get_config(), "kron:local")
     >>> config.optax_name, config.optax.blocking
     ('kron', 'local')
-    >>> train_with(lm.get_config(), "soap:resident").optax.resident
-    True
+    >>> train_with(lm.get_config(), "soap:resident").optax.resident_padding
+    inf
   """
   name, _, variant = optimizer.partition(":")
   config.optax_name = name
   if variant == "local":
     config.optax.blocking = "local"
   if variant == "resident":
-    config.optax.resident = True
+    config.optax.resident_padding = math.inf
   return config

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ from bv_sharding.optimizers import moves
 from bv_sharding.optimizers.draws import TileNormal, drawn_whole
 from bv_sharding.optimizers.layout import ParamLayout
 from bv_sharding.optimizers.placement import Stacks, Tiling
-from bv_sharding.optimizers.pools import drawn_in_place, pool_key, run_pools
+from bv_sharding.optimizers.pools import drawn_in_place, like_groups, pool_key, run_pools
 from bv_sharding.optimizers.shard_run import BlockRun, run_alone, run_together
 from bv_sharding.optimizers.tiles import BLOCKINGS, ShardBlocks
 
@@ -193,36 +194,61 @@ def run_all(runs: Sequence[BlockRun | None]) -> list[tuple[list[jax.Array], Any]
   ]
 
 
-def pools_of(runs: Sequence[BlockRun | None]) -> list[tuple[list[int], ShardBlocks]]:
-  """The runs :func:`run_all` pools together: each pool's members (indices into ``runs``, in
-  order of first appearance) and its first member's blocks as the pool runs them (turned
-  where :func:`turns`: every member's tiles are of their shape). What an optimizer that keeps a
-  pool's state where it runs (:attr:`~bv_sharding.optimizers.shard_run.BlockRun.resident`)
-  sizes it by.
+class PoolPlan(NamedTuple):
+  """A pool :func:`run_all` forms on a concrete mesh: its ``members`` (indices of its runs) in
+  the order of its slots, each member's ``blocks`` as the pool runs them, and which of them
+  are ``turned`` (:func:`turns`)."""
+
+  members: list[int]
+  blocks: list[ShardBlocks]
+  turned: list[bool]
+
+  @property
+  def starts(self) -> list[int]:
+    """Each member's first slot: its tiles take ``blocks.count`` slots from there."""
+    return [0, *itertools.accumulate(b.count for b in self.blocks)][:-1]
+
+
+def pools_of(runs: Sequence[BlockRun | None]) -> list[PoolPlan]:
+  """The pools :func:`run_all` runs ``runs`` in, on a concrete mesh (on an ``AbstractMesh``,
+  those it would on a concrete one of its shape), in its order: what an optimizer that keeps
+  a pool's state where it runs (:attr:`~bv_sharding.optimizers.shard_run.BlockRun.resident`)
+  sizes it by, and where each member's tiles sit in it.
 
   Example:
-      >>> mesh = jax.make_mesh((1,), ("data",), (jax.sharding.AxisType.Auto,))
+      >>> mesh = jax.sharding.AbstractMesh((1,), ("data",))
       >>> tall = Tiling(8).blocks((8, 4), ("data",), mesh)  # One 8 x 4 tile: turned
       >>> pooled = dataclasses.replace(tall, pooled=True)
       >>> run = lambda blocks: BlockRun(blocks, None, [jnp.ones(blocks.shape)], (), turnable=True)
-      >>> [(members, blocks.shape) for members, blocks in pools_of([run(pooled), None, run(pooled)])]
-      [([0, 2], (4, 8))]
+      >>> [pool] = pools_of([run(pooled), None, run(pooled)])
+      >>> pool.members, [b.shape for b in pool.blocks], pool.turned, pool.starts
+      ([0, 2], [(4, 8), (4, 8)], [True, True], [0, 1])
   """
-  _, oriented = _oriented(runs)
-  return [(members, oriented[members[0]].blocks) for members in _pools(oriented).values()]
+  turned, oriented = _oriented(runs, planned=True)
+  plans = []
+  for members in _pools(oriented, planned=True).values():
+    like = like_groups([oriented[i] for i in members])
+    order = [members[j] for group in like for j in group]
+    plans.append(PoolPlan(order, [oriented[i].blocks for i in order], [turned[i] for i in order]))
+  return plans
 
 
-def _oriented(runs: Sequence[BlockRun | None]) -> tuple[list[bool], list[BlockRun | None]]:
-  """Which runs turn (:func:`turns`), and the runs as they run: turned, or relaid."""
-  turned = [run is not None and run.turnable and turns(run.blocks) for run in runs]
+def _oriented(runs: Sequence[BlockRun | None], planned: bool = False) -> tuple[list, list]:
+  """Which runs turn (:func:`turns`; ``planned``: also on an ``AbstractMesh``), and the runs as
+  they run: turned, or relaid."""
+  turned = [
+      run is not None and run.turnable and (planned or run.blocks.in_pool) and turns(run.blocks)
+      for run in runs
+  ]
   return turned, [_turned(run) if t else _relaid(run) for run, t in zip(runs, turned)]
 
 
-def _pools(runs: Sequence[BlockRun | None]) -> dict[tuple, list[int]]:
-  """The pooled runs' indices by :func:`~bv_sharding.optimizers.pools.pool_key`."""
+def _pools(runs: Sequence[BlockRun | None], planned: bool = False) -> dict[tuple, list[int]]:
+  """The pooled runs' indices by :func:`~bv_sharding.optimizers.pools.pool_key` (``planned``:
+  also on an ``AbstractMesh``)."""
   pools: dict[tuple, list[int]] = {}
   for i, run in enumerate(runs):
-    if run is not None and run.blocks.in_pool:
+    if run is not None and (run.blocks.pooled if planned else run.blocks.in_pool):
       pools.setdefault(pool_key(run), []).append(i)
   return pools
 
@@ -255,14 +281,25 @@ def turns(blocks: ShardBlocks) -> bool:
       >>> turns(pooled((4, 4), (None, "data"))), turns(stack)
       (True, False)
   """
-  if not blocks.in_pool or len(blocks.sizes) != 2:
+  if not blocks.pooled or len(blocks.sizes) != 2:
     return False
   rows, cols = blocks.sizes
   split = [bool(stack_axes((entry,))) for entry in blocks.spec[int(blocks.scanned) :]]
   return rows > cols or (rows == cols and split == [False, True])
 
 
-def _swapped(stacks, grid: int) -> list:
+def turned_blocks(blocks: ShardBlocks) -> ShardBlocks:
+  """``blocks`` of the param's transpose (its last two dims swapped), as a turned run's.
+
+  Example:
+      >>> turned_blocks(Tiling(4).blocks((8, 4), (None, None), None)).shape
+      (4, 8)
+  """
+  turn = lambda dims: (*dims[:-2], dims[-1], dims[-2])
+  return dataclasses.replace(blocks, shape=turn(blocks.shape), spec=turn(blocks.spec))
+
+
+def swapped(stacks, grid: int) -> list:
   """Per-dim factor stacks in grid form (``(*grid, ...)`` each, ``grid`` dims, the tile rows
   and columns last), for the transposed param: each entry's list reversed and its grid's last
   two dims swapped (its own inverse)."""
@@ -271,15 +308,13 @@ def _swapped(stacks, grid: int) -> list:
 
 def _turned(run: BlockRun) -> BlockRun:
   """``run`` on its param's transpose (:func:`turns`; a stack of layers' matrices, each)."""
-  blocks = run.blocks
-  turn = lambda dims: (*dims[:-2], dims[-1], dims[-2])
   return run._replace(
-      blocks=dataclasses.replace(blocks, shape=turn(blocks.shape), spec=turn(blocks.spec)),
+      blocks=turned_blocks(run.blocks),
       arrays=[
           x._replace(turned=True) if isinstance(x, TileNormal) else jnp.swapaxes(x, -1, -2)
           for x in run.arrays
       ],
-      stacks=_swapped(run.stacks, len(blocks.grid_shape)),
+      stacks=swapped(run.stacks, len(run.blocks.grid_shape)),
   )
 
 
@@ -288,7 +323,7 @@ def _unturned(run: BlockRun, result):
   stays in the pool's)."""
   outs, new_stacks = result
   if run.resident is None:
-    new_stacks = _swapped(new_stacks, len(run.blocks.grid_shape))
+    new_stacks = swapped(new_stacks, len(run.blocks.grid_shape))
   return [jnp.swapaxes(o, -1, -2) for o in outs], new_stacks
 
 

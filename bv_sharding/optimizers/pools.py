@@ -61,23 +61,32 @@ class Resident(dict):
 BlockRun.resident`): named arrays (or lists of them), each ``(slots, ...)``, one slot per tile
   in the pool's order (:func:`slot_count` of them, the last ones padding), split over every mesh
   axis on dim 0, so that each device holds its own slots' state and the step moves none of it.
-  A pytree node whose placement is declared to the plan (``per_param=False``), wherever it sits
+  ``where``: static, what its optimizer needs to read each param's tiles back from it. A
+  pytree node whose placement is declared to the plan (``per_param=False``), wherever it sits
   in a state.
 
   Example:
       >>> import bv_sharding as bvs
       >>> mesh = bvs.make_abstract_mesh([("data", 2), ("model", 2)], 4)
-      >>> tree = {"pools": [Resident(mu=jax.ShapeDtypeStruct((8, 4, 4), "float32"))]}
-      >>> bvs.plan(tree, [], mesh).by_name()["pools/0/mu"].spec
-      P(('data', 'model'), None, None)
+      >>> pool = Resident({"mu": jax.ShapeDtypeStruct((8, 4, 4), "float32")})
+      >>> tree = {"params": {"w": jax.ShapeDtypeStruct((4, 4), "float32")}, "opt": [pool]}
+      >>> entry = bvs.plan(tree, [], mesh).by_name()["opt/0/mu"]
+      >>> entry.spec, entry.why
+      (P(('data', 'model'), None, None), 'declared by Resident')
   """
+
+  where: Any
+
+  def __init__(self, arrays=(), where: Any = None):
+    super().__init__(arrays)
+    self.where = where
 
 
 jax.tree_util.register_pytree_with_keys(
     Resident,
-    lambda r: ([(jax.tree_util.DictKey(k), r[k]) for k in sorted(r)], tuple(sorted(r))),
-    lambda keys, children: Resident(zip(keys, children)),
-    lambda r: ([r[k] for k in sorted(r)], tuple(sorted(r))),
+    lambda r: ([(jax.tree_util.DictKey(k), r[k]) for k in sorted(r)], (tuple(sorted(r)), r.where)),
+    lambda aux, children: Resident(zip(aux[0], children), aux[1]),
+    lambda r: ([r[k] for k in sorted(r)], (tuple(sorted(r)), r.where)),
 )
 
 

@@ -58,6 +58,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -66,10 +67,10 @@ import numpy as np
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked, gating, symmetric
+from bv_sharding.optimizers import blocked, gating, holding, symmetric
 from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
-from bv_sharding.optimizers.pools import Resident, slot_count
+from bv_sharding.optimizers.pools import Resident
 from bv_sharding.optimizers.shampoo import factor_tiling
 from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
@@ -183,7 +184,7 @@ class _Settings:
   layout: ParamLayout | None
   blocking: str
   basis_tol: float = 0.0
-  resident: bool = False
+  resident_padding: float = 0.0
 
 
 def _tiling(settings: _Settings, scanned: bool = False) -> Tiling:
@@ -232,13 +233,8 @@ def _born_factors(sizes, dims) -> tuple[list[jax.Array], list[jax.Array]]:
   return [symmetric.pack(jnp.zeros_like(e)) for e in eyes], eyes
 
 
-def _init_leaf(
-    param, blocks: ShardBlocks | None, dims, tiling: Tiling, held: bool
-) -> SoapParamState:
-  """One param's state: statistics 0 and bases I (float32), zero moments like the param; a
-  param whose tiles' state its pool holds (``held``), none."""
-  if held:
-    return SoapParamState(Stacks([], tiling), Stacks([], tiling), None, None)
+def _init_leaf(param, blocks: ShardBlocks | None, dims, tiling: Tiling) -> SoapParamState:
+  """One param's state: statistics 0 and bases I (float32), zero moments like the param."""
   stats, bases = _born_factors(blocks.sizes, dims) if dims else ([], [])
   stacks = lambda xs: blocked.grid_stacks(xs, blocks, tiling) if dims else Stacks([], tiling)
   return SoapParamState(
@@ -246,26 +242,13 @@ def _init_leaf(
   )
 
 
-class _Pool(NamedTuple):
-  """A pool :func:`~bv_sharding.optimizers.blocked.run_all` forms of SOAP's runs: its members
-  (leaf indices), its tiles' blocks as it runs them, the dims it rotates and its slots."""
-
-  members: list[int]
-  blocks: ShardBlocks
-  dims: tuple
-  slots: int
-
-
-def _pools(leaves, plans, settings: _Settings) -> list[_Pool]:
-  """The pools whose state is kept where they run (``resident``; none otherwise)."""
-  if not settings.resident:
-    return []
-  mesh = settings.layout.mesh if settings.layout is not None else None
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise OptimizerError(
-        "scale_by_soap(resident=True) keeps each pool's state on the devices that run it: give "
-        "layout=ParamLayout.from_plan(plan) of a plan on a concrete mesh (bvs.make_mesh)"
-    )
+def _skeletons(leaves, plans, settings: _Settings) -> tuple[Resident, ...]:
+  """The shapes of the pools whose state is kept where they run (``resident_padding``;
+  :func:`~bv_sharding.optimizers.holding.held_pools`): each a
+  :class:`~bv_sharding.optimizers.pools.Resident` of ``ShapeDtypeStruct``s, its ``where``
+  the dims it rotates and its members' seats."""
+  if not settings.resident_padding or settings.layout is None:
+    return ()
   fns: dict[tuple, Any] = {}  # Like tiles pool together only if their work is the same.
   runs = [
       None
@@ -273,39 +256,135 @@ def _pools(leaves, plans, settings: _Settings) -> list[_Pool]:
       else BlockRun(blocks, fns.setdefault(dims, lambda: None), [], [], turnable=dims == (0, 1))
       for _, (blocks, dims, _) in zip(leaves, plans)
   ]
-  tiles = lambda members: sum(plans[i][0].count for i in members)
-  return [
-      _Pool(m, b, plans[m[0]][1], slot_count(tiles(m), mesh.size))
-      for m, b in blocked.pools_of(runs)
-  ]
+  devices = holding.devices_of(settings.layout.mesh)
+  out = []
+  for pool, slots in holding.held_pools(runs, devices, settings.resident_padding):
+    dims, tile = plans[pool.members[0]][1], pool.blocks[0].sizes
+    dtypes = {leaves[i].dtype for i in pool.members}
+    dtype = dtypes.pop() if len(dtypes) == 1 else jnp.float32
+    stats, bases = jax.eval_shape(lambda tile=tile, dims=dims: _born_factors(tile, dims))
+    slotted = lambda x, slots=slots: jax.ShapeDtypeStruct((slots, *x.shape), x.dtype)
+    moment = jax.ShapeDtypeStruct((slots, *tile), dtype)
+    arrays = dict(mu=moment, nu=moment, stats=[*map(slotted, stats)], bases=[*map(slotted, bases)])
+    out.append(Resident(arrays, (dims, holding.seats(pool))))
+  return tuple(out)
 
 
-def _init_pool(pool: _Pool, leaves) -> Resident:
-  """A pool's state: each slot's tile's moments (0, the members' dtype, else float32),
-  statistics (0) and bases (I)."""
-  slots = pool.slots
-  dtypes = {leaves[i].dtype for i in pool.members}
-  dtype = dtypes.pop() if len(dtypes) == 1 else jnp.float32
-  stats, bases = _born_factors(pool.blocks.sizes, pool.dims)
-  slotted = lambda x: jnp.broadcast_to(x, (slots, *x.shape))
-  zeros = jnp.zeros((slots, *pool.blocks.sizes), dtype)
-  return Resident(
-      mu=zeros, nu=zeros, stats=[slotted(x) for x in stats], bases=[slotted(x) for x in bases]
+def _member_blocks(state: SoapParamState, shape, spec, layout: ParamLayout) -> ShardBlocks:
+  """A param's blocks, cut as its state's stacks say, on ``layout``'s mesh."""
+  return state.stats.tiling.blocks(shape, spec, layout.mesh)
+
+
+def _held(state: SoapState, params, layout: ParamLayout, like: Sequence[Resident]) -> SoapState:
+  """``state`` (its pools given back to their params) with the pools ``like`` describes (their
+  ``where``, slots and dtypes; arrays or shapes) filled from its members' state, which they
+  then keep no more (their stacks empty, their moments None)."""
+  leaves, treedef = jax.tree.flatten(params)
+  per_param = treedef.flatten_up_to(state.per_param)
+  specs = treedef.flatten_up_to(layout.specs)
+  pools = []
+  for pool in like:
+    dims, where = pool.where
+    parts = dict(mu=[], nu=[], stats=[[] for _ in dims], bases=[[] for _ in dims])
+    for seat in where:
+      s, x = per_param[seat.leaf], leaves[seat.leaf]
+      blocks = _member_blocks(s, x.shape, specs[seat.leaf], layout)
+      for key in ("mu", "nu"):
+        parts[key].append(holding.to_slots(getattr(s, key), blocks, seat))
+      for key in ("stats", "bases"):
+        for k, slots in enumerate(holding.stacks_to_slots(getattr(s, key), blocks, seat)):
+          parts[key][k].append(slots)
+      empty = Stacks([], s.stats.tiling)
+      per_param[seat.leaf] = SoapParamState(empty, empty, None, None)
+    filled = lambda xs, like: holding.pooled(xs, like.shape[0]).astype(like.dtype)
+    arrays = {
+        key: [filled(xs, y) for xs, y in zip(parts[key], pool[key])]
+        if isinstance(pool[key], list)
+        else filled(parts[key], pool[key])
+        for key in pool
+    }
+    pools.append(Resident(arrays, pool.where))
+  return SoapState(state.count, treedef.unflatten(per_param), tuple(pools))
+
+
+def _released(state: SoapState, params, layout: ParamLayout) -> SoapState:
+  """``state`` with its pools given back to their params: the state with no pool kept where it
+  runs, the same on any mesh (inverse of :func:`_held`)."""
+  leaves, treedef = jax.tree.flatten(params)
+  per_param = treedef.flatten_up_to(state.per_param)
+  specs = treedef.flatten_up_to(layout.specs)
+  for pool in state.pools:
+    _, where = pool.where
+    for seat in where:
+      s, x = per_param[seat.leaf], leaves[seat.leaf]
+      blocks = _member_blocks(s, x.shape, specs[seat.leaf], layout)
+      per_param[seat.leaf] = _given_back(pool, seat, blocks, s.stats.tiling, x.shape)
+  return SoapState(state.count, treedef.unflatten(per_param))
+
+
+def _given_back(pool: Resident, seat: holding.Seat, blocks, tiling, shape) -> SoapParamState:
+  """One member's state, read from its slots of ``pool``."""
+  mine = lambda y: holding.member_slots(y, blocks, seat)
+  moment = lambda y: holding.from_slots(mine(y), blocks, seat, shape)
+  stacks = lambda ys: holding.stacks_from_slots([mine(y) for y in ys], blocks, seat, tiling)
+  return SoapParamState(
+      stacks(pool["stats"]), stacks(pool["bases"]), moment(pool["mu"]), moment(pool["nu"])
   )
+
+
+def canonical_state(state, params, layout: ParamLayout):
+  """``state`` (an optimizer state that holds SOAP's, e.g. ``soap``'s chain) with every pool kept
+  where it runs (``resident_padding``) given back to its params: the state SOAP without
+  ``resident_padding`` has, the same on any mesh, for a checkpoint that another mesh restores.
+  :func:`held_state` is its inverse. ``params``: the params (or their shapes); ``layout``: the
+  layout the optimizer was built on.
+
+  Example:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
+      >>> layout = ParamLayout({"w": P("data")}, mesh)
+      >>> params = {"w": jnp.ones((16, 8))}  # One 16 x 8 tile over 4 shards: pooled
+      >>> tx = scale_by_soap(block_size=16, layout=layout, resident_padding=4)
+      >>> state = tx.init(params)
+      >>> state.pools[0]["mu"].shape, state.per_param["w"].mu  # 4 slots, 1 a tile
+      ((4, 8, 16), None)
+      >>> canonical_state(state, params, layout).per_param["w"].mu.shape
+      (16, 8)
+  """
+  soap_states = lambda x: isinstance(x, SoapState)
+  given_back = lambda x: _released(x, params, layout) if soap_states(x) and x.pools else x
+  return jax.tree.map(given_back, state, is_leaf=soap_states)
+
+
+def held_state(state, like, params, layout: ParamLayout):
+  """``state`` in :func:`canonical_state`'s form with its pools kept where they run as in
+  ``like``: the state (or ``jax.eval_shape`` of the ``init``) of the same optimizer on
+  ``layout``, this mesh's.
+
+  Example:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> layout = ParamLayout({"w": P("data")}, jax.sharding.AbstractMesh((4,), ("data",)))
+      >>> params = {"w": jnp.ones((16, 8))}
+      >>> tx = scale_by_soap(block_size=16, layout=layout, resident_padding=4)
+      >>> like = jax.eval_shape(tx.init, params)
+      >>> canonical = canonical_state(tx.init(params), params, layout)
+      >>> [b.shape for b in held_state(canonical, like, params, layout).pools[0]["bases"]]  # turned
+      [(4, 8, 8), (4, 16, 16)]
+  """
+  soap_states = lambda x: isinstance(x, SoapState)
+  held = lambda x, y: _held(x, params, layout, y.pools) if soap_states(x) and y.pools else x
+  return jax.tree.map(held, state, like, is_leaf=soap_states)
 
 
 def _soap_init(params, settings: _Settings) -> SoapState:
-  """``scale_by_soap``'s state for ``params``."""
+  """``scale_by_soap``'s state for ``params``: every param's own, then the pools kept where they
+  run (:func:`_skeletons`) filled from their members'."""
   leaves, treedef = jax.tree.flatten(params)
   plans = _leaf_plans(params, settings)
-  pools = _pools(leaves, plans, settings)
-  held = {i for pool in pools for i in pool.members}
-  per_param = [_init_leaf(p, *plan, i in held) for i, (p, plan) in enumerate(zip(leaves, plans))]
-  return SoapState(
-      jnp.zeros([], jnp.int32),
-      treedef.unflatten(per_param),
-      tuple(_init_pool(pool, leaves) for pool in pools),
-  )
+  per_param = [_init_leaf(p, *plan) for p, plan in zip(leaves, plans)]
+  state = SoapState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
+  like = _skeletons(leaves, plans, settings)
+  return _held(state, params, settings.layout, like) if like else state
 
 
 def _rotate(x: jax.Array, bases, dims, back: bool) -> jax.Array:
@@ -513,7 +592,7 @@ def _soap_held(arrays, held: Resident, first, refresh, *, dims, hyper):
       dims=dims,
       hyper=hyper,
   )
-  new = Resident(mu=mu, nu=nu, stats=stats, bases=bases)
+  new = Resident(dict(mu=mu, nu=nu, stats=stats, bases=bases), held.where)
   return [direction], jax.tree.map(lambda x, old: x.astype(old.dtype), new, held)
 
 
@@ -574,8 +653,16 @@ def _any_unfit(stats) -> jax.Array:
 
 def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings):
   """``scale_by_soap``'s update: every param's tiles in one
-  :func:`~bv_sharding.optimizers.blocked.run_blocked`."""
+  :func:`~bv_sharding.optimizers.blocked.run_blocked`. Pools kept where they run do so on a
+  concrete mesh; elsewhere (global arrays: an ``AbstractMesh``'s shapes) the step runs on the
+  state given back to the params, and their pools are kept again after."""
   del params
+  if state.pools and not isinstance(settings.layout.mesh, jax.sharding.Mesh):
+    apart = _released(state, updates, settings.layout)
+    updates_out, new = _soap_update(
+        updates, apart, settings=dataclasses.replace(settings, resident_padding=0.0)
+    )
+    return updates_out, _held(new, updates, settings.layout, state.pools)
   grads, treedef = jax.tree.flatten(updates)
   per_param = treedef.flatten_up_to(state.per_param)
   plans = _leaf_plans(updates, settings)
@@ -583,11 +670,10 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   first = count == 0
   refresh = (count > 0) & (count % settings.precondition_frequency == 0)
   hyper = (settings.betas, settings.shampoo_beta, settings.eps, settings.basis_tol)
-  pools = _pools(grads, plans, settings)
-  pool_of = {i: k for k, pool in enumerate(pools) for i in pool.members}
-  held = [
-      functools.partial(_soap_held, dims=pool.dims, hyper=hyper) for pool in pools
-  ]  # One function per pool: its runs pool together, as the state's pools.
+  pool_of = {seat.leaf: k for k, pool in enumerate(state.pools) for seat in pool.where[1]}
+  held = [  # One function per pool: its runs pool together, as the state's pools.
+      functools.partial(_soap_held, dims=pool.where[0], hyper=hyper) for pool in state.pools
+  ]
   # The bases change only where they are refreshed or fitted: a pool moves them back only then.
   new_bases = refresh | _any_unfit(
       s.stats
@@ -648,7 +734,7 @@ def scale_by_soap(
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
     basis_tol: float = 0.0,
-    resident: bool = False,
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """SOAP's direction (no learning rate); arguments as the reference's ``SOAP``.
 
@@ -674,14 +760,16 @@ def scale_by_soap(
       within 5e-4 over 30 steps on 2 to 8 devices), at a cost in quality (its eval loss 0.096
       above the default's on that model); 0 (the default): only exact ties, the reference's
       bases, which follow float rounding.
-    resident: keep the state of pooled tiles (tiles that span their param's shards, fitted
-      whole on one device each: :mod:`~bv_sharding.optimizers.pools`) on the devices that
-      run them: one :class:`~bv_sharding.optimizers.pools.Resident` per pool in
-      ``SoapState.pools``, instead of each param's moments and factors stored spread over the
-      mesh and moved to the pool and back every step. The step then moves only the
-      gradient's and the direction's pieces; the state takes the pool's padding (its tiles
-      rounded up to a multiple of the device count) and its shapes depend on the mesh. Needs
-      ``layout`` on a concrete mesh.
+    resident_padding: a pool of tiles (tiles that span their param's shards, each fitted
+      whole by one device: :mod:`~bv_sharding.optimizers.pools`) whose slots (its tiles
+      padded to a multiple of the device count) are at most this many times its tiles keeps
+      its state on the devices that run it (:mod:`~bv_sharding.optimizers.holding`: one
+      :class:`~bv_sharding.optimizers.pools.Resident` per pool in ``SoapState.pools``)
+      instead of each param's moments and factors stored spread over the mesh and moved to
+      the pool and back every step. The step then moves only the gradient's and the
+      direction's pieces; the state takes the pool's padding and its shapes depend on the
+      mesh (:func:`canonical_state` gives it in the form that does not). 0 (the default):
+      no pool does.
 
   Example:
       >>> tx = scale_by_soap(block_size=2)
@@ -705,10 +793,12 @@ def scale_by_soap(
       layout,
       blocking,
       basis_tol,
-      resident,
+      resident_padding,
   )
   if len(settings.betas) != 2 or not all(0 <= b < 1 for b in (*settings.betas, shampoo_beta)):
     raise OptimizerError(f"betas={betas!r}, shampoo_beta={shampoo_beta!r}: decays in [0, 1)")
+  if resident_padding and resident_padding < 1:
+    raise OptimizerError(f"resident_padding={resident_padding!r}: 0 (none), or at least 1")
   if not 0 <= basis_tol < 1:
     raise OptimizerError(f"basis_tol={basis_tol!r}: a fraction in [0, 1)")
   if block_size < 1 or precondition_frequency < 1 or max_precond_dim < 1:
@@ -759,7 +849,7 @@ def soap(
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
     basis_tol: float = 0.0,
-    resident: bool = False,
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """SOAP with the learning rate and the reference's weight decay (:func:`decay_after_step`;
   ``mask``: which params get it). The other arguments are :func:`scale_by_soap`'s.
@@ -783,7 +873,7 @@ def soap(
       layout=layout,
       blocking=blocking,
       basis_tol=basis_tol,
-      resident=resident,
+      resident_padding=resident_padding,
   )
   decay = decay_after_step(learning_rate, weight_decay) if weight_decay else None
   if decay is not None and mask is not None:

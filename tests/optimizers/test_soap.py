@@ -8,6 +8,7 @@ in ``tests/data/soap_reference.npz``. Library imports only.
 
 import functools
 import json
+import math
 import pathlib
 
 import jax
@@ -17,7 +18,7 @@ import optax
 import pytest
 
 import bv_sharding as bvs
-from bv_sharding.optimizers import rebirth, scale_by_soap, soap, with_state_dtype
+from bv_sharding.optimizers import canonical_state, rebirth, scale_by_soap, soap, with_state_dtype
 from tests.optimizers import own_loop
 
 REFERENCE = pathlib.Path(__file__).parents[1] / "data/soap_reference.npz"
@@ -118,10 +119,10 @@ BASIS_TOL = 1e-2
 
 
 @functools.cache
-def _trajectory(mesh_name: str, blocking: str = "tiles", resident: bool = False):
+def _trajectory(mesh_name: str, blocking: str = "tiles", resident: float = 0.0):
   """``(params after STEPS steps, state's mismatches with its plan, the state's shapes)`` on
-  ``mesh_name``, its blocks cut by ``blocking``, its pools' state kept where they run
-  (``resident``) or not."""
+  ``mesh_name``, its blocks cut by ``blocking``, its pools' state kept where they run up to
+  ``resident`` times their tiles' (``resident_padding``)."""
   data, model = MESHES[mesh_name]
   mesh = bvs.make_mesh([("data", data), ("model", model)], devices=jax.devices()[: data * model])
   make = lambda layout: soap(
@@ -131,19 +132,22 @@ def _trajectory(mesh_name: str, blocking: str = "tiles", resident: bool = False)
       layout=layout,
       blocking=blocking,
       basis_tol=BASIS_TOL,
-      resident=resident,
+      resident_padding=resident,
   )
   params, opt, plan = own_loop.train(make, SHAPES, SPECS, mesh, _loss, STEPS)
   shapes = jax.tree.map(lambda x: x.shape, opt)
-  return jax.device_get(params), plan.mismatches({"params": params, "opt": opt}), shapes
+  mismatches = plan.mismatches({"params": params, "opt": opt})
+  if resident:  # The state given back to the params, as a checkpoint for another mesh.
+    opt = canonical_state(opt, params, bvs.optimizers.ParamLayout(plan.specs["params"], mesh))
+  return jax.device_get(params), mismatches, shapes, jax.device_get(opt)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mesh", ["2", "4", "8", "4x2"])
 def test_same_trajectory_on_any_mesh_and_state_placed_as_planned(mesh):
-  one, mismatches, _ = _trajectory("1")
+  one, mismatches, _, _ = _trajectory("1")
   assert mismatches == []
-  got, mismatches, _ = _trajectory(mesh)
+  got, mismatches, _, _ = _trajectory(mesh)
   assert mismatches == [], mismatches
   for name in SHAPES:
     worst = float(np.max(np.abs(got[name] - one[name])))
@@ -155,14 +159,15 @@ def test_same_trajectory_on_any_mesh_and_state_placed_as_planned(mesh):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mesh", ["8", "4x2"])
 def test_resident_pools_take_the_same_steps_holding_their_state_where_they_run(mesh):
-  """``resident=True``: the pooled tiles' moments and factors live in one array per pool and
-  kind, split over every device on its slots (the plan places them so and the step keeps them
-  there), and the run is the one-device run and the one whose state moves to the pools and
-  back each step (measured: within 4e-6 of the latter over 20 steps; a program compiled
-  another way rounds another way)."""
-  one, _, _ = _trajectory("1")
-  moved, _, moved_shapes = _trajectory(mesh)
-  got, mismatches, shapes = _trajectory(mesh, resident=True)
+  """``resident_padding``: the pooled tiles' moments and factors live in one array per pool
+  and kind, split over every device on its slots (the plan places them so and the step keeps
+  them there), and the run is the one-device run and the one whose state moves to the pools
+  and back each step (measured: within 4e-6 of the latter over 20 steps; a program compiled
+  another way rounds another way). Given back to the params (``canonical_state``), its state
+  is the latter's."""
+  one, _, _, _ = _trajectory("1")
+  moved, _, moved_shapes, moved_opt = _trajectory(mesh)
+  got, mismatches, shapes, opt = _trajectory(mesh, resident=math.inf)
   assert mismatches == [], mismatches
   for name in SHAPES:
     np.testing.assert_allclose(got[name], moved[name], rtol=0, atol=2e-5, err_msg=name)
@@ -175,13 +180,28 @@ def test_resident_pools_take_the_same_steps_holding_their_state_where_they_run(m
   kept = {name for name, s in shapes[0].per_param.items() if s.mu is not None}
   assert "bias" in kept and kept < set(SHAPES), kept
   assert all(moved_shapes[0].per_param[name].mu is not None for name in SHAPES)
+  assert jax.tree.structure(opt) == jax.tree.structure(moved_opt)
+  for a, b in zip(jax.tree.leaves(opt), jax.tree.leaves(moved_opt)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
-def test_resident_pools_need_a_concrete_mesh():
-  mesh = jax.sharding.AbstractMesh((8,), ("data",))
-  layout = bvs.optimizers.ParamLayout({"w": jax.sharding.PartitionSpec("data")}, mesh)
-  with pytest.raises(bvs.Error, match="concrete mesh"):
-    scale_by_soap(block_size=4, layout=layout, resident=True).init({"w": jnp.ones((8, 4))})
+def test_resident_pools_planned_on_an_abstract_mesh_have_the_concrete_meshs_shapes():
+  """Planned on an ``AbstractMesh`` (``jax.eval_shape``: a plan, a memory estimate) the state
+  has the shapes and tree it has on a concrete mesh of that shape, and a step on global arrays
+  (the state given back to the params, stepped and held again) keeps them."""
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  specs = {k: jax.sharding.PartitionSpec(*v) for k, v in SPECS.items()}
+  make = lambda mesh: soap(
+      3e-2, block_size=8, resident_padding=math.inf, layout=bvs.optimizers.ParamLayout(specs, mesh)
+  )
+  abstract = make(jax.sharding.AbstractMesh((4, 2), ("data", "model")))
+  concrete = make(bvs.make_mesh([("data", 4), ("model", 2)], devices=jax.devices()[:8]))
+  same = lambda a, b: a == b and jax.tree.structure(a) == jax.tree.structure(b)  # where, too
+  state = jax.eval_shape(abstract.init, params)
+  assert same(state, jax.eval_shape(concrete.init, params))
+  assert state[0].pools
+  _, stepped = jax.eval_shape(abstract.update, params, state, params)
+  assert same(stepped, state)
 
 
 @pytest.mark.timeout(600)
@@ -189,12 +209,12 @@ def test_shard_local_blocks_are_the_tiles_on_one_device_and_cut_by_the_shards_on
   """``blocking="local"``: on one device a shard is the whole param, so its blocks and
   trajectory are the tiles'; on 4x2 each block lies within a shard (other, smaller blocks),
   placed as planned, and it still trains."""
-  tiles, _, tile_shapes = _trajectory("1")
-  local, mismatches, local_shapes = _trajectory("1", "local")
+  tiles, _, tile_shapes, _ = _trajectory("1")
+  local, mismatches, local_shapes, _ = _trajectory("1", "local")
   assert mismatches == [] and local_shapes == tile_shapes
   for name in SHAPES:
     np.testing.assert_allclose(local[name], tiles[name], atol=1e-6)
-  sharded, mismatches, sharded_shapes = _trajectory("4x2", "local")
+  sharded, mismatches, sharded_shapes, _ = _trajectory("4x2", "local")
   assert mismatches == [], mismatches
   assert sharded_shapes != tile_shapes
   # "dense" (32, 16) on data 4 x model 2: (8, 8) shards, 8-blocks either way; "attn" (16, 4, 8)
