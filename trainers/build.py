@@ -47,6 +47,7 @@ from trainers.hooks import divergence
 from trainers.input import batching, records, tasks
 from trainers.models import axes
 from trainers.settings import schema
+from trainers.stored import StoredForm, stored_form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,9 @@ class Run:
   optimizer under its non-finite policy, for the params' ``layout``; ``learning_rates``
   are the schedules ``tx`` applies, for logging; ``plan`` is that of ``{"params", "opt"}``;
   ``migration`` says what becomes of optimizer state saved by another run
-  (:class:`~trainers.optimizers.BuiltOptimizer`, asked by the checkpoints on restore).
+  (:class:`~trainers.optimizers.BuiltOptimizer`, asked by the checkpoints on restore);
+  ``stored`` is the form the state is checkpointed in (:mod:`trainers.stored`: the same on any
+  mesh).
   """
 
   config: Any
@@ -76,6 +79,7 @@ class Run:
   learning_rates: dict[str, Callable]
   plan: bvs.Plan
   migration: optimizers.BuiltOptimizer
+  stored: StoredForm
 
   @property
   def mesh(self):
@@ -116,7 +120,8 @@ def build(config, mesh) -> Run:
   tx, learning_rates = optimizer(config, layout)
   # Complete: block stacks are where the optimizer runs them (their Stacks declare it).
   plan = bvs.plan(steps.abstract_state(init, tx), strategy, mesh, rules=rules, params=params)
-  abstract = plan.abstract()
+  stored = stored_form(plan, layout, strategy, rules, params)
+  abstract = stored.plan.abstract()  # As checkpoints hold it.
   migration = optimizers.BuiltOptimizer(
       config.optax_name,
       abstract["params"],
@@ -127,7 +132,19 @@ def build(config, mesh) -> Run:
   )
   loss = loss_fn(task, model, plan)
   return Run(
-      config, task, shapes, model, init, loss, example, layout, tx, learning_rates, plan, migration
+      config,
+      task,
+      shapes,
+      model,
+      init,
+      loss,
+      example,
+      layout,
+      tx,
+      learning_rates,
+      plan,
+      migration,
+      stored,
   )
 
 

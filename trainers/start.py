@@ -35,6 +35,7 @@ from bv_sharding import Plan
 from trainers import steps
 from trainers.rundir import checkpoint
 from trainers.rundir.checkpoint import OPT, PARAMS
+from trainers.stored import StoredForm
 
 
 class Migration(Protocol):
@@ -88,7 +89,8 @@ def restore_or_init(ckpt: checkpoint.Checkpoints, run) -> tuple[dict, Start]:
   """
   logging.info("initialising params and optimizer state in their planned shardings")
   plan, tx, config = run.plan, run.tx, run.config
-  restored = ckpt.newest_good(lambda manager, step: restore(manager, step, plan, tx, run.migration))
+  read = lambda manager, step: restore(manager, step, plan, tx, run.migration, form=run.stored)
+  restored = ckpt.newest_good(read)
   if restored is not None:
     state, begun = restored
   elif config.model_init:
@@ -119,6 +121,7 @@ def restore(
     tx: optax.GradientTransformation,
     migration: Migration,
     verify: bool = True,
+    form: StoredForm | None = None,
 ) -> tuple[dict, Start]:
   """``(state, Start)`` from checkpoint ``step`` of ``manager`` (an orbax ``CheckpointManager``,
   ``checkpoint.open_manager``) in ``plan``'s shardings; the optimizer state as ``migration``
@@ -127,12 +130,15 @@ def restore(
   Saved floating-point arrays in another dtype (``config.param_dtype``,
   ``config.state_dtype``) are cast to the plan's as they are read, logged in one line too.
   Every array is checked against its checksum (``checkpoint.restore_item``; ``verify=False``:
-  not). The items' metadata is read once.
+  not). The items' metadata is read once. ``form``: the form the state was saved in
+  (:class:`trainers.stored.StoredForm`; the state is read in it and held as the run holds it
+  after), None: as the run holds it.
   """
   meta = checkpoint.read_meta(manager, step)
   saved_params, saved_opt = checkpoint.saved_tables(manager, step)
   param_casts = checkpoint.check_params(manager, step, plan, saved_params)
-  target = plan.abstract()
+  target = (plan if form is None else form.plan).abstract()
+  held = (lambda state: state) if form is None else form.from_stored
 
   def differs(tree=None):
     table = checkpoint.leaf_table(target[OPT] if tree is None else tree)
@@ -154,12 +160,13 @@ def restore(
     logging.info("%s", note)
   if opt is not None:
     logging.info("resumed at step %d from %s with its optimizer state (%s)", step, source, why)
-    return {"params": params, "opt": opt}, Start(step, source, meta["opt_start"])
+    return held({"params": params, "opt": opt}), Start(step, source, meta["opt_start"])
   read = lambda targets: checkpoint.restore_leaves(manager, step, OPT, targets, meta, verify)
-  born = steps.init_opt(tx, plan, params)
-  opt, carried, renewed = migration.reborn(born, step, meta, saved_opt, read)
+  born = {"params": params, "opt": steps.init_opt(tx, plan, params)}
+  born = born if form is None else form.to_stored(born)
+  opt, carried, renewed = migration.reborn(born["opt"], step, meta, saved_opt, read)
   logging.info("%s", reborn_note(step, source, why, carried, renewed))
-  return {"params": params, "opt": opt}, Start(step, source, step)
+  return held({"params": params, "opt": opt}), Start(step, source, step)
 
 
 def reborn_note(step: int, source: str, why: str, carried: dict, renewed) -> str:

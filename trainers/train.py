@@ -143,7 +143,7 @@ def main(argv):
   if held and held.earlier:
     logging.warning("took over the lock of a run that ended: %s", held.earlier)
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
-  ckpt, metrics = open_workdir(_WORKDIR.value, config, run.migration, plan, is_main_process)
+  ckpt, metrics = open_workdir(_WORKDIR.value, config, run, is_main_process)
   preempted = preemption.Preemption()  # SIGTERM: a save at the same step on every process.
   scans.save()
   curves = events.EventWriter(_WORKDIR.value)  # Opened by process 0's first record.
@@ -241,12 +241,11 @@ def check_compiled(run: build.Run) -> build.Step:
   return step
 
 
-def open_workdir(
-    path: str, config, migration: start.Migration, plan: bvs.Plan, is_main_process: bool
-):
+def open_workdir(path: str, config, run, is_main_process: bool):
   """(the run's :class:`checkpoint.Checkpoints`, its metrics writer); process 0 moves an
-  earlier run's files aside unless resuming."""
-  ckpt = checkpoint.Checkpoints(path, config, migration, plan)
+  earlier run's files aside unless resuming. ``run``: a ``trainers.build.Run`` (its
+  optimizer's migration, its plan and the form its state is saved in)."""
+  ckpt = checkpoint.Checkpoints(path, config, run.migration, run.plan, run.stored)
   latest = ckpt.latest_step()
   newest = ckpt.newest_named_step()  # Not a renamed or empty stray folder's number.
   if newest is not None and newest > config.total_steps:

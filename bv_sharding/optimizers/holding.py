@@ -32,12 +32,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from bv_sharding.ops import stack_axes
+from bv_sharding.optimizers import moves
 from bv_sharding.optimizers.blocked import PoolPlan, pools_of, swapped, turned_blocks
-from bv_sharding.optimizers.placement import Stacks
+from bv_sharding.optimizers.placement import Stacks, spread
 from bv_sharding.optimizers.pools import padded, slot_count
 from bv_sharding.optimizers.shard_run import BlockRun
-from bv_sharding.optimizers.tiles import ShardBlocks
+from bv_sharding.optimizers.tiles import ShardBlocks, spec_entry
 
 
 class Seat(NamedTuple):
@@ -134,6 +138,46 @@ def pooled(parts: Sequence[jax.Array], slots: int) -> jax.Array:
       [1.0, 1.0, 0.0, 0.0]
   """
   return padded(jnp.concatenate(parts), slots)
+
+
+def spread_slots(x: jax.Array, mesh) -> jax.Array:
+  """A pool's array ``(slots, ...)`` (or its members' slots) split over every mesh axis along
+  its own dims instead of its slots, as a stored stack is
+  (:func:`~bv_sharding.optimizers.placement.spread`): reading a member's slots, or joining
+  them, is then local, and the way to or from the pool's layout one all-to-all
+  (:func:`dealt_slots`). On a concrete ``mesh`` (inside ``jit``); elsewhere ``x`` as it is."""
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return x
+  sizes = dict(mesh.shape)
+  return _placed(x, mesh, (None, *spread(x.shape[1:], stack_axes((), sizes), sizes)))
+
+
+def dealt_slots(x: jax.Array, mesh) -> jax.Array:
+  """A pool's array moved from :func:`spread_slots`'s layout to the pool's (its slots split
+  over every mesh axis), one run of axes at a time (:func:`~bv_sharding.optimizers.moves.move`).
+  On a concrete ``mesh`` (inside ``jit``); elsewhere ``x`` as it is."""
+  return _dealt(x, mesh, back=False)
+
+
+def undealt_slots(x: jax.Array, mesh) -> jax.Array:
+  """A pool's array moved from its layout to :func:`spread_slots`'s (inverse of
+  :func:`dealt_slots`)."""
+  return _dealt(x, mesh, back=True)
+
+
+def _dealt(x: jax.Array, mesh, back: bool) -> jax.Array:
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return x
+  sizes = dict(mesh.shape)
+  axes = stack_axes((), sizes)
+  spread_spec = (None, *spread(x.shape[1:], axes, sizes))
+  dealt_spec = (spec_entry(axes), *(None,) * (x.ndim - 1))
+  src, dst = (dealt_spec, spread_spec) if back else (spread_spec, dealt_spec)
+  return moves.move(x, mesh, src, dst)
+
+
+def _placed(x: jax.Array, mesh, spec) -> jax.Array:
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
 
 def member_slots(x: jax.Array, blocks: ShardBlocks, seat: Seat) -> jax.Array:

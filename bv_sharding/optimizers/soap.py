@@ -296,7 +296,10 @@ def _held(state: SoapState, params, layout: ParamLayout, like: Sequence[Resident
           parts[key][k].append(slots)
       empty = Stacks([], s.stats.tiling)
       per_param[seat.leaf] = SoapParamState(empty, empty, None, None)
-    filled = lambda xs, like: holding.pooled(xs, like.shape[0]).astype(like.dtype)
+    filled = lambda xs, like: holding.dealt_slots(
+        holding.pooled([holding.spread_slots(x, layout.mesh) for x in xs], like.shape[0]),
+        layout.mesh,
+    ).astype(like.dtype)
     arrays = {
         key: [filled(xs, y) for xs, y in zip(parts[key], pool[key])]
         if isinstance(pool[key], list)
@@ -315,6 +318,7 @@ def _released(state: SoapState, params, layout: ParamLayout) -> SoapState:
   specs = treedef.flatten_up_to(layout.specs)
   for pool in state.pools:
     _, where = pool.where
+    pool = jax.tree.map(lambda y: holding.undealt_slots(y, layout.mesh), pool)
     for seat in where:
       s, x = per_param[seat.leaf], leaves[seat.leaf]
       blocks = _member_blocks(s, x.shape, specs[seat.leaf], layout)

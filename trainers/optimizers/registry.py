@@ -135,9 +135,18 @@ _REGISTRY: dict[str, _Entry] = {
     # the step. Its moments lie in the rotated basis: no decays recorded, so a state born from
     # another optimizer's moments starts at zero, its mu refilled (own_mu), and moves from its
     # first step (rebirth.moving). lr_scale 2: on the tuning split of configs/lm.py (two
-    # seeds, docs/optimizers.md) 1.700 at 1, 1.602 at 2, 1.644 at 4.
+    # seeds, docs/optimizers.md) 1.700 at 1, 1.602 at 2, 1.644 at 4. A pool of tiles padded to
+    # at most 1.5x its tiles keeps its state where it runs (resident_padding; checkpoints hold
+    # it given back to the params, trainers/stored.py): 8 devices' pools of lm small (12 and 18
+    # tiles in 16 and 24 slots) do, and the step moves 1.11x adamw's bytes instead of 1.82x;
+    # lm_7b_pod's on 256 devices (padded at most 1.05x) do; lm_tp_fsdp small's there (12 tiles
+    # in 256 slots) do not.
     "soap": _Entry(
-        soap, ("weight_decay", "mask"), lr_scale=2.0, own_mu=lambda args: args["betas"][0]
+        soap,
+        ("weight_decay", "mask"),
+        {"resident_padding": 1.5},
+        lr_scale=2.0,
+        own_mu=lambda args: args["betas"][0],
     ),
 }
 OPTIMIZERS = tuple(_REGISTRY)

@@ -201,15 +201,19 @@ class Checkpoints:
   ``migration``: the run's optimizer; its ``record()`` goes into each checkpoint's meta
   (``trainers.start.Migration``).
   ``plan``: the state's plan, which sizes each item's write budget (:func:`saver.write_budget`:
-  at most a quarter of the state being written at once); None: orbax's default.
+  at most a quarter of the state being written at once); None: orbax's default. ``form``:
+  the form the state is saved in (:class:`trainers.stored.StoredForm`; its plan then sizes
+  the budget), None: as the run holds it.
 
   Example: ``ckpt = Checkpoints(workdir, config, migration, plan); ckpt.latest_step()``.
   """
 
-  def __init__(self, workdir: str, config, migration, plan: Plan | None = None):
+  def __init__(self, workdir: str, config, migration, plan: Plan | None = None, form=None):
     quiet_orbax()  # Before the manager is made: its creation logs a dozen INFO lines.
     self.directory = os.fspath(_absolute(workdir) / CHECKPOINTS)
     self.config, self.migration = config, migration
+    self.stored = (lambda state: state) if form is None else form.to_stored
+    plan = plan if form is None else form.plan
     abstract = plan.abstract() if plan else {}
     self.state_bytes = plan.total_bytes if plan else 0
     self.manager = open_manager(
@@ -306,6 +310,7 @@ class Checkpoints:
     follows = before_save()
     with self.writing():
       self.saver.wait()  # The previous save's setup (raises its error); its write goes on.
+    state = self.stored(state)
     meta = self._meta(step, state)
     state = saver.host_copy(state)  # All the loop waits for: the state is donated next.
     self.saver.submit(save_after, follows, self.manager, step, state, meta, force)
@@ -319,6 +324,7 @@ class Checkpoints:
       self.saver.wait()
       if self.manager.latest_step() != self.step:
         self.check_room()
+        state = self.stored(state)
         meta = self._meta(self.step, state)
         save_after(follows, self.manager, self.step, state, meta, force=True)
       self.manager.close()
