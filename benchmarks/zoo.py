@@ -144,8 +144,8 @@ def optimizers(params, scanned=False, block_size=64):
 def train_with(config, optimizer: str):
   """``config`` (changed in place, and returned) training ``optimizer``: a registry name,
   ``<name>:local`` for Kron's or Shampoo's shard-local blocks (``config.optax.blocking``),
-  or ``soap:resident`` for SOAP's pools' state kept where they run, every pool
-  (``config.optax.resident_padding``).
+  ``soap:resident`` for every SOAP pool's state kept where it runs and ``soap:moved`` for none
+  (``config.optax.resident_padding``; the registry's holds pools padded up to 1.5x).
 
   Example:
     >>> from configs import lm
@@ -159,6 +159,6 @@ def train_with(config, optimizer: str):
   config.optax_name = name
   if variant == "local":
     config.optax.blocking = "local"
-  if variant == "resident":
-    config.optax.resident_padding = math.inf
+  if variant in ("resident", "moved"):
+    config.optax.resident_padding = math.inf if variant == "resident" else 0.0
   return config

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+from jax.sharding import AxisType
 
 import bv_sharding as bvs
 from bv_sharding import optimizers
@@ -53,15 +54,19 @@ def stored_form(plan: bvs.Plan, layout, strategy, rules, params_plan: bvs.Plan) 
   stored = bvs.plan(
       {"params": params, "opt": canonical}, strategy, plan.mesh, rules=rules, params=params_plan
   )
-  to_stored = jax.jit(
-      lambda state: {"params": state["params"], "opt": given_back(state["opt"])},
-      out_shardings=stored.shardings,
-  )
-  from_stored = jax.jit(
-      lambda state: {
-          "params": state["params"],
-          "opt": optimizers.held_state(state["opt"], opt, params, layout),
-      },
-      out_shardings=plan.shardings,
-  )
-  return StoredForm(stored, to_stored, from_stored)
+  to_stored = lambda state: {"params": state["params"], "opt": given_back(state["opt"])}
+  from_stored = lambda state: {
+      "params": state["params"],
+      "opt": optimizers.held_state(state["opt"], opt, params, layout),
+  }
+  return StoredForm(stored, _jitted(to_stored, stored), _jitted(from_stored, plan))
+
+
+def _jitted(convert: Callable, target: bvs.Plan) -> Callable:
+  """``convert`` jitted into ``target``'s shardings; on a mesh with Explicit axes run with them
+  switched to Auto (``jax.sharding.auto_axes``), as the optimizers' updates are, where its
+  slices and reshapes of sharded arrays are XLA's to place."""
+  if AxisType.Explicit not in target.mesh.axis_types:
+    return jax.jit(convert, out_shardings=target.shardings)
+  auto = jax.sharding.auto_axes(convert, out_sharding=target.shardings)
+  return jax.jit(auto, out_shardings=target.shardings)

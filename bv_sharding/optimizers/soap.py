@@ -294,8 +294,7 @@ def _held(state: SoapState, params, layout: ParamLayout, like: Sequence[Resident
       for key in ("stats", "bases"):
         for k, slots in enumerate(holding.stacks_to_slots(getattr(s, key), blocks, seat)):
           parts[key][k].append(slots)
-      empty = Stacks([], s.stats.tiling)
-      per_param[seat.leaf] = SoapParamState(empty, empty, None, None)
+      per_param[seat.leaf] = _emptied(s.stats.tiling)
     filled = lambda xs, like: holding.dealt_slots(
         holding.pooled([holding.spread_slots(x, layout.mesh) for x in xs], like.shape[0]),
         layout.mesh,
@@ -308,6 +307,11 @@ def _held(state: SoapState, params, layout: ParamLayout, like: Sequence[Resident
     }
     pools.append(Resident(arrays, pool.where))
   return SoapState(state.count, treedef.unflatten(per_param), tuple(pools))
+
+
+def _emptied(tiling: Tiling) -> SoapParamState:
+  """A param's own state where its pool holds it: no stacks, no moments."""
+  return SoapParamState(Stacks([], tiling), Stacks([], tiling), None, None)
 
 
 def _released(state: SoapState, params, layout: ParamLayout) -> SoapState:
@@ -380,15 +384,37 @@ def held_state(state, like, params, layout: ParamLayout):
   return jax.tree.map(held, state, like, is_leaf=soap_states)
 
 
+def _born_pool(like: Resident) -> Resident:
+  """A pool's state as :func:`_init_leaf` gives its members': statistics 0, bases I, moments 0."""
+  dims, _ = like.where
+  tile = like["mu"].shape[1:]
+  stats, bases = _born_factors(tile, tuple(range(len(tile))))
+  slotted = lambda x, like: jnp.broadcast_to(x, like.shape)
+  arrays = dict(
+      mu=jnp.zeros(like["mu"].shape, like["mu"].dtype),
+      nu=jnp.zeros(like["nu"].shape, like["nu"].dtype),
+      stats=[slotted(stats[d], y) for d, y in zip(dims, like["stats"])],
+      bases=[slotted(bases[d], y) for d, y in zip(dims, like["bases"])],
+  )
+  return Resident(arrays, like.where)
+
+
 def _soap_init(params, settings: _Settings) -> SoapState:
-  """``scale_by_soap``'s state for ``params``: every param's own, then the pools kept where they
-  run (:func:`_skeletons`) filled from their members'."""
+  """``scale_by_soap``'s state for ``params``: every param's own, and each pool kept where it
+  runs (:func:`_skeletons`) born as its members' would be, who then keep none."""
   leaves, treedef = jax.tree.flatten(params)
   plans = _leaf_plans(params, settings)
-  per_param = [_init_leaf(p, *plan) for p, plan in zip(leaves, plans)]
-  state = SoapState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
-  like = _skeletons(leaves, plans, settings)
-  return _held(state, params, settings.layout, like) if like else state
+  pools = _skeletons(leaves, plans, settings)
+  held = {seat.leaf for pool in pools for seat in pool.where[1]}
+  per_param = [
+      _emptied(plan[2]) if i in held else _init_leaf(p, *plan)
+      for i, (p, plan) in enumerate(zip(leaves, plans))
+  ]
+  return SoapState(
+      jnp.zeros([], jnp.int32),
+      treedef.unflatten(per_param),
+      tuple(_born_pool(pool) for pool in pools),
+  )
 
 
 def _rotate(x: jax.Array, bases, dims, back: bool) -> jax.Array:

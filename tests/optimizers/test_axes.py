@@ -17,6 +17,7 @@ import pytest
 import bv_sharding as bvs
 from benchmarks import traffic
 from benchmarks.step_traffic import REMAT, captured_stderr
+from bv_sharding.optimizers import SoapState
 from configs import lm, lm_tp_fsdp
 from tests.helpers import tiny_llama
 from trainers import build, steps
@@ -51,13 +52,14 @@ def _grads(params):
 
 
 @functools.cache
-def _update(name: str, axis_types: str, optimizer: str, block_size: int | None = None):
+def _update(name: str, axis_types: str, optimizer: str, block_size: int | None = None, **optax):
   """One jitted update: its updates, the new state, the state's plan, HLO and compile log."""
   mesh, run, params_plan, params = _params(name, axis_types)
   config = copy.deepcopy(_config(name))
   config.optax_name = optimizer
   if block_size is not None:
     config.optax.block_size = block_size
+  config.optax.update(optax)
   tx, _ = build.optimizer(config, run.layout)
   plan = bvs.plan(
       steps.abstract_state(run.init, tx),
@@ -101,6 +103,19 @@ def test_tiles_dealt_to_their_owners_under_explicit_axes():
   for e, a in zip(jax.tree.leaves(explicit.updates), jax.tree.leaves(auto.updates), strict=True):
     assert np.max(np.abs(e - a), initial=0.0) <= 1e-6
   assert "collective-permute" in {c.op for c in traffic.collectives(explicit.hlo)}
+
+
+def test_soap_pools_held_where_they_run_under_explicit_axes():
+  """SOAP with every pool's state held where it runs (``resident_padding``) on the 4x2 mesh: the
+  Auto update, its pools in the plan's shardings."""
+  explicit = _update("lm_tp_fsdp", "explicit", "soap", resident_padding=64)
+  auto = _update("lm_tp_fsdp", "auto", "soap", resident_padding=64)
+  held = jax.tree.leaves(explicit.state["opt"], is_leaf=lambda x: isinstance(x, SoapState))
+  assert [x.pools for x in held if isinstance(x, SoapState)][0]  # In the trainer's chain.
+  assert explicit.plan.mismatches(explicit.state) == []
+  for e, a in zip(jax.tree.leaves(explicit.updates), jax.tree.leaves(auto.updates), strict=True):
+    assert np.max(np.abs(e - a), initial=0.0) <= 1e-6
+  assert REMAT not in explicit.log
 
 
 @pytest.mark.parametrize("optimizer", ["kron", "shampoo", "muon"])
