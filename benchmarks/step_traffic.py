@@ -8,7 +8,9 @@ collective (all-gather result*(g-1)/g, reduce-scatter operand*(g-1)/g, all-reduc
 3*params*(N-1)/N (params gathered twice, grads reduce-scattered), the number of
 collectives, compile time, the per-device FLOPs of the optimizer update alone
 (``cost_analysis``) and their ratio to the single-device update's FLOPs / N, the
-state bytes per device over the ideal (total / N), and whether XLA printed
+state bytes per device over the ideal (total / N, the state counted as checkpointed:
+``trainers/stored.py``, so a pool's padding where SOAP keeps its state where it runs counts
+against it), and whether XLA printed
 "Involuntary full rematerialization" while compiling. "between fits x adamw" counts a step
 that takes no ``lax.cond``'s true branch (``traffic.wire_bytes(hlo, branch=0)``): Kron's
 between its Q fits, Shampoo's between root refreshes, whose pools move the fit's inputs in and
@@ -144,8 +146,8 @@ def measure(config) -> dict:
   hlo, log, seconds, (mesh, plan, flops) = compile_step(config)
   n = mesh.size
   # The same blocks, computed on global arrays: the run built on the abstract mesh.
-  reference_tx = build.build(config, mesh.abstract_mesh).tx
-  total_flops = update_flops(reference_tx, abstract(plan))
+  reference = build.build(config, mesh.abstract_mesh)
+  total_flops = update_flops(reference.tx, abstract(plan))
   wire, count = traffic.wire_bytes(hlo), sum(c.times for c in traffic.collectives(hlo))
   between = traffic.wire_bytes(hlo, branch=0)
   params = sum(e.nbytes for e in plan.entries if e.name.startswith("params/"))
@@ -160,7 +162,7 @@ def measure(config) -> dict:
       "flops": flops,
       "flops_ratio": flops / max(total_flops / n, 1.0),
       "fsdp_min": 3 * params * (n - 1) / n,
-      "state_ratio": plan.bytes_per_device / (plan.total_bytes / n),
+      "state_ratio": plan.bytes_per_device / (reference.stored.plan.total_bytes / n),
       "remat": log.count(REMAT),
   }
 

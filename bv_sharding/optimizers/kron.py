@@ -88,7 +88,9 @@ import optax
 from optax import tree_utils as otu
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked, gating, opaque, symmetric
+from bv_sharding.optimizers import blocked, gating, holding, opaque, symmetric
+from bv_sharding.optimizers.pools import Resident
+from bv_sharding.optimizers.placement import Stacks
 from bv_sharding.optimizers.draws import TileNormal
 from bv_sharding.optimizers.layout import ParamLayout, stacked_leaves
 from bv_sharding.optimizers.placement import Tiling
@@ -500,6 +502,7 @@ class _Settings:
   block_size: int | None
   layout: ParamLayout | None
   blocking: str
+  resident_padding: float = 0.0
 
 
 def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, stacked, settings):
@@ -608,17 +611,44 @@ def _init_leaf(
   return qs if stack is None else [jnp.broadcast_to(q, tuple(stack) + q.shape) for q in qs]
 
 
+def _held_pools(leaves, blocks, settings):
+  if not settings.resident_padding or settings.layout is None:
+    return []
+  key = lambda: None
+  runs = [None if b is None else blocked.BlockRun(b, key, [], [], turnable=True) for b in blocks]
+  return holding.held_pools(runs, holding.devices_of(settings.layout.mesh), settings.resident_padding)
+
+
 def _kron_init(params, settings: _Settings) -> dict[str, Any]:
   """``scale_by_kron``'s state for ``params`` (see the module docstring)."""
   leaves, treedef = jax.tree.flatten(params)
   scanned, tilings, blocks = _layers_and_blocks(params, settings)
-  qs = [_init_leaf(*leaf, settings) for leaf in zip(leaves, scanned, tilings, blocks)]
-  return dict(
+  pools = _held_pools(leaves, blocks, settings)
+  held = {i for pool, _ in pools for i in pool.members}
+  qs = [
+      Stacks([], leaf[2]) if i in held else _init_leaf(*leaf, settings)
+      for i, leaf in enumerate(zip(leaves, scanned, tilings, blocks))
+  ]
+  born = []
+  for pool, slots in pools:
+    i, oriented = pool.members[0], pool.blocks[0]
+    one = _init_leaf(leaves[i], scanned[i], tilings[i], dataclasses.replace(oriented, shape=oriented.sizes), settings)
+    one = [holding.stacks_to_slots(Stacks([q], tilings[i]), dataclasses.replace(oriented, shape=oriented.sizes), holding.Seat(i, 0, False))[0] for q in one]
+    born.append(Resident({"qs": [jnp.broadcast_to(q[0], (slots, *q.shape[1:])) for q in one]}, holding.seats(pool)))
+  state = dict(
       count=jnp.zeros([], jnp.int32),
       mu=otu.tree_zeros_like(params, dtype=settings.mu_dtype) if settings.b1 > 0 else None,
       Qs_preconditioners=treedef.unflatten(qs),
       update_counter=jnp.zeros([], jnp.int32),
   )
+  if born:
+    state["pools"] = tuple(born)
+  return state
+
+
+def _fit_held(arrays, held, damping, *flags, own_target, settings):
+  (direction,), (new,) = _fit_blocks(arrays, [held["qs"]], damping, *flags, own_target=own_target, settings=settings)
+  return [direction], Resident({"qs": new}, held.where)
 
 
 def _update_momentum(updates, mu, b1: float, count):
@@ -674,18 +704,28 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
   # The fit's target is its own array unless it is the momentum (or, without momentum, the grad).
   own_target = settings.b1 > 0 and not settings.momentum_into_precond_update
   fit = functools.partial(_fit_blocks, own_target=own_target, settings=settings)
+  held = state.get("pools", ())
+  pool_of = {seat.leaf: k for k, pool in enumerate(held) for seat in pool.where}
+  fits = [functools.partial(_fit_held, own_target=own_target, settings=settings) for _ in held]
   leaves = [
       _kron_leaf(
           q, m, t, v, (_damping(t), do_update, do_balance), b, s or b is not None, fit, settings
       )
       for q, m, t, v, s, b in zip(qs, momentum, targets, probes, scanned, blocks)
   ]
+  for i, k in pool_of.items():
+    leaves[i] = leaves[i]._replace(fn=fits[k], stacks=[], write_when=(), resident=held[k])
   ran = blocked.run_blocked([x if isinstance(x, blocked.BlockRun) else None for x in leaves])
   new_qs, out = [], []
+  new_pools = list(held)
   for leaf, result, g in zip(leaves, ran, grads):
     squares = None
     if result is None:
       q, direction = leaf
+    elif isinstance(result[1], Resident):
+      (direction, squares), pool = result
+      q = qs[len(new_qs)]
+      new_pools[pool_of[len(new_qs)]] = pool
     else:
       (direction, squares), (q,) = result
     new_qs.append(q)
@@ -696,6 +736,8 @@ def _kron_update(updates, state, params=None, *, settings: _Settings):
       Qs_preconditioners=treedef.unflatten(new_qs),
       update_counter=counter,
   )
+  if held:
+    new_state["pools"] = tuple(new_pools)
   return treedef.unflatten(out), new_state
 
 
@@ -716,6 +758,7 @@ def scale_by_kron(
     block_size: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
@@ -782,6 +825,7 @@ def kron(
     block_size: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """PSGD Kron with decoupled weight decay and a learning rate.
 
@@ -811,6 +855,7 @@ def kron(
           block_size=block_size,
           layout=layout,
           blocking=blocking,
+          resident_padding=resident_padding,
       ),
       learning_rate,
       weight_decay,
