@@ -5,10 +5,10 @@ for a chain such as big_vision's) and the full optimizer (``kron``, ``shampoo``,
 Given a :class:`ParamLayout` (the plan's param specs and the mesh) they compute each block
 where its shard lives. Their state is the same on any mesh (each block stack in the order of
 its blocks' places in the param), and ``bvs.plan`` places it where they run it
-(:class:`Stacks`, :mod:`bv_sharding.optimizers.placement`). SOAP can keep its pools' state
-where they run instead (``resident_padding``, :class:`Resident`): fewer bytes each step, a
-state whose shapes depend on the mesh, given in the form that does not by
-:func:`canonical_state` (and back by :func:`held_state`).
+(:class:`Stacks`, :mod:`bv_sharding.optimizers.placement`). Kron and SOAP can keep their
+pools' state where they run instead (``resident_padding``, :class:`Resident`): fewer bytes
+and a smaller program each step, a state whose shapes depend on the mesh, given in the form
+that does not by :func:`canonical_state` (and back by :func:`held_state`).
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -29,6 +29,7 @@ from bv_sharding.optimizers.migration import BuiltOptimizer, migrate_state
 from bv_sharding.optimizers.muon import muon, scale_by_muon
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.pools import Resident
+from bv_sharding.optimizers.portable import canonical_state, held_state
 from bv_sharding.optimizers.rebirth import ramp, ramp_in, refill
 from bv_sharding.optimizers.shampoo import (
     ShampooParamState,
@@ -36,14 +37,7 @@ from bv_sharding.optimizers.shampoo import (
     scale_by_shampoo,
     shampoo,
 )
-from bv_sharding.optimizers.soap import (
-    SoapParamState,
-    SoapState,
-    canonical_state,
-    held_state,
-    scale_by_soap,
-    soap,
-)
+from bv_sharding.optimizers.soap import SoapParamState, SoapState, scale_by_soap, soap
 from bv_sharding.optimizers.state_dtype import compute_dtype, with_state_dtype
 from bv_sharding.optimizers.tiles import same_blocking
 

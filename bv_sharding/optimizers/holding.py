@@ -10,7 +10,7 @@ the direction's pieces; the state takes the pool's padding and its shapes depend
 :func:`held_pools` picks the pools worth it (their padding within a bound), :class:`Seat` says
 where a member's tiles sit, and :func:`to_slots` / :func:`from_slots` carry a param's arrays and
 factor stacks into its slots and back, so that an optimizer can give its state in the form that
-is the same on any mesh (:func:`~bv_sharding.optimizers.soap.canonical_state`).
+is the same on any mesh (:func:`~bv_sharding.optimizers.portable.canonical_state`).
 
 Example:
     >>> from bv_sharding.optimizers.placement import Tiling

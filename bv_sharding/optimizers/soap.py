@@ -275,7 +275,7 @@ def _member_blocks(state: SoapParamState, shape, spec, layout: ParamLayout) -> S
   return state.stats.tiling.blocks(shape, spec, layout.mesh)
 
 
-def _held(state: SoapState, params, layout: ParamLayout, like: Sequence[Resident]) -> SoapState:
+def held(state: SoapState, params, layout: ParamLayout, like: Sequence[Resident]) -> SoapState:
   """``state`` (its pools given back to their params) with the pools ``like`` describes (their
   ``where``, slots and dtypes; arrays or shapes) filled from its members' state, which they
   then keep no more (their stacks empty, their moments None)."""
@@ -314,9 +314,9 @@ def _emptied(tiling: Tiling) -> SoapParamState:
   return SoapParamState(Stacks([], tiling), Stacks([], tiling), None, None)
 
 
-def _released(state: SoapState, params, layout: ParamLayout) -> SoapState:
+def given_back(state: SoapState, params, layout: ParamLayout) -> SoapState:
   """``state`` with its pools given back to their params: the state with no pool kept where it
-  runs, the same on any mesh (inverse of :func:`_held`)."""
+  runs, the same on any mesh (inverse of :func:`held`)."""
   leaves, treedef = jax.tree.flatten(params)
   per_param = treedef.flatten_up_to(state.per_param)
   specs = treedef.flatten_up_to(layout.specs)
@@ -326,11 +326,11 @@ def _released(state: SoapState, params, layout: ParamLayout) -> SoapState:
     for seat in where:
       s, x = per_param[seat.leaf], leaves[seat.leaf]
       blocks = _member_blocks(s, x.shape, specs[seat.leaf], layout)
-      per_param[seat.leaf] = _given_back(pool, seat, blocks, s.stats.tiling, x.shape)
+      per_param[seat.leaf] = _member_state(pool, seat, blocks, s.stats.tiling, x.shape)
   return SoapState(state.count, treedef.unflatten(per_param))
 
 
-def _given_back(pool: Resident, seat: holding.Seat, blocks, tiling, shape) -> SoapParamState:
+def _member_state(pool: Resident, seat: holding.Seat, blocks, tiling, shape) -> SoapParamState:
   """One member's state, read from its slots of ``pool``."""
   mine = lambda y: holding.member_slots(y, blocks, seat)
   moment = lambda y: holding.from_slots(mine(y), blocks, seat, shape)
@@ -338,50 +338,6 @@ def _given_back(pool: Resident, seat: holding.Seat, blocks, tiling, shape) -> So
   return SoapParamState(
       stacks(pool["stats"]), stacks(pool["bases"]), moment(pool["mu"]), moment(pool["nu"])
   )
-
-
-def canonical_state(state, params, layout: ParamLayout):
-  """``state`` (an optimizer state that holds SOAP's, e.g. ``soap``'s chain) with every pool kept
-  where it runs (``resident_padding``) given back to its params: the state SOAP without
-  ``resident_padding`` has, the same on any mesh, for a checkpoint that another mesh restores.
-  :func:`held_state` is its inverse. ``params``: the params (or their shapes); ``layout``: the
-  layout the optimizer was built on.
-
-  Example:
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.sharding.AbstractMesh((4,), ("data",))
-      >>> layout = ParamLayout({"w": P("data")}, mesh)
-      >>> params = {"w": jnp.ones((16, 8))}  # One 16 x 8 tile over 4 shards: pooled
-      >>> tx = scale_by_soap(block_size=16, layout=layout, resident_padding=4)
-      >>> state = tx.init(params)
-      >>> state.pools[0]["mu"].shape, state.per_param["w"].mu  # 4 slots, 1 a tile
-      ((4, 8, 16), None)
-      >>> canonical_state(state, params, layout).per_param["w"].mu.shape
-      (16, 8)
-  """
-  soap_states = lambda x: isinstance(x, SoapState)
-  given_back = lambda x: _released(x, params, layout) if soap_states(x) and x.pools else x
-  return jax.tree.map(given_back, state, is_leaf=soap_states)
-
-
-def held_state(state, like, params, layout: ParamLayout):
-  """``state`` in :func:`canonical_state`'s form with its pools kept where they run as in
-  ``like``: the state (or ``jax.eval_shape`` of the ``init``) of the same optimizer on
-  ``layout``, this mesh's.
-
-  Example:
-      >>> from jax.sharding import PartitionSpec as P
-      >>> layout = ParamLayout({"w": P("data")}, jax.sharding.AbstractMesh((4,), ("data",)))
-      >>> params = {"w": jnp.ones((16, 8))}
-      >>> tx = scale_by_soap(block_size=16, layout=layout, resident_padding=4)
-      >>> like = jax.eval_shape(tx.init, params)
-      >>> canonical = canonical_state(tx.init(params), params, layout)
-      >>> [b.shape for b in held_state(canonical, like, params, layout).pools[0]["bases"]]  # turned
-      [(4, 8, 8), (4, 16, 16)]
-  """
-  soap_states = lambda x: isinstance(x, SoapState)
-  held = lambda x, y: _held(x, params, layout, y.pools) if soap_states(x) and y.pools else x
-  return jax.tree.map(held, state, like, is_leaf=soap_states)
 
 
 def _born_pool(like: Resident) -> Resident:
@@ -405,9 +361,9 @@ def _soap_init(params, settings: _Settings) -> SoapState:
   leaves, treedef = jax.tree.flatten(params)
   plans = _leaf_plans(params, settings)
   pools = _skeletons(leaves, plans, settings)
-  held = {seat.leaf for pool in pools for seat in pool.where[1]}
+  members = {seat.leaf for pool in pools for seat in pool.where[1]}
   per_param = [
-      _emptied(plan[2]) if i in held else _init_leaf(p, *plan)
+      _emptied(plan[2]) if i in members else _init_leaf(p, *plan)
       for i, (p, plan) in enumerate(zip(leaves, plans))
   ]
   return SoapState(
@@ -688,11 +644,11 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   state given back to the params, and their pools are kept again after."""
   del params
   if state.pools and not isinstance(settings.layout.mesh, jax.sharding.Mesh):
-    apart = _released(state, updates, settings.layout)
+    apart = given_back(state, updates, settings.layout)
     updates_out, new = _soap_update(
         updates, apart, settings=dataclasses.replace(settings, resident_padding=0.0)
     )
-    return updates_out, _held(new, updates, settings.layout, state.pools)
+    return updates_out, held(new, updates, settings.layout, state.pools)
   grads, treedef = jax.tree.flatten(updates)
   per_param = treedef.flatten_up_to(state.per_param)
   plans = _leaf_plans(updates, settings)
@@ -701,7 +657,7 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   refresh = (count > 0) & (count % settings.precondition_frequency == 0)
   hyper = (settings.betas, settings.shampoo_beta, settings.eps, settings.basis_tol)
   pool_of = {seat.leaf: k for k, pool in enumerate(state.pools) for seat in pool.where[1]}
-  held = [  # One function per pool: its runs pool together, as the state's pools.
+  pool_fns = [  # One function per pool: its runs pool together, as the state's pools.
       functools.partial(_soap_held, dims=pool.where[0], hyper=hyper) for pool in state.pools
   ]
   # The bases change only where they are refreshed or fitted: a pool moves them back only then.
@@ -721,7 +677,9 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
       k = pool_of[i]
       g = g.astype(jnp.float32).reshape(blocks.shape)
       runs.append(
-          BlockRun(blocks, held[k], [g], [], [first, refresh], (), (), turnable, (), state.pools[k])
+          BlockRun(
+              blocks, pool_fns[k], [g], [], [first, refresh], (), (), turnable, (), state.pools[k]
+          )
       )
       continue
     fn = fns.setdefault(dims, functools.partial(_soap_run, dims=dims, hyper=hyper))
@@ -798,7 +756,8 @@ def scale_by_soap(
       instead of each param's moments and factors stored spread over the mesh and moved to
       the pool and back every step. The step then moves only the gradient's and the
       direction's pieces; the state takes the pool's padding and its shapes depend on the
-      mesh (:func:`canonical_state` gives it in the form that does not). 0 (the default):
+      mesh (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form
+      that does not). 0 (the default):
       no pool does.
 
   Example:

@@ -64,10 +64,13 @@ LOOSER = {"soap": (1e-3, STEPS, 1e-4)}
 # SOAP's bases are canonical only with ``basis_tol`` set (the default, 0, keeps the reference's
 # bases, which follow float rounding: 0.054, 0.150, 0.137 and 0.083 from scratch on 2, 4, 8 and
 # 4x2 devices, and a 0.096 lower eval loss, soap.scale_by_soap): its runs here set it. Every
-# pool of SOAP's keeps its state where it runs (resident_padding, the registry's 1.5 holds
-# fewer here): its checkpoints hold that state given back to the params (trainers/stored.py),
-# and a run on another mesh holds it in that mesh's pools.
-FLAGS = {"soap": ("--config.optax.basis_tol=0.01", "--config.optax.resident_padding=64")}
+# pool of Kron's and SOAP's keeps its state where it runs (resident_padding, the registry's 1.5
+# holds fewer here): their checkpoints hold that state given back to the params
+# (trainers/stored.py), and a run on another mesh holds it in that mesh's pools.
+FLAGS = {
+    "kron": ("--config.optax.resident_padding=64",),
+    "soap": ("--config.optax.basis_tol=0.01", "--config.optax.resident_padding=64"),
+}
 
 
 def run(workdir, optimizer: str, mesh: str) -> str:
