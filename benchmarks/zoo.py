@@ -144,8 +144,9 @@ def optimizers(params, scanned=False, block_size=64):
 def train_with(config, optimizer: str):
   """``config`` (changed in place, and returned) training ``optimizer``: a registry name,
   ``<name>:local`` for Kron's or Shampoo's shard-local blocks (``config.optax.blocking``),
-  ``soap:resident`` for every SOAP pool's state kept where it runs and ``soap:moved`` for none
-  (``config.optax.resident_padding``; the registry's holds pools padded up to 1.5x).
+  ``<name>:resident`` for every pool of Kron's or SOAP's keeping its state where it runs and
+  ``<name>:moved`` for none (``config.optax.resident_padding``; the registry's holds pools
+  padded up to 1.5x).
 
   Example:
     >>> from configs import lm
