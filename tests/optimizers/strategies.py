@@ -32,3 +32,21 @@ VIT_SPECS = {
     "stack": (None, "data", "model"),
     "bias": (),
 }
+
+
+# Tiny params on a data x model mesh, for 8-tiles: shard-local tiles, tiles spanning shards
+# (dealt to owners or pooled over the mesh), a stack of layers, a never-sharded matrix, a vector.
+TINY_SHAPES = {
+    "dense": (32, 16),
+    "attn": (16, 4, 8),
+    "stack": (2, 16, 8),
+    "norm": (8, 8),
+    "bias": (16,),
+}
+TINY_SPECS = {
+    "dense": ("data", "model"),
+    "attn": (None, "model", "data"),
+    "stack": (None, "data", "model"),
+    "norm": (),
+    "bias": (),
+}

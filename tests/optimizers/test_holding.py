@@ -13,18 +13,9 @@ import pytest
 
 import bv_sharding as bvs
 from bv_sharding.optimizers import ParamLayout, canonical_state, kron
-from tests.optimizers import own_loop
+from tests.optimizers import own_loop, strategies
 
-# Tiny params on a data x model mesh: tiles of 8 spanning shards (pooled), shard-local ones,
-# a scanned stack and a never-sharded matrix.
-SHAPES = {"dense": (32, 16), "attn": (16, 4, 8), "stack": (2, 16, 8), "norm": (8, 8), "bias": (16,)}
-SPECS = {
-    "dense": ("data", "model"),
-    "attn": (None, "model", "data"),
-    "stack": (None, "data", "model"),
-    "norm": (),
-    "bias": (),
-}
+SHAPES, SPECS = strategies.TINY_SHAPES, strategies.TINY_SPECS
 MESHES = {"8": (8, 1), "4x2": (4, 2)}
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import bv_sharding as bvs
 from bv_sharding.optimizers import canonical_state, rebirth, scale_by_soap, soap, with_state_dtype
-from tests.optimizers import own_loop
+from tests.optimizers import own_loop, strategies
 
 REFERENCE = pathlib.Path(__file__).parents[1] / "data/soap_reference.npz"
 
@@ -88,14 +88,7 @@ def test_statistics_and_bases_are_float32_moments_like_the_params():
 
 # Tiny params on a data x model mesh: shard-local 8-tiles, tiles spanning shards (dealt to
 # owners or pooled over the mesh), a never-sharded rotated matrix, and an Adam bias.
-SHAPES = {"dense": (32, 16), "attn": (16, 4, 8), "stack": (2, 16, 8), "norm": (8, 8), "bias": (16,)}
-SPECS = {
-    "dense": ("data", "model"),
-    "attn": (None, "model", "data"),
-    "stack": (None, "data", "model"),
-    "norm": (),
-    "bias": (),
-}
+SHAPES, SPECS = strategies.TINY_SHAPES, strategies.TINY_SPECS
 MESHES = {"1": (1, 1), "2": (2, 1), "4": (4, 1), "8": (8, 1), "4x2": (4, 2)}
 STEPS = 20
 
