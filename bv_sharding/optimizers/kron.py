@@ -16,6 +16,9 @@ sharding rules written for it carry over::
                            # scalars get one () diagonal Q
      "update_counter": int32[]}         # steps since the last Q update
 
+and, with ``resident_padding``, ``"pools"``: the Qs of the pools kept where they run (a
+:class:`~bv_sharding.optimizers.pools.Resident` each, their members' own ``Stacks`` empty).
+
 A param of at least 2 (per-layer) dims keeps its Qs in a
 :class:`~bv_sharding.optimizers.placement.Stacks` (a tuple, named like a list): blocked, each
 Q with the param's block grid first, each triangular Q stored packed, its upper triangle's

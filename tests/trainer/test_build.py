@@ -49,9 +49,14 @@ def test_params_are_decided_once_and_the_state_plan_reuses_their_entries(monkeyp
   run = build.build(config, bvs.make_abstract_mesh(config.mesh, 8))
   params = [e for e in run.plan.entries if e.name.startswith("params/")]
   assert sorted(decided) == sorted(e.name for e in params)  # each param once, in all
-  # The state's plan is the run's, its block stacks placed where the optimizer stores them.
-  assert len(plans) == 2 and plans[1].treedef == run.plan.treedef
+  # The state's plan is the run's, its block stacks placed where the optimizer stores them; the
+  # state as checkpointed (Kron's pools given back, trainers/stored.py) has its own, on the same
+  # params' entries.
+  assert len(plans) == 3 and plans[1].treedef == run.plan.treedef
+  assert run.stored.converts and plans[2] is run.stored.plan
   assert all(a is b for a, b in zip(plans[0].entries, params, strict=True))
+  stored = [e for e in run.stored.plan.entries if e.name.startswith("params/")]
+  assert all(a is b for a, b in zip(stored, params, strict=True))
 
 
 def test_builds_on_an_abstract_mesh_larger_than_this_host():
