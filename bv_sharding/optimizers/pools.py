@@ -13,7 +13,10 @@ tiles, in one ``shard_map`` (a device holding padding alone skips the work:
 tile layout (:func:`_tile_spec`) and seen as each device's pieces of its tiles
 (:mod:`~bv_sharding.optimizers.pieces`), and each stored stack is kept spread at the ideal
 (:func:`~bv_sharding.optimizers.placement.stored_spec`), so that all of them move to the pool,
-and back, in one all-to-all each way, of about their shards' bytes.
+and back, in one all-to-all each way, of about their shards' bytes. A pool may instead keep
+its runs' state where it runs them (:class:`Resident`,
+:attr:`~bv_sharding.optimizers.shard_run.BlockRun.resident`; which pools:
+:mod:`~bv_sharding.optimizers.holding`): then only the arrays move.
 
 Example:
     >>> from bv_sharding.optimizers.tiles import shard_blocks

@@ -344,13 +344,13 @@ def _born_pool(like: Resident) -> Resident:
   """A pool's state as :func:`_init_leaf` gives its members': statistics 0, bases I, moments 0."""
   dims, _ = like.where
   tile = like["mu"].shape[1:]
-  stats, bases = _born_factors(tile, tuple(range(len(tile))))
+  stats, bases = _born_factors(tile, dims)
   slotted = lambda x, like: jnp.broadcast_to(x, like.shape)
   arrays = dict(
       mu=jnp.zeros(like["mu"].shape, like["mu"].dtype),
       nu=jnp.zeros(like["nu"].shape, like["nu"].dtype),
-      stats=[slotted(stats[d], y) for d, y in zip(dims, like["stats"])],
-      bases=[slotted(bases[d], y) for d, y in zip(dims, like["bases"])],
+      stats=[slotted(x, y) for x, y in zip(stats, like["stats"])],
+      bases=[slotted(x, y) for x, y in zip(bases, like["bases"])],
   )
   return Resident(arrays, like.where)
 
