@@ -129,15 +129,18 @@ def stacks_from_slots(
   return Stacks([tiling.stored_form(x, blocks) for x in grid], tiling)
 
 
-def pooled(parts: Sequence[jax.Array], slots: int) -> jax.Array:
-  """The members' slots (in the pool's order) as the pool's, padded to ``slots`` with copies
-  of the last tile (as a pool pads what moves in).
+def pooled(parts: Sequence[jax.Array], like, mesh) -> jax.Array:
+  """The members' slots (in the pool's order) as the pool's array ``like`` (its slots, dtype):
+  joined where each is spread over the mesh (:func:`spread_slots`), padded with copies of the
+  last tile (as a pool pads what moves in) and moved to the pool's layout (:func:`dealt_slots`).
 
   Example:
-      >>> pooled([jnp.ones((2, 3)), jnp.zeros((1, 3))], 4)[:, 0].tolist()
+      >>> like = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+      >>> pooled([jnp.ones((2, 3)), jnp.zeros((1, 3))], like, None)[:, 0].tolist()
       [1.0, 1.0, 0.0, 0.0]
   """
-  return padded(jnp.concatenate(parts), slots)
+  joined = jnp.concatenate([spread_slots(x, mesh) for x in parts])
+  return dealt_slots(padded(joined, like.shape[0]), mesh).astype(like.dtype)
 
 
 def spread_slots(x: jax.Array, mesh) -> jax.Array:

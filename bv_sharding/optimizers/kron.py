@@ -701,12 +701,9 @@ def held(state: dict, params, layout: ParamLayout, like: Sequence[Resident]) -> 
       tiling = qs[seat.leaf].tiling
       blocks = tiling.blocks(leaves[seat.leaf].shape, specs[seat.leaf], layout.mesh)
       for k, x in enumerate(holding.stacks_to_slots(qs[seat.leaf], blocks, seat)):
-        parts[k].append(holding.spread_slots(x, layout.mesh))
+        parts[k].append(x)
       qs[seat.leaf] = Stacks([], tiling)
-    filled = [
-        holding.dealt_slots(holding.pooled(xs, y.shape[0]), layout.mesh).astype(y.dtype)
-        for xs, y in zip(parts, pool["qs"])
-    ]
+    filled = [holding.pooled(xs, y, layout.mesh) for xs, y in zip(parts, pool["qs"])]
     pools.append(Resident({"qs": filled}, pool.where))
   return {**state, "Qs_preconditioners": treedef.unflatten(qs), "pools": tuple(pools)}
 

@@ -295,10 +295,7 @@ def held(state: SoapState, params, layout: ParamLayout, like: Sequence[Resident]
         for k, slots in enumerate(holding.stacks_to_slots(getattr(s, key), blocks, seat)):
           parts[key][k].append(slots)
       per_param[seat.leaf] = _emptied(s.stats.tiling)
-    filled = lambda xs, like: holding.dealt_slots(
-        holding.pooled([holding.spread_slots(x, layout.mesh) for x in xs], like.shape[0]),
-        layout.mesh,
-    ).astype(like.dtype)
+    filled = lambda xs, like: holding.pooled(xs, like, layout.mesh)
     arrays = {
         key: [filled(xs, y) for xs, y in zip(parts[key], pool[key])]
         if isinstance(pool[key], list)
