@@ -711,8 +711,9 @@ def held(state: dict, params, layout: ParamLayout, like: Sequence[Resident]) -> 
 def _fit_held(arrays, held_qs: Resident, damping, *flags, own_target: bool, settings):
   """:func:`_fit_blocks` on a device's slots of a pool whose Qs are kept where it runs:
   ``([direction], the slots' new Qs)``."""
-  fit = functools.partial(_fit_blocks, own_target=own_target, settings=settings)
-  (direction,), (new,) = fit(arrays, [held_qs["qs"]], damping, *flags)
+  (direction,), (new,) = _fit_blocks(
+      arrays, [held_qs["qs"]], damping, *flags, own_target=own_target, settings=settings
+  )
   return [direction], Resident({"qs": new}, held_qs.where)
 
 

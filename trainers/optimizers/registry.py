@@ -116,8 +116,8 @@ _REGISTRY: dict[str, _Entry] = {
     # placement (python -m benchmarks.communication; docs/benchmarks.md, docs/optimizers.md).
     # On the tuning split of configs/lm.py (two seeds) 128 ends 0.008 ± 0.007 below 256: kept.
     # A pool padded to at most 1.5x its tiles keeps its Qs where it runs (resident_padding, as
-    # SOAP's below): lm medium's step compiles in 1.95x adamw's CPU seconds instead of 2.17x
-    # (three alternating rounds, 2026-12-06).
+    # SOAP's below): lm medium's step is 26,338 instructions instead of 28,951 and compiles in
+    # 1.78-1.90x adamw's CPU seconds on an idle host (docs/benchmarks.md, 2026-12-07).
     "kron": _Entry(
         kron, defaults={"block_size": 256, "resident_padding": 1.5}, decays={"mu": "b1"}
     ),
