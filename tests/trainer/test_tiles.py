@@ -52,34 +52,23 @@ MESHES = {
 }
 RESIZED = ("2", "4", "4x2")
 OPTIMIZERS = ("kron", "shampoo", "soap")
-# optimizer -> (bound on any mesh's losses from scratch, last step of a resumed run bound by
-# 1e-4, bound on its later steps); 1e-4 throughout when absent. SOAP's bases are fixed by their
-# subspaces where eigenvalues nearly coincide (soap.canonical, ``FLAGS``): from scratch it stays within
-# 1e-5 of one device for 14 steps, then Adam's normalisation of the smallest rotated
-# coordinates grows the float32 gap to 4.8e-4, 3.7e-4, 1.1e-4 and 1.6e-4 at most over 30 steps
-# on 2, 4, 8 and 4x2 (2026-12-04; 0.105, 0.097, 0.071 and 0.073 while its first ``eigh``
-# chose the eigenvectors of nearly equal eigenvalues by the gradient's reduction order); with
-# the tests' elemental emitters (conftest.py) 6.5e-5, 1.6e-4, 2.4e-4 and 8.0e-5; 3.6e-4, 2.6e-4,
-# 2.2e-4 and 1.8e-4 with its pools held (2026-12-07), where AdamW's runs stay within 3.1e-6.
-# Where the gap comes from (2026-12-07, a checkpoint every step on 1 and 2 devices): the first
-# bases (eigh of one gradient's statistics) take the gradients' rounding (1e-7) to 1.7e-5 of
-# the embedding's basis (eigenvectors move by the rounding over their eigenvalue gap, at most
-# 1/basis_tol), and the first update, Adam's sign in the rotated basis, leaves the params 2e-5
-# to 8e-5 apart; the statistics then differ by 1e-5, the refresh at step 11 takes the MLP
-# kernel's bases 6.9e-4 apart, and its params drift by 1e-3 of their largest entry a step
-# until the next refresh. A wider basis_tol does not close it (0.05: up to 2.1e-3; 0.1: 5.8e-5,
-# 7.7e-5, 2.0e-4 and 1.1e-4), nor a larger eps (1e-6: up to 1.1e-3). Resumed, its runs are the
-# 8-device run's within 1e-6.
-LOOSER = {"soap": (1e-3, STEPS, 1e-4)}
-# SOAP's bases are canonical only with ``basis_tol`` set (the default, 0, keeps the reference's
-# bases, which follow float rounding: 0.054, 0.150, 0.137 and 0.083 from scratch on 2, 4, 8 and
-# 4x2 devices, and a 0.096 lower eval loss, soap.scale_by_soap): its runs here set it. Every
-# pool of Kron's and SOAP's keeps its state where it runs (resident_padding, the registry's 1.5
-# holds fewer here): their checkpoints hold that state given back to the params
-# (trainers/stored.py), and a run on another mesh holds it in that mesh's pools.
+# SOAP's bases follow its statistics continuously only with ``power_damping`` (the default, the
+# reference's eigh and sorted QR, turns them freely among nearly equal eigenvalues: runs from
+# scratch part from one device's by 0.04-0.11 over 30 steps), and Adam's normalisation of the
+# smallest rotated coordinates amplifies what rounding is left unless ``relative_eps`` bounds
+# it: with both, the runs from scratch stay within 1.2e-5 of one device's on 2, 4, 8 and 4x2
+# (8.4e-5 at most over seeds 0-3; basis_tol=1e-2, the canonical eigh bases, reached 3.8e-4 at
+# seed 0 and 1e-2 to 5e-2 at seeds 1 and 2; 2026-12-07). Every pool of Kron's and SOAP's keeps
+# its state where it runs (resident_padding, the registry's 1.5 holds fewer here): their
+# checkpoints hold that state given back to the params (trainers/stored.py), and a run on
+# another mesh holds it in that mesh's pools.
 FLAGS = {
     "kron": ("--config.optax.resident_padding=64",),
-    "soap": ("--config.optax.basis_tol=0.01", "--config.optax.resident_padding=64"),
+    "soap": (
+        "--config.optax.power_damping=0.01",
+        "--config.optax.relative_eps=0.001",
+        "--config.optax.resident_padding=64",
+    ),
 }
 
 
@@ -131,11 +120,10 @@ def test_same_trajectory_on_any_mesh_and_a_resize_keeps_the_state(tmp_path, opti
   one = losses(runs["1"][0])
   assert sorted(one) == list(range(1, STEPS + 1)), sorted(one)
   assert one[STEPS] < one[1] - 0.5, one  # It trains.
-  fresh, exact_to, resumed = LOOSER.get(optimizer, (1e-4, STEPS, 1e-4))
   for mesh in MESHES:
     got = losses(runs[mesh][0])
     worst = max(abs(got[s] - one[s]) for s in one)
-    assert worst <= fresh, (mesh, worst)
+    assert worst <= 1e-4, (mesh, worst)
     assert "Involuntary full rematerialization" not in runs[mesh][1], mesh
   # The 8-device checkpoint at step SAVED, resumed on 2, 4 and 4x2 devices.
   uninterrupted = losses(runs["8"][0])
@@ -146,5 +134,4 @@ def test_same_trajectory_on_any_mesh_and_a_resize_keeps_the_state(tmp_path, opti
     assert "re-initialised" not in out
     got = losses(workdir)
     error = {s: abs(got[s] - uninterrupted[s]) for s in range(SAVED + 1, STEPS + 1)}
-    assert max(error[s] for s in range(SAVED + 1, exact_to + 1)) <= 1e-4, (mesh, error)
-    assert max(error.values()) <= resumed, (mesh, error)
+    assert max(error.values()) <= 1e-4, (mesh, error)
