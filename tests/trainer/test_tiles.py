@@ -52,20 +52,19 @@ MESHES = {
 }
 RESIZED = ("2", "4", "4x2")
 OPTIMIZERS = ("kron", "shampoo", "soap")
-# SOAP's bases follow its statistics continuously only with ``power_damping`` (the default, the
-# reference's eigh and sorted QR, turns them freely among nearly equal eigenvalues: runs from
-# scratch part from one device's by 0.04-0.11 over 30 steps), and Adam's normalisation of the
-# smallest rotated coordinates amplifies what rounding is left unless ``relative_eps`` bounds
-# it: with both, the runs from scratch stay within 1.2e-5 of one device's on 2, 4, 8 and 4x2
-# (8.4e-5 at most over seeds 0-3; basis_tol=1e-2, the canonical eigh bases, reached 3.8e-4 at
-# seed 0 and 1e-2 to 5e-2 at seeds 1 and 2; 2026-12-07). Every pool of Kron's and SOAP's keeps
-# its state where it runs (resident_padding, the registry's 1.5 holds fewer here): their
-# checkpoints hold that state given back to the params (trainers/stored.py), and a run on
-# another mesh holds it in that mesh's pools.
+# SOAP's bases follow its statistics continuously (power_damping, the registry's; the reference's
+# eigh and sorted QR turn them freely among nearly equal eigenvalues: runs from scratch part
+# from one device's by 0.04-0.11 over 30 steps), and relative_eps bounds what Adam's
+# normalisation of the smallest rotated coordinates makes of the rounding left: with both, the
+# runs from scratch stay within 1.2e-5 of one device's on 2, 4, 8 and 4x2 (8.4e-5 at most over
+# seeds 0-3; power_damping alone 1.4e-4, basis_tol=1e-2 3.8e-4 at seed 0 and 1e-2 to 5e-2 at
+# seeds 1 and 2; 2026-12-07). Every pool of Kron's and SOAP's keeps its state where it runs
+# (resident_padding, the registry's 1.5 holds fewer here): their checkpoints hold that state
+# given back to the params (trainers/stored.py), and a run on another mesh holds it in that
+# mesh's pools.
 FLAGS = {
     "kron": ("--config.optax.resident_padding=64",),
     "soap": (
-        "--config.optax.power_damping=0.01",
         "--config.optax.relative_eps=0.001",
         "--config.optax.resident_padding=64",
     ),
