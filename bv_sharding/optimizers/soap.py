@@ -186,7 +186,6 @@ class _Settings:
   block_size: int
   layout: ParamLayout | None
   blocking: str
-  basis_tol: float = 0.0
   resident_padding: float = 0.0
   power_damping: float = 0.0
   relative_eps: float = 0.0
@@ -405,33 +404,31 @@ def _separated(stats: jax.Array) -> jax.Array:
   return stats - jax.vmap(jnp.diag)(dead.astype(stats.dtype))
 
 
-def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array, tol: float) -> jax.Array:
+def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array) -> jax.Array:
   """``basis`` (a statistic's eigenvectors, columns in order of their ``values``, largest
-  first) with the choices ``eigh`` and QR leave to rounding made the same way every time.
+  first) with the choices ``eigh`` and QR leave to chance made the same way every time.
 
-  Where eigenvalues coincide their eigenvectors are any basis of one subspace, and where they
-  nearly coincide float rounding (a gradient summed in another order, on another mesh) turns
-  them freely; Adam then moves every rotated coordinate by about the learning rate, so SOAP's
-  step would follow the rounding. Here a run of eigenvalues each within ``tol`` of the largest
-  of the next is one cluster, and its basis is fixed by the subspace alone: a fixed
-  Gaussian matrix's columns projected onto it and orthonormalised (QR, positive diagonal).
-  A coordinate whose statistic row is zero (a partial tile's padding, an embedding row no
-  token has reached) keeps its own unit vector, after every other, and no other column touches
-  it. ``tol=0`` clusters only exact ties.
+  Where eigenvalues coincide their eigenvectors are any basis of one subspace, and Adam then
+  moves every rotated coordinate by about the learning rate, so SOAP's step would follow the
+  choice. Here a run of equal eigenvalues is one cluster, and its basis is fixed by the
+  subspace alone: a fixed Gaussian matrix's columns projected onto it and orthonormalised (QR,
+  positive diagonal). A coordinate whose statistic row is zero (a partial tile's padding, an
+  embedding row no token has reached) keeps its own unit vector, after every other, and no
+  other column touches it. Eigenvalues that only nearly coincide still turn with float
+  rounding; ``power_damping``'s bases do not (:func:`_power_refit`).
 
   Example:
       >>> s = jnp.diag(jnp.array([2.0, 1.0, 1.0, 0.0]))  # a double eigenvalue and a zero row
       >>> turned = jnp.array([[1, 0, 0, 0], [0, 0.6, 0.8, 0], [0, -0.8, 0.6, 0], [0, 0, 0, 1.0]])
-      >>> a = canonical(s, jnp.array([2.0, 1, 1, -1]), jnp.eye(4), 1e-2)
-      >>> b = canonical(s, jnp.array([2.0, 1, 1, -1]), turned, 1e-2)
+      >>> a = canonical(s, jnp.array([2.0, 1, 1, -1]), jnp.eye(4))
+      >>> b = canonical(s, jnp.array([2.0, 1, 1, -1]), turned)
       >>> bool(jnp.allclose(a, b, atol=1e-6)), a[:, 3].tolist()
       (True, [0.0, 0.0, 0.0, 1.0])
   """
   n = stats.shape[-1]
   live = ~jnp.all(stats == 0, axis=-1)
   live_columns = values > -0.5  # _separated gives each zero row the eigenvalue -1.
-  top = jnp.maximum(values[0], jnp.finfo(values.dtype).tiny)
-  cut = values[:-1] - values[1:] > tol * top
+  cut = values[:-1] > values[1:]
   cluster = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(cut.astype(jnp.int32))])
   same = (cluster[:, None] == cluster[None, :]) & live_columns[:, None] & live_columns[None, :]
   grouped = jnp.sum(same, axis=0) > 1
@@ -515,30 +512,28 @@ def _power_refit(stats, basis, unfit, refresh, damping: float):
   return jax.lax.map(lambda a: one(*a), (_damped(stats, damping), basis, unfit))
 
 
-def _refit(stats, basis, nu, dim: int, unfit, refresh, tol: float):
+def _refit(stats, basis, nu, dim: int, unfit, refresh):
   """One rotated dim's new bases and ``nu``: a block whose statistics were zero before this step
   (``unfit``) gets its statistics' eigenvectors (``eigh``, largest eigenvalue first); on a
   refresh step every other block gets ``qr(S Q)``, ``Q``'s columns first sorted by their
-  estimated eigenvalue (largest first; estimates within ``tol`` of the largest keep their
-  order) and ``nu`` permuted along ``dim`` (of its tile) with them; the rest keep theirs. New
+  estimated eigenvalue (largest first, ties in their order) and ``nu`` permuted along ``dim``
+  (of its tile) with them; the rest keep theirs. New
   bases are made :func:`canonical`. One program a block (``lax.map``, as Shampoo's roots).
 
   Example:
       >>> s = jnp.diag(jnp.array([1.0, 4.0]))[None]
       >>> q, nu = _refit(s, jnp.eye(2)[None], jnp.array([[10.0, 40.0]]), 0, jnp.array([False]),
-      ...                True, 1e-2)
+      ...                True)
       >>> jnp.abs(q).tolist(), nu.tolist()
       ([[[0.0, 1.0], [1.0, 0.0]]], [[40.0, 10.0]])
       >>> s = jnp.diag(jnp.array([1e-4, 4e-4, 0.0]))[None]  # small, beside a zero row: sorted
-      >>> _refit(s, jnp.eye(3)[None], jnp.array([[1.0, 4.0, 0.0]]), 0, jnp.array([False]), True,
-      ...        1e-2)[1].tolist()
+      >>> nu = jnp.array([[1.0, 4.0, 0.0]])
+      >>> _refit(s, jnp.eye(3)[None], nu, 0, jnp.array([False]), True)[1].tolist()
       [[4.0, 1.0, 0.0]]
   """
   separated = _separated(stats)
   estimated = jnp.einsum("nij,nik,nkj->nj", basis, separated, basis)
-  top = jnp.max(jnp.where(estimated > -0.5, estimated, 0.0), axis=-1, keepdims=True)  # Live.
-  step = jnp.maximum(tol * top, jnp.finfo(estimated.dtype).tiny)
-  order = jnp.argsort(-(jnp.round(estimated / step) if tol else estimated), axis=-1, stable=True)
+  order = jnp.argsort(-estimated, axis=-1, stable=True)
   order = jnp.where(refresh, order, jnp.arange(order.shape[-1]))
   sorted_basis = jnp.take_along_axis(basis, order[:, None, :], axis=2)
   shape = [1] * nu.ndim
@@ -552,20 +547,20 @@ def _refit(stats, basis, nu, dim: int, unfit, refresh, tol: float):
       return values[::-1], vectors[:, ::-1]
 
     values, vectors = gating.cond(unfit, fit, lambda: (values, jnp.linalg.qr(power)[0]))
-    return jnp.where(unfit | refresh, canonical(s, values, vectors, tol), old)
+    return jnp.where(unfit | refresh, canonical(s, values, vectors), old)
 
   inputs = (stats, separated, separated @ sorted_basis, values, basis, unfit)
   return jax.lax.map(lambda a: one(*a), inputs), nu
 
 
-def _new_bases(stats, bases, nu, unfit, refresh, *, dims, tol, damping):
+def _new_bases(stats, bases, nu, unfit, refresh, *, dims, damping):
   """Every rotated dim's bases from :func:`_refit` (:func:`_power_refit` with ``damping``),
   and ``nu`` permuted with them."""
   if damping:
     return [_power_refit(s, q, unfit, refresh, damping) for s, q in zip(stats, bases)], nu
   new_bases = []
   for s, q, dim in zip(stats, bases, dims):
-    q, nu = _refit(s, q, nu, dim, unfit, refresh, tol)
+    q, nu = _refit(s, q, nu, dim, unfit, refresh)
     new_bases.append(q)
   return new_bases, nu
 
@@ -576,7 +571,7 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   QR, one matrix a call) runs under ``lax.cond`` (where that is safe,
   :mod:`~bv_sharding.optimizers.gating`), only on the steps that need it; the moments
   are carried into the new bases only then."""
-  (b1, b2), shampoo_beta, (eps, relative_eps), (tol, damping) = hyper
+  (b1, b2), shampoo_beta, (eps, relative_eps), damping = hyper
   g = g.astype(jnp.float32)
   old_mu, old_nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
   rotated = _rotate(g, bases, dims, back=False)
@@ -589,7 +584,7 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
   new_bases, sorted_nu = gating.cond(
       refresh | any_unfit,
-      functools.partial(_new_bases, dims=dims, tol=tol, damping=damping),
+      functools.partial(_new_bases, dims=dims, damping=damping),
       lambda _, q, n, *__: (list(q), n),
       [symmetric.unpack(s) for s in stats],
       bases,
@@ -738,7 +733,7 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
       settings.betas,
       settings.shampoo_beta,
       (settings.eps, settings.relative_eps),
-      (settings.basis_tol, settings.power_damping),
+      settings.power_damping,
   )
   pool_of = {seat.leaf: k for k, pool in enumerate(state.pools) for seat in pool.where[1]}
   pool_fns = [  # One function per pool: its runs pool together, as the state's pools.
@@ -805,7 +800,6 @@ def scale_by_soap(
     block_size: int = 1024,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    basis_tol: float = 0.0,
     resident_padding: float = 0.0,
     power_damping: float = 0.0,
     relative_eps: float = 0.0,
@@ -828,13 +822,6 @@ def scale_by_soap(
       statistics and bases.
     layout: the params' specs and mesh (:class:`ParamLayout`): tiles are run where they live.
     blocking: "tiles" (the same tiles on any mesh) or "local" (each shard's own blocks).
-    basis_tol: eigenvalues within this fraction of a statistic's largest of each other share
-      one basis fixed by their subspace (:func:`canonical`), so that float rounding does not
-      choose it and the run is the same on any mesh (1e-2: a small language model's losses
-      within 5e-4 over 30 steps on 2 to 8 devices), at a cost in quality (its eval loss 0.096
-      above the default's on that model; its clusters' edges still follow the rounding at
-      other seeds, where ``power_damping`` does not); 0 (the default): only exact ties, the
-      reference's bases, which follow float rounding.
     resident_padding: a pool of tiles (tiles that span their param's shards, each fitted
       whole by one device: :mod:`~bv_sharding.optimizers.pools`) whose slots (its tiles
       padded to a multiple of the device count) are at most this many times its tiles keeps
@@ -883,7 +870,6 @@ def scale_by_soap(
       block_size,
       layout,
       blocking,
-      basis_tol,
       resident_padding,
       power_damping,
       relative_eps,
@@ -892,17 +878,9 @@ def scale_by_soap(
     raise OptimizerError(f"betas={betas!r}, shampoo_beta={shampoo_beta!r}: decays in [0, 1)")
   if resident_padding and resident_padding < 1:
     raise OptimizerError(f"resident_padding={resident_padding!r}: 0 (none), or at least 1")
-  for name, value in (
-      ("basis_tol", basis_tol),
-      ("power_damping", power_damping),
-      ("relative_eps", relative_eps),
-  ):
+  for name, value in ("power_damping", power_damping), ("relative_eps", relative_eps):
     if not 0 <= value < 1:
       raise OptimizerError(f"{name}={value!r}: a fraction in [0, 1)")
-  if basis_tol and power_damping:
-    raise OptimizerError(
-        "basis_tol and power_damping: set one (power_damping's bases are not eigh's)"
-    )
   if block_size < 1 or precondition_frequency < 1 or max_precond_dim < 1:
     raise OptimizerError("block_size, precondition_frequency and max_precond_dim must be >= 1")
   return blocked.transformation(_soap_init, _soap_update, settings)
@@ -950,7 +928,6 @@ def soap(
     block_size: int = 1024,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    basis_tol: float = 0.0,
     resident_padding: float = 0.0,
     power_damping: float = 0.0,
     relative_eps: float = 0.0,
@@ -976,7 +953,6 @@ def soap(
       block_size=block_size,
       layout=layout,
       blocking=blocking,
-      basis_tol=basis_tol,
       resident_padding=resident_padding,
       power_damping=power_damping,
       relative_eps=relative_eps,

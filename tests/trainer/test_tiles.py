@@ -57,8 +57,8 @@ OPTIMIZERS = ("kron", "shampoo", "soap")
 # from one device's by 0.04-0.11 over 30 steps), and relative_eps bounds what Adam's
 # normalisation of the smallest rotated coordinates makes of the rounding left: with both, the
 # runs from scratch stay within 1.2e-5 of one device's on 2, 4, 8 and 4x2 (8.4e-5 at most over
-# seeds 0-3; power_damping alone 1.4e-4, basis_tol=1e-2 3.8e-4 at seed 0 and 1e-2 to 5e-2 at
-# seeds 1 and 2; 2026-12-07). Every pool of Kron's and SOAP's keeps its state where it runs
+# seeds 0-3; power_damping alone 1.4e-4; the canonical eigh bases of an earlier basis_tol=1e-2
+# 3.8e-4 at seed 0 and 1e-2 to 5e-2 at seeds 1 and 2; 2026-12-07). Every pool of Kron's and SOAP's keeps its state where it runs
 # (resident_padding, the registry's 1.5 holds fewer here): their checkpoints hold that state
 # given back to the params (trainers/stored.py), and a run on another mesh holds it in that
 # mesh's pools.
