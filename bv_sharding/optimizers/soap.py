@@ -517,8 +517,8 @@ def _refit(stats, basis, nu, dim: int, unfit, refresh):
   (``unfit``) gets its statistics' eigenvectors (``eigh``, largest eigenvalue first); on a
   refresh step every other block gets ``qr(S Q)``, ``Q``'s columns first sorted by their
   estimated eigenvalue (largest first, ties in their order) and ``nu`` permuted along ``dim``
-  (of its tile) with them; the rest keep theirs. New
-  bases are made :func:`canonical`. One program a block (``lax.map``, as Shampoo's roots).
+  (of its tile) with them; the rest keep theirs. New bases are made :func:`canonical`. One
+  program a block (``lax.map``, as Shampoo's roots).
 
   Example:
       >>> s = jnp.diag(jnp.array([1.0, 4.0]))[None]
@@ -840,10 +840,9 @@ def scale_by_soap(
       statistics plus this fraction of their largest diagonal entry (:func:`_power_refit`),
       their columns never re-sorted. 1e-2 keeps a small language model's losses within 1.4e-4
       of one device's over 30 steps on 2 to 8 devices (3.6e-4 at another seed; the
-      reference's bases: 0.04-0.11), its
-      eval loss 0.005 ± 0.009 from theirs; with ``relative_eps=1e-3`` within 1e-4 for every
-      seed tried, at 0.023 ± 0.009 of eval loss. 0 (the default): the reference's bases
-      (``eigh``, then sorted QR refreshes).
+      reference's bases: 0.04-0.11), its eval loss 0.005 ± 0.009 from theirs; with
+      ``relative_eps=1e-3`` within 1e-4 for every seed tried, at 0.023 ± 0.009 of eval loss.
+      0 (the default): the reference's bases (``eigh``, then sorted QR refreshes).
     relative_eps: added to Adam's ``sqrt(nu)`` in a rotated block, as a fraction of the
       block's largest (:func:`_root_nu`), beside ``eps``: a coordinate whose gradient is far
       below the block's strongest, where a basis off by float rounding puts most of its
