@@ -438,8 +438,7 @@ def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array) -> jax.Arra
   probe = jnp.asarray(_probe(n), basis.dtype)
   projected = basis @ jnp.where(same, basis.T @ probe, 0.0)
   units = units.astype(basis.dtype)
-  q, r = jnp.linalg.qr(jnp.where(grouped, projected, jnp.where(live_columns, basis, units)))
-  q = q * jnp.where(jnp.diag(r) < 0, -1.0, 1.0)
+  q = _positive_qr(jnp.where(grouped, projected, jnp.where(live_columns, basis, units)))
   return jnp.where(live_columns, jnp.where(live[:, None], q, 0.0), units)
 
 
@@ -480,7 +479,18 @@ def _power_step(damped: jax.Array, basis: jax.Array) -> jax.Array:
       >>> jnp.round(q * jnp.sqrt(2.0), 3).tolist()
       [[1.0, -1.0], [1.0, 1.0]]
   """
-  q, r = jnp.linalg.qr(damped @ basis)
+  return _positive_qr(damped @ basis)
+
+
+def _positive_qr(x: jax.Array) -> jax.Array:
+  """The Q of ``x``'s QR with R's diagonal made non-negative: each column's sign is where
+  ``x``'s column points, not where the factorisation's rounding leaves it.
+
+  Example:
+      >>> _positive_qr(jnp.array([[-2.0, 0.0], [0.0, 3.0]])).tolist()
+      [[-1.0, 0.0], [0.0, 1.0]]
+  """
+  q, r = jnp.linalg.qr(x)
   return q * jnp.where(jnp.diagonal(r) < 0, -1.0, 1.0)
 
 
