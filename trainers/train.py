@@ -188,24 +188,29 @@ def main(argv):
 def start_backend() -> None:
   """Sets the simulated CPU device count and starts jax.distributed (if any).
 
-  Both must happen before anything starts the backend.
+  Both must happen before anything starts the backend. Logs one line: the platform, the
+  process and device counts and how jax.distributed started; then a warning if detecting the
+  cluster failed (``cpu: process 0 of 1, 8 devices (8 here); jax.distributed: single process``).
   """
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-  how = distributed.start(
+  how, note = distributed.start(
       _COORDINATOR.value,
       _NUM_PROCESSES.value,
       _PROCESS_ID.value,
       _AUTO.value,
       _DISTRIBUTED_TIMEOUT.value,
   )
-  logging.info("jax.distributed: %s", how)
   logging.info(
-      "process %d of %d, %d devices (%d here)",
+      "%s: process %d of %d, %d devices (%d here); jax.distributed: %s",
+      jax.default_backend(),
       jax.process_index(),
       jax.process_count(),
       jax.device_count(),
       jax.local_device_count(),
+      how,
   )
+  if note:
+    logging.warning("%s", note)
 
 
 def job_facts() -> dict[str, str]:

@@ -1,29 +1,129 @@
-"""trainers/hosts/distributed.py: jax.distributed starts where the environment names a cluster;
+"""trainers/hosts/distributed.py: jax.distributed starts where the environment declares more than
+one process, and a run whose cluster detection fails starts as one process, saying so;
 trainers/hosts/same_job.py: two real processes that differ in one key stop before init, naming it.
 """
 
 import pathlib
 import shutil
 import subprocess
+import sys
 from subprocess import PIPE, STDOUT
 
+import jax
 import pytest
+from jax._src import clusters
 
 from configs import lm
 from tests.helpers import ROOT, SLURM, environment
 from trainers import launch
+from trainers.errors import ConfigError
 from trainers.hosts import distributed, same_job
 
+OMPI = (
+    "OMPI_MCA_orte_hnp_uri",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+)
+# Every variable jax's cluster detection reads without the network: none leaks in from the host.
+CLUSTER_VARIABLES = (
+    *SLURM,
+    *OMPI,
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_PROCESS_ADDRESSES",
+    "MEGASCALE_NUM_SLICES",
+    "KUBERNETES_SERVICE_HOST",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_COORDINATOR_PORT",
+)
+# A cluster asked first whose detection raises, as GCE TPU's does with no metadata server.
+UNREACHABLE = r"""
+from jax._src import clusters
+from trainers.hosts import distributed
 
-def test_cluster_detection_reads_the_environment(monkeypatch):
-  for name in SLURM:
+class Unreachable(clusters.ClusterEnv):
+  name = "unreachable"
+
+  @classmethod
+  def is_env_present(cls):
+    raise ConnectionError("metadata.google.internal: no route to host\nmore")
+
+clusters.ClusterEnv._cluster_types.insert(0, clusters.ClusterEnv._cluster_types.pop())
+print(*distributed.start(None, 1, 0, auto=True), sep="\n")
+"""
+
+
+@pytest.fixture
+def started(monkeypatch) -> list:
+  """The calls of jax.distributed.initialize, which only records them; no cluster variables."""
+  for name in CLUSTER_VARIABLES:
     monkeypatch.delenv(name, raising=False)
-  assert distributed.detected_cluster() is None
-  assert distributed.start(None, 1, 0, auto=True) == "single process"
-  for name, value in zip(SLURM, ("7", "node[001-002]", "2", "1", "0")):
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append((a, kw)))
+  return calls
+
+
+def test_cluster_detection_reads_the_environment(started, monkeypatch):
+  assert distributed.detected() == (None, 1, None)
+  assert distributed.start(None, 1, 0, auto=True) == ("single process", None)
+  for name, value in zip(SLURM, ("7", "node001", "8", "1", "0")):  # 8 tasks on one node.
     monkeypatch.setenv(name, value)
-  assert distributed.detected_cluster() == "slurm"
-  assert distributed.start(None, 1, 0, auto=False) == "single process"  # --nodistributed_auto
+  assert distributed.detected() == (clusters.SlurmCluster, 8, None)
+  assert distributed.start(None, 1, 0, auto=False) == ("single process", None)
+  assert not started  # --nodistributed_auto
+
+
+def test_a_slurm_job_of_one_task_starts_one_process(started, monkeypatch):
+  for name, value in zip(SLURM, ("7", "node[001-002]", "1", "0", "0")):
+    monkeypatch.setenv(name, value)
+  assert distributed.start(None, 1, 0, auto=True) == ("single process", None)
+  assert not started
+
+
+def test_a_slurm_job_of_two_tasks_starts_jax_distributed_from_its_variables(started, monkeypatch):
+  for name, value in zip(SLURM, ("7", "node[001-002]", "2", "1", "1")):
+    monkeypatch.setenv(name, value)
+  monkeypatch.setenv("JAX_COORDINATOR_PORT", "1234")
+  assert distributed.start(None, 1, 0, auto=True, timeout=30) == ("auto-detected slurm", None)
+  [(args, kwargs)] = started
+  assert args == ("node001:1234", 2, 1)
+  assert kwargs["initialization_timeout"] == 30 + distributed._GRACE
+
+
+def test_a_gke_tpu_slice_declares_its_hosts_times_its_slices(started, monkeypatch):
+  monkeypatch.setattr(clusters.GkeTpuCluster, "is_env_present", classmethod(lambda cls: True))
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-0,host-1")
+  monkeypatch.setenv("MEGASCALE_NUM_SLICES", "2")
+  assert distributed.detected() == (clusters.GkeTpuCluster, 4, None)
+
+
+def test_an_open_mpi_job_with_an_unreadable_coordinator_stops_with_one_line(started, monkeypatch):
+  for name, value in zip(OMPI, ("garbage", "2", "0", "0")):
+    monkeypatch.setenv(name, value)
+  with pytest.raises(ConfigError) as raised:
+    distributed.start(None, 1, 0, auto=True)
+  message = str(raised.value)
+  assert message.startswith("ompi declares 2 processes; reading its coordinator address failed")
+  assert "--coordinator_address" in message and "--nodistributed_auto" in message
+  assert "\n" not in message and not started
+
+
+def test_a_cluster_whose_detection_raises_starts_one_process_saying_so():
+  done = subprocess.run(
+      [sys.executable, "-c", UNREACHABLE],
+      cwd=ROOT,
+      env=environment(),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.splitlines() == [
+      "single process",
+      "unreachable detection failed (ConnectionError: metadata.google.internal: no route to "
+      "host); started as one process. For a multi-host job give --coordinator_address, "
+      "--num_processes and --process_id; --nodistributed_auto skips detection",
+  ]
 
 
 def start_two(workdir, differ: list[str], *common: str) -> list[tuple[int, str]]:
