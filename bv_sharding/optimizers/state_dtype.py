@@ -13,7 +13,9 @@ injected hyper-parameters) keep their dtype: exact, and they weigh nothing.
 Its ``update`` casts the gradients, the params and the state up to float32, runs the
 optimizer there (Shampoo's statistics and ``eigh`` roots, Kron's factor fits, Newton-Schulz,
 the moment updates: every delicate computation is float32 whatever the storage) and casts
-the new state back to the dtypes it was stored in. The casts are elementwise and XLA fuses
+the new state back to the dtypes it was stored in, and the updates to the gradients' dtype
+(as optax's own transformations return them: no float32 copy of the params' size outlives
+the update). The casts are elementwise and XLA fuses
 them into their consumers; an array already in its dtype is passed through untouched, so a
 float32 run is bit-identical with or without the wrapper. An EMA step smaller than the
 storage's resolution (``2**-8`` relative in bfloat16, e.g. ``beta2=0.999``'s) is rounded
@@ -50,8 +52,9 @@ def with_state_dtype(tx: optax.GradientTransformation, dtype) -> optax.GradientT
 
   def update(updates, state, params=None):
     up = lambda tree: jax.tree.map(lambda x: _cast(x, compute_dtype(x.dtype)), tree)
-    updates, new_state = tx.update(up(updates), up(state), None if params is None else up(params))
-    return updates, jax.tree.map(lambda new, old: _cast(new, old.dtype), new_state, state)
+    new, new_state = tx.update(up(updates), up(state), None if params is None else up(params))
+    back = lambda tree, like: jax.tree.map(lambda n, o: _cast(n, o.dtype), tree, like)
+    return back(new, updates), back(new_state, state)
 
   return optax.GradientTransformation(init, update)
 
