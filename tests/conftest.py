@@ -1,4 +1,5 @@
-"""Every test process sees 8 simulated CPU devices, gives OpenBLAS one thread, compiles fast and
+"""Every test process sees 8 simulated CPU devices (the CPU backend, also on an accelerator
+host), gives OpenBLAS one thread, compiles fast and
 shares one jax compilation cache.
 
 OpenBLAS threads fight XLA's on small hosts (``trainers/__init__.py`` says why). The cache is a
@@ -45,6 +46,8 @@ import tempfile
 from trainers import ONE_BLAS_THREAD
 
 os.environ.setdefault(*ONE_BLAS_THREAD)
+# The tests run on CPU devices everywhere, also on a TPU or GPU host (and its subprocesses).
+os.environ["JAX_PLATFORMS"] = "cpu"
 FAST_COMPILE = (
     "--xla_backend_optimization_level=0",
     "--xla_cpu_copy_insertion_use_region_analysis=false",

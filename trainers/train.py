@@ -52,7 +52,7 @@ from absl import flags, logging
 from jax.experimental import multihost_utils
 
 import bv_sharding as bvs
-from trainers import build, loop, start, steps
+from trainers import build, fit, loop, start, steps
 from trainers.errors import ConfigError
 from trainers.figures import memory
 from trainers.hooks import divergence, preemption
@@ -157,7 +157,8 @@ def main(argv):
     return parts.each([metrics.until_written(), curves.until_written()])
 
   watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=write)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules):
+  out_of_memory = memory.converted(plan, "the run's restore, train or eval steps")
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules), out_of_memory:
     state, begun = start.restore_or_init(ckpt, run)
     if is_main_process:
       note_start(_WORKDIR.value, config, begun, metrics.path, curves)
@@ -239,11 +240,8 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
 
 def check_compiled(run: build.Run) -> build.Step:
   """``run``'s :class:`build.Step`, once XLA's figure for its compiled train step fits each
-  device (trainers/figures/memory.py)."""
-  config, step = run.config, build.compile_step(run)
-  have = memory.budget(jax.local_devices(), config.device_memory_gib)
-  logging.info("%s", memory.check_step(step.figures, have, run.plan, config, step.batch_sharding))
-  return step
+  device; else what would fit, compiled to check (trainers/fit.py)."""
+  return fit.checked_step(run, memory.budget(jax.local_devices(), run.config.device_memory_gib))
 
 
 def open_workdir(path: str, config, run, is_main_process: bool):

@@ -11,8 +11,6 @@ import random
 import re
 
 import pytest
-from jax.sharding import AbstractMesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import configs.lm
 import configs.vit_digits
@@ -194,8 +192,8 @@ def test_plan_that_cannot_fit_fails_before_init(tmp_path):
 def test_compiled_step_that_cannot_fit_fails_before_init(tmp_path):
   """The tiny LM's params, state and gradients (966 KiB per device) fit 8.2 MiB; its compiled
   step (11.5 MiB: a 32 x 64 token batch's activations) does not, and the run stops before
-  anything is allocated or written, naming the figures and what would fit (2 microbatches:
-  7.5 MiB, tests/e2e/test_plan.py)."""
+  anything is allocated or written, naming the figures and what would fit, compiled to check
+  (2 microbatches: 7.6 MiB)."""
   workdir = used_workdir(tmp_path / "run")
   status, out, _ = train(workdir, *COMPILED_LM, "--config.device_memory_gib=0.008", timeout=180)
   assert status == 1, out[-3000:]
@@ -212,8 +210,17 @@ def test_compiled_step_that_cannot_fit_fails_before_init(tmp_path):
   need, temporaries, arguments, outputs, aliased = map(mib, figures.groups())
   assert need > 8.2 and temporaries > 8 * arguments and arguments > 0.5
   assert need == pytest.approx(temporaries + arguments + outputs - aliased, abs=0.2)
-  assert "Would fit: --config.grad_accum_steps=2 (about" in line
-  assert "--config.model.remat=True" in line and "more devices on a config.mesh axis" in line
+  checked = re.search(
+      rf"Would fit: --config.grad_accum_steps=2 \(about {size} of activations a microbatch; "
+      rf"checked: {size} per device, fits\), or --config.model.remat=True \(.*; not checked\)",
+      line,
+  )
+  assert checked and mib(checked[2]) < 8.2, line
+  assert (
+      "a smaller config.batch_size (params, state and batch split further; not checked here)"
+      in line
+  )
+  assert "the train step does not fit: compiling 3 candidates on this host's devices" in out
   assert "initialising params" not in out and "Traceback" not in out
   assert_untouched(workdir)
 
@@ -259,29 +266,56 @@ def test_memory_gib_overrides_the_devices_memory():
     validation.check_memory(TwoLeaves(), [Cpu()] * 8, memory_gib=8.5)
 
 
-def test_compiled_step_check_numbers_and_what_would_fit():
-  """4 GiB of params and state, 12 of temporaries on 16 GiB: 2 microbatches would fit (about
-  (12 - 3) / 2 GiB of activations beside the 4 + 3 of the rest); remat and devices too."""
+def test_compiled_step_figures_and_what_may_fit():
+  """4 GiB of params and state, 12 of temporaries on 15 GiB: 2 microbatches may fit (about
+  (12 - 3) / 2 GiB of activations beside the 4 + 3 of the rest); remat, bfloat16 state and
+  devices too (trainers/fit.py compiles them)."""
   step = memory.StepMemory(
       arguments=4 * GiB, temporaries=12 * GiB, outputs=4 * GiB, aliased=4 * GiB
   )
   config = configs.lm.get_config()  # batch 32: 4 rows a device over 8.
-  batch = NamedSharding(AbstractMesh((8,), ("data",)), P("data"))
-  ok = memory.check_step(step, memory.Budget(16 * GiB, 1, "A"), TwoLeaves(), config, batch)
-  assert ok.startswith("compiled train step: 16.00 GiB per device of 16.00 GiB (A): arguments 4.00")
-  with pytest.raises(ConfigError) as e:
-    memory.check_step(step, memory.Budget(15 * GiB, 1, "B"), TwoLeaves(), config, batch)
-  assert str(e.value) == (
+  ok = memory.Budget(16 * GiB, 1, "A")
+  assert memory.fits(step, ok) and not memory.fits(step, memory.Budget(15 * GiB, 1, "B"))
+  assert memory.fitted(step, ok).startswith(
+      "compiled train step: 16.00 GiB per device of 16.00 GiB (A): arguments 4.00"
+  )
+  error = memory.too_big(step, memory.Budget(15 * GiB, 1, "B"), TwoLeaves())
+  assert error.step == step and str(error) == (
       "config.batch_size / config.grad_accum_steps / config.model / config.mesh: the compiled "
       "train step needs 16.00 GiB per device but B gives 15.00 GiB per device; temporaries "
       "12.00 GiB (activations, gradients, XLA's buffers); arguments 4.00 GiB (params, optimizer "
       "state and batch; largest leaves params/w 3.00 GiB, opt/mu/w 3.00 GiB); outputs 4.00 GiB "
-      "(4.00 GiB of them written over the donated arguments). Would fit: "
-      "--config.grad_accum_steps=2 (about 4.50 GiB of activations a microbatch), or "
-      "--config.model.remat=True (recompute activations in the backward pass), or more devices "
-      "on a config.mesh axis (params, state and batch split further), or a smaller "
-      "config.batch_size"
+      "(4.00 GiB of them written over the donated arguments)"
   )
-  # Beyond the rows each device holds (4), no microbatch count is suggested.
-  tight = memory.suggestions(step, 9 * GiB, TwoLeaves(), config, rows=4)
-  assert not any("grad_accum_steps" in s for s in tight) and len(tight) == 2
+  found = memory.candidates(step, 15 * GiB, TwoLeaves(), config, rows=4)
+  assert [(c.flag, c.why, c.overrides) for c in found] == [
+      (
+          "--config.grad_accum_steps=2",
+          "about 4.50 GiB of activations a microbatch",
+          {"grad_accum_steps": 2},
+      ),
+      (
+          "--config.model.remat=True",
+          "recompute activations in the backward pass",
+          {"model.remat": True},
+      ),
+      (
+          "--config.state_dtype=bfloat16",
+          "optimizer state stored in half the bytes",
+          {"state_dtype": "bfloat16"},
+      ),
+      (
+          "more devices on a config.mesh axis, or a smaller config.batch_size",
+          "params, state and batch split further",
+          None,
+      ),
+  ]
+  # Beyond the rows each device holds (4), no microbatch count is suggested; with bfloat16
+  # state, bfloat16 params are.
+  config.state_dtype = "bfloat16"
+  tight = memory.candidates(step, 9 * GiB, TwoLeaves(), config, rows=4)
+  assert [c.flag.split("=")[0] for c in tight[:2]] == [
+      "--config.model.remat",
+      "--config.param_dtype",
+  ]
+  assert len(tight) == 3

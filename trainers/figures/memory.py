@@ -6,10 +6,15 @@ abstract inputs in the planned shardings, and XLA's ``memory_analysis()`` of tha
 (:class:`StepMemory`: arguments + temporaries + outputs - aliased, per device) is compared
 with what each device may use (:func:`budget`: ``config.device_memory_gib`` when set, else
 jax's ``bytes_limit`` of each accelerator, else, on CPU, the host's available memory shared
-by its devices). :func:`check_step` says what fit, or raises one ``ConfigError`` naming the
-figures, the largest contributors and what would fit (more microbatches, remat, more
-devices). The trainer runs it right after the plan's own check; ``python -m trainers.plan
---compile`` prints the same figures.
+by its devices). :func:`fits` says whether it does; :func:`too_big` names the figures and the
+largest contributors, and :func:`candidates` what may make it fit (more microbatches, remat,
+bfloat16 state or params, more devices), which ``trainers/fit.py`` compiles to check.
+
+XLA's own ``RESOURCE_EXHAUSTED`` (a compile it refuses on an accelerator, an allocation that
+fails at run time) becomes the same one-line ``ConfigError`` (:func:`out_of_memory`), with the figures XLA gives
+(:func:`converted`): wherever a step is compiled (:func:`compile_step`, which the trainer,
+``python -m trainers.plan --compile`` and the benchmarks call) and around the trainer's
+restore, first steps and evals.
 
 Example:
   >>> step = StepMemory(arguments=3 * GiB, temporaries=8 * GiB, outputs=3 * GiB, aliased=3 * GiB)
@@ -19,15 +24,17 @@ Example:
   8.0
 """
 
+import contextlib
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 
-from trainers import MiB, steps
+from trainers import MiB, precision, steps
 from trainers.errors import ConfigError
 
 GiB = 2**30
@@ -121,11 +128,93 @@ def compile_step(config, plan, train_step, batch_sharding, batch_shapes) -> tupl
   """``(compiled, StepMemory or None)``: :func:`steps.compile_train_step` under the plan's mesh
   and ``config.sharding_rules`` (as the loop runs it), and the executable's figures.
 
+  Raises :func:`out_of_memory`'s ``ConfigError`` where XLA refuses to compile a step that does not fit.
+
   Example: ``compiled, step = compile_step(config, plan, train_step, batch_sharding, shapes)``.
   """
-  with jax.set_mesh(plan.mesh), nn.logical_axis_rules(config.sharding_rules):
-    compiled = steps.compile_train_step(train_step, plan, batch_sharding, batch_shapes)
+  with converted(plan, "compiling the train step"):
+    with jax.set_mesh(plan.mesh), nn.logical_axis_rules(config.sharding_rules):
+      compiled = steps.compile_train_step(train_step, plan, batch_sharding, batch_shapes)
   return compiled, StepMemory.of(compiled)
+
+
+def out_of_memory(message: str, step: "StepMemory | None") -> ConfigError:
+  """The ``ConfigError`` of a step that does not fit its devices, ``step`` its figures (from
+  XLA's ``memory_analysis()``, or from XLA's message and the plan where XLA refused to compile
+  it; None where unknown), kept as the error's ``step`` for :func:`candidates`.
+
+  Example:
+    >>> out_of_memory("too big", None).step is None
+    True
+  """
+  error = ConfigError(message)
+  error.step = step
+  return error
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether ``error`` is XLA's ``RESOURCE_EXHAUSTED`` (at compile or at run time).
+
+  Example:
+    >>> is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM"))
+    False
+  """
+  return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def xla_bytes(message: str, label: str) -> int | None:
+  """The bytes XLA's ``message`` gives in parentheses after ``label``, e.g. "78.75G"; else None.
+
+  Example:
+    >>> text = "the total memory required for HLO temporaries (78.75G) exceeds available HBM (15.75G)."
+    >>> xla_bytes(text, "HLO temporaries") / GiB, xla_bytes(text, "available HBM") / GiB
+    (78.75, 15.75)
+  """
+  found = re.search(re.escape(label) + r" \(([\d.]+)([KMGT]?)\)", message)
+  if not found:
+    return None
+  return round(float(found[1]) * 1024 ** " KMGT".index(found[2] or " "))
+
+
+@contextlib.contextmanager
+def converted(plan, doing: str):
+  """XLA's ``RESOURCE_EXHAUSTED`` raised inside the block becomes one ``ConfigError`` line
+  (:func:`out_of_memory`): what was being done, the figures XLA gives, the plan's bytes and largest leaves.
+
+  Example: ``with converted(plan, "the first step"): state = step(state, batch)``.
+  """
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    if not is_out_of_memory(e):
+      raise
+    raise xla_out_of_memory(str(e), plan, doing) from None
+
+
+def xla_out_of_memory(message: str, plan, doing: str) -> ConfigError:
+  """The :func:`out_of_memory` error of XLA's ``message`` (see :func:`converted`), its figures those
+  XLA names (a compile's HLO temporaries beside the plan's arguments) where it names them."""
+  first = " ".join(message.split())
+  temporaries = xla_bytes(message, "HLO temporaries")
+  arguments = _plan_bytes(plan)
+  step = None
+  if temporaries is not None:
+    step = StepMemory(arguments, temporaries, arguments, arguments)
+  leaves = largest_leaves(plan)
+  return out_of_memory(
+      f"config.batch_size / config.grad_accum_steps / config.model / config.mesh: {doing} ran "
+      f"out of device memory (XLA: {first[:300]}); the plan holds {size(arguments)} per device "
+      f"of params and optimizer state{leaves}",
+      step,
+  )
+
+
+def largest_leaves(plan) -> str:
+  """``"; largest leaves a 3.00 GiB, b 1.00 GiB"`` of ``plan`` (``""`` without one)."""
+  if plan is None:
+    return ""
+  largest = sorted(plan.entries, key=lambda e: -e.bytes_per_device)[:LARGEST_LEAVES]
+  return "; largest leaves " + ", ".join(f"{e.name} {size(e.bytes_per_device)}" for e in largest)
 
 
 def report(step: StepMemory | None, have: Budget) -> dict:
@@ -145,17 +234,21 @@ def report(step: StepMemory | None, have: Budget) -> dict:
   }
 
 
-def check_step(step: StepMemory | None, have: Budget, plan, config, batch_sharding) -> str:
-  """Raises ``ConfigError`` if the compiled step does not fit each device; else says what fit.
-
-  ``plan``: the run's plan (its largest leaves are named); ``batch_sharding``: the batch's
-  (the microbatch counts suggested split each device's rows).
+def fits(step: StepMemory | None, have: Budget) -> bool:
+  """Whether ``step`` fits each device (True where either figure is unknown).
 
   Example:
-    >>> import configs.lm
-    >>> config = configs.lm.get_config()
-    >>> step = StepMemory(arguments=GiB, temporaries=12 * GiB, outputs=GiB, aliased=GiB)
-    >>> check_step(step, Budget(16 * GiB, 1, "16 GiB"), None, config, None)
+    >>> fits(StepMemory(GiB, 12 * GiB, GiB, GiB), Budget(12 * GiB, 1, "12 GiB"))
+    False
+  """
+  return step is None or have.per_device is None or step.total <= have.per_device
+
+
+def fitted(step: StepMemory | None, have: Budget) -> str:
+  """What fit: the step's figures per device against the budget.
+
+  Example:
+    >>> fitted(StepMemory(GiB, 12 * GiB, GiB, GiB), Budget(16 * GiB, 1, "16 GiB"))
     'compiled train step: 13.00 GiB per device of 16.00 GiB (16 GiB): arguments 1.00 GiB, ...'
   """
   if step is None:
@@ -166,16 +259,16 @@ def check_step(step: StepMemory | None, have: Budget, plan, config, batch_shardi
   )
   if have.per_device is None:
     return f"compiled train step: {size(step.total)} per device ({figures}); {have.where}"
-  fits = f"{size(have.per_device)} ({have.where})"
-  if step.total <= have.per_device:
-    return f"compiled train step: {size(step.total)} per device of {fits}: {figures}"
-  rows = batch_sharding.shard_shape((config.batch_size,))[0]
-  raise ConfigError(_too_big(step, have, plan, config, rows))
+  return f"compiled train step: {size(step.total)} per device of {size(have.per_device)} ({have.where}): {figures}"
 
 
-def _too_big(step: StepMemory, have: Budget, plan, config, rows: int) -> str:
-  largest = sorted(plan.entries, key=lambda e: -e.bytes_per_device)[:LARGEST_LEAVES]
-  leaves = ", ".join(f"{e.name} {size(e.bytes_per_device)}" for e in largest)
+def too_big(step: StepMemory, have: Budget, plan) -> ConfigError:
+  """The :func:`out_of_memory` error of a compiled step over the budget: its figures, the largest first.
+
+  Example:
+    >>> str(too_big(StepMemory(GiB, 12 * GiB, GiB, GiB), Budget(8 * GiB, 1, "B"), None))[:87]
+    'config.batch_size / config.grad_accum_steps / config.model / config.mesh: the compiled '
+  """
   parts = [
       (
           step.temporaries,
@@ -183,8 +276,7 @@ def _too_big(step: StepMemory, have: Budget, plan, config, rows: int) -> str:
       ),
       (
           step.arguments,
-          f"arguments {size(step.arguments)} (params, optimizer state and batch; "
-          f"largest leaves {leaves})",
+          f"arguments {size(step.arguments)} (params, optimizer state and batch{largest_leaves(plan)})",
       ),
       (
           step.outputs,
@@ -193,48 +285,74 @@ def _too_big(step: StepMemory, have: Budget, plan, config, rows: int) -> str:
       ),
   ]
   contributors = "; ".join(text for _, text in sorted(parts, key=lambda p: -p[0]))
-  return (
+  return out_of_memory(
       f"config.batch_size / config.grad_accum_steps / config.model / config.mesh: the compiled "
       f"train step needs {size(step.total)} per device but {have.where} gives "
-      f"{size(have.per_device)} per device; {contributors}. Would fit: "
-      + ", or ".join(suggestions(step, have.per_device, plan, config, rows))
+      f"{size(have.per_device)} per device; {contributors}",
+      step,
   )
 
 
-def suggestions(step: StepMemory, have: int, plan, config, rows: int) -> list[str]:
-  """What would make the step fit ``have`` bytes per device, best guess first.
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """A change that may make a step fit: ``flag`` as typed, ``why``, and the config keys it
+  sets (dotted, e.g. ``{"model.remat": True}``; None: it cannot be checked on this host)."""
 
-  More microbatches when the activations, taken as the temporaries beyond the gradients
-  (the params' bytes) and shrinking with the microbatch, would then fit beside the rest;
-  rematerialisation when the model has it off; always more devices.
+  flag: str
+  why: str
+  overrides: dict | None
+
+
+def candidates(step: StepMemory, have: int, plan, config, rows: int) -> list[Candidate]:
+  """What may make the step fit ``have`` bytes per device, best guess first: at most one each of
+  more microbatches, rematerialisation and bfloat16 state or params, then more devices.
+
+  More microbatches where the activations, taken as the temporaries beyond the gradients
+  (the params' bytes) and shrinking with the microbatch, would then fit beside the rest.
 
   Example:
     >>> import configs.lm
     >>> step = StepMemory(arguments=GiB, temporaries=12 * GiB, outputs=GiB, aliased=GiB)
-    >>> suggestions(step, 8 * GiB, None, configs.lm.get_config(), rows=8)[:2]
-    ['--config.grad_accum_steps=2 (about 6.00 GiB of activations a microbatch)', ...]
+    >>> [c.flag for c in candidates(step, 8 * GiB, None, configs.lm.get_config(), rows=8)][:3]
+    ['--config.grad_accum_steps=2', '--config.model.remat=True', '--config.state_dtype=bfloat16']
   """
   found = []
-  count = config.grad_accum_steps
-  grads = 0 if plan is None else _params_bytes(plan)
-  activations = max(step.temporaries - grads, 0)
-  room = have - (step.total - activations)
-  if room > 0 and activations:
-    least = math.ceil(count * activations / room)
-    more = [n for n in range(max(least, count + 1), rows + 1) if rows % n == 0]
-    if more:
-      found.append(
-          f"--config.grad_accum_steps={more[0]} (about "
-          f"{size(count * activations // more[0])} of activations a microbatch)"
-      )
+  count = _more_microbatches(step, have, plan, config.grad_accum_steps, rows)
+  if count:
+    activations = max(step.temporaries - _params_bytes(plan), 0)
+    why = (
+        f"about {size(config.grad_accum_steps * activations // count)} of activations a microbatch"
+    )
+    found.append(Candidate(f"--config.grad_accum_steps={count}", why, {"grad_accum_steps": count}))
   model = config.model or {}
   if "remat" in model and not model["remat"]:
-    found.append("--config.model.remat=True (recompute activations in the backward pass)")
-  found.append(
-      "more devices on a config.mesh axis (params, state and batch split further), "
-      "or a smaller config.batch_size"
-  )
-  return found
+    why = "recompute activations in the backward pass"
+    found.append(Candidate("--config.model.remat=True", why, {"model.remat": True}))
+  found.extend(_narrower(config))
+  devices = "more devices on a config.mesh axis, or a smaller config.batch_size"
+  return [*found, Candidate(devices, "params, state and batch split further", None)]
+
+
+def _more_microbatches(step: StepMemory, have: int, plan, count: int, rows: int) -> int | None:
+  activations = max(step.temporaries - _params_bytes(plan), 0)
+  room = have - (step.total - activations)
+  if room <= 0 or not activations:
+    return None
+  least = math.ceil(count * activations / room)
+  return next((n for n in range(max(least, count + 1), rows + 1) if rows % n == 0), None)
+
+
+def _narrower(config) -> list[Candidate]:
+  """bfloat16 optimizer state, else bfloat16 params, where the config keeps them wider."""
+  dtypes = precision.of_config(config)
+  for key, what, dtype in (
+      ("state_dtype", "optimizer state", dtypes.state),
+      ("param_dtype", "params", dtypes.param),
+  ):
+    if dtype != "bfloat16":
+      why = f"{what} stored in half the bytes"
+      return [Candidate(f"--config.{key}=bfloat16", why, {key: "bfloat16"})]
+  return []
 
 
 def size(nbytes: int) -> str:
@@ -250,4 +368,10 @@ def size(nbytes: int) -> str:
 
 
 def _params_bytes(plan) -> int:
+  if plan is None:
+    return 0
   return sum(e.bytes_per_device for e in plan.entries if e.name.split("/")[0] == "params")
+
+
+def _plan_bytes(plan) -> int:
+  return 0 if plan is None else plan.bytes_per_device
