@@ -319,3 +319,7 @@ def test_compiled_step_figures_and_what_may_fit():
       "--config.param_dtype",
   ]
   assert len(tight) == 3
+  # With remat on and everything in bfloat16, the next microbatch counts take their places.
+  config.model.remat, config.param_dtype = True, "bfloat16"
+  counts = memory.candidates(step, 15 * GiB, TwoLeaves(), config, rows=16)
+  assert [c.overrides for c in counts[:3]] == [{"grad_accum_steps": n} for n in (2, 4, 8)]

@@ -39,6 +39,7 @@ from trainers.errors import ConfigError
 
 GiB = 2**30
 LARGEST_LEAVES = 3  # Leaves named among the arguments of a step that does not fit.
+CANDIDATES = 3  # Changes compiled to check what would fit (trainers/fit.py).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,11 +305,13 @@ class Candidate:
 
 
 def candidates(step: StepMemory, have: int, plan, config, rows: int) -> list[Candidate]:
-  """What may make the step fit ``have`` bytes per device, best guess first: at most one each of
-  more microbatches, rematerialisation and bfloat16 state or params, then more devices.
+  """What may make the step fit ``have`` bytes per device, best guess first, at most
+  ``CANDIDATES`` of them: more microbatches, rematerialisation, bfloat16 state or params, then
+  more microbatches again; last, more devices (which no host can check for another).
 
-  More microbatches where the activations, taken as the temporaries beyond the gradients
-  (the params' bytes) and shrinking with the microbatch, would then fit beside the rest.
+  The first microbatch count is the least with which the activations, taken as the
+  temporaries beyond the gradients (the params' bytes) and shrinking with the microbatch, would
+  fit beside the rest; the later ones are the next counts that divide each device's ``rows``.
 
   Example:
     >>> import configs.lm
@@ -316,30 +319,38 @@ def candidates(step: StepMemory, have: int, plan, config, rows: int) -> list[Can
     >>> [c.flag for c in candidates(step, 8 * GiB, None, configs.lm.get_config(), rows=8)][:3]
     ['--config.grad_accum_steps=2', '--config.model.remat=True', '--config.state_dtype=bfloat16']
   """
-  found = []
-  count = _more_microbatches(step, have, plan, config.grad_accum_steps, rows)
-  if count:
-    activations = max(step.temporaries - _params_bytes(plan), 0)
-    why = (
-        f"about {size(config.grad_accum_steps * activations // count)} of activations a microbatch"
-    )
-    found.append(Candidate(f"--config.grad_accum_steps={count}", why, {"grad_accum_steps": count}))
-  model = config.model or {}
-  if "remat" in model and not model["remat"]:
-    why = "recompute activations in the backward pass"
-    found.append(Candidate("--config.model.remat=True", why, {"model.remat": True}))
-  found.extend(_narrower(config))
+  activations = max(step.temporaries - _params_bytes(plan), 0)
+  counts = [
+      Candidate(
+          f"--config.grad_accum_steps={n}",
+          f"about {size(config.grad_accum_steps * activations // n)} of activations a microbatch",
+          {"grad_accum_steps": n},
+      )
+      for n in _microbatch_counts(step, have, plan, config.grad_accum_steps, rows)
+  ]
+  found = [*counts[:1], *_remat(config), *_narrower(config)]
+  found = [*found, *counts[1:]][:CANDIDATES]
   devices = "more devices on a config.mesh axis, or a smaller config.batch_size"
   return [*found, Candidate(devices, "params, state and batch split further", None)]
 
 
-def _more_microbatches(step: StepMemory, have: int, plan, count: int, rows: int) -> int | None:
+def _microbatch_counts(step: StepMemory, have: int, plan, count: int, rows: int) -> list[int]:
+  """The microbatch counts above ``count`` that divide ``rows``, from the least that may fit."""
   activations = max(step.temporaries - _params_bytes(plan), 0)
   room = have - (step.total - activations)
   if room <= 0 or not activations:
-    return None
+    return []
   least = math.ceil(count * activations / room)
-  return next((n for n in range(max(least, count + 1), rows + 1) if rows % n == 0), None)
+  return [n for n in range(max(least, count + 1), rows + 1) if rows % n == 0]
+
+
+def _remat(config) -> list[Candidate]:
+  """Rematerialisation, where the model has it off."""
+  model = config.model or {}
+  if "remat" not in model or model["remat"]:
+    return []
+  why = "recompute activations in the backward pass"
+  return [Candidate("--config.model.remat=True", why, {"model.remat": True})]
 
 
 def _narrower(config) -> list[Candidate]:
