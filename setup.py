@@ -50,6 +50,8 @@ setuptools.setup(
         "plot": PLOT,  # trainers.plan --png
         "gcs": GCS,  # --workdir gs://bucket/run
         "parquet": PARQUET,  # trainers.convert on .parquet files
+        # One TPU VM: jax with libtpu, at the pinned version (a plain install brings the CPU jax).
+        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
         "test": TEST,
         "dev": TEST,  # The tests, the formatter and the linter.
     },

@@ -85,6 +85,8 @@ class LlamaConfig:
 # Byte-level presets (vocab 256) train on CPU; "125m"/"1b"/"7b" are Llama-shaped. "1b"
 # (1,055,991,808 params) trains on one 80-141 GiB accelerator: adamw's fp32 params, grads
 # and moments take 15.7 GiB (11.8 GiB with bfloat16 state), leaving the rest for activations.
+# On one 16 GiB chip (TPU v5e), params and state in bfloat16 with 16 microbatches of batch 16 x
+# 2048: 15.50 GiB compiled, 9,255 tokens/s (docs/hardware.md, "The 1b preset on one 16 GiB chip").
 PRESETS = {
     "tiny": LlamaConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, d_ff=384, max_len=128),
     "small": LlamaConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, d_ff=768, max_len=256),
