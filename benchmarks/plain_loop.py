@@ -109,12 +109,14 @@ def grads_fn(loss_fn: Callable, accum_steps: int) -> Callable:
 
 @dataclasses.dataclass
 class PlainLoop:
-  """``config``'s model, task and chain in a hand-written data-parallel loop (module docstring).
+  """``config``'s model, task and chain in a hand-written data-parallel loop (module docstring)
+  on ``num_devices`` of this host's devices (0: all).
 
   ``losses``: the loss at each wait of :meth:`window_seconds`, the untimed steps' included.
   """
 
   config: Any
+  num_devices: int = 0  # The first this many of this host's devices; 0: all of them.
 
   def __post_init__(self):
     mesh = bvs.make_mesh([("data", 1)], devices=jax.devices()[:1])
@@ -122,7 +124,8 @@ class PlainLoop:
     self.tx = chain(self.run)
     self.losses: list[float] = []
     auto = (jax.sharding.AxisType.Auto,)  # Shardings as jit propagates them, none in the types.
-    devices = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
+    chosen = jax.devices()[: self.num_devices or None]
+    devices = jax.make_mesh((len(chosen),), ("data",), axis_types=auto, devices=chosen)
     same, split = (jax.NamedSharding(devices, jax.P(*axes)) for axes in ((), ("data",)))
     grads = grads_fn(build.loss_fn(self.run.task, self.run.model), self.config.grad_accum_steps)
 

@@ -3,9 +3,12 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+import bv_sharding as bvs
 from benchmarks import plain_loop
 from configs import lm
+from trainers import build
 
 
 def test_the_plain_loop_learns_and_times_each_window():
@@ -31,3 +34,33 @@ def test_state_is_stored_in_the_state_dtype_only_where_it_differs():
   _, opt, _ = plain_loop.PlainLoop(config).abstract()
   dtypes = {leaf.dtype for leaf in jax.tree.leaves(opt) if leaf.ndim}
   assert dtypes == {jnp.dtype("bfloat16")}
+
+
+def all_bf16_125m():
+  """The memory bound's step (issue 66): 125m, compute, params and state in bfloat16, scanned
+  and rematerialised layers, seq 128 x 4, one microbatch, one device."""
+  config = lm.get_config("size=125m")
+  config.update(seq_len=128, batch_size=4, mesh=[("data", 1)])
+  config.update(compute_dtype="bfloat16", param_dtype="bfloat16", state_dtype="bfloat16")
+  config.model.update(scan_layers=True, remat=True)
+  return config
+
+
+def trainer_over_plain_loop() -> float:
+  config = all_bf16_125m()
+  mesh = bvs.make_mesh(config.mesh, devices=jax.devices()[:1])
+  trainer = build.compile_step(build.build(config, mesh)).figures.total
+  return trainer / plain_loop.PlainLoop(config, num_devices=1).figures().total
+
+
+def test_the_trainers_all_bf16_step_holds_its_memory_against_the_plain_loop():
+  """The trainer's whole compiled adamw step over the plain loop's on one CPU device: 1.138
+  (1.80 / 1.58 GiB; it was 1.25 with the updates in float32, docs/hardware.md). XLA:CPU keeps
+  float32 copies of the MLP stacks alive beside the step metrics; on a TPU v5e the two steps
+  compile to the same bytes."""
+  assert trainer_over_plain_loop() <= 1.15
+
+
+@pytest.mark.xfail(strict=True, reason="issue 66's bound: 1.138 on XLA:CPU (docs/hardware.md)")
+def test_the_trainers_all_bf16_step_is_within_a_tenth_of_the_plain_loops_memory():
+  assert trainer_over_plain_loop() <= 1.10
