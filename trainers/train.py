@@ -140,8 +140,9 @@ def main(argv):
 
   # Every check passed: only now is the workdir touched, by the run that holds it.
   held = lock.hold(_WORKDIR.value, _LEASE.value) if is_main_process else None
-  if held and held.earlier:
-    logging.warning("took over the lock of a run that ended: %s", held.earlier)
+  took_over = held.took_over() if held else None  # A dead run's lock: say whose, how it ended.
+  if took_over:
+    logging.warning("%s", took_over)
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
   ckpt, metrics = open_workdir(_WORKDIR.value, config, run, is_main_process)
   preempted = preemption.Preemption()  # SIGTERM: a save at the same step on every process.

@@ -9,9 +9,8 @@ import sys
 import pytest
 from etils import epath
 
-from tests.helpers import EARLIER, ROOT, train, used_workdir
 from trainers.errors import ConfigError
-from trainers.rundir import events, lock, parts, workdir
+from trainers.rundir import events, parts, workdir
 
 
 def fill(path, content):
@@ -140,34 +139,6 @@ def test_a_failed_background_write_is_raised_to_the_caller(tmp_path):
     log.until_written()()
   with pytest.raises(FileNotFoundError):
     log.put(b"two\n")
-
-
-def test_a_second_run_on_a_held_workdir_stops_in_one_line_naming_the_holder(tmp_path):
-  workdir = used_workdir(tmp_path / "run")
-  held = lock.hold(str(workdir))  # This process: the run that is using the workdir.
-  status, out, _ = train(workdir, timeout=120)
-  assert status == 1 and "Traceback" not in out, out
-  line = next(x for x in out.splitlines() if x.startswith("ConfigError:"))
-  assert f"is in use by another run (process {os.getpid()} on " in line
-  assert "give this run another --workdir" in line
-  assert all((workdir / n).read_bytes() == c for n, c in EARLIER.items())
-  held.release()
-
-
-def test_the_lock_of_a_killed_run_is_taken_over_and_names_it(tmp_path):
-  code = "import sys, time; from trainers.rundir import lock; held = lock.hold(sys.argv[1]); print(1, flush=True); time.sleep(600)"
-  holder = subprocess.Popen(
-      [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, cwd=ROOT, text=True
-  )
-  assert holder.stdout.readline() == "1\n"
-  with pytest.raises(ConfigError, match=f"process {holder.pid} on"):
-    lock.hold(str(tmp_path))
-  holder.kill()  # kill -9: the kernel frees its lock, its file stays.
-  holder.wait()
-  held = lock.hold(str(tmp_path))
-  assert held.earlier["pid"] == holder.pid
-  held.release()
-  lock.check_free(str(tmp_path))
 
 
 @pytest.mark.parametrize(

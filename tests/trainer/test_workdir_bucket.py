@@ -316,6 +316,10 @@ def test_a_lapsed_gs_lock_is_taken_over_and_of_two_racing_takers_one_wins(emulat
   refused = [str(o) for o in outcomes if isinstance(o, ConfigError)]
   assert len(won) == 1 and len(refused) == 1, outcomes
   assert won[0].earlier["pid"] == 4242  # The takeover names the run that stopped.
+  assert won[0].took_over() == (
+      f"--workdir={run}: took over the lock of a run that stopped renewing it (process 4242 on "
+      "host-a, since then): its 1 s lease lapsed, so that run was killed, lost its machine or hung"
+  )
   assert f"is in use by another run (process {os.getpid()} on " in refused[0]
   assert lock._read(run).holder["token"] == won[0].record["token"]
   won[0].release()
@@ -545,7 +549,8 @@ def test_kill_then_resume_in_a_bucket_is_exact(emulator):
   done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   assert f"from {run}/checkpoints/" in done.stderr
-  assert f"took over the lock of a run that ended: {{'pid': {first.pid}" in done.stderr
+  took_over = f"took over the lock of a run that stopped renewing it (process {first.pid} on "
+  assert took_over in done.stderr and "its 1 s lease lapsed, so that run was killed" in done.stderr
   resumed = _steps(f"{run}/metrics.jsonl")
   assert sorted(resumed) == list(range(1, total + 1))
   again = [step for step in killed if step in resumed]

@@ -2,11 +2,25 @@
 
 A local workdir's lock is an advisory ``flock`` on ``<workdir>/.lock``, a file that names its
 holder (host, process id, start time). The kernel releases the lock when the holder exits, by
-any means (``kill -9`` included), so a lock left by a killed run is free and the next run
-takes it over, saying whose it was. :func:`check_free` only looks (it writes nothing, so a run
-whose config fails its checks leaves the workdir as it was); :func:`hold` takes the lock, once
-every check has passed. Either raises ``ConfigError`` naming the holder while another run
-lives.
+any means (``kill -9`` included). A run that ends, cleanly or with an error, deletes its file
+(:meth:`Held.release`, also at interpreter exit), so a ``.lock`` that stays is a dead run's: a
+run that was killed or crashed. The next run takes it over and says whose it was. A run
+deletes its file while it still holds the lock, so a run that opened the file just before finds,
+once it holds the lock, that the file is no longer at ``.lock``, and opens it again: two runs
+never hold locks on two files.
+:func:`check_free` only looks (it writes nothing, so a run whose config fails its checks leaves
+the workdir as it was); :func:`hold` takes the lock, once every check has passed. Either raises
+``ConfigError`` naming the holder while another run lives.
+
+The lock file is opened with ``O_NOFOLLOW | O_NONBLOCK`` (and created with ``O_CREAT | O_EXCL``)
+and checked with ``fstat`` before it is read or written, so it is never written through a link
+and never blocks on a pipe. A ``.lock`` that is not a regular file (a symbolic link, dangling or
+not, a FIFO, a directory, a socket) is refused with one ``ConfigError`` naming it, before
+anything is written; a link's target is not touched. A lock file whose content is not valid
+UTF-8 or not JSON names no holder, and is taken over with a warning that says so: on a local
+workdir the ``flock``, not the content, tells whether a run lives, so a free lock protects
+nothing, and refusing it would only make the user delete it by hand. While a live run holds
+it, the refusal says the file names no run.
 
 A ``gs://`` workdir's lock is the object ``<workdir>/.lock``, naming its holder the same way (in
 its custom metadata; its body repeats it for people), held by a lease (:class:`Lease`): a daemon
@@ -45,6 +59,8 @@ Example:
   bv_sharding.errors.ConfigError: --workdir=... is in use by another run (process ... on ..., since ...): wait for it to end, or give this run another --workdir
   >>> first.release()
   >>> check_free(run)  # free again: the next run may take it
+  >>> os.path.exists(os.path.join(run, LOCK))  # a run that ends leaves no lock file
+  False
 """
 
 from __future__ import annotations
@@ -57,10 +73,10 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import urllib.parse
 import uuid
-from typing import IO
 
 from absl import logging
 
@@ -74,21 +90,58 @@ TRIES = 5  # Reads and conditional writes before hold gives up on a gs:// lock c
 
 @dataclasses.dataclass
 class Held:
-  """A held workdir lock (its open file); :meth:`release` frees it, as the process's exit does.
+  """A held local workdir lock: the open lock file ``fd`` in workdir ``path``.
 
-  ``earlier``: the holder named in the lock file when it was taken over, else None.
+  :meth:`release` deletes the file and frees the lock (also at interpreter exit). ``earlier``:
+  the holder named in the lock file it took over (a run that died), else None;
+  ``{"unreadable": why}`` if that file named no holder.
+
+  Example:
+    >>> import tempfile
+    >>> held = hold(tempfile.mkdtemp())
+    >>> held.took_over() is None  # No run had held this workdir.
+    True
+    >>> held.release()
   """
 
-  file: IO | None
+  fd: int | None
+  path: str
   earlier: dict | None = None
 
+  def __post_init__(self):
+    atexit.register(self.release)
+
   def release(self) -> None:
-    if self.file is not None:
-      self.file.close()
-      self.file = None
+    """Deletes the lock file if it is still this run's, then closes it (freeing the lock)."""
+    fd, self.fd = self.fd, None
+    atexit.unregister(self.release)
+    if fd is None:
+      return
+    lock = os.path.join(self.path, LOCK)
+    try:
+      if _same(fd, lock):
+        os.unlink(lock)  # While locked: a run that opens it now finds it gone and retries.
+    except OSError as error:
+      logging.warning("could not delete the lock file %s (%s)", lock, error)
+    finally:
+      os.close(fd)
 
   def check(self) -> None:
     """Nothing: a local lock lives as long as its holder (see :meth:`Lease.check`)."""
+
+  def took_over(self) -> str | None:
+    """The warning for the dead run's lock this run took over, or None if there was none."""
+    if self.earlier is None:
+      return None
+    if "unreadable" in self.earlier:
+      return (
+          f"--workdir={self.path}: took over a lock file that names no run "
+          f"({self.earlier['unreadable']}); no live process held it"
+      )
+    return (
+        f"--workdir={self.path}: took over the lock of a run that died ({_named(self.earlier)}): "
+        "that process is gone, killed or crashed before it released its lock"
+    )
 
 
 class Lease:
@@ -131,6 +184,17 @@ class Lease:
           "lapsed: this run stops without saving; give one of the two runs another --workdir"
       )
 
+  def took_over(self) -> str | None:
+    """The warning for the lapsed lock this run took over, or None if there was none."""
+    if self.earlier is None:
+      return None
+    lease_s = float(self.earlier.get("lease_s", LEASE_S))
+    return (
+        f"--workdir={self.url}: took over the lock of a run that stopped renewing it "
+        f"({_named(self.earlier)}): its {lease_s:g} s lease lapsed, so that run was killed, "
+        "lost its machine or hung"
+    )
+
   def _renew(self) -> None:
     while not self._stop.wait(float(self.record["lease_s"]) / 4):
       with self._writing:
@@ -157,47 +221,150 @@ class Lease:
 
 
 def check_free(path: str) -> None:
-  """Raises ``ConfigError`` if a live run holds workdir ``path``'s lock; writes nothing."""
+  """Raises ``ConfigError`` if a live run holds workdir ``path``'s lock, or if its ``.lock`` is
+  not a regular file; writes nothing."""
   if paths.is_url(path):
     found = _read(path)
     if found is not None and found.left_s > 0:
       raise _in_use(path, found.holder, found.left_s)
     return
-  lock = os.path.join(path, LOCK)
-  if not os.path.exists(lock):
+  fd = _open(path, create=False)
+  if fd is None:
     return
-  with open(lock) as file:
-    _locked(file, path, fcntl.LOCK_SH)
+  try:
+    _locked(fd, path, fcntl.LOCK_SH)
+  finally:
+    os.close(fd)
 
 
 def hold(path: str, lease_s: float = LEASE_S) -> Held | Lease:
-  """Takes workdir ``path``'s lock (creating ``path``) for as long as the returned :class:`Held`
-  is kept (a dropped one closes its file, which frees the lock); ``ConfigError`` if a live run
-  holds it. A lock file whose holder is gone is taken over (:attr:`Held.earlier`). A ``gs://``
-  workdir's is a :class:`Lease` of ``lease_s``, taken over once a holder's has lapsed."""
+  """Takes workdir ``path``'s lock (creating ``path``) until the returned :class:`Held` is
+  released; ``ConfigError`` if a live run holds it or its ``.lock`` is not a regular file. A lock
+  file whose holder is gone is taken over (:attr:`Held.earlier`). A ``gs://`` workdir's is a
+  :class:`Lease` of ``lease_s``, taken over once a holder's has lapsed."""
   if paths.is_url(path):
     return _take(path, lease_s)
   os.makedirs(path, exist_ok=True)
-  file = open(os.path.join(path, LOCK), "a+")  # Open until released: the lock lives with it.
-  try:
-    _locked(file, path, fcntl.LOCK_EX)
-  except ConfigError:
-    file.close()
-    raise
-  earlier = _holder(file)
-  file.seek(0)
-  file.truncate()
-  file.write(json.dumps(_me()) + "\n")
-  file.flush()
-  return Held(file, earlier or None)
+  for _ in range(TRIES):
+    fd = _open(path, create=True)
+    if fd is None:
+      continue  # Deleted between the create and the open: its run released it.
+    try:
+      earlier = _taken(fd, path)
+    except BaseException:
+      os.close(fd)
+      raise
+    if earlier is not None:
+      return Held(fd, path, earlier or None)
+    os.close(fd)  # Its run deleted it after this open: the lock is on a file now gone.
+  raise _changed_hands(path)
 
 
-def _locked(file: IO, path: str, mode: int) -> None:
-  """Locks ``file`` in ``mode`` without waiting; ``ConfigError`` naming the holder if taken."""
+def _taken(fd: int, path: str) -> dict | None:
+  """Locks the open lock file ``fd`` and writes this run's name in it: the holder it named
+  before (``{}`` if none), or None if it is no longer at ``path``'s ``.lock`` (deleted)."""
+  _locked(fd, path, fcntl.LOCK_EX)
+  if not _same(fd, os.path.join(path, LOCK)):
+    return None
+  earlier = _holder(fd)
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, (json.dumps(_me()) + "\n").encode(), 0)
+  return earlier
+
+
+def _open(path: str, create: bool) -> int | None:
+  """Workdir ``path``'s lock file, opened without following a link or waiting on a pipe, checked
+  to be a regular file (else ``ConfigError``); None if absent. ``create``: read-write, created
+  if absent; else read-only."""
+  lock = os.path.join(path, LOCK)
+  flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_RDWR if create else os.O_RDONLY)
   try:
-    fcntl.flock(file, mode | fcntl.LOCK_NB)
+    fd = _created(lock, flags) if create else None
+    if fd is None:
+      fd = os.open(lock, flags)
+  except FileNotFoundError:
+    return None
+  except OSError as error:  # ELOOP: a link; ENXIO: a socket; EISDIR: a directory; EACCES.
+    raise _refused(path, lock, error) from None
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise _refused(path, lock)
+  return fd
+
+
+def _created(lock: str, flags: int) -> int | None:
+  """``lock`` created (``O_EXCL``: never through a link), or None if something is there."""
+  try:
+    return os.open(lock, flags | os.O_CREAT | os.O_EXCL, 0o644)
+  except FileExistsError:
+    return None
+
+
+def _same(fd: int, lock: str) -> bool:
+  """Whether the file at ``lock`` (not following a link) is the open file ``fd``."""
+  try:
+    there = os.stat(lock, follow_symlinks=False)
+  except FileNotFoundError:
+    return False
+  here = os.fstat(fd)
+  return (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino)
+
+
+def _refused(path: str, lock: str, error: OSError | None = None) -> ConfigError:
+  """The ``ConfigError`` for a lock file that is not a regular file, or that cannot be opened.
+
+  Example:
+    >>> import tempfile
+    >>> run = tempfile.mkdtemp()
+    >>> os.mkdir(os.path.join(run, LOCK))
+    >>> print(_refused(run, os.path.join(run, LOCK)))
+    --workdir=... is a directory, not a lock file: remove it, or give this run another --workdir
+  """
+  kind = _kind(lock)
+  if kind is None and error is not None:
+    return ConfigError(
+        f"--workdir={path}: cannot open its lock file {lock} ({error.strerror or error}): "
+        "fix its permissions, or give this run another --workdir"
+    )
+  return ConfigError(
+      f"--workdir={path}: {lock} is {kind or 'not a regular file'}, not a lock file: remove it, "
+      "or give this run another --workdir"
+  )
+
+
+KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _kind(lock: str) -> str | None:
+  """What ``lock`` is, in words, unless it is a regular file or absent (then None).
+
+  Example:
+    >>> _kind("/dev/null")
+    'a character device'
+  """
+  try:
+    mode = os.lstat(lock).st_mode
+  except FileNotFoundError:
+    return None
+  if stat.S_ISLNK(mode):
+    target = os.readlink(lock)
+    dangling = "" if os.path.exists(lock) else ", which does not exist"
+    return f"a symbolic link (to {target}{dangling})"
+  return None if stat.S_ISREG(mode) else KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _locked(fd: int, path: str, mode: int) -> None:
+  """Locks ``fd`` in ``mode`` without waiting; ``ConfigError`` naming the holder if taken."""
+  try:
+    fcntl.flock(fd, mode | fcntl.LOCK_NB)
   except BlockingIOError:
-    raise _in_use(path, _holder(file)) from None
+    raise _in_use(path, _holder(fd)) from None
 
 
 def _in_use(path: str, who: dict, left_s: float | None = None) -> ConfigError:
@@ -208,17 +375,40 @@ def _in_use(path: str, who: dict, left_s: float | None = None) -> ConfigError:
   )
 
 
+def _changed_hands(path: str) -> ConfigError:
+  return ConfigError(
+      f"--workdir={path}: its lock changed hands {TRIES} times while this run tried to take it; "
+      "start this run again"
+  )
+
+
 def _named(who: dict) -> str:
+  """A holder in words.
+
+  Example:
+    >>> _named({"pid": 7, "host": "a", "since": "2026-01-01T00:00:00+00:00"})
+    'process 7 on a, since 2026-01-01T00:00:00+00:00'
+    >>> _named({"unreadable": "not valid UTF-8"})
+    'its lock file names no run: not valid UTF-8'
+  """
+  if "unreadable" in who:
+    return f"its lock file names no run: {who['unreadable']}"
   return f"process {who.get('pid', '?')} on {who.get('host', '?')}, since {who.get('since', '?')}"
 
 
-def _holder(file: IO) -> dict:
-  """The holder the lock file names (``{}`` if it names none)."""
-  file.seek(0)
-  try:
-    return json.loads(file.read() or "{}")
-  except json.JSONDecodeError:
+def _holder(fd: int) -> dict:
+  """The holder the lock file ``fd`` names: ``{}`` if it is empty, ``{"unreadable": why}`` if
+  its content is not a JSON object in UTF-8."""
+  content = os.pread(fd, 1 << 16, 0)
+  if not content.strip():
     return {}
+  try:
+    holder = json.loads(content.decode())
+  except UnicodeDecodeError:
+    return {"unreadable": "not valid UTF-8"}
+  except json.JSONDecodeError:
+    return {"unreadable": "not JSON"}
+  return holder if isinstance(holder, dict) else {"unreadable": "not a JSON object"}
 
 
 def _me() -> dict:
@@ -253,10 +443,7 @@ def _take(url: str, lease_s: float) -> Lease:
     except FileExistsError:  # 412: another run wrote it first; read again.
       continue
     return Lease(url, me, generation, earlier)
-  raise ConfigError(
-      f"--workdir={url}: its lock changed hands {TRIES} times while this run tried to take it; "
-      "start this run again"
-  )
+  raise _changed_hands(url)
 
 
 def _object(url: str) -> tuple:
