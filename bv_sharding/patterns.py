@@ -52,6 +52,12 @@ def parse_strategy(strategy, mesh_axes: dict[str, int]) -> tuple[Pattern, ...]:
         f"sharding_strategy must be a list of (regex, op_chain) pairs or one op "
         f'chain string, e.g. [(".*", \'fsdp(axis="data")\')]; got {strategy!r}'
     ) from None
+  if not pairs:
+    raise ShardingError(
+        "sharding_strategy is empty, which would leave every leaf replicated without a word; "
+        'give [(".*", "replicate()")] to replicate on purpose, or an op such as '
+        "'fsdp(axis=\"data\")'"
+    )
   return tuple(_pattern(regex, chain, mesh_axes) for regex, chain in pairs)
 
 
@@ -62,11 +68,39 @@ def match(patterns: Sequence[Pattern], name: str) -> Pattern | None:
 
 def fullmatch(pattern: Pattern, name: str) -> bool:
   """Whether ``pattern`` fullmatches ``name``; raises if that takes over ``MATCH_TIMEOUT_S``."""
+  return bounded_fullmatch(pattern.compiled, name, "strategy")
+
+
+def compiled_regex(regex: str, where: str, error: type[Exception] = ShardingError) -> re.Pattern:
+  """``regex`` compiled (``re`` syntax), or ``error`` naming it and ``where`` it is written.
+
+  Example:
+    >>> compiled_regex("(", "config.schedule")
+    Traceback (most recent call last):
+    ...
+    bv_sharding.errors.ShardingError: config.schedule regex '(' does not compile: missing ) ...
+  """
   try:
-    return pattern.compiled.fullmatch(name, timeout=MATCH_TIMEOUT_S) is not None
+    return re.compile(regex)
+  except re.error as e:
+    raise error(
+        f"{where} regex {regex!r} does not compile: {e}. "
+        "Escape special characters, e.g. '.*\\\\.bias'."
+    ) from None
+
+
+def bounded_fullmatch(
+    compiled: re.Pattern, name: str, where: str, error: type[Exception] = ShardingError
+) -> bool:
+  """Whether ``compiled`` fullmatches ``name``; ``error`` if that takes over ``MATCH_TIMEOUT_S``.
+
+  Example: ``bounded_fullmatch(compiled_regex(".*/kernel", "config.wd_mults"), "a/kernel", "")``.
+  """
+  try:
+    return compiled.fullmatch(name, timeout=MATCH_TIMEOUT_S) is not None
   except TimeoutError:
-    raise ShardingError(
-        f"strategy regex {pattern.regex!r} took over {MATCH_TIMEOUT_S:g} s to match leaf "
+    raise error(
+        f"{where} regex {compiled.pattern!r} took over {MATCH_TIMEOUT_S:g} s to match leaf "
         f"{name!r}: it backtracks catastrophically (nested or overlapping repeats such as "
         "'(a|aa)+'); simplify it, e.g. '.*kernel' instead of '(.*kernel)+'"
     ) from None
@@ -128,13 +162,7 @@ def _not_pair(entry) -> bool:
 def _pattern(regex, chain, mesh_axes) -> Pattern:
   if not isinstance(regex, str):
     raise ShardingError(f"strategy regex must be a string, got {regex!r} (paired with {chain!r})")
-  try:
-    compiled = re.compile(regex)
-  except re.error as e:
-    raise ShardingError(
-        f"strategy regex {regex!r} does not compile: {e}. "
-        "Escape special characters, e.g. '.*\\\\.bias'."
-    ) from None
+  compiled = compiled_regex(regex, "strategy")
   ops = registry.parse_chain(chain)
   for op in ops:
     where = f"{op.text!r} in strategy entry {regex!r}"

@@ -24,6 +24,7 @@ Example:
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -280,9 +281,8 @@ def plan(
 
   Raises:
     ShardingError: a strategy, rule or mesh mistake, named with its fix; ``params`` made
-      with another strategy or mesh, or not of this tree's params. Trees deeper
-      than Python's recursion limit (thousands of levels) fail in jax's own tree
-      flattening with a ``RecursionError``; that limit is jax's.
+      with another strategy or mesh, or not of this tree's params; a leaf that is not an
+      array (a string, a function); a tree nested deeper than ``names.MAX_DEPTH`` levels.
 
   Example:
     >>> import jax
@@ -366,6 +366,11 @@ def _mesh_sizes(mesh) -> dict[str, int]:
 
 def _leaf(name, x, sizes, explicit, context, strict) -> Leaf:
   value = x.unbox() if names.is_box(x) else x
+  if not hasattr(value, "shape") and not isinstance(value, (numbers.Number, np.generic)):
+    raise ShardingError(
+        f"leaf {name!r} is a {type(value).__name__} ({str(value)[:40]!r}), not an array: plan "
+        "arrays, jax.ShapeDtypeStruct or flax boxes (jax.eval_shape gives the shapes)"
+    )
   shape = tuple(getattr(value, "shape", np.shape(value)))
   dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
   box_names = tuple(x.names) if isinstance(x, nn.Partitioned) else None

@@ -97,8 +97,15 @@ def check_axis(op: str, axis: Any) -> Axis:
 
 
 def check_number(op: str, name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-    raise ShardingError(f"{op}: {name} must be a number >= 0, got {value!r}")
+  """``value`` once it is a finite number >= 0 (``1e999`` reads as infinity: refused).
+
+  Example:
+    >>> check_number("fsdp", "min_size_to_shard_mb", 4)
+    4
+  """
+  numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if not numeric or not 0 <= value < math.inf:
+    raise ShardingError(f"{op}: {name} must be a finite number >= 0, got {value!r}")
   return value
 
 

@@ -8,13 +8,13 @@ Example:
   {'head': {'kernel': True}, 'img': {'bias': False, 'kernel': True}}
 """
 
-import re
 from collections.abc import Callable, Sequence
 
 import jax
 
 from bv_sharding import names
 from bv_sharding.errors import ConfigError
+from bv_sharding.patterns import bounded_fullmatch, compiled_regex
 
 __all__ = ["first_match"]
 
@@ -33,14 +33,15 @@ def first_match(patterns: Sequence[str], where: str, cover: bool, pick=None) -> 
           f"{where} regex {pattern!r} starts with '/', which no param name does; write "
           f"{pattern.lstrip('/')!r}"
       )
-  compiled = [re.compile(p) for p in patterns]
+  compiled = [compiled_regex(p, where, ConfigError) for p in patterns]
   pick = [True] * len(compiled) if pick is None else list(pick)
 
   def mask(tree):
     named, treedef = names.flatten(tree)
     flags = []
     for name, _ in named:
-      first = next((i for i, c in enumerate(compiled) if c.fullmatch(name)), None)
+      matches = (bounded_fullmatch(c, name, where, ConfigError) for c in compiled)
+      first = next((i for i, hit in enumerate(matches) if hit), None)
       if first is None and cover:
         raise ConfigError(
             f"param {name!r} matches no regex of {where} {list(patterns)}; every param must be "

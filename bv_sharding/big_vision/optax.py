@@ -96,7 +96,7 @@ def make(config, params, *, sched_kw: Mapping) -> tuple[optax.GradientTransforma
   entries = schedule_entries(config)
   schedules = [None if s is None else make_schedule(1.0, **sched_kw, **s) for _, s in entries]
   first_match([regex for regex, _ in entries], "config.schedule", cover=True)(params)
-  name, kwargs = config["optax_name"], optax_kwargs(config)
+  name, kwargs = optax_name(config), optax_kwargs(config)
   if isinstance(kwargs.get("scanned_layers"), str):
     raise ConfigError(
         f"config.optax.scanned_layers={kwargs['scanned_layers']!r}: name the stacked params "
@@ -176,6 +176,22 @@ def schedule_entries(config) -> tuple[tuple[str, dict | None], ...]:
     ) from None
 
 
+def optax_name(config) -> str:
+  """``config.optax_name``, once it is a name.
+
+  Example:
+    >>> optax_name({"optax_name": "scale_by_adam"})
+    'scale_by_adam'
+  """
+  name = config.get("optax_name")
+  if not isinstance(name, str) or not name:
+    raise ConfigError(
+        f"config.optax_name={name!r}: name the optimizer, an optax transformation such as "
+        "'scale_by_adam' or one of the library's, such as 'bv_sharding.scale_by_kron'"
+    )
+  return name
+
+
 def optax_kwargs(config) -> dict:
   """``config.optax`` as a plain dict (``{}`` when absent).
 
@@ -183,7 +199,13 @@ def optax_kwargs(config) -> dict:
     >>> optax_kwargs({"optax": {"b2": 0.95}}), optax_kwargs({})
     ({'b2': 0.95}, {})
   """
-  return _plain(config.get("optax") or {})
+  kwargs = config.get("optax") or {}
+  if not isinstance(kwargs, Mapping) and not hasattr(kwargs, "to_dict"):
+    raise ConfigError(
+        f"config.optax={kwargs!r}: must be a dict of the optimizer's keyword arguments, e.g. "
+        "dict(b2=0.95)"
+    )
+  return _plain(kwargs)
 
 
 def find_states(opt_state, cls) -> list:

@@ -23,6 +23,7 @@ Example:
 
 import functools
 import inspect
+import math
 import numbers
 import operator
 from collections.abc import Callable, Mapping
@@ -45,7 +46,7 @@ __all__ = [
     "boxes_unboxed",
     "factory",
     "momentum_hp",
-    "not_a_number",
+    "mistyped",
     "scale_by_adafactor",
     "takes_layout",
     "transformation",
@@ -196,9 +197,9 @@ def transformation(name: str, kwargs: Mapping, layout=None) -> optax.GradientTra
         f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {e}. "
         f"Signature: {name.removeprefix('optax.')}{inspect.signature(build)}"
     ) from None
-  mistyped = not_a_number(inspect.signature(build), kwargs)
-  if mistyped:
-    raise ConfigError(f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {mistyped}")
+  wrong = mistyped(inspect.signature(build), kwargs)
+  if wrong:
+    raise ConfigError(f"config.optax={_shown(kwargs)} for config.optax_name={name!r}: {wrong}")
   try:
     return build(**kwargs)
   except OptimizerError as e:
@@ -207,19 +208,60 @@ def transformation(name: str, kwargs: Mapping, layout=None) -> optax.GradientTra
     ) from None
 
 
-def not_a_number(signature: inspect.Signature, kwargs: Mapping) -> str | None:
-  """What is wrong with the first of ``kwargs`` that is not a number where ``signature``'s
-  default is one (a string from the command line, ``--config.optax.b1=abc``); None: nothing.
+def mistyped(signature: inspect.Signature, kwargs: Mapping) -> str | None:
+  """What is wrong with the first of ``kwargs`` whose value does not fit ``signature``: not a
+  number where the default or the annotation is one (a string from the command line,
+  ``--config.optax.b1=abc``), not finite, not an integer where an ``int`` is asked, or not a
+  pair of finite numbers where the default is a pair; None: nothing.
 
   Example:
-    >>> not_a_number(inspect.signature(optax.scale_by_adam), {"b1": "abc"})
+    >>> mistyped(inspect.signature(optax.scale_by_adam), {"b1": "abc"})
     "b1='abc' is not a number (the default is 0.9)"
+    >>> mistyped(inspect.signature(scale_by_soap), {"betas": 0.9})
+    'betas=0.9 must be 2 finite numbers, like (0.95, 0.95)'
   """
   for arg, value in kwargs.items():
     parameter = signature.parameters.get(arg)
-    if parameter is not None and _is_number(parameter.default) and not _is_number(value):
-      return f"{arg}={value!r} is not a number (the default is {parameter.default!r})"
+    problem = None if parameter is None else _misfit(value, parameter)
+    if problem:
+      return f"{arg}={value!r} {problem}"
   return None
+
+
+def _misfit(value, parameter: inspect.Parameter) -> str | None:
+  default, wanted = parameter.default, _wanted(parameter)
+  if wanted == "pair":
+    finite = isinstance(value, (tuple, list)) and all(map(_is_finite, value))
+    if not finite or len(value) != len(default):
+      return f"must be {len(default)} finite numbers, like {default!r}"
+  if wanted not in ("int", "number") or (value is None and default is None):
+    return None
+  if not _is_number(value):
+    return f"is not a number (the default is {default!r})"
+  if not _is_finite(value):
+    return "is not finite"
+  if wanted == "int" and not isinstance(value, numbers.Integral):
+    return f"must be an integer (the default is {default!r})"
+  return None
+
+
+def _wanted(parameter: inspect.Parameter) -> str | None:
+  """ "pair", "int", "number" or None: what ``parameter``'s default or annotation asks for."""
+  default, annotation = parameter.default, parameter.annotation
+  text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+  if isinstance(default, tuple) and default and all(map(_is_number, default)):
+    return "pair"
+  if text in ("float", "float | None"):
+    return "number"
+  if text in ("int", "int | None") or (
+      not text and isinstance(default, int) and _is_number(default)
+  ):
+    return "int"
+  return "number" if _is_number(default) else None
+
+
+def _is_finite(x) -> bool:
+  return _is_number(x) and math.isfinite(x)
 
 
 def _is_number(x) -> bool:

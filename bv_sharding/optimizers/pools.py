@@ -73,7 +73,7 @@ BlockRun.resident`): named arrays (or lists of them), each ``(slots, ...)``, one
       >>> mesh = bvs.make_abstract_mesh([("data", 2), ("model", 2)], 4)
       >>> pool = Resident({"mu": jax.ShapeDtypeStruct((8, 4, 4), "float32")})
       >>> tree = {"params": {"w": jax.ShapeDtypeStruct((4, 4), "float32")}, "opt": [pool]}
-      >>> entry = bvs.plan(tree, [], mesh).by_name()["opt/0/mu"]
+      >>> entry = bvs.plan(tree, "replicate()", mesh).by_name()["opt/0/mu"]
       >>> entry.spec, entry.why
       (P(('data', 'model'), None, None), 'declared by Resident')
   """

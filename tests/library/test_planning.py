@@ -1,6 +1,7 @@
 """Plans: first-match strategies, root-independent names, tree structure, meshes, jit."""
 
 import collections
+import re
 
 import flax.linen as nn
 import jax
@@ -211,6 +212,8 @@ def test_a_state_plan_reuses_the_params_plan_it_is_given():
         ("logical_partitioning()", [("embed", "nope")], ["sharding_rules entry", "no axis 'nope'"]),
         ("logical_partitioning()", "embed", ["sharding_rules must be a list"]),
         ([(".*", "nope()")], None, ["unknown op 'nope'"]),
+        ([], None, ["sharding_strategy is empty", "replicate()"]),
+        ('fsdp(axis="data", min_size_to_shard_mb=1e999)', None, ["finite number >= 0, got inf"]),
     ],
 )
 def test_plan_errors_name_the_offender(strategy, rules, fragments):
@@ -247,6 +250,25 @@ def test_strategy_container_types(strategy, fragment):
   with pytest.raises(bvs.ShardingError) as e:
     bvs.plan({"w": sds(8, 8)}, strategy, MESH)
   assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "leaf, kind", [("hello", "a str ('hello')"), (print, "a builtin_function")]
+)
+def test_a_leaf_that_is_not_an_array_is_named(leaf, kind):
+  with pytest.raises(bvs.ShardingError, match=rf"leaf 'opt/0' is {re.escape(kind)}"):
+    bvs.plan({"w": sds(8, 8), "opt": [leaf]}, "replicate()", MESH)
+
+
+def test_a_tree_too_deep_is_refused_and_the_process_plans_on():
+  """5000 nested dicts would end in jax's recursive flattening, which can leave the process
+  unable to flatten anything afterwards; the depth is checked first, without recursion."""
+  deep = sds(8)
+  for _ in range(5000):
+    deep = {"a": deep}
+  with pytest.raises(bvs.ShardingError, match="nests deeper than 500 levels"):
+    bvs.plan(deep, "replicate()", MESH)
+  assert bvs.plan({"w": sds(8, 8)}, "replicate()", MESH).specs == {"w": P(None, None)}
 
 
 @pytest.fixture(scope="module")

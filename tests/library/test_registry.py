@@ -46,7 +46,11 @@ def test_defaults_are_bound():
         ("fsdp(axis='data') + replicate()", ["not an op call"]),
         ("fsdp(axis=3)", ["axis must be a mesh axis name"]),
         ("fsdp(axis=('data', 'data'))", ["names a mesh axis twice"]),
-        ("fsdp(axis='data', min_size_to_shard_mb=-1)", ["must be a number >= 0"]),
+        ("fsdp(axis='data', min_size_to_shard_mb=-1)", ["must be a finite number >= 0"]),
+        (
+            "fsdp(axis='data', min_size_to_shard_mb=1e999)",
+            ["must be a finite number >= 0, got inf"],
+        ),
         ("shard_dim(axis='data', dim=1.5)", ["dim must be an integer"]),
         ("fsdp(**{'axis': 'data'})", ["'**' arguments are not accepted"]),
         ("fsdp(*['data'])", ["'*' arguments are not accepted"]),

@@ -24,7 +24,7 @@ import jax
 import optax
 
 from bv_sharding.big_vision.schedules import make_schedule
-from bv_sharding.big_vision.transformations import not_a_number
+from bv_sharding.big_vision.transformations import mistyped
 from bv_sharding.optimizers import auto_axes_update, kron, muon, refill, shampoo, soap
 from trainers.errors import OptimizerError, closest
 
@@ -239,9 +239,9 @@ def _check_arguments(name: str, entry: _Entry, kwargs: Mapping[str, Any]) -> Non
     raise OptimizerError(
         f"Bad arguments for optimizer {name!r}: {e}{hints}. Signature: {name}{signature}"
     ) from None
-  mistyped = not_a_number(signature, kwargs)
-  if mistyped:
-    raise OptimizerError(f"optimizer {name!r}: {mistyped}")
+  wrong = mistyped(signature, kwargs)
+  if wrong:
+    raise OptimizerError(f"optimizer {name!r}: {wrong}")
   for arg in (a for a in entry.decays.values() if isinstance(a, str)):
     value = kwargs.get(arg, signature.parameters[arg].default)
     if value is not None and not 0 <= value < 1:
