@@ -8,7 +8,9 @@ r"""Samples text from a run's latest checkpoint: what the trained language model
 The run is built from ``W/config.json`` exactly as the trainer builds it (trainers/build.py:
 task, model, one plan) on this host's devices, which need not be the ones it trained on (on
 CPU, ``--devices_per_process`` simulated ones), and the latest checkpoint's params are
-restored onto that plan, sharded (``checkpoint.load_params``, as ``config.model_init`` does).
+restored onto that plan, sharded (``checkpoint.load_params``, as ``config.model_init`` does),
+and checked as a resume checks them (``checkpoint.check_sums``): a step that does not check out
+is named in the log and the newest one that does is sampled.
 The prompt is encoded, and decoded with the continuation, by the tokenizer recorded beside the
 run's token files (trainers/input/tokenizer.py; bytes for ``kind="text"`` and byte-level
 files); generation stops at the end-of-text id or after ``--max_new_tokens``.

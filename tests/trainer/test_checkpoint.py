@@ -184,6 +184,21 @@ def largest_data_file(step_dir: pathlib.Path, item: str) -> pathlib.Path:
   return max((step_dir / item).rglob("d/*"), key=lambda p: p.stat().st_size)
 
 
+def edit_meta(step_dir: pathlib.Path, *remove: str, **put) -> None:
+  """Removes keys ``remove`` from the meta item of checkpoint ``step_dir`` and sets ``put``."""
+  path = step_dir / "meta" / "metadata"
+  meta = {k: v for k, v in json.loads(path.read_text()).items() if k not in remove}
+  path.write_text(json.dumps({**meta, **put}))
+
+
+def strip_sums(step_dir: pathlib.Path, change_data: bool = False) -> None:
+  """Removes the checksums from checkpoint ``step_dir``'s meta (it still records their
+  format), and with ``change_data`` inverts bytes of its largest params data file after."""
+  edit_meta(step_dir, checksums.SUMS)
+  if change_data:
+    flip_bytes(largest_data_file(step_dir, "params"))
+
+
 class Damage(NamedTuple):
   """One kind of damage to a workdir holding steps 4 and 8 (``make(checkpoints)``): the folder
   it leaves that does not check out, what a read of it says, the step a resume starts from and
@@ -217,6 +232,20 @@ DAMAGE = {
     ),
     "an empty stray step folder": Damage(
         lambda ckpts: (ckpts / "12").mkdir(), "12", " cannot be read (", 8, 8
+    ),
+    "sums removed from the meta": Damage(
+        lambda ckpts: strip_sums(ckpts / "8"),
+        "8",
+        ": its meta records checksum format 2 but no checksum of ",
+        4,
+        4,
+    ),
+    "sums removed from the meta, then bits in a params file": Damage(
+        lambda ckpts: strip_sums(ckpts / "8", change_data=True),
+        "8",
+        ": its meta records checksum format 2 but no checksum of ",
+        4,
+        4,
     ),
     "a truncated metadata file": Damage(
         lambda ckpts: (ckpts / "8" / "params" / "_METADATA").write_text(
@@ -320,30 +349,55 @@ def test_the_least_damage_to_a_params_file_is_found(tmp_path, reference, caplog,
   assert f"checkpoint {workdir}/checkpoints/8" in caplog.text
 
 
+UNVERIFIED = "records no checksums (saved before they were written): its arrays cannot be verified"
+
+
+def format_1_sums(workdir, step: int) -> dict[str, int]:
+  """Checkpoint ``step``'s sums as a save before format 2 wrote them (format 1)."""
+  return {
+      f"{item}/{leaf}": s
+      for item in ("params", "opt")
+      for leaf, s in checksums.of(jax.tree.map(jnp.asarray, saved(workdir, step, item)), 1).items()
+  }
+
+
 @pytest.mark.parametrize("saved_with", ["format 1 sums", "no sums"])
-def test_checkpoints_saved_before_format_2_are_checked_as_saved(tmp_path, reference, saved_with):
+def test_checkpoints_saved_before_format_2_are_checked_as_saved(
+    tmp_path, reference, caplog, saved_with
+):
   """A meta without "sums_format" holds format 1 checksums (bit patterns times 2 i + 1): they
-  are checked in that format; one without "sums" (saved before checksums) is read unchecked."""
+  are checked in that format; one without "sums" either (saved before checksums) is read as
+  it is, with one warning line each time it is read."""
   workdir = damaged_copy(reference, tmp_path / "run", None)
   for step in (4, 8):
-    path = workdir / "checkpoints" / str(step) / "meta" / "metadata"
-    meta = json.loads(path.read_text())
-    del meta["sums"], meta["sums_format"]
-    if saved_with == "format 1 sums":
-      meta["sums"] = {
-          f"{item}/{leaf}": s
-          for item in ("params", "opt")
-          for leaf, s in checksums.of(
-              jax.tree.map(jnp.asarray, saved(workdir, step, item)), 1
-          ).items()
-      }
-    path.write_text(json.dumps(meta))
+    sums = {"sums": format_1_sums(workdir, step)} if saved_with == "format 1 sums" else {}
+    edit_meta(workdir / "checkpoints" / str(step), "sums", "sums_format", **sums)
   run = lm_in("float32")
+  caplog.set_level("WARNING", logger="absl")
   with jax.set_mesh(run.mesh):
     assert checkpoint.load_params(str(workdir), run.plan)[1].endswith("checkpoints/8")
+    warned = caplog.text.count(UNVERIFIED)
     flip_bytes(largest_data_file(workdir / "checkpoints" / "8", "params"))
     _, source = checkpoint.load_params(str(workdir), run.plan)
   assert source == f"{workdir}/checkpoints/{4 if saved_with == 'format 1 sums' else 8}"
+  assert warned == (0 if saved_with == "format 1 sums" else 1), caplog.text
+  if saved_with == "no sums":
+    assert f"checkpoint {workdir}/checkpoints/8 {UNVERIFIED}" in caplog.text
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_resumes_a_checkpoint_saved_before_checksums_with_one_warning(
+    tmp_path, reference, caplog
+):
+  """Neither sums nor their format: the resume reads params and opt state unchecked, says so
+  in one line naming the step, and ends as the uninterrupted run."""
+  workdir = copy_at(reference, tmp_path / "run", 4)
+  edit_meta(workdir / "checkpoints" / "4", "sums", "sums_format")
+  out = train_here(workdir, caplog)
+  assert out.count(UNVERIFIED) == 1, out[-3000:]
+  assert f"checkpoint {workdir}/checkpoints/4 {UNVERIFIED}" in out
+  assert f"resumed at step 4 from {workdir}/checkpoints/4 " in out
+  assert_same_run(workdir, reference)
 
 
 @pytest.mark.timeout(300)

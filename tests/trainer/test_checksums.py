@@ -146,3 +146,27 @@ def test_a_checkpoint_without_sums_or_with_format_1_is_checked_as_saved():
   assert checksums.mismatch({}, checksums.of(value)) is None
   assert checksums.mismatch(old, checksums.of(value, 1)) is None
   assert checksums.mismatch(old, checksums.of(value)) == "w"  # Not to be read as format 2.
+
+
+def test_a_meta_that_records_the_format_must_hold_every_sum():
+  """What restore_item does with a meta that records "sums_format": a leaf read without a saved
+  sum is damage, as a sum that differs is (sums removed from the meta hide nothing)."""
+  read = checksums.of({"w": LAYOUTS["rows over 8"](VALUES["f32"]), "b": jnp.ones(3)})
+  whole = {"sums": read, "sums_format": checksums.FORMAT}
+  assert checksums.recorded(whole) == 2 and checksums.damage(whole, read) is None
+  missing = "its meta records checksum format 2 but no checksum of {} (its meta was changed "
+  assert checksums.damage({"sums_format": 2}, read).startswith(missing.format("b"))
+  assert checksums.damage({"sums": None, "sums_format": 2}, read).startswith(missing.format("b"))
+  one_gone = {"sums": {"b": read["b"]}, "sums_format": 2}
+  assert checksums.damage(one_gone, read).startswith(missing.format("w"))
+  changed = {"sums": {**read, "b": read["b"] + 1}, "sums_format": 2}
+  assert checksums.damage(changed, read).startswith("b does not match the checksum saved with it")
+
+
+def test_a_meta_without_the_format_is_checked_as_saved_before_it():
+  """No "sums_format": format 1 sums, checked where saved; neither: nothing to check."""
+  value = {"w": LAYOUTS["rows over 8"](VALUES["f32"])}
+  old = {"sums": checksums.of(value, 1)}
+  assert checksums.recorded(old) == 1 and checksums.damage(old, checksums.of(value, 1)) is None
+  assert checksums.damage(old, checksums.of(value)) is not None  # Not format 2's sums.
+  assert checksums.recorded({"step": 8}) is None and checksums.recorded({"sums": {}}) is None

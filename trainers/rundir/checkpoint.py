@@ -8,7 +8,10 @@ array's checksum: :mod:`~trainers.rundir.checksums`). Data and RNG are pure func
 
 A step that does not check out is never loaded: unreadable files (a truncated or missing
 one, an empty stray folder), an array whose checksum is not the one saved with it (bytes
-changed on disk), or a folder named after another step than its meta records. The run says
+changed on disk) or that has none though the meta records the checksums' format (every save
+writes it: sums removed from the meta), or a folder named after another step than its meta
+records. A checkpoint whose meta has neither sums nor their format was saved before them: it
+is read as it is, with one warning line (:func:`check_sums`). The run says
 which step and what failed, moves the step into ``damaged-<step>/`` (nothing is deleted) and
 resumes from the newest step that checks out (:meth:`Checkpoints.newest_good`); with none
 left it stops in one line. ``load_params`` (``config.model_init``, ``trainers.sample``) falls
@@ -378,7 +381,7 @@ class Checkpoints:
     returned function is called (on the save's thread, which waits for the sums)."""
     sums = checksums.start(state)
     record = {**self.migration.record(), "step": step, "opt_start": self.opt_start}
-    return lambda: {**record, "sums": sums(), "sums_format": checksums.FORMAT}
+    return lambda: {**record, checksums.SUMS: sums(), checksums.SUMS_FORMAT: checksums.FORMAT}
 
 
 def open_manager(
@@ -497,12 +500,11 @@ def restore_item(
   """One item (``PARAMS`` or ``OPT``) of the checkpoint at ``step``, onto ``target``.
 
   Its arrays are read in the dtypes they were saved in, checked against the checksums saved
-  with them (:mod:`~trainers.rundir.checksums`, in the format the meta records; a checkpoint
-  that has none is read as it is), then cast to ``target``'s. Raises ``DamagedCheckpointError``
-  naming the step and the leaf. ``meta``: the step's meta item, ``saved``: the item's
-  :func:`leaf_table` as saved, where the caller has read them already. ``verify=False``: the
-  same read, nothing checked (what the checks cost is measured against it:
-  ``benchmarks.checkpoint``).
+  with them (:func:`check_sums`: a resume, ``config.model_init`` and ``trainers.sample`` alike),
+  then cast to ``target``'s. Raises ``DamagedCheckpointError`` naming the step and the leaf.
+  ``meta``: the step's meta item, ``saved``: the item's :func:`leaf_table` as saved, where the
+  caller has read them already. ``verify=False``: the same read, nothing checked (what the
+  checks cost is measured against it: ``benchmarks.checkpoint``).
   """
   with reading(manager, step):
     if saved is None:
@@ -515,18 +517,31 @@ def restore_item(
     tree = manager.restore(step, args=ocp.args.Composite(**{item: tree_restore(raw)}))[item]
     if verify and meta is None:
       meta = read_meta(manager, step)
-  sums = meta.get("sums", {}) if verify else {}
-  if sums:
-    prefixed = {
-        f"{item}/{leaf}": s for leaf, s in checksums.of(tree, meta.get("sums_format", 1)).items()
-    }
-    leaf = checksums.mismatch(sums, prefixed)
-    if leaf is not None:
-      raise DamagedCheckpointError(
-          f"checkpoint {manager.directory / str(step)}: {leaf} does not match the checksum "
-          "saved with it (its data files were changed after the save)"
-      )
+  if verify:
+    check_sums(manager.directory / str(step), item, tree, meta)
   return jax.tree.map(_cast, tree, target, is_leaf=lambda x: x is ocp.PLACEHOLDER)
+
+
+def check_sums(path: epath.Path, item: str, tree, meta: dict) -> None:
+  """Checks the arrays ``tree`` of ``item``, read from the checkpoint at ``path``, against the
+  sums its ``meta`` saved (:func:`checksums.damage`): ``DamagedCheckpointError`` naming the step
+  and the leaf. A meta with neither sums nor their format (saved before them) is read as it is,
+  said in one warning line (with the params, which every read of a checkpoint reads once).
+
+  Example: ``check_sums(manager.directory / "8", PARAMS, params, read_meta(manager, 8))``.
+  """
+  format = checksums.recorded(meta)
+  if format is None:
+    if item == PARAMS:
+      logging.warning(
+          "checkpoint %s records no checksums (saved before they were written): its arrays "
+          "cannot be verified; it is read as it is",
+          path,
+      )
+    return
+  read = {f"{item}/{leaf}": s for leaf, s in checksums.of(tree, format).items()}
+  if found := checksums.damage(meta, read):
+    raise DamagedCheckpointError(f"checkpoint {path}: {found}")
 
 
 def _in_saved_dtype(target, saved: tuple | None):

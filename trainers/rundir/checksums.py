@@ -10,6 +10,11 @@ chance of about 2**-32. Format 1 (checkpoints saved before it, read and checked 
 swapped cancel when ``(a - b) (i - j)`` is a multiple of 2**31 (``x`` and ``-x``; blocks at a
 power-of-two distance). Positions wrap at 2**32 elements.
 
+A checkpoint's meta records the format (``"sums_format"``) beside the sums (``"sums"``). One
+that records it must hold the sum of every array read: sums removed from it are damage, as
+sums that differ are (:func:`damage`). A meta with neither was saved before checksums: nothing
+can be checked (:func:`recorded` is None).
+
 All of a state's sums are one jitted program on the devices that hold the arrays: each device
 sums the elements of its own shards (positions in the whole array), the replicas of a shard
 beyond the first add nothing, and one all-reduce adds the devices' partial sums of every leaf
@@ -44,6 +49,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 FORMAT = 2  # The format a save writes (meta's "sums_format"; a meta without one: 1).
+SUMS, SUMS_FORMAT = "sums", "sums_format"  # The meta's keys: the sums, their format.
 _GOLDEN = 0x9E3779B9  # An odd constant: position i's key is i * _GOLDEN (mod 2**32).
 
 
@@ -75,8 +81,54 @@ def start(tree, format: int = FORMAT) -> Callable[[], dict[str, int]]:
 
 def mismatch(saved: dict[str, int], read: dict[str, int]) -> str | None:
   """The first leaf of ``read`` whose checksum is not the ``saved`` one (None: all agree; a
-  leaf ``saved`` lacks is not checked)."""
+  leaf ``saved`` lacks is not checked here: :func:`damage` says when it must be there)."""
   return next((leaf for leaf, s in read.items() if leaf in saved and saved[leaf] != s), None)
+
+
+def recorded(meta: dict) -> int | None:
+  """The checksum format of a checkpoint's ``meta``: its "sums_format" (every save writes it);
+  1 for sums without one (saved before format 2); None with neither (saved before checksums).
+
+  Example:
+    >>> recorded({"sums": {"w": 7}, "sums_format": 2}), recorded({"sums": {"w": 7}})
+    (2, 1)
+    >>> recorded({"sums_format": 2}), recorded({"step": 8}) is None
+    (2, True)
+  """
+  if SUMS_FORMAT in meta:
+    return meta[SUMS_FORMAT]
+  return 1 if meta.get(SUMS) else None
+
+
+def damage(meta: dict, read: dict[str, int]) -> str | None:
+  """What is wrong with the sums ``read`` (:func:`of` the arrays read, in the format of
+  :func:`recorded`) against the sums ``meta`` saved, None if nothing: a leaf without a saved
+  sum in a meta that records its format (a save writes every array's), or a leaf whose sum
+  differs (:func:`mismatch`).
+
+  Example:
+    >>> damage({"sums": {"w": 7}, "sums_format": 2}, {"w": 7}) is None
+    True
+    >>> damage({"sums": {"w": 7}, "sums_format": 2}, {"w": 8})
+    'w does not match the checksum saved with it (its data files were changed after the save)'
+    >>> damage({"sums_format": 2}, {"w": 7})
+    'its meta records checksum format 2 but no checksum of w (its meta was changed after the save)'
+  """
+  sums = meta.get(SUMS) or {}
+  if SUMS_FORMAT in meta:
+    missing = next((leaf for leaf in read if leaf not in sums), None)
+    if missing is not None:
+      return (
+          f"its meta records checksum format {meta[SUMS_FORMAT]} but no checksum of {missing} "
+          "(its meta was changed after the save)"
+      )
+  leaf = mismatch(sums, read)
+  if leaf is None:
+    return None
+  return (
+      f"{leaf} does not match the checksum saved with it (its data files were changed after the "
+      "save)"
+  )
 
 
 def name(path) -> str:
