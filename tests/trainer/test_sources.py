@@ -6,6 +6,7 @@ naming the file and the fix, before a model exists.
 """
 
 import json
+import logging
 
 import ml_collections
 import numpy as np
@@ -251,3 +252,12 @@ def test_load_digits():
   assert train["image"].dtype == np.float32 and train["label"].dtype == np.int32
   assert 0.0 <= train["image"].min() and train["image"].max() <= 1.0
   assert set(held_out["label"]) == set(range(10))
+
+
+def test_a_folder_with_a_symlink_loop_lists_each_file_once(tmp_path, caplog):
+  (tmp_path / "a.txt").write_text("some text\n")
+  (tmp_path / "loop").symlink_to(tmp_path, target_is_directory=True)
+  with caplog.at_level(logging.WARNING):
+    files = sources.find_files(str(tmp_path), "the corpus argument")
+  assert files == [str(tmp_path / "a.txt")]
+  assert "name files already listed through symbolic links" in caplog.text

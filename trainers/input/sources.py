@@ -51,6 +51,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 from trainers.errors import ConfigError
 
@@ -153,7 +154,7 @@ def find_files(pattern: str, what: str) -> list[str]:
           "directory (e.g. the train.bin `python -m trainers.convert` writes)"
       )
     return [path]
-  files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+  files = once_each(sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f)))
   names = set(files)
   files = [f for f in files if not (f.endswith(".json") and f[: -len(".json")] in names)]
   if not files:
@@ -162,6 +163,25 @@ def find_files(pattern: str, what: str) -> list[str]:
         "(a directory is searched recursively)"
     )
   return files
+
+
+def once_each(files: list[str]) -> list[str]:
+  """``files`` with each file once: a path that a link (a looping one too) makes name a file
+  already listed is dropped, with one warning saying how many.
+
+  Example: ``once_each(["a/x.txt", "a/loop/x.txt"])`` -> ``["a/x.txt"]`` when ``a/loop`` -> ``a``.
+  """
+  first = {}
+  for f in files:
+    first.setdefault(os.path.realpath(f), f)
+  if len(first) < len(files):
+    logging.warning(
+        "%d paths name files already listed through symbolic links (e.g. %s); each file is read "
+        "once",
+        len(files) - len(first),
+        next(f for f in files if f not in first.values()),
+    )
+  return list(first.values())
 
 
 @dataclasses.dataclass(frozen=True)
