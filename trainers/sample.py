@@ -53,7 +53,16 @@ def run_config(path: str) -> ml_collections.ConfigDict:
   name = paths.path(path) / workdir.CONFIG
   if not name.is_file():
     raise ConfigError(f"--workdir={path} has no {workdir.CONFIG}; name a trainer's workdir")
-  return ml_collections.ConfigDict(_tuples(json.loads(name.read_text())))
+  try:
+    config = json.loads(name.read_text())
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    config = e
+  if not isinstance(config, dict):
+    raise ConfigError(
+        f"--workdir={path}: {workdir.CONFIG} is not a JSON object of config keys "
+        f"({type(config).__name__}); put back the one the trainer wrote, or name another workdir"
+    )
+  return ml_collections.ConfigDict(_tuples(config))
 
 
 def _tuples(value):

@@ -107,6 +107,16 @@ def test_a_workdir_without_a_run_is_one_line(tmp_path, capsys):
   assert len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json", "\udcff"])
+def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path, capsys, text):
+  (tmp_path / "config.json").write_text(text, errors="surrogateescape")
+  with pytest.raises(SystemExit) as exited:
+    sample.main([f"--workdir={tmp_path}", "--prompt=hi"])
+  err = capsys.readouterr().err
+  assert exited.value.code == 1 and len(err.splitlines()) == 1
+  assert err.startswith(f"ConfigError: --workdir={tmp_path}: config.json is not a JSON object")
+
+
 @pytest.mark.parametrize(
     ("flag", "fragment"),
     [
