@@ -446,8 +446,20 @@ def canonical(stats: jax.Array, values: jax.Array, basis: jax.Array) -> jax.Arra
 def _probe(n: int) -> np.ndarray:
   """:func:`canonical`'s fixed Gaussian ``n x n`` matrix (``jax.random.normal`` of key 0),
   drawn once, eagerly, on a thread of its own (outside whatever trace, mesh or ``shard_map``
-  asked for it): a constant of the compiled step rather than a random number program in it."""
-  draw = lambda: np.asarray(jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32))
+  asked for it): a constant of the compiled step rather than a random number program in it.
+
+  The draw's own transfers (the key in, the matrix out) are allowed on that thread: big_vision's
+  ``train.py`` disallows implicit transfers globally, which reaches every thread.
+
+  Example:
+      >>> _probe(2).shape, _probe(2).dtype
+      ((2, 2), dtype('float32'))
+  """
+
+  def draw():
+    with jax.transfer_guard("allow"):
+      return np.asarray(jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32))
+
   with concurrent.futures.ThreadPoolExecutor(1) as thread:
     return thread.submit(draw).result()
 

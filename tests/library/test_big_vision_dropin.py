@@ -12,6 +12,8 @@ import functools
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -29,6 +31,7 @@ import bv_sharding.big_vision.sharding as bv_sharding
 from bv_sharding.big_vision.layout import layout_of, mesh_of
 from bv_sharding.optimizers import Stacks
 from bv_sharding.optimizers.placement import stored_spec
+from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RULES = [("act_batch", "data"), ("mlp", "model"), ("embed", None)]
@@ -92,18 +95,21 @@ class Flow(NamedTuple):
 def train_state_flow(config, model, example, batch, loss_fn, mesh, steps: int) -> Flow:
   """big_vision's ``train.py`` from its shapes to ``steps`` updates of one batch: eval_shape of
   init, ``make``, ``infer_sharding`` under the rules' context, both inits jitted into the
-  inferred shardings, the update step counting with ``get_count``."""
+  inferred shardings, the update step counting with ``get_count``. Every transfer is explicit
+  (``device_put``, ``device_get``), as ``train.py``'s global ``jax_transfer_guard="disallow"``
+  asks; ``example`` may be a shape (``jax.ShapeDtypeStruct``)."""
 
   def init(rng):
-    return model.init(rng, example)["params"]
+    return model.init(rng, jnp.zeros(example.shape, example.dtype))["params"]
 
-  rng = jax.random.key(0)
-  params_shape = jax.eval_shape(init, rng)
-  sched_kw = dict(total_steps=steps, batch_size=len(example))
-  tx, sched_fns = bv_optax.make(config, nn.unbox(params_shape), sched_kw=sched_kw)
-  assert float(sched_fns[0](1)) == pytest.approx(1.0)  # warmup_steps=1
-  opt_shape = jax.eval_shape(tx.init, params_shape)
   repl = NamedSharding(mesh, P())
+  rng = jax.device_put(jax.random.key(jax.device_put(0)), repl)
+  params_shape = jax.eval_shape(init, rng)
+  sched_kw = dict(total_steps=steps, batch_size=example.shape[0])
+  tx, sched_fns = bv_optax.make(config, nn.unbox(params_shape), sched_kw=sched_kw)
+  first_lr = jax.device_get(jax.jit(sched_fns[0])(jax.device_put(1)))
+  assert float(first_lr) == pytest.approx(1.0)  # warmup_steps=1
+  opt_shape = jax.eval_shape(tx.init, params_shape)
   with nn.logical_axis_rules(config["sharding_rules"]):
     shardings = bv_sharding.infer_sharding(
         {"params": params_shape, "opt": opt_shape}, strategy=config["sharding_strategy"], mesh=mesh
@@ -120,12 +126,14 @@ def train_state_flow(config, model, example, batch, loss_fn, mesh, steps: int) -
     params = optax.apply_updates(train_state["params"], updates)
     return {"params": params, "opt": opt}, {"loss": loss, "count": count}
 
+  batch = jax.device_put(batch, repl)
   losses, counts = [], []
   for _ in range(steps):
     state, measured = update_fn(state, batch)
+    measured = jax.device_get(measured)
     counts.append(int(measured["count"]))
     losses.append(float(measured["loss"]))
-  assert bv_optax.get_count(state["opt"]) == steps
+  assert bv_optax.get_count(jax.device_get(state["opt"])) == steps
   return Flow(tx, nn.unbox(params_shape), nn.unbox(opt_shape), shardings, state, losses, counts)
 
 
@@ -209,7 +217,8 @@ def _vit_case():
   model = SmallViT()
   images = np.random.default_rng(0).normal(size=(16, 16, 16, 3)).astype(np.float32)
   labels = (images[:, :4, :4, 0].sum(axis=(1, 2)) > 0).astype(np.int32)
-  return model, jnp.zeros(images.shape), (images, labels), _classifier_loss(model)
+  example = jax.ShapeDtypeStruct(images.shape, jnp.float32)
+  return model, example, (images, labels), _classifier_loss(model)
 
 
 def _llama_case():
@@ -220,7 +229,8 @@ def _llama_case():
     logits = model.apply({"params": params}, inputs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-  return model, jnp.zeros((16, 16), jnp.int32), (tokens[:, :-1], tokens[:, 1:]), loss_fn
+  example = jax.ShapeDtypeStruct((16, 16), jnp.int32)
+  return model, example, (tokens[:, :-1], tokens[:, 1:]), loss_fn
 
 
 # (config.optax_name, config.optax, config.lr): big_vision's convention, the transformation
@@ -275,14 +285,9 @@ def _bytes_per_device(tree) -> tuple[int, float]:
   return max(held.values()), sum(x.nbytes for x in jax.tree.leaves(tree)) / jax.device_count()
 
 
-@pytest.mark.parametrize("model_case", [_vit_case, _llama_case], ids=["vit", "llama"])
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_big_visions_flow_places_and_trains_each_optimizer_name(optimizer, model_case):
-  """Adam and the library's three names in big_vision's flow on a ViT (3-D and 4-D params) and
-  a Llama: the state sharded as planned and at most 1.05x the ideal per device, loss falls."""
-  name, kwargs, lr = OPTIMIZERS[optimizer]
-  model, example, batch, loss_fn = model_case()
-  config = dict(
+def _fsdp_config(name: str, kwargs: dict, lr: float) -> dict:
+  """The flow tests' config of ``config.optax_name`` ``name``: fsdp over all devices."""
+  return dict(
       optax_name=name,
       optax=kwargs,
       lr=lr,
@@ -293,6 +298,15 @@ def test_big_visions_flow_places_and_trains_each_optimizer_name(optimizer, model
       sharding_strategy=[(".*", 'fsdp(axis="data", min_size_to_shard_mb=0)')],
       sharding_rules=[("act_batch", "data")],
   )
+
+
+@pytest.mark.parametrize("model_case", [_vit_case, _llama_case], ids=["vit", "llama"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_big_visions_flow_places_and_trains_each_optimizer_name(optimizer, model_case):
+  """Adam and the library's three names in big_vision's flow on a ViT (3-D and 4-D params) and
+  a Llama: the state sharded as planned and at most 1.05x the ideal per device, loss falls."""
+  model, example, batch, loss_fn = model_case()
+  config = _fsdp_config(*OPTIMIZERS[optimizer])
   mesh = mesh_of(config)
   steps = 5
   flow = train_state_flow(config, model, example, batch, loss_fn, mesh, steps)
@@ -556,3 +570,54 @@ def test_make_moves_nothing_to_a_device_as_train_py_disallows_transfers(optimize
     tx, _ = bv_optax.make(config, params, sched_kw=dict(total_steps=4))
     opt_shape = jax.eval_shape(tx.init, params)
   assert bv_optax.get_count(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), opt_shape)) == 0
+
+
+# The five names this page's tests give big_vision's flow (SOAP on tiles of 32).
+BIG_VISION_NAMES = {**OPTIMIZERS, "soap": SECOND_ORDER["soap"]}
+# big_vision's train.py sets the guard globally, after its imports and before make: it then
+# reaches every thread, such as the one SOAP draws its fixed probe matrix on (soap._probe,
+# cached per process: this process's earlier SOAP tests would have drawn it already).
+GUARDED_FLOWS = """
+import importlib
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+from tests.library import test_big_vision_dropin as dropin
+
+importlib.import_module("bv_sharding.optimizers.soap")._probe.cache_clear()
+jax.config.update("jax_transfer_guard", "disallow")
+for optimizer in sys.argv[1:]:
+  print(optimizer, *dropin.vit_losses(optimizer, steps=3), flush=True)
+"""
+
+
+def vit_losses(optimizer: str, steps: int) -> list[float]:
+  """The losses of ``steps`` steps of big_vision's flow of ``BIG_VISION_NAMES[optimizer]`` on
+  the small ViT (:data:`GUARDED_FLOWS` runs it under ``train.py``'s transfer guard)."""
+  model, example, batch, loss_fn = _vit_case()
+  config = _fsdp_config(*BIG_VISION_NAMES[optimizer])
+  return train_state_flow(config, model, example, batch, loss_fn, mesh_of(config), steps).losses
+
+
+@pytest.mark.timeout(240)
+def test_every_name_trains_under_train_pys_global_transfer_guard():
+  """The five names compile and train 3 steps in a fresh process that disallows every implicit
+  transfer globally, as ``train.py`` does (the thread-local ``jax.transfer_guard`` of the test
+  above does not reach the threads the optimizers start)."""
+  done = subprocess.run(
+      [sys.executable, "-c", GUARDED_FLOWS, *sorted(BIG_VISION_NAMES)],
+      cwd=helpers.ROOT,
+      env=helpers.environment(),
+      capture_output=True,
+      text=True,
+      timeout=200,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  rows = [line.split() for line in done.stdout.strip().split("\n")]
+  losses = {optimizer: [float(x) for x in values] for optimizer, *values in rows}
+  assert sorted(losses) == sorted(BIG_VISION_NAMES), done.stdout
+  for optimizer, trajectory in losses.items():
+    assert len(trajectory) == 3 and np.all(np.isfinite(trajectory)), (optimizer, trajectory)
+    assert trajectory[-1] < trajectory[0], (optimizer, trajectory)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # big_vision's own train.py with the plugin: trains, checkpoints, resumes on fewer devices.
 #
-#   tools/big_vision_train/run.sh BIG_VISION_DIR OUT_DIR [adam kron shampoo muon kron_scan ...]
+#   tools/big_vision_train/run.sh BIG_VISION_DIR OUT_DIR [adam kron shampoo muon soap kron_scan ...]
 #
 # BIG_VISION_DIR is a checkout of https://github.com/google-research/big_vision (measured at
 # commit 0127fb6; the folder holding the `big_vision` package). The script edits it, once:
@@ -12,7 +12,7 @@
 # Python: $PYTHON (default `python`), a venv with this checkout (`pip install -e .`) and
 # tensorflow-cpu, clu, tensorflow-datasets, einops, overrides, psutil, sentencepiece.
 #
-# Per optimizer (default: the first four; kron_scan and shampoo_scan are Kron and Shampoo on
+# Per optimizer (default: the first five; kron_scan and shampoo_scan are Kron and Shampoo on
 # the ViT with scanned blocks, config.scanned_layers naming them): 20 steps on 8 simulated CPU devices (big_vision saves
 # its checkpoint at step 20, OUT_DIR/<opt>/d8), the workdir copied to d4 and d2, each resumed
 # by big_vision itself on 4 and 2 devices with --config.total_steps=40. Logs are
@@ -29,7 +29,7 @@ mkdir -p "$2"
 OUT=$(cd "$2" && pwd)
 shift 2
 NAMES=("$@")
-[[ ${#NAMES[@]} -gt 0 ]] || NAMES=(adam kron shampoo muon)
+[[ ${#NAMES[@]} -gt 0 ]] || NAMES=(adam kron shampoo muon soap)
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python}
 
@@ -72,10 +72,12 @@ declare -A ARG=(
   [kron]="bv_sharding.scale_by_kron,block_size=32"
   [shampoo]="bv_sharding.scale_by_shampoo,block_size=32,graft_type='adam'"
   [muon]="bv_sharding.scale_by_muon"
+  [soap]="bv_sharding.scale_by_soap,block_size=32"
   [kron_scan]="bv_sharding.scale_by_kron,block_size=32,scan=True"
   [shampoo_scan]="bv_sharding.scale_by_shampoo,block_size=32,graft_type='adam',scan=True"
 )
-declare -A LR=([adam]=0.003 [kron]=0.3 [shampoo]=0.003 [muon]=0.02 [kron_scan]=0.3 [shampoo_scan]=0.003)
+declare -A LR=([adam]=0.003 [kron]=0.3 [shampoo]=0.003 [muon]=0.02 [soap]=0.003 [kron_scan]=0.3
+  [shampoo_scan]=0.003)
 
 train() {  # train NAME DEVICES TOTAL_STEPS
   local name=$1 devices=$2 steps=$3
@@ -89,7 +91,7 @@ train() {  # train NAME DEVICES TOTAL_STEPS
 }
 
 for name in "${NAMES[@]}"; do
-  [[ -n ${ARG[$name]:-} ]] || { echo "unknown optimizer $name (adam kron shampoo muon kron_scan shampoo_scan)"; exit 2; }
+  [[ -n ${ARG[$name]:-} ]] || { echo "unknown optimizer $name (adam kron shampoo muon soap kron_scan shampoo_scan)"; exit 2; }
   rm -rf "${OUT:?}/$name"
   mkdir -p "$OUT/$name"
   train "$name" 8 20

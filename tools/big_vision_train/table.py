@@ -1,6 +1,6 @@
 """Prints the training-loss table of a ``run.sh`` output folder, as docs/big_vision.md shows it.
 
-  python tools/big_vision_train/table.py OUT_DIR [adam kron shampoo muon]
+  python tools/big_vision_train/table.py OUT_DIR [adam kron shampoo muon soap]
 
 Reads the ``training_loss`` big_vision logs (``[STEP] training_loss = VALUE``) in each run's
 log (``OUT_DIR/<opt>/d8.log``, ``d4.log``, ``d2.log``): steps 5/10/15/20 on 8 devices and
@@ -38,7 +38,7 @@ def row(out: pathlib.Path, name: str) -> tuple[str, bool]:
 
 
 def main(argv: list[str]) -> int:
-  out, names = pathlib.Path(argv[0]), argv[1:] or ["adam", "kron", "shampoo", "muon"]
+  out, names = pathlib.Path(argv[0]), argv[1:] or ["adam", "kron", "shampoo", "muon", "soap"]
   print("| optimizer | 8 devices, step 5 / 10 / 15 / 20 | on 4, 25 / 30 / 35 / 40 | on 2, same |")
   print("|---|---|---|---|")
   ok = True
