@@ -268,11 +268,20 @@ def open_workdir(path: str, config, run, is_main_process: bool):
 def note_start(
     path: str, config, begun: start.Start, metrics_path, curves: events.EventWriter
 ) -> None:
-  """Process 0 records where this run starts; metrics.jsonl lines after that step move aside.
+  """Process 0 records where this run starts (and says so when it has nothing left to train);
+  metrics.jsonl lines after that step move aside.
 
   The TensorBoard files move with them, and the records kept are written into a fresh one.
   """
   provenance.record_start(path, config.source, begun.step, begun.source)
+  if begun.step >= config.total_steps:
+    logging.info(
+        "the run in %s finished at step %d of config.total_steps=%d: nothing left to train "
+        "(raise config.total_steps to go on)",
+        path,
+        begun.step,
+        config.total_steps,
+    )
   moved = workdir.keep_metrics_until(metrics_path, begun.step)
   if moved:
     logging.info("metrics.jsonl lines after step %d moved to %s", begun.step, moved)

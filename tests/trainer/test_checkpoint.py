@@ -162,6 +162,19 @@ def test_a_resume_with_total_steps_below_the_checkpoint_fails_before_anything_is
 
 
 @pytest.mark.timeout(300)
+def test_a_finished_run_started_again_says_so_and_exits_0(tmp_path, reference):
+  workdir = copy_at(reference, tmp_path / "run", STEPS)
+  before = (workdir / "metrics.jsonl").read_text()
+  status, out = finish(start(workdir, total=STEPS))
+  assert status == 0, out[-3000:]
+  assert (
+      f"the run in {workdir} finished at step {STEPS} of config.total_steps={STEPS}: nothing "
+      "left to train (raise config.total_steps to go on)"
+  ) in out
+  assert (workdir / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.timeout(300)
 def test_unwritable_workdir_fails_before_training(tmp_path):
   blocker = tmp_path / "a_file"
   blocker.write_text("")
