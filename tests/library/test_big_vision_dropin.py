@@ -545,10 +545,35 @@ def test_big_visions_own_sgd_keeps_no_state_and_momentum_hp_keeps_bfloat16():
             dict(optax_name="bv_sharding.scale_by_kron", optax=dict(scanned_layers="img/.*")),
             ["config.optax.scanned_layers='img/.*'", "config.scanned_layers instead"],
         ),
+        (dict(optax_name=None), ["config.optax_name=None: name the optimizer"]),
+        (dict(optax_name=...), ["config.optax_name=None: name the optimizer"]),  # No key.
+        (dict(optax="b1=0.9"), ["config.optax='b1=0.9': must be a dict"]),
+        (
+            dict(optax_name="bv_sharding.scale_by_kron", optax=dict(block_size="x")),
+            ["block_size='x' is not a number"],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_shampoo", optax=dict(block_size=2.5)),
+            ["block_size=2.5 must be an integer"],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_soap", optax=dict(betas=0.9)),
+            ["betas=0.9 must be 2 finite numbers, like (0.95, 0.95)"],
+        ),
+        (
+            dict(optax_name="bv_sharding.scale_by_soap", optax=dict(eps=float("nan"))),
+            ["eps=nan is not finite"],
+        ),
+        (
+            dict(schedule=[("(", dict(decay_type="cosine")), (".*", None)]),
+            ["config.schedule regex '(' does not compile"],
+        ),
     ],
 )
 def test_section_mistakes_raise_the_librarys_error_naming_the_fix(values, fragments):
-  config = {**dict(optax_name="scale_by_adam", lr=1.0), **values}
+  config = {
+      k: v for k, v in {**dict(optax_name="scale_by_adam", lr=1.0), **values}.items() if v != ...
+  }
   params = {"img": {"w": jnp.ones(2)}, "txt": {"w": jnp.ones(2)}}
   with pytest.raises(bvs.big_vision.ConfigError) as info:
     bv_optax.make(config, params, sched_kw=dict(total_steps=10))
