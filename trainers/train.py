@@ -40,6 +40,7 @@ versions: trainers/hosts/same_job.py) and computed the same plan, and
 ``config.max_unsharded_fraction`` (if set) gates the plan's coverage.
 """
 
+import logging as logging_lib
 import os
 
 from trainers import ONE_BLAS_THREAD
@@ -195,6 +196,9 @@ def start_backend() -> None:
   cluster failed (``cpu: process 0 of 1, 8 devices (8 here); jax.distributed: single process``).
   """
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
+  # jax's INFO line for each backend it could not start ("Unable to initialize backend 'tpu'")
+  # would come first on every host without that accelerator; its warnings still show.
+  logging_lib.getLogger("jax._src.xla_bridge").setLevel(logging_lib.WARNING)
   how, note = distributed.start(
       _COORDINATOR.value,
       _NUM_PROCESSES.value,

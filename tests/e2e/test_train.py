@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -75,6 +76,10 @@ def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config, dtype
     assert curves[key] == want, key
   assert "mfu" not in curves and "flops_source" not in curves
   assert list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
+  logged = [line for line in out.splitlines() if re.match(r"[IWE]\d{4} ", line)]
+  assert logged[0].endswith(
+      "] cpu: process 0 of 1, 8 devices (8 here); jax.distributed: single process"
+  )
   assert "state shardings match the plan after init" in out
   assert "state shardings match the plan after the first step" in out
   assert "step 30/30 loss=" in out and "tokens/s/device=" in out and "MFU=null" in out
