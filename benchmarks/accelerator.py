@@ -46,7 +46,6 @@ import argparse
 import gc
 import itertools
 import math
-import sys
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -279,7 +278,9 @@ def main(argv=None):
       gc.collect()
   except KeyboardInterrupt:
     print("stopped (interrupted): the rows above are complete", flush=True)
-    sys.exit(130)
+    # Now, without the interpreter's teardown: a compile still running on XLA's threads
+    # crashed it on a TPU host (SIGSEGV in PjRtLoadedExecutable::Create).
+    os._exit(130)
 
 
 if __name__ == "__main__":
