@@ -211,8 +211,9 @@ def transformation(name: str, kwargs: Mapping, layout=None) -> optax.GradientTra
 def mistyped(signature: inspect.Signature, kwargs: Mapping) -> str | None:
   """What is wrong with the first of ``kwargs`` whose value does not fit ``signature``: not a
   number where the default or the annotation is one (a string from the command line,
-  ``--config.optax.b1=abc``), not finite, not an integer where an ``int`` is asked, or not a
-  pair of finite numbers where the default is a pair; None: nothing.
+  ``--config.optax.b1=abc``, or NaN; an infinite bound such as ``resident_padding=inf`` is a
+  number), not an integer where an ``int`` is asked, or not a pair of finite numbers where the
+  default is a pair; None: nothing.
 
   Example:
     >>> mistyped(inspect.signature(optax.scale_by_adam), {"b1": "abc"})
@@ -236,10 +237,8 @@ def _misfit(value, parameter: inspect.Parameter) -> str | None:
       return f"must be {len(default)} finite numbers, like {default!r}"
   if wanted not in ("int", "number") or (value is None and default is None):
     return None
-  if not _is_number(value):
+  if not _is_number(value) or value != value:
     return f"is not a number (the default is {default!r})"
-  if not _is_finite(value):
-    return "is not finite"
   if wanted == "int" and not isinstance(value, numbers.Integral):
     return f"must be an integer (the default is {default!r})"
   return None

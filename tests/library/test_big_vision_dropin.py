@@ -562,7 +562,7 @@ def test_big_visions_own_sgd_keeps_no_state_and_momentum_hp_keeps_bfloat16():
         ),
         (
             dict(optax_name="bv_sharding.scale_by_soap", optax=dict(eps=float("nan"))),
-            ["eps=nan is not finite"],
+            ["eps=nan is not a number (the default is 1e-08)"],
         ),
         (
             dict(schedule=[("(", dict(decay_type="cosine")), (".*", None)]),

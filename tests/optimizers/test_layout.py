@@ -277,8 +277,8 @@ def test_shampoo_and_soap_cut_a_layouts_stacked_leaves_layer_by_layer(name):
   weight = lambda k: 0.5 if k.startswith("layer") else 1.0
   loss = lambda p: sum(weight(k) * _loss(v) for k, v in p.items() if v is not None)
   apart = _run(make(ParamLayout(specs, mesh)), layers, loss=loss)[0]
-  for i in range(2):
-    np.testing.assert_allclose(stacked[i], apart[f"layer{i}"], rtol=0, atol=1e-6)
+  for i in range(2):  # Float32 reduction order: a few ulps of values near 2 (1.7e-6 seen).
+    np.testing.assert_allclose(stacked[i], apart[f"layer{i}"], rtol=4e-6, atol=1e-6)
   unstacked = _run(make(ParamLayout(SPECS, mesh)), params)[0]["stack"]
   assert np.max(np.abs(unstacked - stacked)) > 1e-4  # The layer axis a tensor dim: other math.
 
