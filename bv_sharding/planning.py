@@ -223,7 +223,7 @@ class Plan:
     return sorted(left, key=lambda e: -e.nbytes)
 
   def report(self, largest_unsharded: int = 5) -> str:
-    """A readable table: one row per leaf, then totals and the largest unsharded leaves."""
+    """A readable table: one row per leaf, then :meth:`summary`."""
     rows = [("name", "shape", "dtype", "spec", "MiB/device", "why")]
     rows += [
         (
@@ -238,13 +238,25 @@ class Plan:
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
+    return "\n".join([*lines, self.summary(largest_unsharded)])
+
+  def summary(self, largest_unsharded: int = 5) -> str:
+    """The totals (leaves, bytes, bytes per device against the ideal, coverage), then the
+    ``largest_unsharded`` largest unsharded leaves: the report's last lines.
+
+    Example:
+      >>> from bv_sharding.mesh import make_abstract_mesh
+      >>> tree = {"w": jax.ShapeDtypeStruct((4096, 512), "float32")}
+      >>> print(plan(tree, 'fsdp(axis="data")', make_abstract_mesh([("data", -1)], 8)).summary())
+      mesh {'data': 8}: 1 leaves, 8.00 MiB in all, 1.00 MiB per device (1.000x the ideal), coverage 100.0% of the 8-way split
+    """
     ideal = self.total_bytes / self.num_devices
-    lines.append(
+    lines = [
         f"mesh {dict(self.mesh.shape)}: {len(self.entries)} leaves, "
         f"{self.total_bytes / MiB:.2f} MiB in all, {self.bytes_per_device / MiB:.2f} MiB per "
         f"device ({self.bytes_per_device / max(ideal, 1):.3f}x the ideal), "
         f"coverage {100 * self.coverage:.1f}% of the {self.num_devices}-way split"
-    )
+    ]
     for e in self.unsharded()[:largest_unsharded]:
       lines.append(f"  unsharded: {e.name} {e.shape} {e.nbytes / MiB:.3f} MiB: {e.why}")
     return "\n".join(lines)

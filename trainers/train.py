@@ -63,6 +63,7 @@ from trainers.input import prefetch, records
 from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
 from trainers.settings import cli, schema, validation
 
+PLAN_TABLE = "plan.txt"  # The plan's whole table, in each start's folder (workdir/starts/<i>).
 _CONFIG = cli.define_config_flag()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --debug too.
 _WORKDIR = flags.DEFINE_string(
@@ -100,6 +101,12 @@ _AUTO = flags.DEFINE_bool(
     True,
     "Without --coordinator_address, start jax.distributed where jax detects a cluster "
     "(TPU pods, SLURM, Open MPI, Kubernetes); --nodistributed_auto for single-host runs.",
+)
+_PRINT_PLAN = flags.DEFINE_bool(
+    "print_plan",
+    False,
+    "Log the sharding plan's whole table (one row per leaf); without it the run logs the plan's "
+    "summary and writes the table to workdir/starts/<i>/plan.txt.",
 )
 _DEVICES = flags.DEFINE_integer(
     "devices_per_process",
@@ -163,7 +170,7 @@ def main(argv):
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules), out_of_memory:
     state, begun = start.restore_or_init(ckpt, run)
     if is_main_process:
-      note_start(_WORKDIR.value, config, begun, metrics.path, curves)
+      note_start(_WORKDIR.value, config, begun, metrics.path, curves, plan)
     local_batches = run.task.batches(
         run.task.train, global_batch=config.batch_size, seed=config.seed, start_step=begun.step
     )
@@ -234,7 +241,7 @@ def log_batch_split(config, mesh: jax.sharding.Mesh) -> None:
 def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
   """``plan`` of ``{"params", "opt"}``, once checked (coverage, same on every process, memory)."""
   if is_main_process:
-    logging.info("sharding plan:\n%s", plan.report())
+    logging.info("sharding plan:\n%s", plan.report() if _PRINT_PLAN.value else plan.summary())
   if config.max_unsharded_fraction is not None:
     bvs.check_coverage(plan, config.max_unsharded_fraction)
   bvs.check_same_plan(plan)  # Before allocating: every process planned the same.
@@ -270,14 +277,16 @@ def open_workdir(path: str, config, run, is_main_process: bool):
 
 
 def note_start(
-    path: str, config, begun: start.Start, metrics_path, curves: events.EventWriter
+    path: str, config, begun: start.Start, metrics_path, curves: events.EventWriter, plan
 ) -> None:
-  """Process 0 records where this run starts (and says so when it has nothing left to train);
-  metrics.jsonl lines after that step move aside.
+  """Process 0 records where this run starts, with ``plan``'s whole table (and says so when
+  it has nothing left to train); metrics.jsonl lines after that step move aside.
 
   The TensorBoard files move with them, and the records kept are written into a fresh one.
   """
-  provenance.record_start(path, config.source, begun.step, begun.source)
+  here = provenance.record_start(path, config.source, begun.step, begun.source)
+  provenance.write_text(os.path.join(here, PLAN_TABLE), plan.report())
+  logging.info("the sharding plan's table: %s", os.path.join(here, PLAN_TABLE))
   if begun.step >= config.total_steps:
     logging.info(
         "the run in %s finished at step %d of config.total_steps=%d: nothing left to train "

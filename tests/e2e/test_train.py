@@ -80,6 +80,10 @@ def test_lm_loss_falls_and_state_matches_plan(tmp_path, optimizer, config, dtype
   assert logged[0].endswith(
       "] cpu: process 0 of 1, 8 devices (8 here); jax.distributed: single process"
   )
+  # The plan's summary is logged; its whole table goes to the start's folder.
+  assert "coverage 100.0% of the 8-way split" in out and "follows params/" not in out
+  table = (tmp_path / "starts" / "0" / "plan.txt").read_text()
+  assert table.startswith("name ") and "opt/1/0/mu/embed/embedding" in table
   assert "state shardings match the plan after init" in out
   assert "state shardings match the plan after the first step" in out
   assert "step 30/30 loss=" in out and "tokens/s/device=" in out and "MFU=null" in out

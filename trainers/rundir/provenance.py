@@ -100,5 +100,13 @@ def record_start(workdir: str, config, start_step: int, source: str) -> str:
   return os.fspath(here)
 
 
+def write_text(target: str, text: str) -> None:
+  """``text`` and a newline into ``target`` (a local path or a ``gs://`` URL).
+
+  Example: ``write_text(os.path.join(record_start(...), "plan.txt"), plan.report())``.
+  """
+  _write(paths.path(target), text)
+
+
 def _write(target, text: str) -> None:
   target.write_text(text + "\n")
