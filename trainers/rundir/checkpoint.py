@@ -718,21 +718,26 @@ def _locate(path: epath.Path) -> tuple[epath.Path, int | None]:
   return path, None
 
 
+# orbax's warnings about a manager opened read-only, which ours are on purpose (restores).
+READ_ONLY_NOTES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+
+
 class _NoOrbaxInfo(logging_lib.Filter):
 
   def filter(self, record):
     if f"{os.sep}orbax{os.sep}" not in record.pathname:
       return True
-    if record.levelno < logging_lib.WARNING:
+    if record.levelno < logging_lib.WARNING or record.getMessage().startswith(READ_ONLY_NOTES):
       return False
     error = record.exc_info[1] if record.exc_info else ValueError(record.getMessage())
     return no_room(error) is None  # Reported in one line as CheckpointWriteError.
 
 
 def quiet_orbax() -> None:
-  """Drops orbax's INFO lines (dozens per save) from the log, and its errors about a write that
-  found no room (each thread's traceback: :meth:`Checkpoints.writing` says it in one line);
-  its other warnings and errors stay."""
+  """Drops orbax's INFO lines (dozens per save) from the log, its warnings about a manager opened
+  read-only (ours are, on purpose), and its errors about a write that found no room (each
+  thread's traceback: :meth:`Checkpoints.writing` says it in one line); its other warnings and
+  errors stay."""
   logger = logging_lib.getLogger("absl")
   if not any(isinstance(f, _NoOrbaxInfo) for f in logger.filters):
     logger.addFilter(_NoOrbaxInfo())
