@@ -12,7 +12,10 @@ where the transformation runs its state. Keyed on the node's type, not on the tr
 so a plain ``jax.eval_shape(tx.init, params)`` tree (big_vision's ``train.py``) is placed the
 same. Every other state leaf is followed as before. A node that holds several params' state
 together (an optimizer's pool of tiles kept where it runs) is registered ``per_param=False``:
-``place(node, mesh_sizes)``, wherever it sits in the state.
+``place(node, mesh_sizes)``, wherever it sits in the state. A node whose leaves each belong to
+the param found on their own path (optax's ``FactoredState``: trees shaped like the params) is
+registered ``per_param="leaves"``: ``place(node, params, mesh_sizes)``, ``params`` the node
+with each leaf replaced by its param's :class:`ParamOf`, or ``None`` where none is found.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -31,6 +34,7 @@ Example:
   (P('data', None), 'follows params/w (declared by Rows)')
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -39,18 +43,32 @@ from bv_sharding.errors import ShardingError
 from bv_sharding.specs import Spec, axes_of
 
 _PLACERS: dict[type, Callable] = {}
-_PER_PARAM: dict[type, bool] = {}
+_PER_PARAM: dict[type, bool | str] = {}
+LEAVES = "leaves"
 
 
-def register_state(node_type: type, place: Callable, per_param: bool = True) -> None:
+@dataclasses.dataclass(frozen=True)
+class ParamOf:
+  """A param as a ``per_param="leaves"`` placement sees it (not a pytree: a leaf)."""
+
+  name: str
+  shape: tuple[int, ...]
+  spec: Spec
+
+
+def register_state(node_type: type, place: Callable, per_param: bool | str = True) -> None:
   """Declares where ``node_type``'s leaves are kept: ``place(node, param_shape, param_spec,
   mesh_sizes) -> [spec per leaf of node]`` (module docstring). Registering a type again
   replaces its function.
 
   ``node_type`` must be a pytree node type (registered with ``jax.tree_util``), holding the
   state of one param, found below that param's path in the state tree; or, ``per_param``
-  False, state of no one param: ``place(node, mesh_sizes)``.
+  False, state of no one param: ``place(node, mesh_sizes)``; or, ``per_param="leaves"``,
+  leaves of several params, each below its own param's path: ``place(node, params,
+  mesh_sizes)`` (module docstring).
   """
+  if per_param not in (True, False, LEAVES):
+    raise ShardingError(f"register_state: per_param must be True, False or {LEAVES!r}")
   if not isinstance(node_type, type) or not callable(place):
     raise ShardingError(
         f"register_state({node_type!r}, {place!r}): expected a pytree node class and a "
@@ -77,25 +95,39 @@ def declared_specs(tree, param_of: Callable, sizes: dict[str, int], name_of: Cal
   for path, node in nodes:
     if not is_declared(node):
       continue
-    name, place = name_of(path), _PLACERS[type(node)]
-    if _PER_PARAM[type(node)]:
-      param = param_of(tuple(name.split("/")))
-      if param is None:
-        continue
-      param_name, shape, spec = param
-      specs = list(place(node, tuple(shape), tuple(spec), dict(sizes)))
-    else:
-      param_name, specs = None, list(place(node, dict(sizes)))
-    leaves = jax.tree_util.tree_flatten_with_path(node)[0]
+    name, leaves = name_of(path), jax.tree_util.tree_flatten_with_path(node)[0]
+    placed = _placed(node, name, [name_of(path + sub) for sub, _ in leaves], param_of, sizes)
+    if placed is None:
+      continue
+    owners, specs = placed
     if len(specs) != len(leaves):
       raise ShardingError(
           f"{type(node).__name__}'s placement gave {len(specs)} specs for the {len(leaves)} "
           f"leaves of {name}; return one spec per leaf, in jax.tree.leaves order"
       )
-    for (sub, leaf), leaf_spec in zip(leaves, specs):
+    for (sub, leaf), owner, leaf_spec in zip(leaves, owners, specs):
       leaf_spec = _checked(tuple(leaf_spec), leaf.shape, sizes, f"{name}: {type(node).__name__}")
-      found[name_of(path + sub)] = (leaf_spec, param_name, f"declared by {type(node).__name__}")
+      found[name_of(path + sub)] = (leaf_spec, owner, f"declared by {type(node).__name__}")
   return found
+
+
+def _placed(node, name: str, leaf_names: list[str], param_of: Callable, sizes) -> tuple | None:
+  """``(param name per leaf, spec per leaf)`` of ``node`` as its type declares; ``None`` for
+  a ``per_param=True`` node whose param is not found.
+  """
+  kind, place, sizes = _PER_PARAM[type(node)], _PLACERS[type(node)], dict(sizes)
+  if kind == LEAVES:
+    found = [param_of(tuple(leaf.split("/"))) for leaf in leaf_names]
+    params = [None if p is None else ParamOf(p[0], tuple(p[1]), tuple(p[2])) for p in found]
+    tree = jax.tree_util.tree_unflatten(jax.tree.structure(node), params)
+    return [p and p.name for p in params], list(place(node, tree, sizes))
+  if not kind:
+    return [None] * len(leaf_names), list(place(node, sizes))
+  param = param_of(tuple(name.split("/")))
+  if param is None:
+    return None
+  param_name, shape, spec = param
+  return [param_name] * len(leaf_names), list(place(node, tuple(shape), tuple(spec), sizes))
 
 
 def _checked(spec: Spec, shape, sizes: dict[str, int], where: str) -> Spec:

@@ -21,6 +21,7 @@ Example:
 """
 
 from bv_sharding.errors import OptimizerError
+from bv_sharding.optimizers import factored as _factored  # noqa: F401  (places optax's FactoredState)
 from bv_sharding.optimizers.axes import auto_axes_update
 from bv_sharding.optimizers.gating import skipping
 from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron

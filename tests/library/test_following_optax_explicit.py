@@ -81,7 +81,7 @@ NEEDS_AUTO_AXES = {
 # State leaves that come back from a step sharded otherwise than planned: a square param's
 # row and column statistics have one shape, so neither is planned on the param's axis;
 # the update computes the one that keeps the sharded dim sharded.
-DRIFTS = {"adafactor2": ["opt/0/v_col/square"]}
+DRIFTS = {}  # adafactor2's square v_col drifted while following guessed its dim (issue 67)
 
 SHAPES = {"matrix": (64, 32), "bias": (32,), "square": (32, 32), "cube": (16, 8, 4)}
 STRATEGY = 'fsdp(axis="data", min_size_to_shard_mb=0)'
@@ -157,7 +157,8 @@ def test_factored_statistics_carry_only_the_axes_of_the_dims_they_keep():
   """Adafactor's statistics of a ``(16, 8, 4)`` param sharded on dim 0: the one keeping dims
   (1, 2) stays unsharded (on dim 0 of the statistic, "data" would meet the gradient's
   "data" on another dim of the product), the one keeping (0, 2) carries "data"; a square
-  param's two statistics both stay unsharded; sm3's per-dim accumulators carry their dim's
+  param's row statistic keeps its dim 0, the column one its dim 1 (optax's FactoredState
+  says which: ``bv_sharding.optimizers.factored``); sm3's per-dim accumulators carry their dim's
   axis and no fallback's."""
   state = {
       "adafactor": jax.eval_shape(optax.adafactor(min_dim_size_to_factor=1).init, ABSTRACT),
@@ -169,9 +170,9 @@ def test_factored_statistics_carry_only_the_axes_of_the_dims_they_keep():
   assert specs["opt/adafactor/0/v_row/cube"] == jax.P(None, None)
   assert specs["opt/adafactor/0/v_col/cube"] == jax.P("data", None)
   assert specs["params/square"] in (jax.P("data", None), jax.P(None, "data"))
-  assert (
-      specs["opt/adafactor/0/v_row/square"] == specs["opt/adafactor/0/v_col/square"] == jax.P(None)
-  )
+  square = tuple(specs["params/square"])
+  assert specs["opt/adafactor/0/v_row/square"] == jax.P(square[0])
+  assert specs["opt/adafactor/0/v_col/square"] == jax.P(square[1])
   assert [specs[f"opt/sm3/0/mu/cube/{i}"] for i in range(3)] == [
       jax.P("data"),
       jax.P(None),
