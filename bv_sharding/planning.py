@@ -186,11 +186,16 @@ class Plan:
     follows its param (see :mod:`bv_sharding.following`).
 
     Example:
-      >>> import bv_sharding as bvs, jax
+      >>> import bv_sharding as bvs, jax, warnings
       >>> tree = {"w": jax.ShapeDtypeStruct((64, 32), "float32"),
       ...         "b": jax.ShapeDtypeStruct((32,), "float32")}
       >>> strategy = [("w", 'fsdp(axis="data")'), ("bais", "replicate()")]
-      >>> p = bvs.plan(tree, strategy, bvs.make_abstract_mesh([("data", 8)], 8))
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...   warnings.simplefilter("always")
+      ...   p = bvs.plan(tree, strategy, bvs.make_abstract_mesh([("data", 8)], 8))
+      >>> print(caught[0].category.__name__, caught[0].message)
+      ShardingWarning strategy entries ['bais'] match no leaf of the tree
+      (2 leaves, e.g. ['b', 'w']); check the regexes against the names in plan.report()
       >>> p.claims()
       ([('bais', 'replicate()')], ['b'])
     """

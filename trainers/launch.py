@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 from trainers.settings import cli, validation
 
@@ -93,16 +94,20 @@ def run(cmds: list[list[str]], timeout: float) -> int:
     3
   """
   launcher = os.getpid()
-  procs = [
-      subprocess.Popen(
-          cmd,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          text=True,
-          preexec_fn=lambda: die_with(launcher),
-      )
-      for cmd in cmds
-  ]
+  with warnings.catch_warnings():
+    # preexec_fn makes subprocess fork, and jax warns of it in a process whose backend is up (a
+    # caller's, a test's); the child only sets its death signal (die_with) and execs.
+    warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=lambda: die_with(launcher),
+        )
+        for cmd in cmds
+    ]
   # A preemption notice (SIGTERM) reaches every process, as it reaches every host of a pod.
   signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
   threads = [

@@ -16,6 +16,8 @@ import functools
 import json
 import math
 import pathlib
+import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +94,15 @@ def test_same_param_placements_as_big_vision(tree_name):
     sizes = dict(mesh_pairs)
     mesh = bvs.make_abstract_mesh(mesh_pairs, math.prod(sizes.values()))
     strategy = [tuple(p) for p in data["strategies"][run["strategy"]]]
-    ours = {e.name: e for e in bvs.plan(tree, strategy, mesh).entries}
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      ours = {e.name: e for e in bvs.plan(tree, strategy, mesh).entries}
+    # An entry that matches no leaf (frozen_img's ".*/img/.*" on a model without an image
+    # tower) is pointed out; nothing else warns.
+    unused = [regex for regex, _ in strategy if not any(re.fullmatch(regex, n) for n in shapes)]
+    expected = [f"strategy entries {unused} match no leaf"] if unused else []
+    assert [str(w.message).split(" of the tree")[0] for w in caught] == expected
+    assert all(issubclass(w.category, bvs.ShardingWarning) for w in caught)
     assert set(ours) == set(shapes)
     for name, shape in shapes.items():
       theirs = _spec(run["sharded"].get(name, ()), len(shape))

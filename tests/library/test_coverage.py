@@ -15,8 +15,14 @@ STRATEGY = [
 ]
 
 
+def planned() -> bvs.Plan:
+  """The plan of ``TREE`` by ``STRATEGY``, whose typo ``plan`` points out."""
+  with pytest.warns(bvs.ShardingWarning, match=r"strategy entries \['bias'\] match no leaf"):
+    return bvs.plan(TREE, STRATEGY, MESH)
+
+
 def test_coverage_counts_the_share_of_every_mesh_axis():
-  plan = bvs.plan(TREE, STRATEGY, MESH)
+  plan = planned()
   # both: 8 of 8 pieces, data_only: 4 of 8, whole: 1 of 8; equal sizes.
   assert plan.coverage == pytest.approx((1 + 4 / 8 + 1 / 8) / 3)
   assert coverage.unsharded_fraction(plan) == pytest.approx(1 - plan.coverage)
@@ -26,7 +32,7 @@ def test_coverage_counts_the_share_of_every_mesh_axis():
 
 
 def test_gate_passes_at_the_limit_and_names_leaves_above_it():
-  plan = bvs.plan(TREE, STRATEGY, MESH)
+  plan = planned()
   bvs.check_coverage(plan, coverage.unsharded_fraction(plan))
   with pytest.raises(bvs.ShardingError) as info:
     bvs.check_coverage(plan, 0.1)
@@ -38,6 +44,6 @@ def test_gate_passes_at_the_limit_and_names_leaves_above_it():
 
 
 def test_claims_name_unused_entries_and_unclaimed_leaves():
-  plan = bvs.plan(TREE, STRATEGY, MESH)
+  plan = planned()
   assert plan.claims() == ([("bias", "replicate()")], ["whole"])
   assert bvs.plan(TREE, [(".*", "replicate()")], MESH).claims() == ([], [])

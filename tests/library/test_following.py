@@ -16,6 +16,9 @@ MESHES = {"4x2": [("data", 4), ("model", 2)], "8x1": [("data", 8), ("model", 1)]
 STRATEGY = [(".*", 'tensor_parallel(axis="model")|fsdp(axis="data", min_size_to_shard_mb=0)')]
 CASES = [(name, mesh, False) for name in zoo.optimizers(llama_params()) for mesh in MESHES]
 CASES += [(name, mesh, True) for name in ("psgd_kron", "kron", "kron_blocks") for mesh in MESHES]
+# precondition-opt's distributed_shampoo computes its roots in float64 where jax_enable_x64 is
+# on, else in float32 (its comment says so) after jax's warning, which is not ours to fix.
+FLOAT32_ROOTS = pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
 
 
 def problem(name: str, scanned: bool) -> dict:
@@ -69,8 +72,16 @@ def relative_errors(tree, reference):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "name, mesh_name, scanned",
-    CASES,
-    ids=[f"{n}-{m}{'-scanned' if s else ''}" for n, m, s in CASES],
+    [
+        pytest.param(
+            n,
+            m,
+            s,
+            id=f"{n}-{m}{'-scanned' if s else ''}",
+            marks=[FLOAT32_ROOTS] if n == "distributed_shampoo" else [],
+        )
+        for n, m, s in CASES
+    ],
 )
 def test_state_is_born_sharded_stays_sharded_and_matches_one_device(name, mesh_name, scanned):
   mesh = bvs.make_mesh(MESHES[mesh_name])

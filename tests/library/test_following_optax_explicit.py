@@ -47,7 +47,7 @@ OPTAX_SHARDING_TESTS = {
     "lion": lambda: optax.lion(1.0),
     "nadam": lambda: optax.nadam(1.0),
     "nadamw": lambda: optax.nadamw(1.0),
-    "noisy_sgd": lambda: optax.noisy_sgd(1.0),
+    "noisy_sgd": lambda: optax.noisy_sgd(1.0, key=0),  # optax's default key, given: no warning.
     "novograd": lambda: optax.novograd(1.0),
     "optimistic_gradient_descent": lambda: optax.optimistic_gradient_descent(1.0),
     "radam": lambda: optax.radam(1.0),

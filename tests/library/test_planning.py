@@ -42,18 +42,21 @@ def test_first_matching_entry_wins_and_uses_fullmatch():
       (".*", 'fsdp(axis="data", min_size_to_shard_mb=0)'),
   ]
   mesh = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8)
-  entries = {e.name: e for e in bvs.plan(tree, strategy, mesh).entries}
+  # 'kernel' claims nothing: it fullmatches neither leaf, and plan says so.
+  with pytest.warns(bvs.ShardingWarning, match=r"strategy entries \['kernel'\] match no leaf"):
+    entries = {e.name: e for e in bvs.plan(tree, strategy, mesh).entries}
   assert entries["a/kernel"].spec == P("model", None)
   assert entries["a/kernel"].why.startswith("'a/.*' -> shard_dim")
   assert entries["b/kernel"].spec == P(None, "data")  # 'kernel' does not fullmatch 'b/kernel'
 
 
 def test_unmatched_leaf_is_replicated_and_reported():
-  p = bvs.plan(
-      {"w": sds(1024, 1024)},
-      [("nothing", "replicate()")],
-      bvs.make_abstract_mesh([("data", -1)], 8),
-  )
+  with pytest.warns(bvs.ShardingWarning, match=r"strategy entries \['nothing'\] match no leaf"):
+    p = bvs.plan(
+        {"w": sds(1024, 1024)},
+        [("nothing", "replicate()")],
+        bvs.make_abstract_mesh([("data", -1)], 8),
+    )
   assert p.entries[0].spec == P(None, None)
   assert "no strategy entry matches" in p.entries[0].why
 

@@ -488,6 +488,9 @@ def test_a_write_that_finds_no_room_is_one_line(tmp_path, monkeypatch):
   )
 
 
+# preexec_fn makes subprocess fork (jax warns, its threads being up here); the child only limits
+# its file size, ignores SIGXFSZ and execs the trainer, touching none of jax.
+@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")
 @pytest.mark.timeout(300)
 def test_a_save_that_finds_no_room_is_one_line_and_the_last_checkpoint_resumes(tmp_path, reference):
   workdir = copy_at(reference, tmp_path / "run", 4)
