@@ -216,15 +216,46 @@ def _corrected(prefix: str, table: dict) -> bool:
 def carry(state, carried: dict[str, str], read: Callable[[dict], dict]) -> Any:
   """``state`` with the leaves ``carried`` names (new -> saved) replaced by the saved ones.
 
-  ``read({saved name: new leaf})``: ``{saved name: array}`` in each new leaf's sharding.
+  ``read({saved name: new leaf})``: ``{saved name: array}`` in each new leaf's sharding. A
+  saved leaf carried into several (Adam's ``count`` into Muon's and its inner Adam's) is read
+  once and fills each with its own copy (:func:`own_buffers`).
   """
   names = leaf_names(state)
   leaves, treedef = jax.tree.flatten(state)
   new = dict(zip(names, leaves))
   values = read({saved: new[leaf] for leaf, saved in carried.items()}) if carried else {}
-  return treedef.unflatten(
-      [values[carried[n]] if n in carried else x for n, x in zip(names, leaves)]
-  )
+  filled = [values[carried[n]] if n in carried else x for n, x in zip(names, leaves)]
+  return treedef.unflatten(own_buffers(filled, leaves))
+
+
+def own_buffers(leaves: list, targets: list) -> list:
+  """``leaves`` with each array that an earlier leaf already holds copied into its ``targets``
+  leaf's sharding: every leaf its own buffer, as a step donating the state needs (one array in
+  two leaves: "Attempt to donate the same buffer twice", then a segfault). Arrays are told
+  apart by their buffers (``jax.device_put`` onto the same sharding gives another array on
+  the same buffers).
+
+  Example:
+    >>> count = jnp.int32(12)
+    >>> a, b = own_buffers([count, count], [count, count])
+    >>> a is count, b is count, int(b)
+    (True, False, 12)
+  """
+  held, owned = set(), []
+  for x, target in zip(leaves, targets):
+    key = _buffers(x)
+    if key in held:
+      x = jax.device_put(x, target.sharding, may_alias=False)
+    held.add(key)
+    owned.append(x)
+  return owned
+
+
+def _buffers(x) -> tuple:
+  """The addresses of ``x``'s buffers on this host (its ``id`` where it has none)."""
+  if not isinstance(x, jax.Array) or x.is_deleted():
+    return (id(x),)
+  return tuple(shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards)
 
 
 def renewed(names: list[str], kept: set[str], params: list[str]) -> list[str]:

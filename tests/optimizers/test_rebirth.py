@@ -71,19 +71,23 @@ def runs():
   return trained()
 
 
-def changed(runs, before: str, after: str):
-  """``(RMS at 21..25, carried, renewed)`` of ``before`` changed to ``after`` at step 20."""
+def reborn(runs, before: str, after: str):
+  """``(state, carried, renewed)``: ``after``'s state reborn at step 20 from ``before``'s."""
   state, params = runs[before][2:4]
-  init, run = runs[after][:2]
+  init = runs[after][0]
   saved = dict(zip(leaf_names(state), jax.tree.leaves(state)))
   table = {n: (tuple(x.shape), str(x.dtype)) for n, x in saved.items()}
   schedule = make_schedule(LR, **SCHEDULE)
   decays = registry.state_decays(after, {})
   built = BuiltOptimizer(after, PARAMS, learning_rate=schedule, decays=decays)
   meta = BuiltOptimizer(before, PARAMS, decays=registry.state_decays(before, {})).record()
-  born = init(params)
-  reborn, carried, renewed = built.reborn(born, 20, meta, table, lambda t: {n: saved[n] for n in t})
-  return np.asarray(run(reborn, params, 20)[2]), carried, renewed
+  return built.reborn(init(params), 20, meta, table, lambda t: {n: saved[n] for n in t})
+
+
+def changed(runs, before: str, after: str):
+  """``(RMS at 21..25, carried, renewed)`` of ``before`` changed to ``after`` at step 20."""
+  state, carried, renewed = reborn(runs, before, after)
+  return np.asarray(runs[after][1](state, runs[before][3], 20)[2]), carried, renewed
 
 
 def ratio(runs, before: str, after: str) -> np.ndarray:
@@ -101,6 +105,26 @@ def first_ratios(runs) -> dict[str, float]:
 def test_an_optimizer_change_starts_at_the_new_optimizers_own_scale(runs, before, after):
   r = ratio(runs, before, after)
   assert np.all(np.isfinite(r)) and r.max() <= 2.0 and r.min() >= 0.5, r.round(2)
+
+
+def buffers(x: jax.Array) -> tuple:
+  return tuple(shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards)
+
+
+def test_every_leaf_of_a_reborn_state_is_its_own_buffer(runs):
+  # A train step donates the state: one array in two leaves fails its first step ("Attempt to
+  # donate the same buffer twice", then a segfault). Adam's count was carried into both Muon's
+  # and its inner Adam's as one array (issue 67); each is its own copy now.
+  shared = {}
+  for before, after in itertools.permutations(registry.OPTIMIZERS, 2):
+    state, carried, _ = reborn(runs, before, after)
+    held = [buffers(x) for x in jax.tree.leaves(state)]
+    if len(set(held)) < len(held):
+      shared[before, after] = carried
+  assert shared == {}
+  state, carried, _ = reborn(runs, "adamw", "muon")
+  counts = [leaf for leaf, source in carried.items() if source == "0/0/count"]
+  assert len(counts) == 2, carried  # Muon's count and its inner Adam's, from Adam's.
 
 
 def test_a_count_is_carried_only_with_every_moment_it_corrects(runs):

@@ -227,7 +227,7 @@ def first_20_steps(tmp_path_factory):
     ("before", "after", "logged", "flags"),
     [
         ("kron", "adamw", "born afresh: opt/1/0/count, opt/1/0/mu/*, opt/1/0/nu/*", ()),
-        # adamw's first 20 steps made once for the three changes from it (made_once).
+        # adamw's first 20 steps made once for the four changes from it (made_once).
         ("adamw", "lamb", "opt/1/0/count -> opt/1/0/count; born afresh: nothing", ()),
         ("adamw", "sgd", "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding", ()),
         # SOAP's lr is twice adamw's (lr_scale 2): ramped in over 5 steps, as docs/durability.md
@@ -240,6 +240,7 @@ def first_20_steps(tmp_path_factory):
         ),
         ("lamb", "adamw", "opt/1/0/count -> opt/1/0/count; born afresh: nothing", ()),
         ("muon", "shampoo", "/momentum; born afresh: opt/1/0/count,", ()),
+        ("adamw", "muon", "opt/1/0/count -> opt/1/inner_states/muon/inner_state/0/count;", ()),
     ],
 )
 def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(
@@ -251,7 +252,9 @@ def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(
   loss (the same held-out batch at every step) is the yardstick: the train batches' own
   difficulty moves their loss by up to 0.35 (an unchanged adamw run: 3.10 at 20, 3.41 at 23).
   adamw -> sgd: SGD's trace born from Adam's mu. adamw -> soap: SOAP moves from its first step
-  (a fresh run's first step only fits its bases), its mu refilled."""
+  (a fresh run's first step only fits its bases), its mu refilled. adamw -> muon: Adam's count
+  carried into Muon's and its inner Adam's, each its own copy (one array in both failed the
+  first step: "Attempt to donate the same buffer twice", then a segfault)."""
   workdir = shutil.copytree(first_20_steps(before), tmp_path / "run")
   out = train(workdir, f"--config.optax_name={after}", *CHANGE, *flags, total=40, timeout=600)
   assert logged in out, out[-3000:]
