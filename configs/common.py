@@ -49,8 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
   # None: ask the devices (on CPU: the host's available memory shared by them).
   config.device_memory_gib = ml_collections.config_dict.placeholder(float)
   # Steps over which an optimizer state born mid-run (another optax_name on resume) is ramped
-  # in, min(1, n / rewarmup_steps); its schedule continues at the global step either way.
-  config.rewarmup_steps = 0
+  # in, min(1, n / rewarmup_steps) (0: not at all); its schedule continues at the global step
+  # either way. A fresh run's updates are not scaled (docs/durability.md).
+  config.rewarmup_steps = 5
   config.on_nonfinite = "stop"  # A NaN/inf loss ends the run; "skip": skip that update.
   # big_vision's keys: save every ckpt_steps (and at the end, and on SIGTERM); keep the
   # checkpoints at multiples of keep_ckpt_steps for good (else only the latest is kept).

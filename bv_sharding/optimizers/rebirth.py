@@ -9,9 +9,10 @@ from the plan at step ``s`` with these differences from a fresh one:
   the update of step ``s + 1`` applies ``lr(s)``, as the run that never changed would: the
   run still ends at ``linear_end`` at ``total_steps``. schedule_free's step count continues
   there too, its average born holding the params with one step's weight.
-* **A ramp** (``config.rewarmup_steps`` = R > 0, :func:`ramp_in` chained last) scales the
-  new optimizer's updates by ``min(1, n / R)``, ``n`` the steps since its birth (0 at the
-  first one, as big_vision's warmup). A fresh run's ramp is born saturated (count R).
+* **A ramp** (``config.rewarmup_steps`` = R, :func:`ramped`: :func:`ramp_in` chained last)
+  scales the new optimizer's updates by ``min(1, n / R)``, ``n`` the steps since its birth (0
+  at the first one, as big_vision's warmup). A fresh run's ramp is born saturated
+  (:data:`FULL`): its updates are the chain's own, bit for bit.
 * **Moments are carried with the count that corrects them** (:func:`carried_leaves`), per
   group of ``mu`` (and ``nu``) leaves beside a ``count``, decided from the two state tables:
   a new group takes its moments and its count from one saved group holding every moment it
@@ -78,8 +79,12 @@ _GRADS = "trace"  # The sum of grads: ``(1 - beta) trace`` is their mean, a firs
 _CORRECTED = ("nu", "Qs_preconditioners")
 
 
+# A count that stays where it is: a fresh run's ramp and refilled moments, which are full.
+FULL = jnp.iinfo(jnp.int32).max
+
+
 class RampState(NamedTuple):
-  """The steps the ramp has applied (saturated at birth for a fresh run)."""
+  """The steps the ramp has applied since its state's birth; :data:`FULL` in a fresh run."""
 
   count: jax.Array
 
@@ -90,19 +95,76 @@ def ramp(steps: int, n) -> float:
 
 
 def ramp_in(steps: int) -> optax.GradientTransformation:
-  """Scales updates by :func:`ramp` of its count; born at ``steps`` (no ramp) for a fresh run."""
+  """Scales updates by :func:`ramp` of its count, born :data:`FULL` (a fresh run: no ramp,
+  the updates as they are, bit for bit) and set to 0 by :func:`at_step` (a state born
+  mid-run). ``steps`` 0: never scales."""
 
   def init(params):
     del params
-    return RampState(jnp.asarray(steps, jnp.int32))
+    return RampState(jnp.asarray(FULL, jnp.int32))
 
   def update(updates, state, params=None):
     del params
-    scale = jnp.minimum(1.0, state.count / steps)
-    updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+    if steps:
+      scale = jnp.minimum(1.0, state.count / steps)
+      updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
     return updates, RampState(optax.safe_increment(state.count))
 
   return optax.GradientTransformation(init, update)
+
+
+def ramped(tx: optax.GradientTransformation, steps: int) -> optax.GradientTransformation:
+  """The chain ``tx`` with :func:`ramp_in` as its last link: its state ``tx``'s tuple with the
+  :class:`RampState` appended, so that every leaf of ``tx``'s state keeps its name (``1/0/mu``
+  stays ``1/0/mu``) and a state saved without the ramp is found in it (:func:`unramped`).
+
+  Example:
+    >>> tx = ramped(optax.chain(optax.scale_by_adam(), optax.scale(-0.1)), 4)
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> leaf_names(state)
+    ['0/count', '0/mu/w', '0/nu/w', '2/count']
+    >>> updates, _ = tx.update({"w": jnp.ones(2)}, at_step(state, 20))  # A ramp at 0.
+    >>> updates["w"].tolist()
+    [-0.0, -0.0]
+  """
+  ramp_tx = ramp_in(steps)
+
+  def init(params):
+    state = tx.init(params)
+    if type(state) is not tuple:
+      raise TypeError(f"ramped: {tx} is not an optax chain (its state: {type(state).__name__})")
+    return (*state, ramp_tx.init(params))
+
+  def update(updates, state, params=None):
+    updates, inner = tx.update(updates, unramped(state), params)
+    updates, ramp_state = ramp_tx.update(updates, state[-1])
+    return updates, (*inner, ramp_state)
+
+  return optax.GradientTransformation(init, update)
+
+
+def unramped(state):
+  """The state of :func:`ramped`'s chain without its ramp (None: ``state`` has no ramp).
+
+  Example:
+    >>> unramped(("adam's", RampState(FULL))), unramped(("adam's",))
+    (("adam's",), None)
+  """
+  if type(state) is tuple and state and isinstance(state[-1], RampState):
+    return state[:-1]
+  return None
+
+
+def with_ramp(state, like):
+  """``state`` saved by a run without the ramp, with ``like``'s (a :func:`ramped` state, or its
+  abstract form, in the shardings to hold it) appended, saturated (:data:`FULL`): the updates
+  as that run's.
+
+  Example:
+    >>> with_ramp(("adam's",), ("adam's", RampState(jnp.int32(0))))[1].count == FULL
+    Array(True, dtype=bool)
+  """
+  return (*state, RampState(_filled(like[-1].count, FULL)))
 
 
 def at_step(state, step: int, learning_rate: Callable | None = None):
@@ -440,9 +502,6 @@ class RefillState(NamedTuple):
   birth, :data:`FULL` (int32's largest, where it stays) in a fresh run, whose moment is full."""
 
   terms: Any
-
-
-FULL = jnp.iinfo(jnp.int32).max
 
 
 def refill_scale(missing) -> jax.Array:

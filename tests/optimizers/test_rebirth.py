@@ -197,3 +197,25 @@ def test_a_sum_born_at_zero_without_a_refill_starts_at_a_fresh_runs_first_scale(
   refilled = np.asarray(run(reborn, params, 20)[2]) / runs["sgd"][4]
   unscaled = np.asarray(run(rebirth.unfilled(reborn, set())[0], params, 20)[2]) / runs["sgd"][4]
   assert unscaled[0] < 0.2 and refilled.min() >= 0.5, (unscaled.round(2), refilled.round(2))
+
+
+def test_a_ramped_chain_updates_as_the_chain_until_its_state_is_reborn():
+  """``rebirth.ramped``: the chain's leaves under their own names, the ramp's last; a fresh
+  state's updates the chain's own, bit for bit (its ramp born saturated); a state born mid-run
+  (``at_step``) moves by 0, 1/3, 2/3 of the chain's updates, then by them whole."""
+  chain = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(LR, weight_decay=1e-4))
+  tx = rebirth.ramped(chain, 3)
+  state, plain = tx.init(PARAMS), chain.init(PARAMS)
+  assert leaf_names(state) == [*leaf_names(plain), "2/count"]
+  scales = []
+  for t in range(9):
+    if t == 4:  # Both born afresh at step 4, as a resume with another optimizer does.
+      state, plain = rebirth.at_step(tx.init(PARAMS), 4), chain.init(PARAMS)
+    ramped, state = tx.update(grads(t, PARAMS), state, PARAMS)
+    updates, plain = chain.update(grads(t, PARAMS), plain, PARAMS)
+    if t < 4:
+      assert all(jax.tree.leaves(jax.tree.map(np.array_equal, ramped, updates)))
+    else:
+      scales.append(float(ramped["w"][0, 0] / updates["w"][0, 0]))
+  assert scales == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.0])
+  assert rebirth.unramped(state) is not None and rebirth.unramped(plain) is None

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 import bv_sharding as bvs
+from benchmarks.optimizer_change import jump
+from bv_sharding.optimizers import rebirth
 from configs import lm
 from tests.helpers import made_once, metrics
 from tests.trainer import runs
@@ -79,15 +81,16 @@ def reference(tmp_path_factory):
   return runs.reference(tmp_path_factory)
 
 
-def tiny_lm(optax_name="adamw"):
-  """The model and optimizer of ``runs.CONFIG``, for restoring in this process."""
+def tiny_lm(optax_name="adamw", ramp=True):
+  """The model and optimizer of ``runs.CONFIG``, for restoring in this process; ``ramp``: the
+  chain ends with the ramp, as the trainer's does (``rebirth.ramped``)."""
   model = models.from_config(lm.get_config("layers=1"))
   init = lambda: model.init(jax.random.key(0), np.zeros((1, 32), np.int32))["params"]
   schedule = {"warmup_steps": 2, "decay_type": "cosine", "total_steps": STEPS}
   tx = optimizers.make_optimizer(
       optax_name, 3e-3, schedule=schedule, weight_decay=1e-4, clip_norm=1.0
   )
-  return init, tx
+  return init, rebirth.ramped(tx, 5) if ramp else tx
 
 
 @pytest.mark.timeout(600)
@@ -110,6 +113,29 @@ def test_restored_values_are_exact_in_the_new_plans_shardings(reference, mesh):
   flat_got = dict(zip(got, jax.tree.leaves(state)))
   flat_want = dict(zip(checkpoint.leaf_table(want), jax.tree.leaves(want)))
   assert all(np.array_equal(np.asarray(flat_got[k]), flat_want[k]) for k in flat_want)
+
+
+@pytest.mark.timeout(600)
+def test_a_state_saved_before_the_ramp_resumes_as_saved(tmp_path, reference):
+  """A checkpoint written before the trainer's chain ended with a ramp (its state the chain's
+  alone): restored by a run whose chain has it, the state is kept as saved (not reborn as a
+  foreign optimizer's), the ramp appended saturated (the updates as the run's own)."""
+  ramped, unramped = (steps.abstract_state(*tiny_lm(ramp=r)) for r in (True, False))
+  strategy = [(".*", 'llm_fsdp(axis="data", min_size_to_shard_mb=0)')]
+  mesh = bvs.make_mesh([("data", 8)])
+  plans = [bvs.plan(tree, strategy, mesh) for tree in (ramped, unramped)]
+  adamw = optimizers.BuiltOptimizer("adamw", plans[0].abstract()["params"])
+  manager = checkpoint.open_manager(str(reference / "checkpoints"), read_only=True)
+  state, _ = restore(manager, STEPS, plans[0], tiny_lm()[1], adamw)
+  state["opt"] = rebirth.unramped(state["opt"])  # As the code before the ramp saved it.
+  ckpt = checkpoint.Checkpoints(str(tmp_path / "old"), lm_in("float32").config, adamw, plans[1])
+  ckpt.begin(STEPS)
+  ckpt.close(state)
+  old = checkpoint.open_manager(str(tmp_path / "old" / "checkpoints"), read_only=True)
+  restored, begun = restore(old, STEPS, plans[0], tiny_lm()[1], adamw)
+  assert begun == Start(STEPS, str(tmp_path / "old" / "checkpoints" / str(STEPS)), 0)
+  assert equal_on_host(rebirth.unramped(restored["opt"]), state["opt"])
+  assert int(restored["opt"][-1].count) == rebirth.FULL and not plans[0].mismatches(restored)
 
 
 def assert_restores_cast(workdir, step: int, dtype: str) -> None:
@@ -184,10 +210,10 @@ def test_optimizer_change_continues_the_schedule_and_carries_the_moment(tmp_path
   train(workdir, "--config.ckpt_steps=10", *cosine, total=20)
   new = ("--config.optax_name=kron", "--config.rewarmup_steps=4", *cosine)
   out = train(workdir, *new, total=40, timeout=700)
-  # Adam's first moment and count, now Kron's (the ramp's chain nests Kron's state deeper).
-  assert "carried over: opt/1/0/mu/embed/embedding -> opt/0/1/0/mu/embed/embedding," in out
-  assert "opt/1/0/mu/lm_head/kernel -> opt/0/1/0/mu/lm_head/kernel" in out
-  assert "opt/1/0/count -> opt/0/1/0/count" in out
+  # Adam's first moment and count, now Kron's, under the same names (the ramp's state last).
+  assert "carried over: opt/1/0/mu/embed/embedding -> opt/1/0/mu/embed/embedding," in out
+  assert "opt/1/0/mu/lm_head/kernel -> opt/1/0/mu/lm_head/kernel" in out
+  assert "opt/1/0/count -> opt/1/0/count" in out
   peak = lm.get_config().lr * optimizers.registry.lr_scale("kron")
   schedule = optimizers.make_schedule(peak, 40, warmup_steps=2, decay_type="cosine")
   logged = {r["step"]: r["lr"] for r in metrics(workdir)}
@@ -200,9 +226,9 @@ def test_optimizer_change_continues_the_schedule_and_carries_the_moment(tmp_path
       if x.ndim == 0 and x.dtype.kind == "i"
   }
   # Applied: the schedule counted global steps, the ramp Kron's 20, Kron's count Adam's 20 too.
-  assert counts == {"0/1/0/count": 40, "0/1/0/update_counter": counts["0/1/0/update_counter"]} | {
-      "0/1/2/count": 40,
-      "1/count": 20,
+  assert counts == {"1/0/count": 40, "1/0/update_counter": counts["1/0/update_counter"]} | {
+      "1/2/count": 40,
+      "2/count": 20,
   }
 
 
@@ -222,47 +248,52 @@ def first_20_steps(tmp_path_factory):
   return run
 
 
+AFRESH = "born afresh: opt/1/0/count, opt/1/0/mu/*, opt/1/0/nu/*"
+
+
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize(
-    ("before", "after", "logged", "flags"),
+    ("before", "after", "logged"),
     [
-        ("kron", "adamw", "born afresh: opt/1/0/count, opt/1/0/mu/*, opt/1/0/nu/*", ()),
-        # adamw's first 20 steps made once for the four changes from it (made_once).
-        ("adamw", "lamb", "opt/1/0/count -> opt/1/0/count; born afresh: nothing", ()),
-        ("adamw", "sgd", "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding", ()),
-        # SOAP's lr is twice adamw's (lr_scale 2): ramped in over 5 steps, as docs/durability.md
-        # advises for a change to a larger step (without it: 2.95 at step 25 against 2.68).
-        (
-            "adamw",
-            "soap",
-            "born afresh: opt/0/1/0/count (at 1: SOAP fits its bases on its first",
-            ("--config.rewarmup_steps=5",),
-        ),
-        ("lamb", "adamw", "opt/1/0/count -> opt/1/0/count; born afresh: nothing", ()),
-        ("muon", "shampoo", "/momentum; born afresh: opt/1/0/count,", ()),
-        ("adamw", "muon", "opt/1/0/count -> opt/1/inner_states/muon/inner_state/0/count;", ()),
+        ("kron", "adamw", AFRESH),
+        ("adafactor", "adamw", AFRESH),
+        ("soap", "adamw", AFRESH),
+        # adamw's first 20 steps made once for the five changes from it (made_once).
+        ("adamw", "lamb", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
+        ("adamw", "sgd", "opt/1/0/mu/embed/embedding -> opt/2/0/trace/embed/embedding"),
+        ("adamw", "soap", "born afresh: opt/1/0/count (at 1: SOAP fits its bases on its first"),
+        ("adamw", "shampoo", "opt/1/0/mu/embed/embedding -> opt/1/0/per_param/embed/embedding/"),
+        ("lamb", "adamw", "opt/1/0/count -> opt/1/0/count; born afresh: nothing"),
+        ("muon", "shampoo", "/momentum; born afresh: opt/1/0/count,"),
+        ("adamw", "muon", "opt/1/0/count -> opt/1/inner_states/muon/inner_state/0/count;"),
     ],
 )
 def test_optimizer_changes_at_step_20_of_40_do_not_raise_the_loss(
-    tmp_path, first_20_steps, before, after, logged, flags
+    tmp_path, first_20_steps, before, after, logged
 ):
-  """The new optimizer's moments and counts consistent (bv_sharding/optimizers/rebirth.py): no
-  eval loss after the change above the step-20 one + 0.1. kron -> adamw, when Kron's count
-  corrected Adam's zero nu, logged a train loss of 23.8 at step 22 (5.4 at step 20). The eval
-  loss (the same held-out batch at every step) is the yardstick: the train batches' own
-  difficulty moves their loss by up to 0.35 (an unchanged adamw run: 3.10 at 20, 3.41 at 23).
-  adamw -> sgd: SGD's trace born from Adam's mu. adamw -> soap: SOAP moves from its first step
-  (a fresh run's first step only fits its bases), its mu refilled. adamw -> muon: Adam's count
-  carried into Muon's and its inner Adam's, each its own copy (one array in both failed the
-  first step: "Attempt to donate the same buffer twice", then a segfault)."""
+  """The new optimizer's moments and counts consistent (bv_sharding/optimizers/rebirth.py) and
+  its updates ramped in over ``config.rewarmup_steps`` (default 5; the lr logged at step 21 is
+  0): no eval loss after the change above the step-20 one + 0.1, and the train loss's jump
+  (its highest at steps 21..25 minus its mean at 16..20) at most 0.5. kron -> adamw, when Kron's
+  count corrected Adam's zero nu, logged a train loss of 23.8 at step 22 (5.4 at step 20). The
+  eval loss (the same held-out batch at every step) is the stricter yardstick: the train
+  batches' own difficulty moves their loss by up to 0.35 (an unchanged adamw run: 3.10 at 20,
+  3.41 at 23). Without the ramp, adafactor -> adamw and soap -> adamw (Adam born afresh, its
+  first steps sign-like at the full lr) rose to eval losses of 4.95 and 3.38 from 3.53 and 2.80,
+  adamw -> soap (SOAP's lr twice adamw's) to 2.95 from 2.68. adamw -> sgd: SGD's trace born
+  from Adam's mu. adamw -> soap: SOAP moves from its first step (a fresh run's first step only
+  fits its bases), its mu refilled. adamw -> muon: Adam's count carried into Muon's and its
+  inner Adam's, each its own copy (one array in both failed the first step: "Attempt to donate
+  the same buffer twice", then a segfault)."""
   workdir = shutil.copytree(first_20_steps(before), tmp_path / "run")
-  out = train(workdir, f"--config.optax_name={after}", *CHANGE, *flags, total=40, timeout=600)
+  out = train(workdir, f"--config.optax_name={after}", *CHANGE, total=40, timeout=600)
   assert logged in out, out[-3000:]
   records = metrics(workdir)
   assert [r["step"] for r in records] == list(range(1, 41))
-  assert all(np.isfinite(r["loss"]) for r in records)
+  assert all(np.isfinite(r["loss"]) for r in records) and records[20]["lr"] == 0.0
   limit = records[19]["eval_loss"] + 0.1
   assert max(r["eval_loss"] for r in records[20:]) <= limit, (before, after, records[19:])
+  assert jump([r["loss"] for r in records], 20, 5) <= 0.5, (before, after, records[15:25])
 
 
 @pytest.mark.timeout(600)

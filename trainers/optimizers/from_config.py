@@ -13,7 +13,9 @@ the leaves it takes.
 Either way the optimizer's floating-point state is stored in ``config.state_dtype``
 (default: ``config.param_dtype``) and updated in float32
 (:func:`~bv_sharding.optimizers.state_dtype.with_state_dtype`); a dtype argument in
-``config.optax`` (``mu_dtype``, Kron's ``precond_dtype``) wins for what it names.
+``config.optax`` (``mu_dtype``, Kron's ``precond_dtype``) wins for what it names. The chain
+ends with a ramp (:func:`~bv_sharding.optimizers.rebirth.ramped`: one scalar of state) that
+ramps in, over ``config.rewarmup_steps``, a state born mid-run by a resume.
 
 Example:
   >>> from configs.common import base_config
@@ -35,7 +37,8 @@ from bv_sharding.big_vision import ConfigError
 from bv_sharding.big_vision import optax as bv_optax
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.big_vision.transformations import TRANSFORMATIONS, factory, transformation
-from bv_sharding.optimizers import ramp_in, with_state_dtype
+from bv_sharding.optimizers import with_state_dtype
+from bv_sharding.optimizers.rebirth import ramped
 from trainers import precision
 from trainers.errors import OptimizerError, closest
 from trainers.optimizers import registry
@@ -73,9 +76,8 @@ def from_config(config, layout=None) -> tuple[optax.GradientTransformation, dict
   else:
     tx = _big_vision_chain(config, name, kwargs, schedules, layout)
   tx = with_state_dtype(tx, precision.of_config(config).state)
-  if config.rewarmup_steps:  # Ramps in an optimizer born mid-run (rebirth.py).
-    tx = optax.chain(tx, ramp_in(config.rewarmup_steps))
-  return tx, learning_rates
+  # Ramps in an optimizer state born mid-run (rebirth.py); a fresh run's updates as they are.
+  return ramped(tx, config.rewarmup_steps), learning_rates
 
 
 def _registry_optimizer(config, name, kwargs, entries, schedules, layout):

@@ -213,9 +213,9 @@ class Optimizer:
   )
   schedule: Any = own("big_vision's schedule: a dict, or (regex, dict | None) pairs")
   rewarmup_steps: int = shared(
-      0,
+      5,
       "steps over which an optimizer state born mid-run (another optax_name on resume) is "
-      "ramped in, min(1, n / rewarmup_steps)",
+      "ramped in, min(1, n / rewarmup_steps); 0: not ramped",
       Int(100, minimum=0),
   )
 
