@@ -15,7 +15,8 @@ together (an optimizer's pool of tiles kept where it runs) is registered ``per_p
 ``place(node, mesh_sizes)``, wherever it sits in the state. A node whose leaves each belong to
 the param found on their own path (optax's ``FactoredState``: trees shaped like the params) is
 registered ``per_param="leaves"``: ``place(node, params, mesh_sizes)``, ``params`` the node
-with each leaf replaced by its param's :class:`ParamOf`, or ``None`` where none is found.
+with each leaf replaced by its param's :class:`ParamOf`, or ``None`` where none is found. A spec
+of ``None`` in place of a leaf's declares nothing for it: that leaf is followed as any other.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -106,6 +107,8 @@ def declared_specs(tree, param_of: Callable, sizes: dict[str, int], name_of: Cal
           f"leaves of {name}; return one spec per leaf, in jax.tree.leaves order"
       )
     for (sub, leaf), owner, leaf_spec in zip(leaves, owners, specs):
+      if leaf_spec is None:  # Left to following.
+        continue
       leaf_spec = _checked(tuple(leaf_spec), leaf.shape, sizes, f"{name}: {type(node).__name__}")
       found[name_of(path + sub)] = (leaf_spec, owner, f"declared by {type(node).__name__}")
   return found

@@ -6,8 +6,9 @@ hang in its first collective or compute garbage. :func:`check_same_plan` compare
 fingerprints across processes before anything is allocated and raises naming the
 first leaf that differs.
 
-The fingerprint covers the mesh (axis names and sizes) and every leaf's name,
-shape, dtype and spec, in tree order; not the ``why`` notes, which are for people.
+The fingerprint covers the mesh (axis names, sizes and types: some specs depend on the
+types) and every leaf's name, shape, dtype and spec, in tree order; not the ``why`` notes,
+which are for people.
 
 Example:
   >>> import jax
@@ -16,7 +17,7 @@ Example:
   >>> plan = bvs.plan(tree, 'fsdp(axis="data", min_size_to_shard_mb=0)',
   ...                 bvs.make_abstract_mesh([("data", 8)], 8))
   >>> describe(plan)
-  ["mesh {'data': 8}", "w (64, 32) float32 P('data', None)"]
+  ["mesh {'data': 8} axis types {'data': 'auto'}", "w (64, 32) float32 P('data', None)"]
   >>> len(digest(plan))
   64
   >>> check_same_plan(plan)   # one process: nothing to compare
@@ -36,9 +37,9 @@ DIGEST_BYTES = 32
 
 
 def describe(plan: Plan) -> list[str]:
-  """One line for the mesh, then one per leaf: ``name shape dtype spec``."""
+  """One line for the mesh (sizes and axis types), then one per leaf: ``name shape dtype spec``."""
   leaves = [f"{e.name} {e.shape} {np.dtype(e.dtype).name} {e.spec}" for e in plan.entries]
-  return [f"mesh {dict(plan.mesh.shape)}", *leaves]
+  return [f"mesh {dict(plan.mesh.shape)} axis types {plan.axis_types}", *leaves]
 
 
 def digest(plan: Plan) -> str:

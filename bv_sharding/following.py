@@ -23,7 +23,8 @@ A statistic over some of the param's dims (dims kept, a diagonal factor ``(d_i,)
 ``broadcasts``: the update multiplies it, expanded, with the gradient, so under Explicit
 axes it may carry only the param's axes on the dims it keeps. Any other axis would either
 sit on two dims of the product (``f32[16@data,8], f32[1,8@data]``: an illegal sharding) or
-change the update's sharding, so such a leaf never goes to the fallback.
+change the update's sharding, so such a leaf goes to the fallback over Auto axes only
+(:mod:`bv_sharding.planning`): under Auto axes the compiler reshards it.
 
 Example:
   >>> relate((512,), (), "params/w", (512, 1024), ("data", None)).spec

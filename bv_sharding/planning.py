@@ -153,6 +153,19 @@ class Plan:
     return math.prod(self.mesh.shape.values())
 
   @property
+  def axis_types(self) -> dict[str, str]:
+    """``{axis: "auto" | "explicit" | "manual"}``: the types of the mesh planned on, which the
+    specs hold for (:func:`plan`'s ``mesh``).
+
+    Example:
+      >>> from bv_sharding.mesh import make_abstract_mesh
+      >>> mesh = make_abstract_mesh([("data", -1)], 8, axis_types="explicit")
+      >>> plan({"w": jax.ShapeDtypeStruct((8,), "float32")}, "replicate()", mesh).axis_types
+      {'data': 'explicit'}
+    """
+    return _axis_types(self.mesh)
+
+  @property
   def coverage(self) -> float:
     """Bytes-weighted fraction of the ideal split achieved, in [0, 1].
 
@@ -206,9 +219,9 @@ class Plan:
   def mismatches(self, tree) -> list[str]:
     """Names of arrays in ``tree`` whose sharding is not the planned one.
 
-    A planned leaf missing from ``tree``, a leaf the plan lacks, and a leaf that is not
-    a ``jax.Array`` are listed too, as ``"name: why"``: a tree of another structure never
-    passes.
+    A planned leaf missing from ``tree``, a leaf the plan lacks, a leaf that is not a
+    ``jax.Array`` and one on a mesh whose axis types are not the plan's are listed too, as
+    ``"name: why"``: a tree of another structure, or on a mesh of other types, never passes.
     """
     arrays, planned = dict(names.flatten(tree)[0]), self.by_name()
     wrong = [f"{name}: missing from the tree" for name in planned if name not in arrays]
@@ -218,6 +231,8 @@ class Plan:
         continue
       if not hasattr(x, "sharding"):
         wrong.append(f"{name}: a {type(x).__name__}, not a jax.Array")
+      elif _axis_types(getattr(x.sharding, "mesh", self.mesh)) != self.axis_types:
+        wrong.append(f"{name}: {_other_types(x.sharding.mesh, self.mesh)}")
       elif not x.sharding.is_equivalent_to(NamedSharding(self.mesh, planned[name].spec), x.ndim):
         wrong.append(name)
     return wrong
@@ -282,7 +297,11 @@ def plan(
       follows it (module docstring).
     strategy: ``[(regex, op_chain), ...]`` or one op chain string.
     mesh: a ``Mesh`` or an ``AbstractMesh``, its axes Auto, Explicit or mixed (e.g.
-      ``jax.make_mesh``'s, Explicit by default); the specs do not depend on the types.
+      ``jax.make_mesh``'s, Explicit by default). The types matter for one kind of state: a
+      statistic its param broadcasts against (Adafactor's row and column statistics) that
+      carries none of the param's axes is split on its own dim over Auto axes only (the
+      fallback); under Explicit axes it stays as the update leaves it. Plan on a mesh of
+      the types you run on (``Plan.axis_types`` records them).
     rules: ``config.sharding_rules`` for ``logical_partitioning()``. With ``None`` (or
       empty) a box's own ``rules``, else those of the enclosing
       ``with nn.logical_axis_rules(...)`` apply (as in flax and big_vision's train.py);
@@ -328,7 +347,7 @@ def plan(
   }
   by_path = {_relative(name): name for name in planned} if has_params else {}
   placed = _declared(tree, by_path, planned, decided, sizes) if has_params else {}
-  entries = []
+  entries, auto = [], frozenset(mesh.auto_axes)
   for leaf in leaves:
     if planned.get(leaf.name) is leaf:
       entries.append(decided[leaf.name])
@@ -336,7 +355,7 @@ def plan(
       entries.append(_declared_entry(leaf, placed[leaf.name], decided, pats, sizes))
     else:
       leaf = _with_follow(dataclasses.replace(leaf, state=True), by_path, planned, decided)
-      entries.append(_entry(leaf, sizes, *_decide_state(leaf, pats)))
+      entries.append(_entry(leaf, sizes, *_decide_state(leaf, pats, auto)))
   return Plan(tuple(entries), treedef, mesh, pairs, explicit or context)
 
 
@@ -381,6 +400,19 @@ def _mesh_sizes(mesh) -> dict[str, int]:
   return dict(mesh.shape)
 
 
+def _axis_types(mesh) -> dict[str, str]:
+  return {a: t.name.lower() for a, t in zip(mesh.axis_names, mesh.axis_types)}
+
+
+def _other_types(mesh, planned) -> str:
+  """Why a plan made on mesh ``planned`` does not hold on ``mesh`` of other axis types."""
+  return (
+      f"a mesh with axis types {_axis_types(mesh)}, not the plan's {_axis_types(planned)} "
+      "(specs of optimizer statistics depend on them); plan on a mesh of the types you run on, "
+      'e.g. bvs.make_abstract_mesh(config.mesh, n, axis_types="explicit")'
+  )
+
+
 def _leaf(name, x, sizes, explicit, context, strict) -> Leaf:
   value = x.unbox() if names.is_box(x) else x
   if not hasattr(value, "shape") and not isinstance(value, (numbers.Number, np.generic)):
@@ -411,6 +443,8 @@ def _earlier(params: Plan | None, planned: dict, how: tuple, mesh) -> dict[str, 
     return None
   earlier = params.by_name()
   (pairs, rules), same_rules = how, params.rules == how[1]
+  if _axis_types(params.mesh) != _axis_types(mesh):
+    raise ShardingError(f"params= was planned on {_other_types(params.mesh, mesh)}")
   if params.strategy != pairs or params.mesh != mesh or not same_rules:
     given = f"strategy {list(params.strategy)} on mesh {dict(params.mesh.shape)}"
     mine = f"{list(pairs)} on {dict(mesh.shape)}"
@@ -476,7 +510,9 @@ def _decide_param(leaf: Leaf, pats) -> tuple[Spec, str, int | None, PartitionSpe
   return spec, why, claimed, compute.without(spec, gathered)
 
 
-def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
+def _decide_state(leaf: Leaf, pats, auto_axes=frozenset()) -> tuple[Spec, str, int | None]:
+  """A state leaf's spec, why and claiming entry; ``auto_axes``: the mesh's Auto axes, the only
+  ones the fallback gives a statistic its param broadcasts against (:func:`_fallback_axes`)."""
   claimed = _claim(pats, leaf.name)
   pattern = None if claimed is None else pats[claimed]
   follow = leaf.follow
@@ -488,12 +524,15 @@ def _decide_state(leaf: Leaf, pats) -> tuple[Spec, str, int | None]:
     spec, notes, _ = _apply_chain(pattern.ops, leaf)
     return spec, f"no param to follow; {pattern.regex!r} -> {notes}", claimed
   ops = pattern.ops if pattern else ()
-  spec, notes, _ = _apply_chain(ops, leaf, follow_param=not ops or any(op.follows for op in ops))
+  follow_param = not ops or any(op.follows for op in ops)
+  spec, notes, _ = _apply_chain(ops, leaf, follow_param, auto_axes)
   where = f"{pattern.regex!r} -> " if pattern else "default: "
   return spec, f"follows {follow.param} ({follow.how}); {where}{notes}", claimed
 
 
-def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str, set[str]]:
+def _apply_chain(
+    ops, leaf: Leaf, follow_param: bool = False, auto_axes=frozenset()
+) -> tuple[Spec, str, set[str]]:
   """Applies a chain of ops to one leaf; returns its spec, the notes joined and the
   storage-only axes of the spec (as the ops that placed them declare).
 
@@ -501,8 +540,8 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
   (``follows=True``) places the param's spec instead of acting, and later ones are
   skipped. With ``follow_param`` (the chain is empty or has a sharding op), an empty
   chain places the param's spec too, and a big leaf left unsharded goes to the
-  size-based fallback, unless it is a statistic its param broadcasts against
-  (``Follow.broadcasts``).
+  size-based fallback; a statistic its param broadcasts against (``Follow.broadcasts``)
+  there takes only ``auto_axes`` (:func:`_fallback_axes`).
   """
   spec, notes, param_spec_placed, storage = _replicated(leaf), [], False, set()
   for op in ops:
@@ -520,10 +559,10 @@ def _apply_chain(ops, leaf: Leaf, follow_param: bool = False) -> tuple[Spec, str
   if follow_param and not ops:
     spec, note = _place_param_spec(leaf, spec)
     notes.append(note)
-  if follow_param and not any(spec) and not leaf.follow.broadcasts:
+  if follow_param and not any(spec):
     threshold = _threshold(ops)
     if leaf.nbytes >= threshold * MiB:
-      spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops))
+      spec, note = _fallback(leaf, spec, _fallback_axes(leaf, ops, auto_axes))
       notes.append(f"fallback (>= {threshold:g} MiB): {note}")
   return spec, "; ".join(notes) or "replicated", storage
 
@@ -542,7 +581,9 @@ def _place_param_spec(leaf: Leaf, spec: Spec) -> tuple[Spec, str]:
 def _fallback(leaf: Leaf, spec: Spec, candidates) -> tuple[Spec, str]:
   """Size-based rule: the block-batch dim 0 of a 3+-d stack first (over all the candidate
   axes together when they divide it), else the largest divisible dim."""
-  note = "no mesh axis to use"
+  note = (
+      "no mesh axis to use" if candidates else "no Auto axis (a broadcast statistic keeps its own)"
+  )
   if leaf.ndim >= 3 and len(candidates) > 1:
     new, note = specs.place(leaf, spec, 0, tuple(candidates), requested=False)
     if new != spec:
@@ -558,11 +599,22 @@ def _fallback(leaf: Leaf, spec: Spec, candidates) -> tuple[Spec, str]:
   return spec, note
 
 
-def _fallback_axes(leaf: Leaf, ops) -> list:
-  """Axes for the fallback: the chain's ``axis`` arguments, else the param's, else the mesh's."""
+def _fallback_axes(leaf: Leaf, ops, auto_axes) -> list:
+  """Axes for the fallback: the chain's ``axis`` arguments, else the param's, else the mesh's.
+
+  A statistic its param broadcasts against (``Follow.broadcasts``: Adafactor's row and
+  column statistics, a diagonal factor) takes only the mesh's ``auto_axes``. Under Explicit
+  axes the update gives it the sharding of a mean over the param's dims it drops: only the
+  param's axes on the dims it keeps (:mod:`bv_sharding.following`), so an axis of its own
+  would change the update's sharding. Under Auto axes the compiler reshards it (a gather of
+  the statistic, smaller than the param's shard), and the plan keeps it split like the rest.
+  """
   from_ops = [op.arguments["axis"] for op in ops if op.follows and "axis" in op.arguments]
   from_param = [a for a in leaf.follow.param_spec if a is not None]
-  return from_ops or from_param or list(leaf.mesh)
+  axes = from_ops or from_param or list(leaf.mesh)
+  if not leaf.follow.broadcasts:
+    return axes
+  return [a for a in axes if set(specs.axes_of(a)) <= auto_axes]
 
 
 def _threshold(ops) -> float:

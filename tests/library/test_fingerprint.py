@@ -1,4 +1,5 @@
-"""bv_sharding/fingerprint.py: a plan's digest is its names, shapes, dtypes, specs and mesh."""
+"""bv_sharding/fingerprint.py: a plan's digest is its names, shapes, dtypes, specs and mesh
+(sizes and axis types)."""
 
 import jax
 import numpy as np
@@ -20,6 +21,9 @@ def test_fingerprint_is_names_shapes_dtypes_specs_and_mesh():
   assert fingerprint.describe(bvs.plan(tree, "replicate()", other_mesh))[1:] == (
       fingerprint.describe(whole)[1:]
   )
+  explicit = bvs.make_abstract_mesh([("data", 8)], 8, axis_types="explicit")
+  typed = fingerprint.describe(bvs.plan(tree, "replicate()", explicit))
+  assert typed[1:] == fingerprint.describe(whole)[1:] and typed[0] != fingerprint.describe(whole)[0]
   rows = np.array([[1, 2, 3], [1, 2, 3], [1, 5, 3]])
   assert fingerprint.first_difference(rows, 0) == (2, 1)
   assert fingerprint.first_difference(rows, 2) == (0, 1)

@@ -190,6 +190,9 @@ def test_a_state_plan_reuses_the_params_plan_it_is_given():
   assert both.entries == bvs.plan(tree, strategy, mesh).entries
   with pytest.raises(bvs.ShardingError, match="planned with strategy"):
     bvs.plan(tree, 'fsdp(axis="data")', mesh, params=alone)
+  explicit = bvs.make_abstract_mesh([("data", 4), ("model", 2)], 8, axis_types="explicit")
+  with pytest.raises(bvs.ShardingError, match=r"axis types \{'data': 'auto'.* plan on a mesh"):
+    bvs.plan(tree, strategy, explicit, params=alone)
   with pytest.raises(bvs.ShardingError, match="not this tree's 2 params"):
     bvs.plan({"params": {"up": params["up"]}}, strategy, mesh, params=alone)
   with pytest.raises(
@@ -288,5 +291,12 @@ def test_mismatches_report_a_missing_leaf(placed):
   assert plan.mismatches({"a": state["a"]}) == ["b: missing from the tree"]
   assert plan.mismatches({**state, "c": state["b"]}) == ["c: not in the plan"]
   assert plan.mismatches({**state, "b": np.zeros(8)}) == ["b: a ndarray, not a jax.Array"]
+  explicit = bvs.make_mesh([("data", -1)], axis_types="explicit")  # Same devices, other types.
+  b = jax.device_put(state["b"], NamedSharding(explicit, plan.shardings["b"].spec))
+  assert plan.mismatches({**state, "b": b}) == [
+      "b: a mesh with axis types {'data': 'explicit'}, not the plan's {'data': 'auto'} (specs of "
+      "optimizer statistics depend on them); plan on a mesh of the types you run on, e.g. "
+      'bvs.make_abstract_mesh(config.mesh, n, axis_types="explicit")'
+  ]
   with pytest.raises(bvs.ShardingError, match=r"after init: 1 arrays .*b: missing from the tree"):
     steps.check_state(plan, {"a": state["a"]}, "after init")
