@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import opaque
 from bv_sharding.optimizers.shampoo import GRAD_UNITS
 from bv_sharding.optimizers.soap import SoapState
@@ -132,7 +133,10 @@ def ramped(tx: optax.GradientTransformation, steps: int) -> optax.GradientTransf
   def init(params):
     state = tx.init(params)
     if type(state) is not tuple:
-      raise TypeError(f"ramped: {tx} is not an optax chain (its state: {type(state).__name__})")
+      raise OptimizerError(
+          f"ramped takes an optax chain, whose state is a tuple; this one's is a "
+          f"{type(state).__name__}: pass optax.chain(tx)"
+      )
     return (*state, ramp_tx.init(params))
 
   def update(updates, state, params=None):

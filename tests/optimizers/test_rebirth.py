@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 
+from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import rebirth
 from bv_sharding.optimizers.rebirth import MOVING, REFILLED, leaf_names
 from trainers.optimizers import BuiltOptimizer, make_schedule, registry
@@ -219,3 +220,5 @@ def test_a_ramped_chain_updates_as_the_chain_until_its_state_is_reborn():
       scales.append(float(ramped["w"][0, 0] / updates["w"][0, 0]))
   assert scales == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0, 1.0])
   assert rebirth.unramped(state) is not None and rebirth.unramped(plain) is None
+  with pytest.raises(OptimizerError, match=r"pass optax.chain\(tx\)"):
+    rebirth.ramped(optax.scale_by_adam(), 3).init(PARAMS)  # Its state no chain's tuple.

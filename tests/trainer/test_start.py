@@ -196,7 +196,8 @@ def test_resume_with_other_optimizers_adamw_kron_shampoo(tmp_path, reference):
     assert "state shardings match the plan after the first step" in out
     records = metrics(workdir)
     assert [r["step"] for r in records] == list(range(1, total + 1))
-    assert records[-4]["lr"] > 0.0  # The schedule continues at the global step.
+    # The schedule continues at the global step, ramped in (rewarmup_steps 5: 0, then 1/5).
+    assert records[-4]["lr"] == 0.0 and records[-3]["lr"] > 0.0
     evals.append(records[-1]["eval_loss"])
   assert evals[0] > evals[1] > evals[2], evals
   configs = [json.loads((workdir / "starts" / i / "config.json").read_text()) for i in "012"]
