@@ -2,6 +2,7 @@
 
 Issue 67: a square kernel's row and column statistics look alike to shape-based following, so
 they stayed unsharded; the state type says which dim each keeps (optax's ``_factored_dims``).
+A statistic that keeps none of its param's axes is split on its own dim over Auto axes only.
 """
 
 import jax
@@ -107,17 +108,29 @@ def _flat(params) -> list:
   return [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in leaves]
 
 
-@pytest.mark.parametrize("placed", ["data_first", "data_second", "norms_replicated"])
+EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+# (mesh axes and types, strategy) per case.
+ON_EXPLICIT_AXES = {
+    "data_first": ({"data": (8, EXPLICIT)}, [(".*", 'shard_dim(axis="data", dim=0)')]),
+    "data_second": ({"data": (8, EXPLICIT)}, [(".*", 'shard_dim(axis="data", dim=-1)')]),
+    "norms_replicated": (
+        {"data": (8, EXPLICIT)},
+        [("params/.*norm", "replicate()"), (".*", STRATEGY)],
+    ),
+    "mixed": ({"data": (4, EXPLICIT), "model": (2, AUTO)}, STRATEGY.replace("data", "model")),
+}
+
+
+@pytest.mark.parametrize("placed", ON_EXPLICIT_AXES)
 def test_adafactor_update_jits_with_the_plans_shardings_on_explicit_axes(placed):
-  """Legal on Explicit axes: the statistics keeping the param's unsharded dim stay unsharded;
-  the ``v`` of a norm the strategy replicates takes the fallback's axis, as Adam's moments do."""
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  """Legal on Explicit axes: the statistics keeping the param's unsharded dim stay unsharded
+  there; the ``v`` of a norm the strategy replicates takes the fallback's axis, as Adam's
+  moments do; on a mixed mesh a statistic takes an Auto axis of its own."""
+  axes, strategy = ON_EXPLICIT_AXES[placed]
+  sizes, types = zip(*axes.values())
+  mesh = jax.make_mesh(sizes, tuple(axes), axis_types=types)
   params = llama_like(dim=64, hidden=128, vocab=256, layers=1)
   tx = optax.adafactor(1e-3, min_dim_size_to_factor=8)
-  dim = -1 if placed == "data_second" else 0
-  strategy = [(".*", f'shard_dim(axis="data", dim={dim})')]
-  if placed == "norms_replicated":
-    strategy = [("params/.*norm", "replicate()"), (".*", STRATEGY)]
   abstract = {"params": params, "opt": jax.eval_shape(tx.init, params)}
   shardings = bvs.plan(abstract, strategy, mesh).shardings
   p_sh, o_sh = shardings["params"], shardings["opt"]
@@ -130,5 +143,9 @@ def test_adafactor_update_jits_with_the_plans_shardings_on_explicit_axes(placed)
   planned = jax.tree.leaves(jax.tree.map(lambda s: s.spec, o_sh))
   if placed == "norms_replicated":
     assert p_sh["layer_0"]["norm"].spec == jax.P(None) != o_sh[0].v["layer_0"]["norm"].spec
-  assert [jax.typeof(x).sharding.spec for x in jax.tree.leaves(state)] == planned
+  if placed == "mixed":  # q: P(None, "model"); its row statistic keeps the unsharded dim 0.
+    assert o_sh[0].v_row["layer_0"]["q"].spec == jax.P("model")
+  assert [x.sharding.spec for x in jax.tree.leaves(state)] == planned
+  if AUTO not in types:  # The types carry the Explicit axes only.
+    assert [jax.typeof(x).sharding.spec for x in jax.tree.leaves(state)] == planned
   assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
