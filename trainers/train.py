@@ -61,7 +61,7 @@ from trainers.hooks import metrics as metrics_hook
 from trainers.hosts import distributed, same_job
 from trainers.input import prefetch, records
 from trainers.rundir import checkpoint, events, lock, parts, profiling, provenance, workdir
-from trainers.settings import cli, schema, validation
+from trainers.settings import cli, held, schema, validation
 
 PLAN_TABLE = "plan.txt"  # The plan's whole table, in each start's folder (workdir/starts/<i>).
 _CONFIG = cli.define_config_flag()
@@ -118,6 +118,7 @@ _DEVICES = flags.DEFINE_integer(
 
 def main(argv):
   del argv
+  held.hold()  # Start-up lines print once the checks pass: a mistake is the first line.
   config = schema.of(_CONFIG.value)  # Typed once: trainers/settings/schema.py.
   validation.check_config(
       config,
@@ -147,8 +148,8 @@ def main(argv):
   evaluate = lambda params: loop.mean_loss(step.eval, params, eval_batches, step.batch_sharding)
 
   # Every check passed: only now is the workdir touched, by the run that holds it.
-  held = lock.hold(_WORKDIR.value, _LEASE.value) if is_main_process else None
-  took_over = held.took_over() if held else None  # A dead run's lock: say whose, how it ended.
+  holding = lock.hold(_WORKDIR.value, _LEASE.value) if is_main_process else None
+  took_over = holding.took_over() if holding else None  # A dead run's lock: whose, how ended.
   if took_over:
     logging.warning("%s", took_over)
   # The optimizers say what becomes of restored state (Kron's, Shampoo's stacks on another mesh).
@@ -161,8 +162,8 @@ def main(argv):
   def written():
     """A wait for the records queued so far (a bucket's writers send them in the background),
     before each save; a run whose workdir lock another run took over stops here."""
-    if held:
-      held.check()
+    if holding:
+      holding.check()
     return parts.each([metrics.until_written(), curves.until_written()])
 
   watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=write)
@@ -191,8 +192,8 @@ def main(argv):
       trace.close()
       curves.close()
       metrics.close()
-      if held:
-        held.release()
+      if holding:
+        holding.release()
 
 
 def start_backend() -> None:
@@ -252,8 +253,10 @@ def check_plan(config, plan: bvs.Plan, is_main_process: bool) -> bvs.Plan:
 
 def check_compiled(run: build.Run) -> build.Step:
   """``run``'s :class:`build.Step`, once XLA's figure for its compiled train step fits each
-  device; else what would fit, compiled to check (trainers/fit.py)."""
-  return fit.checked_step(run, memory.budget(jax.local_devices(), run.config.device_memory_gib))
+  device; else what would fit, compiled to check (trainers/fit.py). Its first line prints the
+  start-up's held lines: the checks passed, or the slow ones begin."""
+  budget = memory.budget(jax.local_devices(), run.config.device_memory_gib)
+  return fit.checked_step(run, budget, log=lambda line: (held.release(), logging.info(line)))
 
 
 def open_workdir(path: str, config, run, is_main_process: bool):

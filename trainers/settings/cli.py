@@ -64,6 +64,7 @@ from ml_collections import config_flags
 
 from bv_sharding import Error
 from trainers.errors import ConfigError, closest
+from trainers.settings import held
 
 CONFIG_FLAG = "config"
 OPEN_DICTS = ("optax",)  # Keyword-argument dicts: the command line may add any key.
@@ -94,6 +95,8 @@ def command(main):
       return main(argv)
     except Error as e:
       fail(e, argv)
+    finally:
+      held.release()  # Start-up lines still held (trainers/settings/held.py): an error not ours.
 
   return reporting
 
@@ -311,6 +314,7 @@ def fail(error: Exception, argv=None) -> None:
 
   Example: ``fail(ConfigError("config.lr=-1.0: must be ..."))`` prints "ConfigError: config.lr=...".
   """
+  held.drop()  # The start-up's held lines, but the command's own warnings.
   if os.environ.get(DEBUG_ENV) == "1" or "--debug" in (*sys.argv, *(argv or ())):
     raise error
   message = " ".join(str(error).split("\n"))
