@@ -89,7 +89,7 @@ def test_one_block_per_param_matches_unblocked_trajectory():
       "b": jax.random.normal(next(key), (5,)),
   }
   options = dict(preconditioner_update_probability=1.0, weight_decay=0.1)
-  plain, plain_state = _run(kron(0.1, **options), params, 5)
+  plain, plain_state = _run(kron(0.1, block_size=None, **options), params, 5)
   blocked, blocked_state = _run(kron(0.1, block_size=8, **options), params, 5)
   for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(blocked)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -191,6 +191,7 @@ def test_kron_state_layout_matches_psgd_jax():
   tx = scale_by_kron(
       max_size_triangular=2048,
       scanned_layers={k: k == "stack" for k in MIXED_PARAMS},
+      block_size=None,
   )
   state = tx.init(MIXED_PARAMS)
   assert sorted(state) == ["Qs_preconditioners", "count", "mu", "update_counter"]
@@ -210,7 +211,8 @@ def test_kron_state_layout_matches_psgd_jax():
     [("one_diag", [(8,), (4, 4)]), ("all_diag", [(8,), (4,)])],
 )
 def test_kron_memory_save_modes(mode, expected):
-  state = scale_by_kron(memory_save_mode=mode, b1=0.0).init({"w": MIXED_PARAMS["w"]})
+  tx = scale_by_kron(memory_save_mode=mode, b1=0.0, block_size=None)
+  state = tx.init({"w": MIXED_PARAMS["w"]})
   assert SHAPES(state["Qs_preconditioners"]["w"]) == expected
   assert state["mu"] is None
 
@@ -238,6 +240,14 @@ def test_kron_matches_psgd_jax(run):
       preconditioner_lr=settings["preconditioner_lr"],
       preconditioner_init_scale=settings["preconditioner_init_scale"],
       scanned_layers=reference.scanned_layers(params, settings["scan_layers"]),
+      # psgd-jax's defaults for the rest: each param one preconditioner, no pools.
+      max_size_triangular=8192,
+      min_ndim_triangular=2,
+      momentum_into_precond_update=True,
+      precond_update_precision="tensorfloat32",
+      precond_grads_precision=None,
+      block_size=None,
+      resident_padding=0.0,
   )
   ours = reference.run(optimizer, params, data)
   assert max_deviation(ours, section(run)) < 1e-5

@@ -54,7 +54,10 @@ def _close(a, b, tol=1e-5):
 
 def test_two_dim_leaves_follow_optax_muon():
   params = _params()
-  _close(_run(muon(0.02), params), _run(optax.contrib.muon(0.02), params))
+  _close(
+      _run(muon(0.02, consistent_rms=None), params),
+      _run(optax.contrib.muon(0.02, consistent_rms=None), params),
+  )
 
 
 def test_scanned_kernels_are_orthogonalised_per_layer_not_adam():
@@ -103,8 +106,8 @@ def test_owner_computed_orthogonalisation_equals_the_replicated_one():
 
 
 def test_scale_by_muon_gives_the_leaves_muon_does_not_orthogonalise_adam():
-  """big_vision's form (no lr) on every rank: muon's updates, its lr applied after. The matrices'
-  fan-in is at least their fan-out, where muon's shape scaling is 1."""
+  """big_vision's form (no lr) on every rank: muon's updates (each matrix's scaled to the same
+  ``consistent_rms``), its lr applied after."""
   keys = iter(jax.random.split(jax.random.PRNGKey(1), 6))
   params = {
       "conv": jax.random.normal(next(keys), (2, 2, 8, 4)),
@@ -116,7 +119,7 @@ def test_scale_by_muon_gives_the_leaves_muon_does_not_orthogonalise_adam():
   }
   chained = optax.chain(scale_by_muon(), optax.scale_by_learning_rate(0.02))
   _close(_run(chained, params), _run(muon(0.02), params))
-  mu = chained.init(params)[0].inner_states["muon"].inner_state.mu
+  mu = chained.init(params)[0].inner_states["muon"].inner_state[0].mu
   masked = lambda x: isinstance(x, optax.MaskedNode)
   orthogonalised = jax.tree.map(lambda x: not masked(x), mu, is_leaf=masked)
   assert orthogonalised == {

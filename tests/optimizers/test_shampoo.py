@@ -64,7 +64,11 @@ def test_shampoo_matches_distributed_shampoo(run):
   tolerance 1e-3. (With zero-initialised statistics the deviation grows to
   ~0.35, so the test does detect algorithmic differences.)"""
   params, data, section = recorded_trajectories()
-  settings = dict(reference.SHAMPOO_RUNS[run])
-  optimizer = shampoo(settings.pop("learning_rate"), nesterov=True, **settings)
+  settings = dict(reference.SHAMPOO_RUNS[run])  # Every argument the defaults would set.
+  # distributed_shampoo steps by the heavy-ball sum, ours by its average: (1 - beta1) of it.
+  learning_rate = settings.pop("learning_rate") / (1.0 - settings["beta1"])
+  optimizer = shampoo(
+      learning_rate, nesterov=True, exponent_override=None, weight_decay=0.0, **settings
+  )
   ours = reference.run(optimizer, params, data)
   assert max_deviation(ours, section(run)) < 1e-3

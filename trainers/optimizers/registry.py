@@ -26,6 +26,7 @@ import optax
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.big_vision.transformations import mistyped
 from bv_sharding.optimizers import auto_axes_update, kron, muon, refill, shampoo, soap
+from bv_sharding.optimizers.soap import LR_SCALE as SOAP_LR_SCALE
 from trainers.errors import OptimizerError, closest
 
 # Last path components of norm scales and biases: small vectors that get no weight decay.
@@ -73,9 +74,10 @@ class _Entry:
   factory: called as ``factory(learning_rate, **kwargs)``.
   decay_args: names of its (weight decay, mask) arguments; None if it has
     none, and weight decay is then added to the gradient before it.
-  defaults: keyword defaults that differ from the factory's.
+  defaults: keyword defaults that differ from the factory's (optax's; the project's own
+    optimizers have the registry's defaults as their own).
   lr_scale: the learning rate (or schedule) given is multiplied by this, so one
-    ``config.lr`` suits every optimizer (documented per entry below).
+    ``config.lr`` suits every optimizer (SOAP's: its published ``soap.LR_SCALE``).
   decays: the decay of each EMA (``mu``, ``nu``, ``graft_nu``) and heavy-ball sum
     ``m = beta m + d`` (``trace``, ``momentum``) in its state, by the field it lies under: the
     argument that sets it, or a number. Recorded with its checkpoints, so that a state born
@@ -101,59 +103,26 @@ _REGISTRY: dict[str, _Entry] = {
     "sgd": _Entry(optax.sgd, None, {"momentum": 0.9}, decays={"trace": "momentum"}),
     "lamb": _Entry(optax.lamb, decays={"mu": "b1", "nu": "b2"}),
     # The project's Muon: scanned (L, m, n) kernels orthogonalised per layer, and with the
-    # trainer's layout each matrix orthogonalised once, by its owner device (muon.py).
-    # consistent_rms scales each matrix update to that RMS (times the lr); the other leaves
-    # train with Adam at config.lr. Moonlight's 0.2 (AdamW's typical RMS) undershoots at
-    # AdamW's lr: configs/lm.py, 300 steps, --config.optax_name=muon, eval loss 1.739 at 0.2,
-    # 1.521 at 0.6, 1.496 at 0.8, 1.503 at 1.1, 1.554 at 1.6; adamw 1.640. Re-checked on the
-    # tuning split (config.input.tune_fraction; docs/optimizers.md, "How the defaults were
-    # chosen"), two seeds: 1.560 at 0.4, 1.497 at 0.8, 1.516 at 1.2.
-    "muon": _Entry(muon, ("weight_decay", "weight_decay_mask"), {"consistent_rms": 0.8}),
+    # trainer's layout each matrix orthogonalised once, by its owner device (muon.py); each
+    # matrix update scaled to muon.CONSISTENT_RMS, the other leaves trained with Adam.
+    "muon": _Entry(muon, ("weight_decay", "weight_decay_mask")),
     # Its base Adam's b1 is 0 (mu is the last grad); its b1 interpolates the averages.
     "schedule_free": _Entry(schedule_free_adamw, decays={"mu": 0.0, "nu": "b2"}),
-    # Blocks of 256: the param's fixed tiles on any mesh (blocking="tiles"; "local" cuts each
-    # shard instead), 14.9x less update traffic than psgd-jax's Kron under the seed's
-    # placement (python -m benchmarks.communication; docs/benchmarks.md, docs/optimizers.md).
-    # On the tuning split of configs/lm.py (two seeds) 128 ends 0.008 ± 0.007 below 256: kept.
-    # A pool padded to at most 1.5x its tiles keeps its Qs where it runs (resident_padding, as
-    # SOAP's below): lm medium's step is 26,338 instructions instead of 28,951 and compiles in
-    # 1.78-1.90x adamw's CPU seconds on an idle host (docs/benchmarks.md, 2026-12-07).
-    "kron": _Entry(
-        kron, defaults={"block_size": 256, "resident_padding": 1.5}, decays={"mu": "b1"}
-    ),
-    # Adam grafting and a 10-step graft-only start: the first roots come from statistics of
-    # one or two gradients, and RMSProp grafting of those overshoots at adamw's lr.
-    # lr_scale 0.1 = 1 - beta1: its heavy-ball momentum sums grafted (Adam-sized) steps, so at
-    # AdamW's lr it steps ~10x farther than AdamW (it stalled on configs/lm.py at 2.38 vs 1.61).
-    # On the tuning split of configs/lm.py (one seed): 1.667 at 0.05, 1.589 at 0.1, 1.617 at 0.2.
-    # Blocks of 256, as Kron's: on that split (three seeds, 300 steps) 256 ends 0.006 ± 0.002
-    # above 1024, and its step moves 1.33x adamw's bytes on lm_tp_fsdp tiny against 1.54x (a
-    # 768-wide tile's statistics are 3.3x its bytes, 2x at 256).
-    "shampoo": _Entry(
-        shampoo,
-        defaults={"block_size": 256, "graft_type": "adam", "start_preconditioning_step": 10},
-        lr_scale=0.1,
-        decays={"momentum": "beta1", "graft_nu": "beta2"},
-    ),
+    # Kron, Shampoo and SOAP at their own defaults (their docstrings give the measurements):
+    # blocks of 256, Kron's and SOAP's pools kept where they run (resident_padding 1.5),
+    # Shampoo grafted on Adam after 10 graft-only steps, its step the average of its
+    # momentum, SOAP's bases following its statistics continuously (power_damping).
+    "kron": _Entry(kron, decays={"mu": "b1"}),
+    "shampoo": _Entry(shampoo, decays={"momentum": "beta1", "graft_nu": "beta2"}),
     # SOAP (Adam in the eigenbasis of Shampoo's statistics, on Shampoo's tiles): the authors'
-    # defaults (betas 0.95, bases refreshed every 10 steps) and their weight decay, applied after
-    # the step. Its moments lie in the rotated basis: no decays recorded, so a state born from
-    # another optimizer's moments starts at zero, its mu refilled (own_mu), and moves from its
-    # first step (rebirth.moving). lr_scale 2: on the tuning split of configs/lm.py (two
-    # seeds, docs/optimizers.md) 1.700 at 1, 1.602 at 2, 1.644 at 4. A pool of tiles padded to
-    # at most 1.5x its tiles keeps its state where it runs (resident_padding; checkpoints hold
-    # it given back to the params, trainers/stored.py): 8 devices' pools of lm small (12 and 18
-    # tiles in 16 and 24 slots) do, and the step moves 1.11x adamw's bytes instead of 1.82x;
-    # lm_7b_pod's on 256 devices (padded at most 1.05x) do; lm_tp_fsdp small's there (12 tiles
-    # in 256 slots) do not. Its bases follow the statistics continuously (power_damping): on
-    # the tuning split (three seeds) 0.005 ± 0.009 above the reference's eigh bases, and the
-    # trainer's runs on 2-8 devices within 1e-4 to 4e-4 of one device's over 30 steps instead
-    # of 0.04-0.11 (relative_eps=1e-3 as well: within 8.4e-5, at 0.023 ± 0.009 of quality).
+    # betas, refresh every 10 steps and weight decay after the step, at soap.LR_SCALE times
+    # config.lr. Its moments lie in the rotated basis: no decays recorded, so a state born
+    # from another optimizer's moments starts at zero, its mu refilled (own_mu), and moves
+    # from its first step (rebirth.moving).
     "soap": _Entry(
         soap,
         ("weight_decay", "mask"),
-        {"resident_padding": 1.5, "power_damping": 1e-2},
-        lr_scale=2.0,
+        lr_scale=SOAP_LR_SCALE,
         own_mu=lambda args: args["betas"][0],
     ),
 }
@@ -164,8 +133,8 @@ def lr_scale(name: str) -> float:
   """The factor registry optimizer ``name`` applies to the learning rate it is given.
 
   Example:
-    >>> lr_scale("adamw"), lr_scale("shampoo")
-    (1.0, 0.1)
+    >>> lr_scale("adamw"), lr_scale("shampoo"), lr_scale("soap")
+    (1.0, 1.0, 2.0)
   """
   return _lookup(name).lr_scale
 
