@@ -12,7 +12,8 @@ from the plan at step ``s`` with these differences from a fresh one:
 * **A ramp** (``config.rewarmup_steps`` = R, :func:`ramped`: :func:`ramp_in` chained last)
   scales the new optimizer's updates by ``min(1, n / R)``, ``n`` the steps since its birth (0
   at the first one, as big_vision's warmup). A fresh run's ramp is born saturated
-  (:data:`FULL`): its updates are the chain's own, bit for bit.
+  (:data:`FULL`): its updates are the chain's own times exactly 1, the same math (in a jitted
+  step XLA fuses that product with its neighbours, so a value's last bit may differ).
 * **Moments are carried with the count that corrects them** (:func:`carried_leaves`), per
   group of ``mu`` (and ``nu``) leaves beside a ``count``, decided from the two state tables:
   a new group takes its moments and its count from one saved group holding every moment it
@@ -96,9 +97,9 @@ def ramp(steps: int, n) -> float:
 
 
 def ramp_in(steps: int) -> optax.GradientTransformation:
-  """Scales updates by :func:`ramp` of its count, born :data:`FULL` (a fresh run: no ramp,
-  the updates as they are, bit for bit) and set to 0 by :func:`at_step` (a state born
-  mid-run). ``steps`` 0: never scales."""
+  """Scales updates by :func:`ramp` of its count, born :data:`FULL` (a fresh run: the updates
+  times exactly 1) and set to 0 by :func:`at_step` (a state born mid-run). ``steps`` 0: never
+  scales (nothing multiplied)."""
 
   def init(params):
     del params
