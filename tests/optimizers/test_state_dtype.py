@@ -1,5 +1,5 @@
 """``config.state_dtype``: what the plan counts, what a per-optimizer key keeps, what an update
-returns, and that a float32 run is untouched by it."""
+returns, that a float32 run is untouched by it, and the temporaries a compiled step needs."""
 
 import functools
 
