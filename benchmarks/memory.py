@@ -34,7 +34,16 @@ TRAINER_CONFIGS = {
     "lm_tp_fsdp": lm_tp_fsdp.get_config("size=small"),
     "lm_7b_pod": lm_7b_pod.get_config(),
 }
-TRAINER_OPTIMIZERS = ("adamw", "kron", "kron:local", "shampoo", "shampoo:local", "muon", "soap")
+TRAINER_OPTIMIZERS = (
+    "adamw",
+    "adafactor",
+    "kron",
+    "kron:local",
+    "shampoo",
+    "shampoo:local",
+    "muon",
+    "soap",
+)
 
 
 def llama_shape(size: str):
