@@ -71,6 +71,7 @@ def precondition_opt(lr):
       diagonal_epsilon=SHAMPOO_EPSILON,
       start_preconditioning_step=0,
       preconditioning_compute_steps=1,
+      moving_average_for_momentum=True,  # Ours steps by its momentum's average too.
       generate_training_metrics=False,
   )
 

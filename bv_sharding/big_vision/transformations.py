@@ -212,8 +212,8 @@ def mistyped(signature: inspect.Signature, kwargs: Mapping) -> str | None:
   """What is wrong with the first of ``kwargs`` whose value does not fit ``signature``: not a
   number where the default or the annotation is one (a string from the command line,
   ``--config.optax.b1=abc``, or NaN; an infinite bound such as ``resident_padding=inf`` is a
-  number), not an integer where an ``int`` is asked, or not a pair of finite numbers where the
-  default is a pair; None: nothing.
+  number; None where the default or the annotation allows it), not an integer where an ``int``
+  is asked, or not a pair of finite numbers where the default is a pair; None: nothing.
 
   Example:
     >>> mistyped(inspect.signature(optax.scale_by_adam), {"b1": "abc"})
@@ -235,7 +235,8 @@ def _misfit(value, parameter: inspect.Parameter) -> str | None:
     finite = isinstance(value, (tuple, list)) and all(map(_is_finite, value))
     if not finite or len(value) != len(default):
       return f"must be {len(default)} finite numbers, like {default!r}"
-  if wanted not in ("int", "number") or (value is None and default is None):
+  optional = default is None or str(parameter.annotation).endswith("| None")
+  if wanted not in ("int", "number") or (value is None and optional):
     return None
   if not _is_number(value) or value != value:
     return f"is not a number (the default is {default!r})"

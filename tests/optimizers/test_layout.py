@@ -266,7 +266,7 @@ def test_shampoo_and_soap_cut_a_layouts_stacked_leaves_layer_by_layer(name):
   steps are those of its layers trained as separate params."""
   params, mesh = _params(), _mesh().abstract_mesh
   make = lambda layout: (
-      shampoo(1e-2, block_size=4, graft_type="adam", layout=layout)
+      shampoo(0.1, block_size=4, graft_type="adam", start_preconditioning_step=1, layout=layout)
       if name == "shampoo"
       else soap(1e-2, block_size=4, precondition_frequency=2, normalize_grads=True, layout=layout)
   )
