@@ -826,7 +826,7 @@ def scale_by_kron(
     block_size: int | None = 256,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    resident_padding: float = 1.5,
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """PSGD Kron preconditioning (without learning rate), psgd-jax compatible.
 
@@ -867,7 +867,8 @@ def scale_by_kron(
       on a fit step and a smaller program (lm medium's step: 26,338 instructions rather than
       28,951, and 1.78x adamw's compile seconds). The state's shapes then depend on the
       mesh (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form
-      that does not). 0: no pool does.
+      that does not). 0 (the default, a state any mesh resumes): no pool does. The
+      project's trainer uses 1.5; its checkpoints store the state given back.
 
   Example:
       >>> tx = scale_by_kron(preconditioner_update_probability=1.0, block_size=None)
@@ -904,7 +905,7 @@ def kron(
     block_size: int | None = 256,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    resident_padding: float = 1.5,
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """PSGD Kron with decoupled weight decay and a learning rate.
 

@@ -828,7 +828,7 @@ def scale_by_soap(
     block_size: int = 1024,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    resident_padding: float = 1.5,
+    resident_padding: float = 0.0,
     power_damping: float = 1e-2,
     relative_eps: float = 0.0,
 ) -> optax.GradientTransformation:
@@ -860,7 +860,9 @@ def scale_by_soap(
       direction's pieces; the state takes the pool's padding and its shapes depend on the
       mesh (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form
       that does not). 1.5: 8 devices' pools of lm small (12 and 18 tiles in 16 and 24 slots)
-      are kept, and the step moves 1.11x adamw's bytes instead of 1.82x. 0: no pool is kept.
+      are kept, and the step moves 1.11x adamw's bytes instead of 1.82x. 0 (the default, a
+      state any mesh resumes): no pool is kept. The project's trainer uses 1.5; its
+      checkpoints store the state given back.
     power_damping: above 0, bases that move continuously with the statistics, so that float
       rounding (a gradient summed in another order, on another mesh) moves them by about as
       much instead of choosing among nearly equal eigenvalues' eigenvectors: fitted by
@@ -955,7 +957,7 @@ def soap(
     block_size: int = 1024,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
-    resident_padding: float = 1.5,
+    resident_padding: float = 0.0,
     power_damping: float = 1e-2,
     relative_eps: float = 0.0,
 ) -> optax.GradientTransformation:
