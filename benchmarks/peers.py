@@ -60,7 +60,10 @@ SHAMPOO_EPSILON = 1e-8  # Both grafts' denominator epsilon (ours' default).
 
 
 def psgd(lr):
-  return psgd_kron.kron(lr, preconditioner_update_probability=1.0)
+  return psgd_kron.kron(lr, preconditioner_update_probability=1.0, preconditioner_init_scale=1.0)
+
+
+KRON = {"preconditioner_update_probability": 1.0, "preconditioner_init_scale": 1.0}  # As psgd's.
 
 
 def precondition_opt(lr):
@@ -71,6 +74,7 @@ def precondition_opt(lr):
       diagonal_epsilon=SHAMPOO_EPSILON,
       start_preconditioning_step=0,
       preconditioning_compute_steps=1,
+      eigh=False,  # The coupled Newton iteration, as ours' root_method "newton".
       moving_average_for_momentum=True,  # Ours steps by its momentum's average too.
       generate_training_metrics=False,
   )
@@ -78,8 +82,8 @@ def precondition_opt(lr):
 
 # name -> (ours: optax_name and config.optax, the peer: a learning rate -> transformation).
 PAIRS = {
-    "kron": (("kron", {"block_size": None, "preconditioner_update_probability": 1.0}), psgd),
-    "kron_tiles": (("kron", {"preconditioner_update_probability": 1.0}), psgd),
+    "kron": (("kron", {**KRON, "block_size": None}), psgd),
+    "kron_tiles": (("kron", KRON), psgd),
     "shampoo": (
         # Preconditioned from the first step: distributed_shampoo's momentum sums preconditioned
         # steps from its first even while it applies the graft's, ours the applied ones.
@@ -90,6 +94,8 @@ PAIRS = {
                 "start_preconditioning_step": 0,
                 "graft_type": "rmsprop",
                 "epsilon": SHAMPOO_EPSILON,
+                "update_preconditioners_freq": 1,  # The peer's preconditioning_compute_steps.
+                "root_method": "newton",
             },
         ),
         precondition_opt,

@@ -49,14 +49,14 @@ other params' tiles of their shape and dealt over the mesh (one
 dealt (:func:`factor_tiling`): each device preconditions one piece of it and the
 pieces' directions are all-gathered.
 
-Roots come from ``eigh``, one matrix a call, under ``lax.cond``: only on the steps that
+Roots come from the coupled Newton iteration by default, matrix products only, or from
+``eigh`` (``root_method``, :mod:`~bv_sharding.optimizers.roots`); a root that is not finite or
+did not converge keeps the previous one. They are new under ``lax.cond``: only on the steps that
 refresh them (every ``update_preconditioners_freq`` steps), and a pool moves its roots back
-only then. With ``update_preconditioners_freq=1`` (the default) every step computes them from
-its statistics and uses them at once: the state keeps none, and no pool moves any. (A batched
-LAPACK call would wait on XLA's CPU thread pool, which deadlocks with several devices:
-:func:`inverse_pth_root`.) Roots are computed in float32 (at least)
-whatever the statistics' dtype, and stored in it; in a config-built loop the state's dtype is
-``config.state_dtype`` and the whole update runs in float32
+only then. With ``update_preconditioners_freq=1`` every step computes them from its statistics
+and uses them at once: the state keeps none, and no pool moves any. Roots are computed in
+float32 (at least) whatever the statistics' dtype, and stored in it; in a config-built loop the
+state's dtype is ``config.state_dtype`` and the whole update runs in float32
 (:mod:`bv_sharding.optimizers.state_dtype`).
 
 Example:
@@ -79,6 +79,7 @@ import optax
 
 from bv_sharding.errors import OptimizerError
 from bv_sharding.optimizers import blocked, gating, symmetric
+from bv_sharding.optimizers import roots as roots_lib
 from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
@@ -106,27 +107,6 @@ class ShampooState(NamedTuple):
   per_param: Any
 
 
-def inverse_pth_root(stats: jax.Array, p: int, matrix_epsilon: float) -> jax.Array:
-  """``(S + eps * lambda_max * I)^(-1/p)`` of a stack of PSD matrices via eigh.
-
-  One ``eigh`` per block (``lax.map``): a batched ``eigh`` makes jaxlib spread the
-  batch over XLA's CPU thread pool and wait, which deadlocks when several
-  (simulated) devices hold the pool's threads.
-
-  Example:
-      >>> s = jnp.diag(jnp.array([16.0, 1.0]))[None]
-      >>> inverse_pth_root(s, 2, 0.0)[0].round(3).tolist()
-      [[0.25, 0.0], [0.0, 1.0]]
-  """
-  stats = stats.astype(jnp.promote_types(stats.dtype, jnp.float32))
-  eigvals, eigvecs = jax.lax.map(jnp.linalg.eigh, stats)
-  eigvals = jnp.maximum(eigvals, 0.0)
-  max_ev = jnp.max(eigvals, axis=-1, keepdims=True)
-  ridge = matrix_epsilon * jnp.maximum(max_ev, 1e-16)
-  scale = (eigvals + ridge) ** (-1.0 / p)
-  return jnp.einsum("...ik,...k,...jk->...ij", eigvecs, scale, eigvecs)
-
-
 def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array:
   """Applies each factor's root to its dim, block by block."""
 
@@ -138,14 +118,21 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
   return jax.vmap(one_block)(blocks, *roots)
 
 
-def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon):
-  """One block stack's step: statistics EMA, roots (new only where ``refresh``: their
-  ``eigh`` under ``lax.cond`` where that is safe, :mod:`~bv_sharding.optimizers.gating`;
-  ``roots`` None: new on every step), direction."""
+def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon, method):
+  """One block stack's step: statistics EMA, roots (new only where ``refresh``: under
+  ``lax.cond`` where that is safe, :mod:`~bv_sharding.optimizers.gating`; ``roots`` None: new
+  on every step), direction. A root that fails (:func:`~bv_sharding.optimizers.roots.checked`)
+  keeps the old one (the identity where none is kept)."""
   gram = lambda axis: symmetric.pack(jax.vmap(gram_along, (0, None))(blocks, axis))
   stats = [_ema(s, gram(axis), beta2) for axis, s in enumerate(stats)]
   p = exponent or 2 * len(stats)
-  fresh = lambda: [inverse_pth_root(symmetric.unpack(s), p, matrix_epsilon) for s in stats]
+  root_fn = roots_lib.newton_root if method == "newton" else roots_lib.eigh_root
+  eye = lambda s: jnp.broadcast_to(
+      jnp.eye(s.shape[-1], dtype=s.dtype), (*s.shape[:-2], *[s.shape[-1]] * 2)
+  )
+  old = roots or [eye(s) for s in stats]
+  root = lambda s, r: roots_lib.checked(*root_fn(symmetric.unpack(s), p, matrix_epsilon), r)
+  fresh = lambda: [root(s, r) for s, r in zip(stats, old)]
   kept = lambda: [r.astype(n.dtype) for r, n in zip(roots, jax.eval_shape(fresh))]
   roots = fresh() if roots is None else gating.cond(refresh, fresh, kept)
   return _precondition_blocks(blocks, roots), stats, roots
@@ -202,6 +189,7 @@ class _Settings:
   exponent_override: int | None
   layout: ParamLayout | None
   blocking: str
+  root_method: str
 
   @property
   def keeps_roots(self) -> bool:
@@ -361,7 +349,12 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
   # every step, they are not kept (no flag, no roots in the state).
   kept = settings.keeps_roots
   refresh = [state.count % settings.update_preconditioners_freq == 0] if kept else []
-  step = (settings.beta2, settings.exponent_override, settings.matrix_epsilon)
+  step = (
+      settings.beta2,
+      settings.exponent_override,
+      settings.matrix_epsilon,
+      settings.root_method,
+  )
   fn = functools.partial(_shampoo_run, step=step)
   runs = [
       blocked.BlockRun(
@@ -405,6 +398,7 @@ def scale_by_shampoo(
     exponent_override: int | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    root_method: str = "newton",
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -436,6 +430,8 @@ def scale_by_shampoo(
     blocking: "tiles" (the param's fixed grid of ``block_size`` tiles on any mesh)
       or "local" (each shard's own blocks, mesh-dependent math; see
       :func:`~bv_sharding.optimizers.tiles.shard_blocks`).
+    root_method: how the inverse roots are computed (:mod:`~bv_sharding.optimizers.roots`):
+      "newton" (the coupled Newton iteration, matmuls only: suits accelerators) or "eigh".
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd", update_preconditioners_freq=10)
@@ -448,6 +444,8 @@ def scale_by_shampoo(
   settings = _Settings(**locals())  # First: the arguments, each under its own name.
   if graft_type not in _GRAFT_TYPES:
     raise OptimizerError(f"graft_type={graft_type!r}; expected one of {_GRAFT_TYPES}")
+  if root_method not in roots_lib.ROOT_METHODS:
+    raise OptimizerError(f"root_method={root_method!r}; expected one of {roots_lib.ROOT_METHODS}")
   if block_size < 1 or update_preconditioners_freq < 1:
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
   return blocked.transformation(_shampoo_init, _shampoo_update, settings)
@@ -469,6 +467,7 @@ def shampoo(
     mask: Any | None = None,
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
+    root_method: str = "newton",
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -494,6 +493,7 @@ def shampoo(
           exponent_override=exponent_override,
           layout=layout,
           blocking=blocking,
+          root_method=root_method,
       ),
       learning_rate,
       weight_decay,

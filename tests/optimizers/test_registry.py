@@ -212,7 +212,10 @@ SECOND_ORDER = {
             "blocks": {"kernel": True, "norm": {"scale": True}},
         },
     ),
-    "shampoo": lambda: shampoo(1e-2, block_size=8, update_preconditioners_freq=3),
+    # Its eigh roots: the LAPACK path (the default coupled Newton roots are matmuls).
+    "shampoo": lambda: shampoo(
+        1e-2, block_size=8, update_preconditioners_freq=3, root_method="eigh"
+    ),
     "soap": lambda: soap(1e-2, block_size=8, precondition_frequency=3),
 }
 
