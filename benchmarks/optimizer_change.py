@@ -97,16 +97,15 @@ def table(jumps: dict, sources: list[str], targets: list[str]) -> str:
 
   Example:
     >>> print(table({("adamw", "kron"): 0.123, ("kron", "kron"): None}, ["adamw", "kron"], ["kron"]))
-    from \\ to      kron
-    adamw        +0.123
-    kron          crash
+    from \\ to               kron
+    adamw                 +0.123
+    kron                   crash
   """
   cell = lambda j: "crash" if j is None else f"{j:+.3f}"
-  lines = ["from \\ to " + "".join(f"{b:>14}" for b in targets)]
+  lines = ["from \\ to".ljust(14) + "".join(f"{b:>14}" for b in targets)]
   for a in sources:
-    lines.append(
-        f"{a:<10}" + "".join(f"{cell(jumps[a, b]):>14}" for b in targets if (a, b) in jumps)
-    )
+    cells = "".join(f"{cell(jumps[a, b]):>14}" for b in targets if (a, b) in jumps)
+    lines.append(f"{a:<14}{cells}")
   return "\n".join(lines)
 
 
