@@ -78,3 +78,23 @@ def test_shampoo_matches_distributed_shampoo(run):
   )
   ours = reference.run(optimizer, params, data)
   assert max_deviation(ours, section(run)) < 1e-3
+
+
+def test_roots_change_only_on_refresh_steps_and_every_tile_on_each():
+  """Every ``update_preconditioners_freq`` steps (``count % 3 == 0``) every tile's roots are
+  new, by the default coupled Newton iteration; on the other steps none changes."""
+  tx = scale_by_shampoo(block_size=4, update_preconditioners_freq=3)
+  params = {"w": jnp.ones((8, 4))}  # a 2 x 1 grid of tiles
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  changed = []
+  for i in range(7):
+    grads = {"w": jax.random.normal(jax.random.key(i), (8, 4))}
+    old = state.per_param["w"].roots
+    _, state = step(grads, state)
+    new = state.per_param["w"].roots
+    # Per step, per factor: which of the 2 tiles' roots changed.
+    changed.append([jnp.any(n != o, axis=(1, 2, 3)).tolist() for n, o in zip(new, old)])
+  refresh = [[True, True]] * 2
+  unchanged = [[False, False]] * 2
+  assert changed == [refresh, unchanged, unchanged, refresh, unchanged, unchanged, refresh]
