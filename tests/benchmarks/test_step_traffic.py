@@ -101,11 +101,12 @@ BETWEEN_FITS = {"kron": 1.05, "shampoo": 1.13, "soap": 1.16}
 # pools holding their state where they run (no stack moved in or back): soap 2.36x; Kron's
 # holding its Qs so: kron 2.45x. Shampoo's roots by the coupled Newton iteration (a loop of
 # matmuls and a power iteration per tile shape, where eigh was one call, 2026-12-07): shampoo
-# 1.95x -> 2.20x, shampoo:local 2.30x -> 2.89x.
+# 1.95x -> 2.20x, shampoo:local 2.30x -> 2.89x. Kron's born Qs set from each tile's first
+# momentum (a cond per stack, skipped once they are set; 2026-12-07): kron 2.62x (4.41x local).
 KERNELS = {
-    "kron:local": 4.01,
+    "kron:local": 4.41,
     "shampoo:local": 2.89,
-    "kron": 2.45,
+    "kron": 2.62,
     "shampoo": 2.20,
     "muon": 1.64,
     "soap": 2.36,
