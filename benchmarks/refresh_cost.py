@@ -79,7 +79,8 @@ def update_gflop(tx, state, counters: dict) -> float:
   Example:
       >>> import jax.numpy as jnp
       >>> from bv_sharding.optimizers import soap
-      >>> tx, params = soap(1e-3), {"w": jnp.ones((64, 32))}
+      >>> tx = soap(1e-3, power_damping=0.0)  # Bases refitted by eigh every 10 steps.
+      >>> params = {"w": jnp.ones((64, 32))}
       >>> state = {"params": params, "opt": tx.init(params)}
       >>> update_gflop(tx, state, {"count": 10}) > update_gflop(tx, state, {"count": 11}) > 0
       True

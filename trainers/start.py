@@ -32,7 +32,7 @@ import optax
 from absl import logging
 
 from bv_sharding import Plan
-from bv_sharding.optimizers import rebirth
+from bv_sharding.optimizers import unramped, with_ramp
 from trainers import steps
 from trainers.rundir import checkpoint
 from trainers.rundir.checkpoint import OPT, PARAMS
@@ -172,26 +172,25 @@ def restore(
 
 def before_ramp(target, differs: Callable, load: Callable) -> tuple[Callable, Callable]:
   """``(differs, load)`` as :meth:`Migration.migrate` takes them, for a checkpoint that this
-  run's optimizer wrote before its chain ended with a ramp (``rebirth.ramped``): where the saved
+  run's optimizer wrote before its chain ended with a ramp (``bv_sharding.optimizers.ramped``): where the saved
   state is ``target``'s without its ramp, it is read as that and the ramp appended saturated
   (the run continues as it was); else ``differs`` and ``load`` as they are.
 
   Example:
     >>> import jax.numpy as jnp
-    >>> target = ("adam's", rebirth.RampState(jnp.int32(0)))  # Its state and its ramp.
+    >>> from bv_sharding.optimizers import RampState
+    >>> target = ("adam's", RampState(jnp.int32(0)))  # Its state and its ramp.
     >>> differs = lambda tree=None: None if len(tree or ()) == 1 else "opt/1/count"
     >>> _, load = before_ramp(target, differs, lambda targets=None: targets)
     >>> load()[0], int(load()[1].count)
     ("adam's", 2147483647)
   """
-  inner = rebirth.unramped(target)
+  inner = unramped(target)
   if inner is None or not differs() or differs(inner):
     return differs, load
   return (
-      lambda tree=None: differs(inner if tree is None else rebirth.unramped(tree) or tree),
-      lambda targets=None: rebirth.with_ramp(
-          load(inner if targets is None else rebirth.unramped(targets)), target
-      ),
+      lambda tree=None: differs(inner if tree is None else unramped(tree) or tree),
+      lambda targets=None: with_ramp(load(inner if targets is None else unramped(targets)), target),
   )
 
 

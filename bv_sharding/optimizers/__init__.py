@@ -31,13 +31,22 @@ from bv_sharding.optimizers.muon import muon, scale_by_muon
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.pools import Resident
 from bv_sharding.optimizers.portable import canonical_state, held_state
-from bv_sharding.optimizers.rebirth import ramp, ramp_in, refill
+from bv_sharding.optimizers.rebirth import (
+    RampState,
+    ramp,
+    ramp_in,
+    ramped,
+    refill,
+    unramped,
+    with_ramp,
+)
 from bv_sharding.optimizers.shampoo import (
     ShampooParamState,
     ShampooState,
     scale_by_shampoo,
     shampoo,
 )
+from bv_sharding.optimizers.soap import LR_SCALE as SOAP_LR_SCALE
 from bv_sharding.optimizers.soap import SoapParamState, SoapState, scale_by_soap, soap
 from bv_sharding.optimizers.state_dtype import compute_dtype, with_state_dtype
 from bv_sharding.optimizers.tiles import same_blocking
@@ -46,7 +55,9 @@ __all__ = [
     "BuiltOptimizer",
     "OptimizerError",
     "ParamLayout",
+    "RampState",
     "Resident",
+    "SOAP_LR_SCALE",
     "ShampooParamState",
     "ShampooState",
     "SoapParamState",
@@ -63,7 +74,10 @@ __all__ = [
     "precond_update_prob_schedule",
     "ramp",
     "ramp_in",
+    "ramped",
     "refill",
+    "unramped",
+    "with_ramp",
     "same_blocking",
     "scale_by_kron",
     "scale_by_muon",

@@ -899,9 +899,9 @@ def scale_by_kron(
       blocks of at most this size per dim, each with its own Qs (stacked as
       ``(n_blocks, b, b)``); None: each such param is one block, its Qs in
       psgd-jax's shapes; see the module docstring. 256: the param's fixed tiles on any mesh,
-      14.9x less update traffic than psgd-jax's Kron under the seed's placement
-      (``python -m benchmarks.communication``); on the tuning split of ``configs/lm.py``
-      (two seeds) 128 ends 0.008 ± 0.007 below 256.
+      14.9x less update traffic than psgd-jax's Kron under llm-jax's placement (the
+      project's communication benchmark); on the tuning split of the project's small
+      language model (two seeds) 128 ends 0.008 ± 0.007 below 256.
     layout: the params' specs and mesh (:class:`ParamLayout`); blocks inside one
       device's shard are fitted there, the others by owners (see
       :mod:`bv_sharding.optimizers.layout`).
@@ -916,8 +916,8 @@ def scale_by_kron(
       on a fit step and a smaller program (lm medium's step: 26,338 instructions rather than
       28,951, and 1.78x adamw's compile seconds). The state's shapes then depend on the
       mesh (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form
-      that does not). 0 (the default, a state any mesh resumes): no pool does. The
-      project's trainer uses 1.5; its checkpoints store the state given back.
+      that does not). 0 (the default, a state any mesh resumes): no pool does. Use 1.5
+      where checkpoints store the state given back (``canonical_state``).
 
   Example:
       >>> tx = scale_by_kron(preconditioner_update_probability=1.0, block_size=None)

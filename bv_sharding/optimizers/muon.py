@@ -60,7 +60,7 @@ _NOT_MATRICES = ("scale", "bias")
 _NS_COEFFS = (3.4445, -4.775, 2.0315)
 # The RMS each matrix's update is scaled to (times the learning rate), so that Muon trains at
 # AdamW's learning rate. Moonlight's 0.2 (AdamW's typical RMS) undershoots there:
-# configs/lm.py, 300 steps, --config.optax_name=muon, eval loss 1.739 at 0.2, 1.521 at 0.6,
+# the project's small language model, 300 steps, eval loss 1.739 at 0.2, 1.521 at 0.6,
 # 1.496 at 0.8, 1.503 at 1.1, 1.554 at 1.6; adamw 1.640. Re-checked on the tuning split
 # (docs/optimizers.md, "How the defaults were chosen"), two seeds: 1.560 at 0.4, 1.497 at
 # 0.8, 1.516 at 1.2.

@@ -32,7 +32,7 @@ ROOT_METHODS = ("newton", "eigh")
 # matrix_epsilon), the smallest eigenvalues of the scaled matrix grow about 2.2x an iteration
 # (p = 2) to 2.4x (p = 4) until near 1, then converge quadratically: 22 reached a residual of
 # 2e-6 on 256-wide statistics, eigenvalues spread over 1e6 or of rank 4 (then 1e-7 from 24);
-# the root as close to float64's as float32 eigh's is (tests/optimizers/test_roots.py).
+# the root as close to float64's as float32 eigh's is (the project's roots tests).
 NEWTON_ITERATIONS = 24
 POWER_ITERATIONS = 16  # lambda_max, for the ridge only: an estimate a few % low is harmless.
 FAILURE_THRESHOLD = 0.1  # Max |M - I| of a converged iteration (distributed_shampoo's).

@@ -403,9 +403,9 @@ def scale_by_shampoo(
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
   Args:
-    block_size: max size of a preconditioner block (per dim). 256: on the tuning split of
-      ``configs/lm.py`` (three seeds, 300 steps) 0.006 ± 0.002 above 1024, and the step of
-      ``lm_tp_fsdp`` tiny moves 1.33x adamw's bytes against 1.54x (a 768-wide tile's
+    block_size: max size of a preconditioner block (per dim). 256: on the tuning split of the
+      project's small language model (three seeds, 300 steps) 0.006 ± 0.002 above 1024, and
+      the step of its tensor-parallel tiny one moves 1.33x adamw's bytes against 1.54x (a 768-wide tile's
       statistics are 3.3x its bytes, 2x at 256).
     beta1: momentum: the state keeps the heavy-ball sum ``m = beta1 m + d`` and the step is
       its average ``(1 - beta1) m`` (an EMA of the directions); 0 disables it.

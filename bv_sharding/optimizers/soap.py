@@ -79,9 +79,9 @@ from bv_sharding.optimizers.shard_run import BlockRun
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 from bv_sharding.optimizers.tiles import ShardBlocks
 
-# SOAP's learning rate over AdamW's: the trainer's registry multiplies ``config.lr`` by it, and
-# big_vision's ``config.lr`` for ``bv_sharding.scale_by_soap`` is AdamW's times it. On the
-# tuning split of ``configs/lm.py`` (two seeds, ``docs/optimizers.md``): eval loss 1.700 at 1,
+# SOAP's learning rate over AdamW's: big_vision's ``config.lr`` for ``bv_sharding.scale_by_soap``
+# is AdamW's times it (the project's registry multiplies its lr by it too). On the tuning split
+# of the project's small language model (two seeds, ``docs/optimizers.md``): eval loss 1.700 at 1,
 # 1.602 at 2, 1.644 at 4.
 LR_SCALE = 2.0
 
@@ -861,8 +861,8 @@ def scale_by_soap(
       mesh (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form
       that does not). 1.5: 8 devices' pools of lm small (12 and 18 tiles in 16 and 24 slots)
       are kept, and the step moves 1.11x adamw's bytes instead of 1.82x. 0 (the default, a
-      state any mesh resumes): no pool is kept. The project's trainer uses 1.5; its
-      checkpoints store the state given back.
+      state any mesh resumes): no pool is kept. Use 1.5 where checkpoints store the state
+      given back (:func:`~bv_sharding.optimizers.portable.canonical_state`).
     power_damping: above 0, bases that move continuously with the statistics, so that float
       rounding (a gradient summed in another order, on another mesh) moves them by about as
       much instead of choosing among nearly equal eigenvalues' eigenvectors: fitted by

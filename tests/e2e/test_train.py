@@ -317,8 +317,9 @@ def test_processes_with_different_configs_stop_naming_the_first_differing_key(tm
   outs = [p.communicate(timeout=200)[0] for p in procs]
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode != 0, out[-2000:]
-    assert "jax.distributed: auto-detected slurm" in out, out[-2000:]
-    assert f"process {i} of 2, 8 devices (4 here)" in out
+    # The start-up's lines are held until the checks pass (trainers/settings/held.py): the
+    # error, which names the other process of the job Slurm's variables declared, comes first.
+    assert not re.search(r"^[IW]\d{4} ", out, re.M), out[-2000:]
     here, there = ("'adamw'", "'lion'") if i == 0 else ("'lion'", "'adamw'")
     assert f"ConfigError: config.optax_name={here} here, {there} on process {1 - i}" in out
     assert "initialising params" not in out  # Stopped before allocating.

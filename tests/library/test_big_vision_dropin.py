@@ -29,9 +29,8 @@ import bv_sharding as bvs
 import bv_sharding.big_vision.optax as bv_optax
 import bv_sharding.big_vision.sharding as bv_sharding
 from bv_sharding.big_vision.layout import layout_of, mesh_of
-from bv_sharding.optimizers import Stacks
+from bv_sharding.optimizers import SOAP_LR_SCALE, Stacks
 from bv_sharding.optimizers.placement import stored_spec
-from bv_sharding.optimizers.soap import LR_SCALE as SOAP_LR_SCALE
 from tests import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -241,7 +240,7 @@ OPTIMIZERS = {
     "kron": (
         "bv_sharding.scale_by_kron",
         dict(block_size=32, preconditioner_update_probability=1.0),
-        0.3,
+        1e-2,  # Adam's: its first updates are Adam-sized (preconditioner_init_scale=None).
     ),
     "shampoo": ("bv_sharding.scale_by_shampoo", dict(block_size=32, graft_type="adam"), 1e-2),
     "muon": ("bv_sharding.scale_by_muon", {}, 3e-3),
@@ -357,7 +356,7 @@ class ScannedViT(nn.Module):
 # Every tile's state in its param's block stacks, where the test below reads it: Kron's and
 # SOAP's pools not kept where they run (resident_padding 0).
 SECOND_ORDER = {
-    "kron": (OPTIMIZERS["kron"][0], {**OPTIMIZERS["kron"][1], "resident_padding": 0.0}, 0.3),
+    "kron": (OPTIMIZERS["kron"][0], {**OPTIMIZERS["kron"][1], "resident_padding": 0.0}, 1e-2),
     "shampoo": OPTIMIZERS["shampoo"],
     "soap": ("bv_sharding.scale_by_soap", dict(block_size=32, resident_padding=0.0), 3e-3),
 }

@@ -37,8 +37,7 @@ from bv_sharding.big_vision import ConfigError
 from bv_sharding.big_vision import optax as bv_optax
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.big_vision.transformations import TRANSFORMATIONS, factory, transformation
-from bv_sharding.optimizers import with_state_dtype
-from bv_sharding.optimizers.rebirth import ramped
+from bv_sharding.optimizers import ramped, with_state_dtype
 from trainers import precision
 from trainers.errors import OptimizerError, closest
 from trainers.optimizers import registry

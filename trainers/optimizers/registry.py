@@ -25,8 +25,15 @@ import optax
 
 from bv_sharding.big_vision.schedules import make_schedule
 from bv_sharding.big_vision.transformations import mistyped
-from bv_sharding.optimizers import auto_axes_update, kron, muon, refill, shampoo, soap
-from bv_sharding.optimizers.soap import LR_SCALE as SOAP_LR_SCALE
+from bv_sharding.optimizers import (
+    SOAP_LR_SCALE,
+    auto_axes_update,
+    kron,
+    muon,
+    refill,
+    shampoo,
+    soap,
+)
 from trainers.errors import OptimizerError, closest
 
 # Last path components of norm scales and biases: small vectors that get no weight decay.
