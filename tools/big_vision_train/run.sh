@@ -69,7 +69,7 @@ PYEOF
 
 # The library's defaults but blocks of 32 and, for Kron and SOAP, resident_padding=0: a pool's
 # state kept where it runs has the device count in its shapes, which big_vision's loader cannot
-# resume on 4 and 2 devices. lr: AdamW's 0.003 (SOAP's times its LR_SCALE, 2), Kron's 0.3.
+# resume on 4 and 2 devices. lr: AdamW's 0.003 for every one (SOAP's times its LR_SCALE, 2).
 declare -A ARG=(
   [adam]="scale_by_adam"
   [kron]="bv_sharding.scale_by_kron,block_size=32,resident_padding=0"
@@ -79,7 +79,7 @@ declare -A ARG=(
   [kron_scan]="bv_sharding.scale_by_kron,block_size=32,resident_padding=0,scan=True"
   [shampoo_scan]="bv_sharding.scale_by_shampoo,block_size=32,scan=True"
 )
-declare -A LR=([adam]=0.003 [kron]=0.3 [shampoo]=0.003 [muon]=0.003 [soap]=0.006 [kron_scan]=0.3
+declare -A LR=([adam]=0.003 [kron]=0.003 [shampoo]=0.003 [muon]=0.003 [soap]=0.006 [kron_scan]=0.003
   [shampoo_scan]=0.003)
 
 train() {  # train NAME DEVICES TOTAL_STEPS
