@@ -19,17 +19,18 @@ counted).
 
   python -m benchmarks.quality [--seeds 3] [--runs adamw@8,kron:local@1] [--cache runs/quality] \
       [--split eval|tune] [--eval_every 100] [--set="--config.total_steps=20 ..."]
+
+``--seconds S`` is the equal-seconds mode instead (benchmarks/seconds.py): every run trains
+for S seconds of its own speed on the device, its lr tuned within ``--lrs`` first, and the
+table says how soon each reaches the first run's final eval loss.
 """
 
 import json
 import pathlib
 import statistics
 import subprocess
-import sys
 
-import ml_collections
-
-from benchmarks import zoo
+from benchmarks import lm_run, seconds
 from trainers.settings import cli
 
 RUNS = (
@@ -43,56 +44,20 @@ RUNS = (
     "shampoo:local@1",
     "shampoo:local@8",
 )
-TUNE_FRACTION = 0.05  # --split tune: the tuning slice, as large as the eval split.
-
-
-def flags(optimizer: str, devices: int, seed: int, extra) -> list[str]:
-  """The trainer's flags for one run: ``zoo.train_with``'s optimizer spelling, then overrides.
-
-  Example:
-    >>> flags("kron:local:optax.block_size=128", 8, 0, [])[2:]
-    ['--config.optax.blocking=local', '--config.optax.block_size=128', '--config.seed=0']
-  """
-  name, *variant = optimizer.split(":")
-  overrides = [f"--config.{v}" for v in variant if "=" in v]
-  name = ":".join([name, *(v for v in variant if "=" not in v)])
-  config = zoo.train_with(ml_collections.ConfigDict({"optax_name": "", "optax": {}}), name)
-  out = [f"--config.optax_name={config.optax_name}", f"--devices_per_process={devices}"]
-  out += [f"--config.optax.{k}={v}" for k, v in config.optax.items()]
-  return [*out, *overrides, f"--config.seed={seed}", *extra]
-
-
-def result(records: list[dict]) -> dict:
-  """``{"evals": {step: eval loss}, "seconds": {step: training seconds up to it}}``.
-
-  Example:
-    >>> result([{"step": 1, "steps_per_sec": 0.1}, {"step": 2, "steps_per_sec": 2.0},
-    ...         {"step": 3, "steps_per_sec": 4.0, "eval_loss": 1.5}])
-    {'evals': {3: 1.5}, 'seconds': {3: 0.75}}
-  """
-  seconds, evals, at, last = 0.0, {}, {}, 0
-  for r in records:
-    if r.get("steps_per_sec") and r["step"] > 1:  # Step 1 compiles.
-      seconds += (r["step"] - last) / r["steps_per_sec"]
-    last = r["step"]
-    if "eval_loss" in r:
-      evals[r["step"]], at[r["step"]] = r["eval_loss"], seconds
-  return {"evals": evals, "seconds": at}
 
 
 def run(cache: pathlib.Path, spec: str, seed: int, extra, split: str = "eval") -> dict:
-  """One run's :func:`result` on ``split``, trained now unless ``cache`` holds it."""
+  """One run's :func:`lm_run.result` on ``split``, trained now unless ``cache`` holds it."""
   optimizer, _, devices = spec.partition("@")
   tune = split == "tune"
   workdir = cache / f"{optimizer.replace(':', '-')}-d{devices}-s{seed}{'-tune' * tune}"
-  extra = [*extra, f"--config.input.tune_fraction={TUNE_FRACTION}"] if tune else extra
+  extra = [*extra, f"--config.input.tune_fraction={lm_run.TUNE_FRACTION}"] if tune else extra
   done = workdir / "result.json"
   if done.exists():
     return json.loads(done.read_text())
-  cmd = [sys.executable, "-m", "trainers.train", "--config=configs/lm.py", f"--workdir={workdir}"]
-  subprocess.run([*cmd, *flags(optimizer, int(devices), seed, extra)], check=True)
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  out = result(records)
+  flags = lm_run.flags(optimizer, int(devices), seed, extra)
+  subprocess.run([*lm_run.command(workdir), *flags], check=True)
+  out = lm_run.result(lm_run.records(workdir))
   done.write_text(json.dumps(out))
   return json.loads(done.read_text())  # Step keys as JSON has them, as when cached.
 
@@ -135,17 +100,24 @@ def loss_at(res: dict, seconds: float) -> float | None:
 def main(argv=None):
   parser = cli.Parser("python -m benchmarks.quality", __doc__)
   parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--runs", default=",".join(RUNS), help="<optimizer>@<devices>,...")
+  parser.add_argument(
+      "--runs",
+      help=f"<optimizer>@<devices>,... (default {','.join(RUNS)}; --seconds: "
+      f"{','.join(seconds.RUNS)}); the first is the baseline",
+  )
   parser.add_argument("--cache", default="runs/quality")
   parser.add_argument(
       "--split", default="eval", choices=("eval", "tune"), help="the held-out slice evaluated"
   )
   parser.add_argument("--eval_every", type=int, default=100)
   parser.add_argument("--set", default="", help="trainer flags for every run, space-separated")
+  seconds.add_flags(parser)
   args = parser.parse_args(argv)
+  if args.seconds:
+    return seconds.sweep(args)
   cache = pathlib.Path(args.cache)
   cache.mkdir(parents=True, exist_ok=True)
-  specs = args.runs.split(",")
+  specs = (args.runs or ",".join(RUNS)).split(",")
   extra = [*args.set.split(), f"--config.eval_every={args.eval_every}"]
   results = {
       s: [run(cache, s, seed, extra, args.split) for seed in range(args.seeds)] for s in specs

@@ -1,0 +1,95 @@
+"""The equal-seconds mode of ``python -m benchmarks.quality``: a call stops between runs and
+the next goes on from its results, a budget past one epoch stops before anything trains,
+the lr grid picks each run's lowest tune loss, bad flags end as one line."""
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import quality, reach, seconds
+from tests.helpers import assert_snake_case_help, help_text
+
+SHAPE = ("--size", "tiny", "--seq_len", "64", "--batch_size", "16", "--dtype", "float32")
+TINY = ("--seconds", "2", "--eval_seconds", "1", *SHAPE, "--seeds", "1", "--lrs", "3e-3")
+CORPUS = 4 * 2**20  # configs/lm.py's text: the standard library's first 4 MiB.
+
+
+def test_a_call_stops_between_runs_and_the_next_goes_on_from_its_results(tmp_path, capsys):
+  cache = ("--cache", str(tmp_path))
+  quality.main([*TINY, *cache, "--runs", "adamw@1,muon@1", "--stop_after", "1"])
+  assert "stopped: a probe of about" in capsys.readouterr().out  # After adamw's probe.
+  (probe,) = seconds.load(tmp_path / "seconds.jsonl").values()
+  assert probe["key"].startswith("probe adamw@1 ") and probe["tokens_per_step"] == 64 * 16
+  held_out = round(CORPUS * 0.05)  # The eval tail, and the tuning slice before it.
+  assert probe["train_tokens"] == {"eval": CORPUS - held_out, "tune": CORPUS - 2 * held_out}
+
+  quality.main([*TINY, *cache, "--runs", "adamw@1"])
+  out = capsys.readouterr().out.splitlines()
+  done = seconds.load(tmp_path / "seconds.jsonl")
+  (run,) = [entry for key, entry in done.items() if key.startswith("run ")]
+  assert len(done) == 2  # The probe was not run again.
+  assert run["steps"] == 1 + reach.budget_steps(probe["rate"], 2)
+  every = reach.eval_period(probe["rate"], 1)
+  assert sorted(map(int, run["curve"]["evals"])) == sorted(
+      {*range(every, run["steps"] + 1, every), run["steps"]}
+  )
+  train, start, evals = reach.spent(run)
+  assert train > 0 and start > 0 and evals >= 0 and run["wall"] > run["last"]
+  assert reach.row(run) in out
+  assert any(line.startswith("| adamw@1 | 0 | 0.003 |") and "baseline" in line for line in out)
+  assert (tmp_path / "seconds.png").read_bytes()[:4] == b"\x89PNG"
+  assert not any((tmp_path / "run").iterdir())  # Each run's workdir went with its line.
+
+
+def test_a_budget_past_one_epoch_stops_before_anything_trains(tmp_path, capsys):
+  shape = argparse.Namespace(size="tiny", seq_len=64, batch_size=16, dtype="float32", set="")
+  probe = dict(key=f"probe adamw@1 {seconds.Sweep(shape, {}).setup}", wall=9.0, rate=1000.0)
+  probe.update(tokens_per_step=1024, train_tokens={"eval": 60_000_000, "tune": 50_000_000})
+  (tmp_path / "seconds.jsonl").write_text(json.dumps(probe) + "\n")
+  with pytest.raises(SystemExit) as exited:
+    quality.main([*SHAPE, "--seconds", "60", "--lrs", "1e-3,3e-3", "--cache", str(tmp_path)])
+  err = capsys.readouterr().err  # 60,001 steps of 1,024 tokens: more than the tune runs' 50M.
+  assert exited.value.code == 1 and "--runs" not in err
+  assert err.startswith("ConfigError: --seconds 60: adamw@1 at 1000.00 steps/s runs 60001 steps")
+  assert "use --seconds 48 or less" in err
+  assert len(seconds.load(tmp_path / "seconds.jsonl")) == 1 and not (tmp_path / "run").exists()
+
+
+class Grid(seconds.Sweep):
+  """A sweep whose runs end at a loss set by their lr: lowest at 1e-3 for adamw, 3e-3 for
+  muon."""
+
+  def train(self, spec: str, split: str, seed: int, lr: float) -> dict:
+    self.asked.append((spec, split, seed, lr))
+    loss = abs(lr - {"adamw@1": 1e-3, "muon@1": 3e-3}[spec]) + 2
+    points = {"evals": {"10": loss}, "seconds": {"10": 5.0}}
+    return dict(split=split, spec=spec, seed=seed, lr=lr, steps=10, first=1.0, last=7.0,
+                curve=points)  # fmt: skip
+
+
+def test_the_grid_runs_every_lr_on_the_tune_split_and_keeps_each_runs_lowest(capsys):
+  grid = Grid(argparse.Namespace(lrs=[3e-4, 1e-3, 3e-3]), {})
+  grid.asked = []
+  assert seconds.tune(grid, ["adamw@1", "muon@1"]) == {"adamw@1": 1e-3, "muon@1": 3e-3}
+  assert {(split, seed) for _, split, seed, _ in grid.asked} == {("tune", seconds.TUNE_SEED)}
+  assert len(grid.asked) == 6 and len(capsys.readouterr().out.splitlines()) == 6
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--seconds", "0"], "argument --seconds: '0' is not a number > 0"),
+        (["--seconds", "60", "--lrs", "3e-4,x"], "argument --lrs: 'x' is not a learning rate > 0"),
+        (["--seconds", "60", "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    ],
+)
+def test_a_bad_flag_ends_as_one_line(args, message, capsys):
+  with pytest.raises(SystemExit) as exited:
+    quality.main(args)
+  assert exited.value.code == 1 and message in capsys.readouterr().err
+
+
+def test_help_names_the_flags(capsys):
+  text = help_text(quality.main, capsys)
+  assert_snake_case_help(text, "--seconds", "--eval_seconds", "--lrs", "--stop_after", "--png")
