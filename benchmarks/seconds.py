@@ -270,6 +270,8 @@ def sweep(args) -> None:
   cache.mkdir(parents=True, exist_ok=True)
   args.results = args.results or str(cache / "seconds.jsonl")
   args.png = args.png or str(cache / "seconds.png")
+  for path in (args.results, args.png):
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
   runs = Sweep(args, load(args.results))
   tuned = args.split == "tune" or len(args.lrs) > 1
   try:

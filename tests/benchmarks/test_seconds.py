@@ -24,9 +24,13 @@ def test_a_call_stops_between_runs_and_the_next_goes_on_from_its_results(tmp_pat
   held_out = round(CORPUS * 0.05)  # The eval tail, and the tuning slice before it.
   assert probe["train_tokens"] == {"eval": CORPUS - held_out, "tune": CORPUS - 2 * held_out}
 
-  quality.main([*TINY, *cache, "--runs", "adamw@1"])
+  moved = ("--results", str(tmp_path / "kept" / "seconds.jsonl"))  # As carried to a new host.
+  (tmp_path / "kept").mkdir()
+  (tmp_path / "seconds.jsonl").rename(moved[1])
+  png = ("--png", str(tmp_path / "new" / "q.png"))  # Its folder is made.
+  quality.main([*TINY, *cache, *moved, *png, "--runs", "adamw@1"])
   out = capsys.readouterr().out.splitlines()
-  done = seconds.load(tmp_path / "seconds.jsonl")
+  done = seconds.load(moved[1])
   (run,) = [entry for key, entry in done.items() if key.startswith("run ")]
   assert len(done) == 2  # The probe was not run again.
   assert run["steps"] == 1 + reach.budget_steps(probe["rate"], 2)
@@ -38,7 +42,7 @@ def test_a_call_stops_between_runs_and_the_next_goes_on_from_its_results(tmp_pat
   assert train > 0 and start > 0 and evals >= 0 and run["wall"] > run["last"]
   assert reach.row(run) in out
   assert any(line.startswith("| adamw@1 | 0 | 0.003 |") and "baseline" in line for line in out)
-  assert (tmp_path / "seconds.png").read_bytes()[:4] == b"\x89PNG"
+  assert (tmp_path / "new" / "q.png").read_bytes()[:4] == b"\x89PNG"
   assert not any((tmp_path / "run").iterdir())  # Each run's workdir went with its line.
 
 
