@@ -80,7 +80,8 @@ def check_one_epoch(
     ...
     bv_sharding.errors.ConfigError: --seconds 60: adamw@1 at 1.43 steps/s runs 86 steps of 32768 \
 tokens, 2818048 tokens, more than the 2097152 tokens it trains on, so its batches would repeat; \
-use --seconds 44 or less, or more data (--set="--config.input.train=...")
+use --seconds 44 or less, or more data (--set="--config.input.max_tokens=0 \
+--config.input.train=<more files>")
   """
   needed = steps * tokens_per_step
   if needed > train_tokens:
@@ -89,7 +90,7 @@ use --seconds 44 or less, or more data (--set="--config.input.train=...")
         f"--seconds {seconds:g}: {run} at {steps_per_sec:.2f} steps/s runs {steps} steps of "
         f"{tokens_per_step} tokens, {needed} tokens, more than the {train_tokens} tokens it "
         f"trains on, so its batches would repeat; use --seconds {most} or less, or more data "
-        '(--set="--config.input.train=...")'
+        '(--set="--config.input.max_tokens=0 --config.input.train=<more files>")'
     )
 
 

@@ -1,9 +1,10 @@
-"""Quality per second: every optimizer trains for the same seconds; how soon each reaches
+r"""Quality per second: every optimizer trains for the same seconds; how soon each reaches
 AdamW's final eval loss.
 
   python -m benchmarks.quality --seconds 60 --eval_seconds 10 --lrs 3e-4,1e-3 --seeds 2 \
       [--runs adamw@1,muon@1,kron@1,shampoo@1,soap@1] [--size 125m --seq_len 2048 \
-      --batch_size 16 --dtype bfloat16] [--cache runs/quality_seconds] [--stop_after 480]
+      --batch_size 16 --dtype bfloat16] [--cache runs/quality] [--results F.jsonl] [--png F.png] \
+      [--stop_after 480] [--split eval|tune] [--set="--config.<key>=<value> ..."]
 
 The protocol, for configs/lm.py:size=125m at seq 2048 x 16 (``--dtype``: ``DTYPES`` of
 benchmarks/accelerator.py, layers scanned and rematerialised from seq 1024 on, as there):
