@@ -4,7 +4,8 @@ Each optimizer trains for the same training seconds. The trainer stops on a step
 on a clock, so a run's ``config.total_steps`` comes from the optimizer's measured steps per
 second (:func:`budget_steps`; step 1, which the curves leave out, comes on top), and so does
 its eval period (:func:`eval_period`). :func:`check_one_epoch` refuses a budget whose run
-would draw more tokens than its train slice holds. :func:`reach_seconds` reads, from a
+would draw more tokens than its train slice holds, :func:`check_warmup` one that would end
+within its warmup. :func:`reach_seconds` reads, from a
 run's eval curve, the training seconds at which it first reaches a loss; :func:`verdict`
 sets them against the baseline's seconds and the goal (``GOAL``, 0.8 of them).
 
@@ -91,6 +92,27 @@ use --seconds 44 or less, or more data (--set="--config.input.max_tokens=0 \
         f"{tokens_per_step} tokens, {needed} tokens, more than the {train_tokens} tokens it "
         f"trains on, so its batches would repeat; use --seconds {most} or less, or more data "
         '(--set="--config.input.max_tokens=0 --config.input.train=<more files>")'
+    )
+
+
+def check_warmup(run: str, steps: int, warmup: int, steps_per_sec: float, seconds) -> None:
+  """Raises unless a run of ``steps`` steps gets past its schedule's ``warmup`` steps (the
+  trainer refuses one that does not).
+
+  Example:
+    >>> check_warmup("shampoo@1", 16, 10, 0.26, 60)
+    >>> check_warmup("shampoo@1", 6, 10, 0.26, 20)
+    Traceback (most recent call last):
+    ...
+    bv_sharding.errors.ConfigError: --seconds 20: shampoo@1 at 0.26 steps/s runs 6 steps, not \
+past its 10 warmup steps (config.schedule.warmup_steps); use --seconds 39 or more
+  """
+  if steps <= warmup:
+    least = math.ceil(warmup / steps_per_sec)
+    raise ConfigError(
+        f"--seconds {seconds:g}: {run} at {steps_per_sec:.2f} steps/s runs {steps} steps, not "
+        f"past its {warmup} warmup steps (config.schedule.warmup_steps); use --seconds {least} or "
+        "more"
     )
 
 

@@ -136,6 +136,7 @@ class Sweep:
       entry, records, config = self.launch(key, spec, "eval", 0, self.args.lrs[0], steps)
       entry.update(rate=reach.probe_rate(records), train_tokens=train_tokens(config))
       entry["tokens_per_step"] = config["batch_size"] * config["seq_len"]
+      entry["warmup"] = config["schedule"].get("warmup_steps", 0)
       self.keep(entry)
     return self.done[key]
 
@@ -198,8 +199,10 @@ def load(path: str) -> dict:
 
 
 def check_data(args, spec: str, probe: dict, splits: list[str]) -> None:
-  """``reach.check_one_epoch`` of ``spec``'s runs on each of ``splits``, from its probe."""
+  """``reach.check_warmup`` and ``reach.check_one_epoch`` of ``spec``'s runs on each of
+  ``splits``, from its probe."""
   steps = 1 + reach.budget_steps(probe["rate"], args.seconds)
+  reach.check_warmup(spec, steps, probe["warmup"], probe["rate"], args.seconds)
   for split in splits:
     tokens = probe["train_tokens"][split]
     reach.check_one_epoch(

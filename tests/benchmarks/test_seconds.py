@@ -21,6 +21,7 @@ def test_a_call_stops_between_runs_and_the_next_goes_on_from_its_results(tmp_pat
   assert "stopped: a probe of about" in capsys.readouterr().out  # After adamw's probe.
   (probe,) = seconds.load(tmp_path / "seconds.jsonl").values()
   assert probe["key"].startswith("probe adamw@1 ") and probe["tokens_per_step"] == 64 * 16
+  assert probe["warmup"] == 10  # configs/lm.py's schedule.
   held_out = round(CORPUS * 0.05)  # The eval tail, and the tuning slice before it.
   assert probe["train_tokens"] == {"eval": CORPUS - held_out, "tune": CORPUS - 2 * held_out}
 
@@ -46,17 +47,29 @@ def test_a_call_stops_between_runs_and_the_next_goes_on_from_its_results(tmp_pat
   assert not any((tmp_path / "run").iterdir())  # Each run's workdir went with its line.
 
 
-def test_a_budget_past_one_epoch_stops_before_anything_trains(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "rate,message",
+    [  # 60,001 steps of 1,024 tokens: more than the tune runs' 50M; 7 steps: within the warmup.
+        (1000.0, "adamw@1 at 1000.00 steps/s runs 60001 steps of 1024 tokens, 61441024 tokens, "
+         "more than the 50000000 tokens it trains on, so its batches would repeat; use --seconds "
+         '48 or less, or more data (--set="--config.input.max_tokens=0 '
+         '--config.input.train=<more files>")'),
+        (0.1, "adamw@1 at 0.10 steps/s runs 7 steps, not past its 10 warmup steps "
+         "(config.schedule.warmup_steps); use --seconds 100 or more"),
+    ],
+)  # fmt: skip
+def test_a_budget_past_one_epoch_or_within_the_warmup_stops_before_anything_trains(
+    rate, message, tmp_path, capsys
+):
   shape = argparse.Namespace(size="tiny", seq_len=64, batch_size=16, dtype="float32", set="")
-  probe = dict(key=f"probe adamw@1 {seconds.Sweep(shape, {}).setup}", wall=9.0, rate=1000.0)
-  probe.update(tokens_per_step=1024, train_tokens={"eval": 60_000_000, "tune": 50_000_000})
+  probe = dict(key=f"probe adamw@1 {seconds.Sweep(shape, {}).setup}", wall=9.0, rate=rate)
+  probe.update(warmup=10, tokens_per_step=1024)
+  probe.update(train_tokens={"eval": 60_000_000, "tune": 50_000_000})
   (tmp_path / "seconds.jsonl").write_text(json.dumps(probe) + "\n")
   with pytest.raises(SystemExit) as exited:
     quality.main([*SHAPE, "--seconds", "60", "--lrs", "1e-3,3e-3", "--cache", str(tmp_path)])
-  err = capsys.readouterr().err  # 60,001 steps of 1,024 tokens: more than the tune runs' 50M.
-  assert exited.value.code == 1 and "--runs" not in err
-  assert err.startswith("ConfigError: --seconds 60: adamw@1 at 1000.00 steps/s runs 60001 steps")
-  assert "use --seconds 48 or less" in err
+  err = capsys.readouterr().err
+  assert exited.value.code == 1 and err == f"ConfigError: --seconds 60: {message}\n"
   assert len(seconds.load(tmp_path / "seconds.jsonl")) == 1 and not (tmp_path / "run").exists()
 
 
