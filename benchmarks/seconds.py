@@ -281,7 +281,8 @@ def sweep(args) -> None:
   try:
     for spec in specs:  # Each budget checked before anything else trains.
       probe = runs.probe(spec)
-      print(f"{spec}: {probe['rate']:.3f} steps/s, {probe['tokens_per_step']} tokens a step")
+      rate, tokens, first = probe["rate"], probe["tokens_per_step"], probe["first"]
+      print(f"{spec}: {rate:.3f} steps/s, {tokens} tokens a step, start-up {first:.0f} s")
       check_data(args, spec, probe, ["tune"] * tuned + ["eval"] * (args.split == "eval"))
     print(reach.HEADER, "|---" * (reach.HEADER.count("|") - 1) + "|", sep="\n", flush=True)
     lrs = tune(runs, specs) if tuned else {spec: args.lrs[0] for spec in specs}

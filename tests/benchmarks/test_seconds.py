@@ -4,6 +4,7 @@ the lr grid picks each run's lowest tune loss, bad flags end as one line."""
 
 import argparse
 import json
+import sys
 
 import pytest
 
@@ -63,7 +64,7 @@ def test_a_budget_past_one_epoch_or_within_the_warmup_stops_before_anything_trai
 ):
   shape = argparse.Namespace(size="tiny", seq_len=64, batch_size=16, dtype="float32", set="")
   probe = dict(key=f"probe adamw@1 {seconds.Sweep(shape, {}).setup}", wall=9.0, rate=rate)
-  probe.update(warmup=10, tokens_per_step=1024)
+  probe.update(first=5.0, warmup=10, tokens_per_step=1024)
   probe.update(train_tokens={"eval": 60_000_000, "tune": 50_000_000})
   (tmp_path / "seconds.jsonl").write_text(json.dumps(probe) + "\n")
   with pytest.raises(SystemExit) as exited:
@@ -91,6 +92,14 @@ def test_the_grid_runs_every_lr_on_the_tune_split_and_keeps_each_runs_lowest(cap
   assert seconds.tune(grid, ["adamw@1", "muon@1"]) == {"adamw@1": 1e-3, "muon@1": 3e-3}
   assert {(split, seed) for _, split, seed, _ in grid.asked} == {("tune", seconds.TUNE_SEED)}
   assert len(grid.asked) == 6 and len(capsys.readouterr().out.splitlines()) == 6
+
+
+def test_without_matplotlib_the_table_says_how_to_draw_the_png_later(monkeypatch, tmp_path):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # Its import fails.
+  run = dict(seed=0, curve={"evals": {"10": 2.0}, "seconds": {"10": 5.0}})
+  line = seconds.plot({"adamw@1": [run]}, str(tmp_path / "q.png"), "tiny")
+  assert line.startswith("no PNG: matplotlib is not installed") and "--results" in line
+  assert not (tmp_path / "q.png").exists()
 
 
 @pytest.mark.parametrize(
