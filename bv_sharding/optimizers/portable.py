@@ -1,6 +1,6 @@
 """Optimizer state in the form that does not depend on the mesh, and back.
 
-Kron and SOAP can keep a pool's state where the pool runs (``resident_padding``:
+Kron, Shampoo and SOAP can keep a pool's state where the pool runs (``resident_padding``:
 :mod:`~bv_sharding.optimizers.holding`), in shapes that depend on the device count. A
 checkpoint meant for another mesh, or for another optimizer's run, holds the state given
 back to the params instead (:func:`canonical_state`): the state the same optimizer has
@@ -31,14 +31,19 @@ from bv_sharding.optimizers.kron import given_back as kron_given_back
 from bv_sharding.optimizers.kron import held as kron_held
 from bv_sharding.optimizers.kron import holds
 from bv_sharding.optimizers.layout import ParamLayout
+from bv_sharding.optimizers.shampoo import ShampooState
+from bv_sharding.optimizers.shampoo import given_back as shampoo_given_back
+from bv_sharding.optimizers.shampoo import held as shampoo_held
 from bv_sharding.optimizers.soap import SoapState
 from bv_sharding.optimizers.soap import given_back as soap_given_back
 from bv_sharding.optimizers.soap import held as soap_held
 
 
 def _holder(x) -> bool:
-  """Whether ``x`` is a state node that may hold pools: SOAP's, or Kron's dict."""
-  return isinstance(x, SoapState) or (isinstance(x, dict) and "Qs_preconditioners" in x)
+  """Whether ``x`` is a state node that may hold pools: SOAP's, Shampoo's, or Kron's dict."""
+  return isinstance(x, (SoapState, ShampooState)) or (
+      isinstance(x, dict) and "Qs_preconditioners" in x
+  )
 
 
 def canonical_state(state, params, layout: ParamLayout):
@@ -49,6 +54,8 @@ def canonical_state(state, params, layout: ParamLayout):
   def back(x):
     if isinstance(x, SoapState) and x.pools:
       return soap_given_back(x, params, layout)
+    if isinstance(x, ShampooState) and x.pools:
+      return shampoo_given_back(x, params, layout)
     return kron_given_back(x, params, layout) if holds(x) else x
 
   return jax.tree.map(back, state, is_leaf=_holder)
@@ -62,6 +69,8 @@ def held_state(state, like, params, layout: ParamLayout):
   def hold(x, y):
     if isinstance(y, SoapState) and y.pools:
       return soap_held(x, params, layout, y.pools)
+    if isinstance(y, ShampooState) and y.pools:
+      return shampoo_held(x, params, layout, y.pools)
     return kron_held(x, params, layout, y["pools"]) if holds(y) else x
 
   return jax.tree.map(hold, state, like, is_leaf=_holder)

@@ -78,10 +78,11 @@ import jax.numpy as jnp
 import optax
 
 from bv_sharding.errors import OptimizerError
-from bv_sharding.optimizers import blocked, gating, symmetric
+from bv_sharding.optimizers import blocked, gating, holding, symmetric
 from bv_sharding.optimizers import roots as roots_lib
 from bv_sharding.optimizers.layout import ParamLayout, param_placers, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
+from bv_sharding.optimizers.pools import Resident
 from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
 from bv_sharding.optimizers.tiles import ShardBlocks
 
@@ -101,10 +102,13 @@ class ShampooParamState(NamedTuple):
 
 
 class ShampooState(NamedTuple):
-  """``count`` and the per-param states."""
+  """``count``, the per-param states and, with ``resident_padding``, the pools' statistics and
+  roots kept where they run (:class:`~bv_sharding.optimizers.pools.Resident`, their members'
+  own stacks empty)."""
 
   count: jax.Array
   per_param: Any
+  pools: tuple = ()
 
 
 def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array:
@@ -190,6 +194,7 @@ class _Settings:
   layout: ParamLayout | None
   blocking: str
   root_method: str
+  resident_padding: float = 0.0
 
   @property
   def keeps_roots(self) -> bool:
@@ -209,28 +214,126 @@ def _tilings(params, settings: _Settings) -> list[Tiling]:
   return [factor_tiling(settings.block_size, settings.blocking, s) for s in stacked]
 
 
+def _born_factors(sizes, dtype, settings: _Settings) -> dict[str, list[jax.Array]]:
+  """One tile's factors, per dim: ``"stats"`` ``matrix_epsilon * I`` (packed) and ``"roots"``
+  ``I`` (none when every step refreshes them), in ``dtype``.
+
+  Example:
+      >>> from types import SimpleNamespace
+      >>> settings = SimpleNamespace(matrix_epsilon=1e-6, keeps_roots=False)
+      >>> born = _born_factors((2, 3), jnp.float32, settings)
+      >>> {key: [x.shape for x in xs] for key, xs in born.items()}
+      {'stats': [(2, 2), (3, 3)]}
+  """
+  eye = [jnp.eye(b, dtype=dtype) for b in sizes]
+  born = {"stats": [symmetric.pack(settings.matrix_epsilon * e) for e in eye]}
+  return {**born, "roots": eye} if settings.keeps_roots else born
+
+
 def _init_leaf(
     param, blocks: ShardBlocks, tiling: Tiling, settings: _Settings
 ) -> ShampooParamState:
   """One param's state: statistics ``matrix_epsilon * I``, roots ``I`` (None when every step
   refreshes them), zero moments, all in the param's dtype."""
-  eye = [jnp.eye(b, dtype=param.dtype) for b in blocks.sizes]
+  born = _born_factors(blocks.sizes, param.dtype, settings)
   stacks = lambda xs: blocked.grid_stacks(xs, blocks, tiling)
   return ShampooParamState(
-      stats=stacks([symmetric.pack(settings.matrix_epsilon * e) for e in eye]),
-      roots=stacks(eye) if settings.keeps_roots else None,
+      stats=stacks(born["stats"]),
+      roots=stacks(born["roots"]) if settings.keeps_roots else None,
       graft_nu=None if settings.graft_type == "sgd" else jnp.zeros_like(param),
       momentum=None if settings.beta1 == 0 else jnp.zeros_like(param),
   )
 
 
+def _emptied(state: ShampooParamState) -> ShampooParamState:
+  """A param's own state where its pool holds its statistics and roots: its stacks empty."""
+  empty = Stacks([], state.stats.tiling)
+  return state._replace(stats=empty, roots=None if state.roots is None else empty)
+
+
+def _skeletons(leaves, blocks, settings: _Settings) -> tuple[Resident, ...]:
+  """The pools whose statistics and roots are kept where they run (``resident_padding``;
+  :func:`~bv_sharding.optimizers.holding.held_pools`), born: each a
+  :class:`~bv_sharding.optimizers.pools.Resident` of its tiles' factors, its ``where`` its
+  members' seats. Like tiles pool together only if their params' dtypes are the same."""
+  if not settings.resident_padding or settings.layout is None:
+    return ()
+  keys: dict = {}
+  runs = [
+      blocked.BlockRun(b, keys.setdefault(x.dtype, lambda: None), [], [], turnable=True)
+      if b.sizes
+      else None
+      for x, b in zip(leaves, blocks)
+  ]
+  out = []
+  devices = holding.devices_of(settings.layout.mesh)
+  for pool, slots in holding.held_pools(runs, devices, settings.resident_padding):
+    born = _born_factors(pool.blocks[0].sizes, leaves[pool.members[0]].dtype, settings)
+    slotted = {k: [jnp.broadcast_to(x, (slots, *x.shape)) for x in xs] for k, xs in born.items()}
+    out.append(Resident(slotted, holding.seats(pool)))
+  return tuple(out)
+
+
 def _shampoo_init(params, settings: _Settings) -> ShampooState:
-  """``scale_by_shampoo``'s state for ``params``."""
+  """``scale_by_shampoo``'s state for ``params``; pools kept where they run (:func:`_skeletons`)
+  hold their members' statistics and roots."""
   leaves, treedef = jax.tree.flatten(params)
   tilings = _tilings(params, settings)
   blocks = blocked.param_blocks(params, settings.layout, tilings)
-  per_param = [_init_leaf(*leaf, settings) for leaf in zip(leaves, blocks, tilings)]
-  return ShampooState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param))
+  pools = _skeletons(leaves, blocks, settings)
+  held_leaves = {seat.leaf for pool in pools for seat in pool.where}
+  per_param = [
+      _emptied(state) if i in held_leaves else state
+      for i, state in enumerate(
+          _init_leaf(*leaf, settings) for leaf in zip(leaves, blocks, tilings)
+      )
+  ]
+  return ShampooState(jnp.zeros([], jnp.int32), treedef.unflatten(per_param), pools)
+
+
+def given_back(state: ShampooState, params, layout: ParamLayout) -> ShampooState:
+  """``state`` with its pools' statistics and roots given back to their params: the state
+  without ``resident_padding``, the same on any mesh (inverse of :func:`held`)."""
+  leaves, treedef = jax.tree.flatten(params)
+  per_param = treedef.flatten_up_to(state.per_param)
+  specs = treedef.flatten_up_to(layout.specs)
+  for pool in state.pools:
+    slots = jax.tree.map(lambda y: holding.undealt_slots(y, layout.mesh), pool)
+    for seat in pool.where:
+      s = per_param[seat.leaf]
+      tiling = s.stats.tiling
+      blocks = tiling.blocks(leaves[seat.leaf].shape, specs[seat.leaf], layout.mesh)
+      mine = lambda ys, blocks=blocks, seat=seat, tiling=tiling: holding.stacks_from_slots(
+          [holding.member_slots(y, blocks, seat) for y in ys], blocks, seat, tiling
+      )
+      roots = mine(slots["roots"]) if "roots" in slots else None
+      per_param[seat.leaf] = s._replace(stats=mine(slots["stats"]), roots=roots)
+  return ShampooState(state.count, treedef.unflatten(per_param))
+
+
+def held(state: ShampooState, params, layout: ParamLayout, like) -> ShampooState:
+  """``state`` (its factors each param's) with the pools ``like`` describes (their ``where``,
+  slots and dtypes; arrays or shapes) filled from their members' statistics and roots, which
+  they then keep no more (inverse of :func:`given_back`)."""
+  leaves, treedef = jax.tree.flatten(params)
+  per_param = treedef.flatten_up_to(state.per_param)
+  specs = treedef.flatten_up_to(layout.specs)
+  pools = []
+  for pool in like:
+    parts = {key: [[] for _ in pool[key]] for key in pool}
+    for seat in pool.where:
+      s = per_param[seat.leaf]
+      blocks = s.stats.tiling.blocks(leaves[seat.leaf].shape, specs[seat.leaf], layout.mesh)
+      for key, entries in parts.items():
+        for entry, x in zip(entries, holding.stacks_to_slots(getattr(s, key), blocks, seat)):
+          entry.append(x)
+      per_param[seat.leaf] = _emptied(s)
+    filled = {
+        key: [holding.pooled(xs, y, layout.mesh) for xs, y in zip(parts[key], pool[key])]
+        for key in pool
+    }
+    pools.append(Resident(filled, pool.where))
+  return ShampooState(state.count, treedef.unflatten(per_param), tuple(pools))
 
 
 def _graft(
@@ -338,17 +441,21 @@ def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Setting
   return direction.astype(g.dtype), new_state
 
 
-def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Settings):
-  """``scale_by_shampoo``'s update: every param's blocks in one
-  :func:`~bv_sharding.optimizers.blocked.run_blocked`."""
-  del params
-  grads, treedef = jax.tree.flatten(updates)
-  per_param = treedef.flatten_up_to(state.per_param)
-  blocks = _blocks_per_leaf(updates, settings)
-  # The roots change on refresh steps only: a pool moves them back then alone. Refreshed on
-  # every step, they are not kept (no flag, no roots in the state).
+def _shampoo_held(arrays, pool: Resident, *refresh, step):
+  """:func:`_shampoo_run` on a device's slots of a pool whose statistics and roots are kept
+  where it runs: ``([direction], the slots' new factors)``, in their own dtypes."""
+  factors = [pool["stats"], *([pool["roots"]] if "roots" in pool else [])]
+  outs, (stats, *roots) = _shampoo_run(arrays, factors, *refresh, step=step)
+  new = Resident({"stats": stats, **({"roots": roots[0]} if roots else {})}, pool.where)
+  return outs, jax.tree.map(lambda x, old: x.astype(old.dtype), new, pool)
+
+
+def _shampoo_runs(grads, per_param, blocks, pools, refresh, settings: _Settings) -> list:
+  """Every param's :class:`~bv_sharding.optimizers.shard_run.BlockRun` (None: no factor); a
+  member of a pool kept where it runs gives its pool's state, not its own stacks. The roots
+  change on refresh steps only: a pool moves them back then alone. Refreshed on every step,
+  they are not kept (no flag, no roots in the state)."""
   kept = settings.keeps_roots
-  refresh = [state.count % settings.update_preconditioners_freq == 0] if kept else []
   step = (
       settings.beta2,
       settings.exponent_override,
@@ -367,22 +474,53 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
           [None, *refresh],
           turnable=True,
       )
-      if s.stats
+      if b.sizes
       else None
       for g, s, b in zip(grads, per_param, blocks)
   ]
-  ran = blocked.run_blocked(runs)
-  results = []
+  for pool in pools:  # One function per pool: its runs pool together.
+    held_fn = functools.partial(_shampoo_held, step=step)
+    for seat in pool.where:
+      runs[seat.leaf] = runs[seat.leaf]._replace(
+          fn=held_fn, stacks=[], write_when=(), resident=pool
+      )
+  return runs
+
+
+def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Settings):
+  """``scale_by_shampoo``'s update: every param's blocks in one
+  :func:`~bv_sharding.optimizers.blocked.run_blocked`. Pools kept where they run do so on a
+  concrete mesh; elsewhere (global arrays) the step runs on the state given back to the
+  params, and the pools are kept again after."""
+  del params
+  if state.pools and not isinstance(settings.layout.mesh, jax.sharding.Mesh):
+    bare = dataclasses.replace(settings, resident_padding=0.0)
+    out, new = _shampoo_update(updates, given_back(state, updates, settings.layout), settings=bare)
+    return out, held(new, updates, settings.layout, state.pools)
+  grads, treedef = jax.tree.flatten(updates)
+  per_param = treedef.flatten_up_to(state.per_param)
+  refresh = (
+      [state.count % settings.update_preconditioners_freq == 0] if settings.keeps_roots else []
+  )
+  runs = _shampoo_runs(
+      grads, per_param, _blocks_per_leaf(updates, settings), state.pools, refresh, settings
+  )
+  pool_of = {seat.leaf: k for k, pool in enumerate(state.pools) for seat in pool.where}
+  results, new_pools = [], list(state.pools)
   place = param_placers(settings.layout, treedef)
-  for g, s, result, put in zip(grads, per_param, ran, place):
+  for i, (g, s, result, put) in enumerate(zip(grads, per_param, blocked.run_blocked(runs), place)):
     factors = None
-    if result is not None:
+    if i in pool_of:
+      (direction,), new_pools[pool_of[i]] = result
+      factors = (s.stats, s.roots, put(direction.reshape(g.shape)))
+    elif result is not None:
       (direction,), (stats, *roots) = result
       factors = (stats, roots[0] if roots else None, put(direction.reshape(g.shape)))
     results.append(_finish_leaf(g, s, state.count, factors, settings))
   new_updates = treedef.unflatten([r[0] for r in results])
   new_per_param = treedef.unflatten([r[1] for r in results])
-  return new_updates, ShampooState(optax.safe_increment(state.count), new_per_param)
+  new_state = ShampooState(optax.safe_increment(state.count), new_per_param, tuple(new_pools))
+  return new_updates, new_state
 
 
 def scale_by_shampoo(
@@ -399,6 +537,7 @@ def scale_by_shampoo(
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
     root_method: str = "newton",
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -432,6 +571,16 @@ def scale_by_shampoo(
       :func:`~bv_sharding.optimizers.tiles.shard_blocks`).
     root_method: how the inverse roots are computed (:mod:`~bv_sharding.optimizers.roots`):
       "newton" (the coupled Newton iteration, matmuls only: suits accelerators) or "eigh".
+    resident_padding: a pool of tiles (tiles that span their param's shards, each fitted
+      whole by one device: :mod:`~bv_sharding.optimizers.pools`) whose slots (its tiles
+      padded to a multiple of the device count) are at most this many times its tiles keeps
+      its statistics and roots on the devices that run it
+      (:mod:`~bv_sharding.optimizers.holding`: one
+      :class:`~bv_sharding.optimizers.pools.Resident` per pool in ``ShampooState.pools``)
+      instead of moving them to the pool and back: the step moves
+      only the gradient's and the direction's pieces. The state's shapes then depend on the
+      mesh (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form
+      that does not). 0 (the default, a state any mesh resumes): no pool is kept.
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd", update_preconditioners_freq=10)
@@ -468,6 +617,7 @@ def shampoo(
     layout: ParamLayout | None = None,
     blocking: str = "tiles",
     root_method: str = "newton",
+    resident_padding: float = 0.0,
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -494,6 +644,7 @@ def shampoo(
           layout=layout,
           blocking=blocking,
           root_method=root_method,
+          resident_padding=resident_padding,
       ),
       learning_rate,
       weight_decay,

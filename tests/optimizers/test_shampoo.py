@@ -4,8 +4,11 @@ trajectory (precondition-opt 0.3.0 ``distributed_shampoo``, recorded in
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from bv_sharding import optimizers as bv_optimizers
 from bv_sharding.optimizers.placement import Stacks
 from tests.helpers import MIXED_PARAMS, load_tool, max_deviation, recorded_trajectories
 from trainers.optimizers import scale_by_shampoo, shampoo
@@ -98,3 +101,40 @@ def test_roots_change_only_on_refresh_steps_and_every_tile_on_each():
   refresh = [[True, True]] * 2
   unchanged = [[False, False]] * 2
   assert changed == [refresh, unchanged, unchanged, refresh, unchanged, unchanged, refresh]
+
+
+def _layout_run(params, specs, mesh, steps: int, **kwargs):
+  """``(updates per step, final state)`` of ``scale_by_shampoo`` on ``params`` laid out by
+  ``specs`` on ``mesh``, each step's gradient drawn from its own key."""
+  tx = bv_optimizers.scale_by_shampoo(
+      block_size=8, layout=bv_optimizers.ParamLayout(specs, mesh), **kwargs
+  )
+  state, step, updates = tx.init(params), jax.jit(tx.update), []
+  for i in range(steps):
+    grads = jax.tree.map(lambda x, i=i: jax.random.normal(jax.random.key(i), x.shape), params)
+    out, state = step(grads, state)
+    updates.append(out)
+  return updates, state
+
+
+def test_resident_pools_take_the_same_steps_and_give_their_state_back():
+  """Pools keeping their statistics and roots where they run (``resident_padding``) take the
+  steps of pools moving them there and back, to float rounding (the 1-D param's pool is one of
+  its own, not run in another's padding); their members keep no stacks of their own, and the
+  state given back (``canonical_state``) is the other run's, on a refresh step and off."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  params = {"w": jnp.ones((16, 8)), "b": jnp.ones(16), "s": jnp.ones(())}
+  specs = {"w": P("data", None), "b": P("data"), "s": P()}
+  kwargs = dict(update_preconditioners_freq=3, start_preconditioning_step=1)
+  with jax.set_mesh(mesh):
+    moved, state = _layout_run(params, specs, mesh, 5, **kwargs)
+    kept, held = _layout_run(params, specs, mesh, 5, resident_padding=4.0, **kwargs)
+  assert [sorted(pool) for pool in held.pools] == [["roots", "stats"]] * 2  # "b" and "w"
+  assert all(not s.stats and not s.roots for s in held.per_param.values())
+  close = lambda a, b: all(
+      np.allclose(x, y, rtol=1e-5, atol=1e-7)
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
+  assert all(close(a, b) for a, b in zip(moved, kept))
+  given = bv_optimizers.canonical_state(held, params, bv_optimizers.ParamLayout(specs, mesh))
+  assert jax.tree.structure(given) == jax.tree.structure(state) and close(given, state)
