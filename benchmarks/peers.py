@@ -49,7 +49,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 
 import bv_sharding as bvs
@@ -74,7 +73,7 @@ FROM_THE_REGISTRY = frozenset(
     {"learning_rate", "layout", "weight_decay", "mask", "weight_decay_mask"}
 )
 DTYPE = "float32"  # Both sides' state (ours: ``config.state_dtype`` and Kron's own dtypes).
-SHAMPOO_BLOCK = 128  # Both Shampoos' block size (distributed_shampoo's blocks are per param).
+SHAMPOO_BLOCK = 256  # Both Shampoos' block size (ours' default; 128 before 2026-12-07).
 # Pools of tiles padded to at most 1.5x their tiles keep their state where they run (the
 # trainer's registry's default).
 RESIDENT_PADDING = 1.5
@@ -90,8 +89,8 @@ class Pair:
   :data:`FROM_THE_REGISTRY`; ``peer``: the published constructor; ``peer_args``: the params'
   stacked leaves (a bool per leaf: dim 0 is a stack of layers) -> every argument of ``peer``
   but its learning rate; ``by_layer``: the peer, which has no option for stacked layers, is
-  given each layer of a stacked leaf as a param of its own (:func:`layer_by_layer`), as ours
-  preconditions it.
+  vmapped over the layers of a stacked leaf, each a param of its own, as ours preconditions
+  it (:func:`layer_by_layer`).
   """
 
   name: str
@@ -107,25 +106,34 @@ class Pair:
 
 
 def layer_by_layer(tx, stacked) -> optax.GradientTransformation:
-  """``tx`` on params whose ``stacked`` leaves (a bool per leaf) are cut into their layers:
-  it sees the unscanned model's params.
+  """``tx`` on params whose ``stacked`` leaves (a bool per leaf) are stacks of layers: ``tx``
+  vmapped over their layers (each layer a param of its own, as the unscanned model has it)
+  and ``tx`` on the other leaves; ``tx`` itself where no leaf is stacked.
 
   Example:
     >>> tx = layer_by_layer(optax.scale_by_rss(), {"w": True, "b": False})
-    >>> params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
-    >>> [s.shape for s in tx.init(params).sum_of_squares["w"]]
-    [(2,), (2,), (2,)]
+    >>> params = {"w": jax.numpy.ones((3, 2)), "b": jax.numpy.ones(2)}
+    >>> layers, rest = tx.init(params)
+    >>> layers.sum_of_squares["w"].shape, rest.sum_of_squares["b"].shape
+    ((3, 2), (2,))
     >>> tx.update(params, tx.init(params))[0]["w"].shape
     (3, 2)
   """
-  cut = lambda tree: jax.tree.map(lambda s, x: list(x) if s else x, stacked, tree)
-  join = lambda tree: jax.tree.map(lambda s, x: jnp.stack(x) if s else x, stacked, tree)
+  if not any(jax.tree.leaves(stacked)):
+    return tx
+  part = lambda tree, layers: jax.tree.map(lambda s, x: x if s == layers else None, stacked, tree)
+  whole = lambda a, b: jax.tree.map(lambda s, x, y: x if s else y, stacked, a, b)
+
+  def init(params):
+    return jax.vmap(tx.init)(part(params, True)), tx.init(part(params, False))
 
   def update(updates, state, params=None):
-    updates, state = tx.update(cut(updates), state, None if params is None else cut(params))
-    return join(updates), state
+    of = lambda layers: None if params is None else part(params, layers)
+    layers = jax.vmap(tx.update)(part(updates, True), state[0], of(True))
+    rest = tx.update(part(updates, False), state[1], of(False))
+    return whole(layers[0], rest[0]), (layers[1], rest[1])
 
-  return optax.GradientTransformation(lambda params: tx.init(cut(params)), update)
+  return optax.GradientTransformation(init, update)
 
 
 # Kron's math, one spelling on both sides (psgd-jax's arguments, which ours takes by name).
@@ -190,7 +198,7 @@ OURS_SHAMPOO = {
 
 def precondition_opt(stacked) -> dict:
   """distributed_shampoo's arguments at ours' math (:data:`OURS_SHAMPOO`)."""
-  del stacked  # It is given each layer as a param (Pair.by_layer).
+  del stacked  # Its layers are vmapped (Pair.by_layer).
   ours = OURS_SHAMPOO
   return {
       "block_size": ours["block_size"],
