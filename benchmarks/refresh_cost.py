@@ -7,7 +7,8 @@ Each of these optimizers does its costly work on some steps only, under ``lax.co
 refreshes its bases (a power iteration and a QR per block) every ``precondition_frequency``
 (10) steps, Kron fits Q on its update steps (here every 10th: ``preconditioner_update_probability``
 0.1, the schedule's floor is 0.03), Shampoo refreshes its roots (``eigh``) every
-``update_preconditioners_freq`` steps (here 10; the registry's default is every step). Kron's
+``update_preconditioners_freq`` steps (here 10, the registry's default, every tile on one
+step: ``refresh_groups=1``, where the default refreshes a tenth of them each step). Kron's
 and Shampoo's pools also move the fit's inputs in, and the new factors back, only then.
 
 For each size of ``configs/lm.py`` (batch 16, 8 simulated devices) the trainer's compiled
@@ -52,7 +53,7 @@ PERIODIC = {
         ({"update_counter": PERIOD - 1}, {"update_counter": 0}),
     ),
     "shampoo": (
-        {"update_preconditioners_freq": PERIOD},
+        {"update_preconditioners_freq": PERIOD, "refresh_groups": 1},
         lambda i: i % PERIOD == 0,
         ({"count": PERIOD}, {"count": PERIOD + 1}),
     ),

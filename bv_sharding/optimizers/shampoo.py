@@ -51,10 +51,13 @@ pieces' directions are all-gathered.
 
 Roots come from the coupled Newton iteration by default, matrix products only, or from
 ``eigh`` (``root_method``, :mod:`~bv_sharding.optimizers.roots`); a root that is not finite or
-did not converge keeps the previous one. They are new under ``lax.cond``: only on the steps that
-refresh them (every ``update_preconditioners_freq`` steps), and a pool moves its roots back
-only then. With ``update_preconditioners_freq=1`` every step computes them from its statistics
-and uses them at once: the state keeps none, and no pool moves any. Roots are computed in
+did not converge keeps the previous one. Each tile's are new once every
+``update_preconditioners_freq`` steps (10 by default), the tiles in groups that refresh on steps
+of their own (``refresh_groups``): each step computes about one group's, under ``lax.cond``
+where that is safe, and a pool moves its roots back only on a step that refreshes some. A pool
+kept where it runs (``resident_padding``) moves none. With ``update_preconditioners_freq=1``
+every step computes them from its statistics and uses them at once: the state keeps none, and
+no pool moves any. Roots are computed in
 float32 (at least) whatever the statistics' dtype, and stored in it; in a config-built loop the
 state's dtype is ``config.state_dtype`` and the whole update runs in float32
 (:mod:`bv_sharding.optimizers.state_dtype`).
@@ -71,10 +74,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from bv_sharding.errors import OptimizerError
@@ -90,6 +96,8 @@ _GRAFT_TYPES = ("rmsprop", "adam", "sgd")
 _NORM_EPS = 1e-25
 # A graft second moment that marks the momentum beside it as born in the gradients' units.
 GRAD_UNITS = -1.0
+# The most groups of tiles refreshed on steps of their own: a tile's group is exact in bfloat16.
+MAX_GROUPS = 256
 
 
 class ShampooParamState(NamedTuple):
@@ -122,24 +130,117 @@ def _precondition_blocks(blocks: jax.Array, roots: list[jax.Array]) -> jax.Array
   return jax.vmap(one_block)(blocks, *roots)
 
 
-def _shampoo_blocks(blocks, stats, roots, refresh, beta2, exponent, matrix_epsilon, method):
-  """One block stack's step: statistics EMA, roots (new only where ``refresh``: under
-  ``lax.cond`` where that is safe, :mod:`~bv_sharding.optimizers.gating`; ``roots`` None: new
-  on every step), direction. A root that fails (:func:`~bv_sharding.optimizers.roots.checked`)
-  keeps the old one (the identity where none is kept)."""
+def _shampoo_blocks(blocks, stats, roots, due, step):
+  """One block stack's step: statistics EMA, roots, direction. ``due`` says which roots are
+  new: None, every one on every step (``roots`` None: none kept); a boolean scalar, every one
+  where it is true (under ``lax.cond`` where that is safe,
+  :mod:`~bv_sharding.optimizers.gating`); one boolean per block, each block's own
+  (:func:`_due_roots`). A root that fails (:func:`~bv_sharding.optimizers.roots.checked`) keeps
+  the old one (the identity where none is kept). ``step``: :attr:`_Settings.step`."""
+  beta2, exponent, matrix_epsilon, method, _, groups, _ = step
   gram = lambda axis: symmetric.pack(jax.vmap(gram_along, (0, None))(blocks, axis))
   stats = [_ema(s, gram(axis), beta2) for axis, s in enumerate(stats)]
   p = exponent or 2 * len(stats)
   root_fn = roots_lib.newton_root if method == "newton" else roots_lib.eigh_root
-  eye = lambda s: jnp.broadcast_to(
-      jnp.eye(s.shape[-1], dtype=s.dtype), (*s.shape[:-2], *[s.shape[-1]] * 2)
-  )
-  old = roots or [eye(s) for s in stats]
-  root = lambda s, r: roots_lib.checked(*root_fn(symmetric.unpack(s), p, matrix_epsilon), r)
-  fresh = lambda: [root(s, r) for s, r in zip(stats, old)]
-  kept = lambda: [r.astype(n.dtype) for r, n in zip(roots, jax.eval_shape(fresh))]
-  roots = fresh() if roots is None else gating.cond(refresh, fresh, kept)
+  fresh = lambda stats, old: [
+      roots_lib.checked(*root_fn(symmetric.unpack(s), p, matrix_epsilon), r)
+      for s, r in zip(stats, old)
+  ]
+  if roots is None:
+    eye = lambda s: jnp.broadcast_to(
+        jnp.eye(s.shape[-1], dtype=s.dtype), (*s.shape[:-2], *[s.shape[-1]] * 2)
+    )
+    roots = fresh(stats, [eye(s) for s in stats])
+  else:
+    like = jax.eval_shape(fresh, stats, roots)
+    roots = [r.astype(n.dtype) for r, n in zip(roots, like)]
+    if due.ndim == 0:
+      roots = gating.cond(due, fresh, lambda _, old: old, stats, roots)
+    else:
+      roots = _due_roots(stats, roots, due, fresh, groups)
   return _precondition_blocks(blocks, roots), stats, roots
+
+
+def _due_roots(stats, roots, due, fresh, groups: int) -> list[jax.Array]:
+  """``roots`` with those of the blocks ``due`` new (``fresh(stats, roots)``, block by block).
+  Where work is skipped under ``lax.cond`` (:func:`~bv_sharding.optimizers.gating.skips_here`)
+  only the blocks due are computed, ``ceil(n / groups)`` of the stack's ``n`` at a time,
+  gathered, until none is left: one round where no more are due (a stack of one shape's tiles
+  in order, as on one device: :func:`_tile_indices`), none where none is (under ``lax.cond``).
+  Elsewhere every block is computed and the due ones picked: the same values.
+
+  Example:
+      >>> fresh = lambda stats, old: [s + 1 for s in stats]
+      >>> due = jnp.array([True, False, False])
+      >>> [float(r[0, 0]) for r in _due_roots([jnp.zeros((3, 1, 1))], [jnp.zeros((3, 1, 1))],
+      ...     due, fresh, 3)[0]]
+      [1.0, 0.0, 0.0]
+  """
+  n = due.shape[0]
+  picked = lambda new, old, where: [jnp.where(where[:, None, None], x, y) for x, y in zip(new, old)]
+  capacity = -(-n // groups)
+  if capacity >= n or not gating.skips_here():
+    every = lambda: picked(fresh(stats, roots), roots, due)
+    return gating.cond(jnp.any(due), every, lambda: roots)
+
+  def some(carry):
+    roots, left = carry
+    at = jnp.argsort(~left, stable=True)[:capacity]  # The blocks left first.
+    old = [r[at] for r in roots]
+    new = picked(fresh([s[at] for s in stats], old), old, left[at])
+    return [r.at[at].set(x) for r, x in zip(roots, new)], left.at[at].set(False)
+
+  rounds = lambda: jax.lax.while_loop(lambda carry: jnp.any(carry[1]), some, (roots, due))[0]
+  return gating.cond(jnp.any(due), rounds, lambda: roots)
+
+
+def _due(count, index: jax.Array, freq: int, groups: int, start: int) -> jax.Array:
+  """Whether the roots of the tiles of ``index`` (each tile's place among the tiles of its
+  shape, :func:`_tile_indices`) are refreshed at step ``count``: group ``index % groups``'s are
+  when ``count % freq`` is its offset ``group * freq // groups``, once every ``freq`` steps,
+  and every tile's on the step before the first preconditioned one (``start``, a graft-only
+  step): that step's roots are all of the latest statistics.
+
+  Example:
+      >>> [_due(c, jnp.arange(4), 4, 2, 3).tolist() for c in (0, 1, 2)]
+      [[True, False, True, False], [False, False, False, False], [True, True, True, True]]
+  """
+  offset = (index.astype(jnp.int32) % groups) * freq // groups
+  return (count % freq == offset) | (count == start - 1)
+
+
+def _tile_indices(
+    blocks: Sequence[ShardBlocks], tilings: Sequence[Tiling], groups: int | None = None
+) -> list:
+  """Each preconditioned leaf's tiles' places among the tiles of their shape, counted over the
+  leaves in order and each leaf's fixed grid in order (the same on any mesh with
+  ``blocking="tiles"``): a :class:`~bv_sharding.optimizers.placement.Stacks` of one
+  ``(*grid, b)`` stack (``b`` the tile's largest size, each place repeated: split over the mesh
+  as a factor is, the same for a turned tile); None for a leaf without factors. Consecutive
+  places fall in consecutive groups (:func:`_due`): a stack of one shape's tiles in order holds
+  at most ``ceil(n / groups)`` of a group. With ``groups``, each place's group as float32 (what
+  moves to a pool moves in one array with float32 statistics); else the places, int32 (a pool
+  kept where it runs keeps them).
+
+  Example:
+      >>> blocks = [Tiling(4).blocks(shape, (), None) for shape in [(8, 4), (), (4, 4)]]
+      >>> [None if s is None else s[0].ravel().tolist() for s in _tile_indices(blocks,
+      ...     [Tiling(4)] * 3)]
+      [[0, 0, 0, 0, 1, 1, 1, 1], None, [2, 2, 2, 2]]
+  """
+  seen: dict[tuple, int] = {}
+  out = []
+  for b, tiling in zip(blocks, tilings):
+    if not b.sizes:
+      out.append(None)
+      continue
+    start, count = seen.get(b.sizes, 0), math.prod(b.grid_shape)
+    seen[b.sizes] = start + count
+    index = start + np.arange(count, dtype=np.int32).reshape(*b.grid_shape, 1)
+    index = index if groups is None else (index % groups).astype(np.float32)
+    index = np.broadcast_to(index, (*b.grid_shape, max(b.sizes)))  # Laid out as a factor's row.
+    out.append(Stacks([tiling.stored_form(jnp.asarray(index), b)], tiling))
+  return out
 
 
 def factor_tiling(block_size: int, blocking: str = "tiles", scanned: bool = False) -> Tiling:
@@ -195,11 +296,40 @@ class _Settings:
   blocking: str
   root_method: str
   resident_padding: float = 0.0
+  refresh_groups: int | None = None
 
   @property
   def keeps_roots(self) -> bool:
     """Whether the state keeps the roots: they outlive a step (not refreshed on every one)."""
     return self.update_preconditioners_freq > 1
+
+  @property
+  def groups(self) -> int:
+    """The groups of tiles whose roots are refreshed on steps of their own (1: all on one)."""
+    if not self.keeps_roots:
+      return 1
+    return self.refresh_groups or min(self.update_preconditioners_freq, MAX_GROUPS)
+
+  @property
+  def step(self) -> tuple:
+    """What :func:`_shampoo_blocks` reads of the settings."""
+    return (
+        self.beta2,
+        self.exponent_override,
+        self.matrix_epsilon,
+        self.root_method,
+        self.update_preconditioners_freq,
+        self.groups,
+        self.start_preconditioning_step,
+    )
+
+  def refreshing(self, count) -> jax.Array:
+    """Whether some group's roots are refreshed at step ``count``: its ``count % freq`` is a
+    group's offset, or in groups the step before preconditioning starts (:func:`_due`)."""
+    freq, groups = self.update_preconditioners_freq, self.groups
+    offsets = jnp.array(sorted({g * freq // groups for g in range(groups)}))
+    first = count == self.start_preconditioning_step - 1
+    return jnp.any(count % freq == offsets) | (first if groups > 1 else False)
 
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
@@ -251,11 +381,12 @@ def _emptied(state: ShampooParamState) -> ShampooParamState:
   return state._replace(stats=empty, roots=None if state.roots is None else empty)
 
 
-def _skeletons(leaves, blocks, settings: _Settings) -> tuple[Resident, ...]:
+def _skeletons(leaves, blocks, tilings, settings: _Settings) -> tuple[Resident, ...]:
   """The pools whose statistics and roots are kept where they run (``resident_padding``;
   :func:`~bv_sharding.optimizers.holding.held_pools`), born: each a
-  :class:`~bv_sharding.optimizers.pools.Resident` of its tiles' factors, its ``where`` its
-  members' seats. Like tiles pool together only if their params' dtypes are the same."""
+  :class:`~bv_sharding.optimizers.pools.Resident` of its tiles' factors (and, refreshed in
+  groups, their places: :func:`_pool_index`), its ``where`` its members' seats. Like tiles pool
+  together only if their params' dtypes are the same."""
   if not settings.resident_padding or settings.layout is None:
     return ()
   keys: dict = {}
@@ -270,8 +401,19 @@ def _skeletons(leaves, blocks, settings: _Settings) -> tuple[Resident, ...]:
   for pool, slots in holding.held_pools(runs, devices, settings.resident_padding):
     born = _born_factors(pool.blocks[0].sizes, leaves[pool.members[0]].dtype, settings)
     slotted = {k: [jnp.broadcast_to(x, (slots, *x.shape)) for x in xs] for k, xs in born.items()}
+    if settings.groups > 1:
+      indices = _tile_indices(blocks, tilings)
+      slotted["index"] = _pool_index(holding.seats(pool), blocks, indices, slots, settings.layout)
     out.append(Resident(slotted, holding.seats(pool)))
   return tuple(out)
+
+
+def _pool_index(seats, blocks, indices, slots: int, layout: ParamLayout) -> list[jax.Array]:
+  """A pool's slots' tile places (:func:`_tile_indices`; ``blocks`` and ``indices`` each
+  leaf's), its padding copies of the last tile's, as the pool's ``"index"``."""
+  parts = [holding.stacks_to_slots(indices[s.leaf], blocks[s.leaf], s)[0] for s in seats]
+  like = jax.ShapeDtypeStruct((slots, *parts[0].shape[1:]), jnp.int32)
+  return [holding.pooled(parts, like, layout.mesh)]
 
 
 def _shampoo_init(params, settings: _Settings) -> ShampooState:
@@ -280,7 +422,7 @@ def _shampoo_init(params, settings: _Settings) -> ShampooState:
   leaves, treedef = jax.tree.flatten(params)
   tilings = _tilings(params, settings)
   blocks = blocked.param_blocks(params, settings.layout, tilings)
-  pools = _skeletons(leaves, blocks, settings)
+  pools = _skeletons(leaves, blocks, tilings, settings)
   held_leaves = {seat.leaf for pool in pools for seat in pool.where}
   per_param = [
       _emptied(state) if i in held_leaves else state
@@ -318,20 +460,26 @@ def held(state: ShampooState, params, layout: ParamLayout, like) -> ShampooState
   leaves, treedef = jax.tree.flatten(params)
   per_param = treedef.flatten_up_to(state.per_param)
   specs = treedef.flatten_up_to(layout.specs)
+  tilings = [s.stats.tiling for s in per_param]
+  blocks = [t.blocks(x.shape, spec, layout.mesh) for t, x, spec in zip(tilings, leaves, specs)]
+  indices = _tile_indices(blocks, tilings)
   pools = []
   for pool in like:
-    parts = {key: [[] for _ in pool[key]] for key in pool}
+    parts = {key: [[] for _ in pool[key]] for key in pool if key != "index"}
     for seat in pool.where:
       s = per_param[seat.leaf]
-      blocks = s.stats.tiling.blocks(leaves[seat.leaf].shape, specs[seat.leaf], layout.mesh)
       for key, entries in parts.items():
-        for entry, x in zip(entries, holding.stacks_to_slots(getattr(s, key), blocks, seat)):
+        slots = holding.stacks_to_slots(getattr(s, key), blocks[seat.leaf], seat)
+        for entry, x in zip(entries, slots):
           entry.append(x)
       per_param[seat.leaf] = _emptied(s)
     filled = {
         key: [holding.pooled(xs, y, layout.mesh) for xs, y in zip(parts[key], pool[key])]
-        for key in pool
+        for key in parts
     }
+    if "index" in pool:
+      slots = pool["stats"][0].shape[0]
+      filled["index"] = _pool_index(pool.where, blocks, indices, slots, layout)
     pools.append(Resident(filled, pool.where))
   return ShampooState(state.count, treedef.unflatten(per_param), tuple(pools))
 
@@ -369,15 +517,17 @@ def _from_grad_units(momentum: jax.Array, g2: jax.Array, marked: jax.Array, beta
   return jnp.where(marked, scaled, m).astype(momentum.dtype)
 
 
-def _shampoo_run(arrays, factors, *refresh, step):
-  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it:
-  ``factors`` the statistics and the roots with the ``refresh`` flag, or the statistics alone
-  (every step refreshes; the roots are not returned)."""
-  stats, *roots = factors
-  direction, stats, new_roots = _shampoo_blocks(
-      *arrays, stats, *(roots or [None]), *(refresh or [None]), *step
-  )
-  return [direction], [stats, *([new_roots] if roots else [])]
+def _shampoo_run(arrays, factors, *scalars, step):
+  """:func:`_shampoo_blocks` as :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it.
+  ``factors``: the statistics alone (every step refreshes; the roots are not returned); the
+  statistics and the roots, ``scalars`` the refresh flag; or those and the tiles' places
+  (:func:`_tile_indices`, returned as they are), ``scalars`` the step count (:func:`_due`)."""
+  stats, *rest = factors
+  due = scalars[0] if rest else None
+  if len(rest) == 2:
+    due = _due(scalars[0], rest[1][0][:, 0], *step[-3:])
+  direction, stats, roots = _shampoo_blocks(*arrays, stats, *(rest[:1] or [None]), due, step)
+  return [direction], [stats, *([roots] if rest else []), *rest[1:]]
 
 
 def _with_momentum(direction, momentum, beta1: float, nesterov: bool):
@@ -441,45 +591,46 @@ def _finish_leaf(g, state: ShampooParamState, count, factors, settings: _Setting
   return direction.astype(g.dtype), new_state
 
 
-def _shampoo_held(arrays, pool: Resident, *refresh, step):
+def _shampoo_held(arrays, pool: Resident, *scalars, step):
   """:func:`_shampoo_run` on a device's slots of a pool whose statistics and roots are kept
-  where it runs: ``([direction], the slots' new factors)``, in their own dtypes."""
-  factors = [pool["stats"], *([pool["roots"]] if "roots" in pool else [])]
-  outs, (stats, *roots) = _shampoo_run(arrays, factors, *refresh, step=step)
-  new = Resident({"stats": stats, **({"roots": roots[0]} if roots else {})}, pool.where)
+  where it runs: ``([direction], the slots' new state)``, in its own dtypes."""
+  keys = [k for k in ("stats", "roots", "index") if k in pool]
+  outs, factors = _shampoo_run(arrays, [pool[k] for k in keys], *scalars, step=step)
+  new = Resident(zip(keys, factors), pool.where)
   return outs, jax.tree.map(lambda x, old: x.astype(old.dtype), new, pool)
 
 
-def _shampoo_runs(grads, per_param, blocks, pools, refresh, settings: _Settings) -> list:
+def _shampoo_runs(grads, per_param, blocks, pools, count, settings: _Settings) -> list:
   """Every param's :class:`~bv_sharding.optimizers.shard_run.BlockRun` (None: no factor); a
   member of a pool kept where it runs gives its pool's state, not its own stacks. The roots
-  change on refresh steps only: a pool moves them back then alone. Refreshed on every step,
-  they are not kept (no flag, no roots in the state)."""
-  kept = settings.keeps_roots
-  step = (
-      settings.beta2,
-      settings.exponent_override,
-      settings.matrix_epsilon,
-      settings.root_method,
+  change on the steps that refresh some group's (:meth:`_Settings.refreshing`): a pool moves
+  them back then alone; refreshed in groups, each tile's place goes with its factors (back with
+  the roots, in the same array). Refreshed on every step, they are not kept (no flag, no roots
+  in the state)."""
+  refresh = settings.refreshing(count)
+  scalars = [count if settings.groups > 1 else refresh] if settings.keeps_roots else []
+  indices = _tile_indices(blocks, [s.stats.tiling for s in per_param], settings.groups)
+  stacks = lambda s, index: (
+      [s.stats, s.roots, index][: 1 + settings.keeps_roots + (settings.groups > 1)]
   )
-  fn = functools.partial(_shampoo_run, step=step)
+  fn = functools.partial(_shampoo_run, step=settings.step)
   runs = [
       blocked.BlockRun(
           b,
           fn,
           [g.reshape(b.shape)],
-          [s.stats, s.roots] if kept else [s.stats],
-          refresh,
+          stacks(s, index),
+          scalars,
           (),
-          [None, *refresh],
+          [None, refresh, refresh][: len(stacks(s, index))],
           turnable=True,
       )
       if b.sizes
       else None
-      for g, s, b in zip(grads, per_param, blocks)
+      for g, s, b, index in zip(grads, per_param, blocks, indices)
   ]
   for pool in pools:  # One function per pool: its runs pool together.
-    held_fn = functools.partial(_shampoo_held, step=step)
+    held_fn = functools.partial(_shampoo_held, step=settings.step)
     for seat in pool.where:
       runs[seat.leaf] = runs[seat.leaf]._replace(
           fn=held_fn, stacks=[], write_when=(), resident=pool
@@ -499,11 +650,8 @@ def _shampoo_update(updates, state: ShampooState, params=None, *, settings: _Set
     return out, held(new, updates, settings.layout, state.pools)
   grads, treedef = jax.tree.flatten(updates)
   per_param = treedef.flatten_up_to(state.per_param)
-  refresh = (
-      [state.count % settings.update_preconditioners_freq == 0] if settings.keeps_roots else []
-  )
   runs = _shampoo_runs(
-      grads, per_param, _blocks_per_leaf(updates, settings), state.pools, refresh, settings
+      grads, per_param, _blocks_per_leaf(updates, settings), state.pools, state.count, settings
   )
   pool_of = {seat.leaf: k for k, pool in enumerate(state.pools) for seat in pool.where}
   results, new_pools = [], list(state.pools)
@@ -529,7 +677,7 @@ def scale_by_shampoo(
     beta2: float = 0.999,
     epsilon: float = 1e-8,
     matrix_epsilon: float = 1e-6,
-    update_preconditioners_freq: int = 1,
+    update_preconditioners_freq: int = 10,
     start_preconditioning_step: int = 10,
     graft_type: str = "adam",
     nesterov: bool = True,
@@ -538,6 +686,7 @@ def scale_by_shampoo(
     blocking: str = "tiles",
     root_method: str = "newton",
     resident_padding: float = 0.0,
+    refresh_groups: int | None = None,
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -554,8 +703,12 @@ def scale_by_shampoo(
     matrix_epsilon: ridge added to the statistics, relative to their largest
       eigenvalue, before the inverse root; statistics also start at
       ``matrix_epsilon * I`` (as in distributed Shampoo).
-    update_preconditioners_freq: recompute roots when ``count % freq == 0``; at 1 the state
-      keeps none (each step computes them from its statistics and uses them at once).
+    update_preconditioners_freq: each tile's roots are recomputed once every this many steps
+      (``refresh_groups`` says on which); at 1 the state keeps none (each step computes them
+      from its statistics and uses them at once). 10: on the tuning split of the project's
+      small language model (two seeds, 300 steps, 8 devices) eval loss 1.577 ± 0.011 against
+      1.576 ± 0.025 at 1 (+0.001 ± 0.014 paired by seed; 1.579 with every tile refreshed on
+      one step); AlgoPerf's winning Shampoo refreshed every 100 steps.
     start_preconditioning_step: steps with ``count`` below this use the graft
       direction only. 10: the first roots come from the statistics of one or two gradients,
       and steps grafted on them overshoot at AdamW's learning rate.
@@ -577,17 +730,29 @@ def scale_by_shampoo(
       its statistics and roots on the devices that run it
       (:mod:`~bv_sharding.optimizers.holding`: one
       :class:`~bv_sharding.optimizers.pools.Resident` per pool in ``ShampooState.pools``)
-      instead of moving them to the pool and back: the step moves
-      only the gradient's and the direction's pieces. The state's shapes then depend on the
-      mesh (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form
-      that does not). 0 (the default, a state any mesh resumes): no pool is kept.
+      instead of moving them to the pool and back: the step moves only the gradient's and the
+      direction's pieces (lm tiny's step 1.15x adamw's bytes at 1.5, the registry's, against
+      1.55x at 0). The state's shapes then depend on the mesh
+      (:func:`~bv_sharding.optimizers.portable.canonical_state` gives it in the form that does
+      not). 0 (the default, a state any mesh resumes): no pool is kept.
+    refresh_groups: the tiles' roots are refreshed in this many groups, each on steps of its
+      own, so that each step computes about this fraction of them (None: one group per step
+      of ``update_preconditioners_freq``, at most :data:`MAX_GROUPS`; 1: every tile's when
+      ``count % freq == 0``, as distributed Shampoo). A tile's group is its place among the
+      tiles of its shape, counted over the params in order and each param's fixed grid in
+      order, modulo this number (the same on any mesh); group ``g`` refreshes when
+      ``count % freq == g * freq // groups``, so every tile once every ``freq`` steps, and
+      every group on the step before preconditioning starts (its roots then all of the latest
+      statistics). Where work is skipped under ``lax.cond`` (an accelerator) a stack of tiles
+      computes the roots of the ones due alone.
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd", update_preconditioners_freq=10)
       >>> state = tx.init({"w": jnp.ones((4, 2))})
       >>> state.per_param["w"].roots[0].shape  # a 2 x 1 grid of 2 x 2 blocks
       (2, 1, 2, 2)
-      >>> scale_by_shampoo(block_size=2).init({"w": jnp.ones((4, 2))}).per_param["w"].roots is None
+      >>> tx = scale_by_shampoo(block_size=2, update_preconditioners_freq=1)  # No roots kept.
+      >>> tx.init({"w": jnp.ones((4, 2))}).per_param["w"].roots is None
       True
   """
   settings = _Settings(**locals())  # First: the arguments, each under its own name.
@@ -597,6 +762,13 @@ def scale_by_shampoo(
     raise OptimizerError(f"root_method={root_method!r}; expected one of {roots_lib.ROOT_METHODS}")
   if block_size < 1 or update_preconditioners_freq < 1:
     raise OptimizerError("block_size and update_preconditioners_freq must be >= 1")
+  most = min(update_preconditioners_freq, MAX_GROUPS)
+  if refresh_groups is not None and not 1 <= refresh_groups <= most:
+    raise OptimizerError(
+        f"refresh_groups={refresh_groups}: expected None or 1 to {most} (one refresh step per "
+        f"group at most, update_preconditioners_freq={update_preconditioners_freq}, and at most "
+        f"MAX_GROUPS={MAX_GROUPS})"
+    )
   return blocked.transformation(_shampoo_init, _shampoo_update, settings)
 
 
@@ -607,7 +779,7 @@ def shampoo(
     beta2: float = 0.999,
     epsilon: float = 1e-8,
     matrix_epsilon: float = 1e-6,
-    update_preconditioners_freq: int = 1,
+    update_preconditioners_freq: int = 10,
     start_preconditioning_step: int = 10,
     graft_type: str = "adam",
     nesterov: bool = True,
@@ -618,6 +790,7 @@ def shampoo(
     blocking: str = "tiles",
     root_method: str = "newton",
     resident_padding: float = 0.0,
+    refresh_groups: int | None = None,
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -645,6 +818,7 @@ def shampoo(
           blocking=blocking,
           root_method=root_method,
           resident_padding=resident_padding,
+          refresh_groups=refresh_groups,
       ),
       learning_rate,
       weight_decay,

@@ -34,7 +34,11 @@ SKIPPING = {
     ),
     # Every step refreshes the roots: the state keeps none, and the pools move none.
     "shampoo_every_step": lambda layout: shampoo(
-        1e-2, block_size=8, start_preconditioning_step=1, layout=layout
+        1e-2,
+        block_size=8,
+        start_preconditioning_step=1,
+        update_preconditioners_freq=1,
+        layout=layout,
     ),
     # Unblocked: each param one tile of its own shape, fitted whole by one device.
     "kron_unblocked": lambda layout: kron(

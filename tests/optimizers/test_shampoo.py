@@ -2,6 +2,8 @@
 trajectory (precondition-opt 0.3.0 ``distributed_shampoo``, recorded in
 ``tests/data/optimizer_reference.npz`` by ``tools/make_reference_data.py``)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,9 +28,11 @@ def _is_param_state(x) -> bool:
 
 
 def test_shampoo_state_layout_is_blocked_stats_and_roots():
-  """Roots are kept when they outlive a step (refreshed every 2 here); refreshed on every
-  step (the default) the state keeps none."""
-  fresh = scale_by_shampoo(block_size=8, graft_type="adam").init(MIXED_PARAMS)
+  """Roots are kept when they outlive a step (refreshed every 2 here, every 10 by default);
+  refreshed on every step the state keeps none."""
+  fresh = scale_by_shampoo(block_size=8, graft_type="adam", update_preconditioners_freq=1).init(
+      MIXED_PARAMS
+  )
   assert all(s.roots is None for s in jax.tree.leaves(fresh.per_param, is_leaf=_is_param_state))
   state = scale_by_shampoo(block_size=8, graft_type="adam", update_preconditioners_freq=2).init(
       MIXED_PARAMS
@@ -77,30 +81,77 @@ def test_shampoo_matches_distributed_shampoo(run):
       exponent_override=None,
       weight_decay=0.0,
       root_method="eigh",
+      refresh_groups=1,  # Every tile's roots on one step, as distributed_shampoo's.
       **settings,
   )
   ours = reference.run(optimizer, params, data)
   assert max_deviation(ours, section(run)) < 1e-3
 
 
-def test_roots_change_only_on_refresh_steps_and_every_tile_on_each():
-  """Every ``update_preconditioners_freq`` steps (``count % 3 == 0``) every tile's roots are
-  new, by the default coupled Newton iteration; on the other steps none changes."""
-  tx = scale_by_shampoo(block_size=4, update_preconditioners_freq=3)
-  params = {"w": jnp.ones((8, 4))}  # a 2 x 1 grid of tiles
-  state = tx.init(params)
-  step = jax.jit(tx.update)
-  changed = []
-  for i in range(7):
-    grads = {"w": jax.random.normal(jax.random.key(i), (8, 4))}
-    old = state.per_param["w"].roots
+def _changed_tiles(tx, params, steps: int) -> list[dict]:
+  """Per step, per param: which tiles' roots changed (any factor's), in grid order."""
+  state, step, changed = tx.init(params), jax.jit(tx.update), []
+  for i in range(steps):
+    grads = jax.tree.map(lambda x, i=i: jax.random.normal(jax.random.key(i), x.shape), params)
+    old = state.per_param
     _, state = step(grads, state)
-    new = state.per_param["w"].roots
-    # Per step, per factor: which of the 2 tiles' roots changed.
-    changed.append([jnp.any(n != o, axis=(1, 2, 3)).tolist() for n, o in zip(new, old)])
-  refresh = [[True, True]] * 2
-  unchanged = [[False, False]] * 2
-  assert changed == [refresh, unchanged, unchanged, refresh, unchanged, unchanged, refresh]
+    changed.append(
+        {
+            k: functools.reduce(
+                jnp.logical_or,
+                [jnp.any(n != o, axis=(-2, -1)).ravel() for n, o in zip(s.roots, old[k].roots)],
+            ).tolist()
+            for k, s in state.per_param.items()
+        }
+    )
+  return changed
+
+
+def test_roots_refresh_in_groups_of_tiles_each_once_per_period():
+  """Refreshed in groups (the default: one per step of ``update_preconditioners_freq``), a
+  tile's group is its place among the tiles of its shape, counted over the params in order:
+  "a"'s 2 tiles are 0 and 1, "w"'s 6 are 2 to 7, and group ``place % 3`` refreshes when
+  ``count % 3`` is it. On each step only that group's roots change, so after 3 steps every
+  tile's have changed exactly once; every tile's change on the step before preconditioning
+  starts (count 4 here). With one group every tile's change every 3rd step, none between
+  (distributed Shampoo's schedule)."""
+  params = {"a": jnp.ones((4, 8)), "w": jnp.ones((8, 12))}  # 1 x 2 and 2 x 3 tiles of 4 x 4
+  place = {"a": [0, 1], "w": list(range(2, 8))}
+  tx = scale_by_shampoo(block_size=4, update_preconditioners_freq=3, start_preconditioning_step=5)
+  changed = _changed_tiles(tx, params, 7)
+  for count, step in enumerate(changed):
+    due = lambda p, count=count: p % 3 == count % 3 or count == 4
+    assert step == {k: [due(p) for p in places] for k, places in place.items()}, count
+  for k, places in place.items():
+    assert [sum(step[k][t] for step in changed[:3]) for t in range(len(places))] == [1] * len(
+        places
+    )
+  tx = scale_by_shampoo(block_size=4, update_preconditioners_freq=3, refresh_groups=1)
+  every = [{k: [count % 3 == 0] * len(p) for k, p in place.items()} for count in range(6)]
+  assert _changed_tiles(tx, params, 6) == every
+
+
+def test_roots_of_the_due_tiles_alone_are_the_same_roots():
+  """Where work is skipped under ``lax.cond`` (an accelerator; forced here by ``skipping``) a
+  stack computes the roots of its tiles due alone, gathered: the same steps as computing
+  every tile's and picking the due ones'."""
+  params = {"a": jnp.ones((4, 8)), "w": jnp.ones((8, 12))}
+  tx = scale_by_shampoo(block_size=4, update_preconditioners_freq=3, start_preconditioning_step=1)
+  runs = []
+  for skip in (False, True):
+    with bv_optimizers.skipping(skip):
+      state, step, updates = tx.init(params), jax.jit(tx.update), []
+      for i in range(4):
+        grads = jax.tree.map(lambda x, i=i: jax.random.normal(jax.random.key(i), x.shape), params)
+        out, state = step(grads, state)
+        updates.append(out)
+      runs.append((updates, state))
+  (picked, a), (gathered, b) = runs
+  close = lambda x, y: all(
+      np.allclose(u, v, rtol=1e-5, atol=1e-6)
+      for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y))
+  )
+  assert close(picked, gathered) and close(a, b)
 
 
 def _layout_run(params, specs, mesh, steps: int, **kwargs):
@@ -129,7 +180,7 @@ def test_resident_pools_take_the_same_steps_and_give_their_state_back():
   with jax.set_mesh(mesh):
     moved, state = _layout_run(params, specs, mesh, 5, **kwargs)
     kept, held = _layout_run(params, specs, mesh, 5, resident_padding=4.0, **kwargs)
-  assert [sorted(pool) for pool in held.pools] == [["roots", "stats"]] * 2  # "b" and "w"
+  assert [sorted(pool) for pool in held.pools] == [["index", "roots", "stats"]] * 2  # "b", "w"
   assert all(not s.stats and not s.roots for s in held.per_param.values())
   close = lambda a, b: all(
       np.allclose(x, y, rtol=1e-5, atol=1e-7)
