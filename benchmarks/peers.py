@@ -222,6 +222,7 @@ def precondition_opt(stacked) -> dict:
       "tensordot_precision": None,
       "relative_matrix_epsilon": True,
       "merge_small_dims_block_size": 4096,
+      "inverse_failure_threshold": 0.1,  # A root that fails keeps the previous one.
       **_distributed_shampoo_extras(),
       "eigh": False,  # The coupled Newton iteration, as ours' root_method "newton".
   }
@@ -236,7 +237,6 @@ def _distributed_shampoo_layout() -> dict:
       "num_devices_for_pjit": None,
       "shard_optimizer_states": False,
       "best_effort_memory_usage_reduction": False,
-      "inverse_failure_threshold": 0.1,
   }
 
 
