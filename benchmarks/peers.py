@@ -57,7 +57,7 @@ from benchmarks.step_traffic import update_flops
 from benchmarks.throughput import init_state
 from benchmarks.timing import WARMUP, seconds_per_step
 from bv_sharding import optimizers
-from bv_sharding.optimizers.muon import matrix_dims
+from bv_sharding.optimizers import matrix_dims
 from trainers import build, steps
 from trainers.input import batching
 from trainers.settings import cli

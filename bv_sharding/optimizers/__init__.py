@@ -27,7 +27,7 @@ from bv_sharding.optimizers.gating import skipping
 from bv_sharding.optimizers.kron import kron, precond_update_prob_schedule, scale_by_kron
 from bv_sharding.optimizers.layout import ParamLayout, layer_stacks
 from bv_sharding.optimizers.migration import BuiltOptimizer, migrate_state
-from bv_sharding.optimizers.muon import muon, scale_by_muon
+from bv_sharding.optimizers.muon import matrix_dims, muon, scale_by_muon
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.pools import Resident
 from bv_sharding.optimizers.portable import canonical_state, held_state
@@ -70,6 +70,7 @@ __all__ = [
     "kron",
     "layer_stacks",
     "migrate_state",
+    "matrix_dims",
     "muon",
     "precond_update_prob_schedule",
     "ramp",

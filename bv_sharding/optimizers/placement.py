@@ -263,7 +263,7 @@ def state_blocks(state, params, layout) -> list[tuple[str, ShardBlocks]]:
       >>> layout = ParamLayout({"w": P("data")}, jax.sharding.AbstractMesh((2,), ("data",)))
       >>> state = jax.eval_shape(scale_by_shampoo(block_size=4, layout=layout).init, params)
       >>> [(name, b.grid_shape) for name, b in state_blocks(state, params, layout)]
-      [('opt/per_param/w/stats', (2, 1))]
+      [('opt/per_param/w/stats', (2, 1)), ('opt/per_param/w/roots', (2, 1))]
   """
   named = jax.tree_util.tree_flatten_with_path(params)[0]
   by_path = {tuple(leaf_name(p).split("/")): i for i, (p, _) in enumerate(named)}

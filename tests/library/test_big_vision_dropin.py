@@ -409,7 +409,6 @@ def test_config_scanned_layers_precondition_each_stacked_layer_as_its_own_matrix
     assert not any(shape[-2:] == (2, 2) for shape in stacks), (key, stacks)
   if optimizer == "kron":
     config["scanned_layers"] = ["encoderblock/.*"]
-    config["lr"] = 0.03
     batch = _batch(0)
     flow = train_state_flow(
         config, model, example, batch, _classifier_loss(model), mesh_of(config), steps=4
