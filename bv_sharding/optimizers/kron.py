@@ -198,9 +198,9 @@ def first_scale(x: jax.Array) -> jax.Array:
   peak = jnp.max(x)
   u = x / jnp.where(peak > 0, peak, 1.0)  # In [0, 1]: no overflow or underflow of its squares.
   mean = jnp.sum(u * u) / jnp.maximum(jnp.sum(u > 0), 1)
+  # Rounded: the float order of the sums differs by mesh, so the scale must not.
   quarters = jnp.round(-2 * jnp.log2(peak) - jnp.log2(jnp.maximum(mean, 1e-30)))
-  return jnp.where(peak > 0, jnp.exp2(quarters / 4), 1.0)  # The float order of the sums
-  # differs by mesh; so not the scale.
+  return jnp.where(peak > 0, jnp.exp2(quarters / 4), 1.0)
 
 
 def scaled_at_birth(qs: list[jax.Array], x: jax.Array) -> list[jax.Array]:
