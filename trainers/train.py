@@ -169,7 +169,8 @@ def main(argv):
   watch = divergence.LossWatch(config.on_nonfinite, config.lr, write=write)
   out_of_memory = memory.converted(plan, "the run's restore, train or eval steps")
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.sharding_rules), out_of_memory:
-    state, begun = start.restore_or_init(ckpt, run)
+    with ckpt.released_on_error():
+      state, begun = start.restore_or_init(ckpt, run)
     if is_main_process:
       note_start(_WORKDIR.value, config, begun, metrics.path, curves, plan)
     local_batches = run.task.batches(
@@ -264,14 +265,15 @@ def open_workdir(path: str, config, run, is_main_process: bool):
   earlier run's files aside unless resuming. ``run``: a ``trainers.build.Run`` (its
   optimizer's migration, its plan and the form its state is saved in)."""
   ckpt = checkpoint.Checkpoints(path, config, run.migration, run.plan, run.stored)
-  latest = ckpt.latest_step()
-  newest = ckpt.newest_named_step()  # Not a renamed or empty stray folder's number.
-  if newest is not None and newest > config.total_steps:
-    raise ConfigError(
-        f"config.total_steps={config.total_steps} is below step {newest} of the checkpoint in "
-        f"{path}: there is nothing left to train; raise config.total_steps to continue, or give "
-        "a new --workdir"
-    )
+  with ckpt.released_on_error():
+    latest = ckpt.latest_step()
+    newest = ckpt.newest_named_step()  # Not a renamed or empty stray folder's number.
+    if newest is not None and newest > config.total_steps:
+      raise ConfigError(
+          f"config.total_steps={config.total_steps} is below step {newest} of the checkpoint "
+          f"in {path}: there is nothing left to train; raise config.total_steps to continue, "
+          "or give a new --workdir"
+      )
   if is_main_process:
     note = workdir.prepare(path, resuming=latest is not None)
     if note:

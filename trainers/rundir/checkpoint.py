@@ -333,6 +333,17 @@ class Checkpoints:
       self.manager.close()
 
   @contextlib.contextmanager
+  def released_on_error(self):
+    """Closes the manager and the save thread, without saving, if the block raises: a run
+    that stops before training leaves no thread to meet the interpreter's shutdown."""
+    try:
+      yield
+    except BaseException:
+      self.saver.pool.shutdown()
+      self.manager.close()
+      raise
+
+  @contextlib.contextmanager
   def writing(self):
     """Turns a save's write that found no room (:func:`no_room`) into ``CheckpointWriteError``:
     the directory, why, the bytes a checkpoint needs and the last complete one."""
