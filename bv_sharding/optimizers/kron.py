@@ -224,12 +224,13 @@ def _apply_along(x: jax.Array, axis: int, q: jax.Array) -> jax.Array:
   return matmul_along(x, axis, q)
 
 
-def triangular_inverse(q: jax.Array) -> jax.Array:
-  """Inverse of an upper triangular ``(..., n, n)`` matrix, with matmuls only.
+def triangular_inverse(q: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
+  """Inverse of an upper triangular ``(..., n, n)`` matrix, with matmuls only, at ``precision``
+  (None: the surrounding ``jax.default_matmul_precision``).
 
   Blockwise doubling: ``inv([[A, B], [0, D]]) = [[iA, -iA B iD], [0, iD]]``,
-  starting from the inverses of the diagonal blocks of 64 (:func:`_block_inverses`, one
-  loop), log2(n / 64) batched steps (n is padded to a power of 2 with identity): each step
+  starting from the inverses of the diagonal blocks of 64 (:func:`_block_inverses`),
+  log2(n / 64) batched steps (n is padded to a power of 2 with identity): each step
   is a program of its own, so fewer steps compile faster (blocks of 64 also ran fastest).
   Unlike a batched ``triangular_solve`` it calls no LAPACK kernel: jaxlib's batched CPU
   kernels split large batches over the intra-op thread pool and wait for them, which
@@ -250,8 +251,8 @@ def triangular_inverse(q: jax.Array) -> jax.Array:
       full.reshape(*batch, size // s, s, size // s, s), -3, -2
   ).reshape(*batch, (size // s) ** 2, s, s)[..., :: size // s + 1, :, :]
   base = min(_BASE_BLOCK, size)
-  inv = _block_inverses(diagonal(base))
-  matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+  matmul = functools.partial(jnp.matmul, precision=precision)
+  inv = _block_inverses(diagonal(base), matmul)
   for level in range(base.bit_length() - 1, size.bit_length() - 1):
     s = 2**level
     b = diagonal(2 * s)[..., :s, s:]
@@ -262,9 +263,10 @@ def triangular_inverse(q: jax.Array) -> jax.Array:
   return inv[..., 0, :n, :n]
 
 
-def _block_inverses(blocks: jax.Array) -> jax.Array:
+def _block_inverses(blocks: jax.Array, matmul: Callable = jnp.matmul) -> jax.Array:
   """Inverses of upper triangular ``(..., w, w)`` blocks ``D = L (I + N)`` (``L`` diagonal,
-  ``N`` strictly upper, so nilpotent): ``(I - N)(I + N^2)(I + N^4)... L^-1``, in one loop.
+  ``N`` strictly upper, so nilpotent): ``(I - N)(I + N^2)(I + N^4)... L^-1``, its
+  ``ceil(log2(w))`` factors unrolled (a loop copied its carry on every turn on TPU).
 
   Example:
       >>> _block_inverses(jnp.array([[[2.0, 1.0], [0.0, 4.0]]]))[0].tolist()
@@ -274,26 +276,23 @@ def _block_inverses(blocks: jax.Array) -> jax.Array:
   eye = jnp.eye(w, dtype=blocks.dtype)
   diagonal = jnp.sum(blocks * eye, -1)  # Masks: jnp.diagonal traces a platform-dependent cond.
   power = -(blocks - diagonal[..., None] * eye) / diagonal[..., None]
-  matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-
-  def factor(_, carry):
-    product, power = carry
-    return matmul(product, eye + power), matmul(power, power)
-
-  start = (jnp.broadcast_to(eye, blocks.shape), power)
-  product, _ = jax.lax.fori_loop(0, max(1, (w - 1).bit_length()), factor, start)
+  product = eye + power
+  for _ in range(1, (w - 1).bit_length()):
+    power = matmul(power, power)
+    product = product + matmul(product, power)
   return product / diagonal[..., None, :]
 
 
 def _solve_along(x: jax.Array, axis: int, q: jax.Array, by_inverse: bool = False) -> jax.Array:
   """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular).
 
-  ``by_inverse`` uses :func:`triangular_inverse` instead of LAPACK.
+  ``by_inverse`` uses :func:`triangular_inverse` instead of LAPACK, at the surrounding matmul
+  precision (the fit's ``precond_update_precision``), as psgd-jax solves.
   """
   if q.ndim == 1:
     return x / jnp.expand_dims(q, range(1, x.ndim - axis))
   if by_inverse:
-    return matmul_along(x, axis, triangular_inverse(q).T.astype(x.dtype))
+    return matmul_along(x, axis, triangular_inverse(q, None).T.astype(x.dtype))
   moved = jnp.moveaxis(x, axis, -1)
   flat = moved.reshape(-1, moved.shape[-1]).astype(q.dtype)
   solved = jax.lax.linalg.triangular_solve(q, flat, left_side=False, lower=False)
@@ -311,9 +310,16 @@ def _spectral_norm_lower_bound(a: jax.Array) -> jax.Array:
   """Cheap lower bound of the spectral norm of a symmetric PSD matrix.
 
   One power-iteration step started from the row of largest norm; psgd's
-  bound (norm(a) <= sqrt(2) * bound in practice).
+  bound (norm(a) <= sqrt(2) * bound in practice). Its scale, psgd's largest ``|a_ij|``, is
+  read off the diagonal (``|a_ij| <= sqrt(a_ii a_jj)`` in a PSD matrix): no pass over ``a``.
+
+  Example (the norm is 3):
+      >>> bound = float(_spectral_norm_lower_bound(jnp.array([[2.0, 1.0], [1.0, 2.0]])))
+      >>> 3 / 2**0.5 <= bound <= 3
+      True
   """
-  max_abs = jnp.max(jnp.abs(a))
+  n = a.shape[-1]
+  max_abs = jnp.max(jnp.abs(a[np.arange(n), np.arange(n)]))
   scaled = a / jnp.where(max_abs > 0, max_abs, 1.0)
   row = scaled[jnp.argmax(jnp.sum(scaled * scaled, axis=1))]
   x = scaled @ row
