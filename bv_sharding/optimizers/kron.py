@@ -576,8 +576,7 @@ def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, st
     qs = gating.cond(jnp.any(first == 0), vmapped(scaled_at_birth), lambda q, _: q, qs, momentum)
 
   def fitted(qs):
-    balanced = vmapped(balance_qs)(qs)
-    start = [jnp.where(do_balance, n, o) for n, o in zip(balanced, qs)]
+    start = gating.cond(do_balance, vmapped(balance_qs), list, qs)  # 1 step in 100.
     with jax.default_matmul_precision(settings.precond_update_precision):
       fit = functools.partial(update_qs, lr=settings.preconditioner_lr, solve_by_inverse=stacked)
       return [n.astype(o.dtype) for n, o in zip(vmapped(fit)(start, target, probe), qs)]

@@ -126,17 +126,17 @@ def test_blocked_kron_beats_adamw_on_ill_conditioned_problem():
 def test_blocked_update_calls_no_lapack_and_fits_under_one_cond_per_stack():
   """Block stacks are solved with matmuls: batched LAPACK kernels deadlock on
   several simulated CPU devices once a device holds a few 64 x 64 blocks. Each stack's fit
-  runs under one ``lax.cond`` (only on update steps), and so does the setting of its born Qs
-  (only while some are), where that is safe (here, on an
-  accelerator), which holds no LAPACK call either. Without a layout on 8 CPU devices the
+  runs under one ``lax.cond`` (only on update steps), and so do the setting of its born Qs
+  (only while some are) and, inside the fit, the balancing of its Qs (on 1 step in 100), where
+  that is safe (here, on an accelerator), which hold no LAPACK call either. Without a layout on 8 CPU devices the
   arrays may be sharded and the cond hold collectives: the fits are made every step there."""
   tx = scale_by_kron(block_size=4, scanned_layers={"w": False, "stack": True})
   params = {"w": jnp.ones((10, 7)), "stack": jnp.ones((2, 5, 6))}
   with skipping(True):
     jaxpr = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
   assert "triangular_solve" not in jaxpr and " while[" not in jaxpr
-  # The blocked param's and the scanned one's fits, and their born Qs' setting.
-  assert jaxpr.count(" cond[") == 4
+  # The blocked param's and the scanned one's fits, their born Qs' setting and their balancing.
+  assert jaxpr.count(" cond[") == 6
   assert " cond[" not in str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
 
 
