@@ -44,8 +44,10 @@ moment out of and back into the bases, which must stay orthonormal to float32 pr
 the statistics' eigenvectors need more than bfloat16's 8 bits. ``mu`` and ``nu`` are Adam's
 moments (rotated) and may be stored in bfloat16 as Adam's are. The bases' ``qr`` and ``eigh``
 run in float32, under ``lax.cond``: only on a refresh step, and on a step some block's
-statistics were zero before. Each call takes one matrix (``lax.map``): a batched LAPACK call
-waits on XLA's CPU thread pool, which deadlocks with several devices (``shampoo.py``).
+statistics become nonzero for the first time (a block no gradient reaches, as an embedding's
+rows of tokens the data never holds, is fitted on none). Each call takes one matrix
+(``lax.map``): a batched LAPACK call waits on XLA's CPU thread pool, which deadlocks with
+several devices (``shampoo.py``).
 
 Example:
     >>> import jax.numpy as jnp
@@ -513,7 +515,7 @@ def _positive_qr(x: jax.Array) -> jax.Array:
 
 
 def _power_refit(stats, basis, unfit, refresh, damping: float):
-  """:func:`_refit` with ``power_damping``: a block whose statistics were zero before this
+  """:func:`_refit` with ``power_damping``: a block whose statistics become nonzero this
   step gets :data:`FIT_ITERATIONS` power steps from ``I``, on a refresh step every other block
   one from its bases, both on the statistics :func:`_damped`; no column is re-sorted, so
   ``nu`` stays as it is. Every new basis is a continuous function of the statistics and the
@@ -541,7 +543,7 @@ def _power_refit(stats, basis, unfit, refresh, damping: float):
 
 
 def _refit(stats, basis, nu, dim: int, unfit, refresh):
-  """One rotated dim's new bases and ``nu``: a block whose statistics were zero before this step
+  """One rotated dim's new bases and ``nu``: a block whose statistics become nonzero this step
   (``unfit``) gets its statistics' eigenvectors (``eigh``, largest eigenvalue first); on a
   refresh step every other block gets ``qr(S Q)``, ``Q``'s columns first sorted by their
   estimated eigenvalue (largest first, ties in their order) and ``nu`` permuted along ``dim``
@@ -581,9 +583,11 @@ def _refit(stats, basis, nu, dim: int, unfit, refresh):
   return jax.lax.map(lambda a: one(*a), inputs), nu
 
 
-def _new_bases(stats, bases, nu, unfit, refresh, *, dims, damping):
-  """Every rotated dim's bases from :func:`_refit` (:func:`_power_refit` with ``damping``),
-  and ``nu`` permuted with them."""
+def _new_bases(packed, bases, nu, unfit, refresh, *, dims, damping):
+  """Every rotated dim's bases from :func:`_refit` (:func:`_power_refit` with ``damping``) of
+  its statistics (``packed``: :mod:`~bv_sharding.optimizers.symmetric`, unpacked only here, on
+  the steps that refit), and ``nu`` permuted with them."""
+  stats = [symmetric.unpack(s) for s in packed]
   if damping:
     return [_power_refit(s, q, unfit, refresh, damping) for s, q in zip(stats, bases)], nu
   new_bases = []
@@ -606,15 +610,16 @@ def _soap_blocks(g, mu, nu, stats, bases, first, refresh, *, dims, hyper):
   mu = b1 * old_mu + (1.0 - b1) * rotated
   nu = b2 * old_nu + (1.0 - b2) * jnp.square(rotated)
   direction = _rotate(mu / (_root_nu(nu, relative_eps) + eps), bases, dims, back=True)
-  unfit = _unfit(stats[0])  # Per block: no gradient yet (_unfit_moments).
+  was_zero = _unfit(stats[0])
   grams = [symmetric.pack(jax.vmap(gram_along, (0, None))(g, d)) for d in dims]
   stats = [s + (1.0 - shampoo_beta) * (gg - s) for s, gg in zip(stats, grams)]
+  unfit = was_zero & ~_unfit(stats[0])  # Per block: its first gradient (_unfit_moments).
   refresh, any_unfit = jnp.any(refresh), jnp.any(unfit)
   new_bases, sorted_nu = gating.cond(
       refresh | any_unfit,
       functools.partial(_new_bases, dims=dims, damping=damping),
       lambda _, q, n, *__: (list(q), n),
-      [symmetric.unpack(s) for s in stats],
+      stats,
       bases,
       nu,
       unfit,
@@ -647,7 +652,7 @@ def _root_nu(nu: jax.Array, relative_eps: float) -> jax.Array:
 
 def _unfit_moments(mu: jax.Array, b1: float, b2: float) -> jax.Array:
   """The second moment beside ``mu`` when both hold one gradient ``x`` (``(1 - b1) x`` and
-  ``(1 - b2) x^2``): a block's moments when its statistics were zero before this step (its
+  ``(1 - b2) x^2``): a block's moments when its statistics become nonzero this step (its
   first gradient: a fresh or reborn state's first step, or all earlier ones zero), re-expressed
   in the bases just fitted to it (``mu`` rotated, ``nu`` from it).
 
@@ -717,7 +722,7 @@ def _finish(direction, count, settings: _Settings, scanned: bool = False):
 
 def _unfit(stats: jax.Array) -> jax.Array:
   """Per block of a stack of one dim's statistics ``(..., b, b)``: whether it is still zero (no
-  gradient yet), so that its bases are fitted this step.
+  gradient yet): its bases are fitted on the step it becomes nonzero.
 
   Example:
       >>> _unfit(jnp.zeros((2, 3, 3)).at[0].set(1.0)).tolist()
@@ -767,7 +772,8 @@ def _soap_update(updates, state: SoapState, params=None, *, settings: _Settings)
   pool_fns = [  # One function per pool: its runs pool together, as the state's pools.
       functools.partial(_soap_held, dims=pool.where[0], hyper=hyper) for pool in state.pools
   ]
-  # The bases change only where they are refreshed or fitted: a pool moves them back only then.
+  # The bases change only where they are refreshed or fitted (a block still zero may be fitted
+  # this step): a pool moves them back only then.
   new_bases = refresh | _any_unfit(
       s.stats
       for i, (s, (_, dims, _)) in enumerate(zip(per_param, plans))

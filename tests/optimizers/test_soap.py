@@ -7,6 +7,7 @@ in ``tests/data/soap_reference.npz``. Library imports only.
 """
 
 import functools
+import importlib
 import json
 import math
 import pathlib
@@ -18,9 +19,17 @@ import optax
 import pytest
 
 import bv_sharding as bvs
-from bv_sharding.optimizers import canonical_state, rebirth, scale_by_soap, soap, with_state_dtype
+from bv_sharding.optimizers import (
+    canonical_state,
+    gating,
+    rebirth,
+    scale_by_soap,
+    soap,
+    with_state_dtype,
+)
 from tests.optimizers import own_loop, strategies
 
+soap_module = importlib.import_module("bv_sharding.optimizers.soap")  # soap is also a function
 REFERENCE = pathlib.Path(__file__).parents[1] / "data/soap_reference.npz"
 
 
@@ -327,3 +336,36 @@ def test_a_state_born_mid_run_moves_at_its_first_step():
   rotated = q0.T @ np.asarray(grads["w"]) @ q1
   np.testing.assert_allclose(state.per_param["w"].mu, 0.05 * rotated, atol=1e-6)
   np.testing.assert_allclose(state.per_param["w"].nu, 0.05 * rotated**2, atol=1e-6)
+
+
+def test_a_tile_no_gradient_reaches_is_fitted_only_on_the_step_its_first_gradient_comes(
+    monkeypatch,
+):
+  """An embedding's tiles of tokens the data never holds keep zero statistics: the bases'
+  refit (``eigh``, QR: the costly part of a refresh) runs on no step for them, only when some
+  tile's statistics become nonzero, and on refresh steps."""
+  refits = []
+  new_bases = soap_module._new_bases
+
+  def counted(*args, **kwargs):
+    jax.debug.callback(lambda: refits.append(1))
+    return new_bases(*args, **kwargs)
+
+  monkeypatch.setattr(soap_module, "_new_bases", counted)
+  tx = scale_by_soap(block_size=8, precondition_frequency=10)
+  rows = jax.random.normal(jax.random.key(0), (16, 4))
+  reached = lambda tiles: jnp.where(jnp.arange(16)[:, None] < 8 * tiles, rows, 0.0)
+  with gating.skipping(True):  # The refit under lax.cond, as on an accelerator.
+    update = jax.jit(tx.update)
+    state = tx.init({"w": rows})
+    ran = []
+    for tiles in (1, 1, 1, 2, 2):  # The second tile's first gradient at the fourth step.
+      _, state = update({"w": reached(tiles)}, state)
+      jax.effects_barrier()
+      ran.append(len(refits))
+      if len(ran) == 3:
+        bases = [np.asarray(q[1, 0]) for q in state.per_param["w"].bases]
+        assert all((q == np.eye(len(q))).all() for q in bases)  # Still born: no gradient.
+  assert ran == [1, 1, 1, 2, 2]
+  fitted = state.per_param["w"].bases[0][1, 0]
+  assert float(jnp.max(jnp.abs(fitted - jnp.eye(8)))) > 0.1
