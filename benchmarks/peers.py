@@ -193,6 +193,7 @@ OURS_SHAMPOO = {
     "root_method": "newton",  # The coupled Newton iteration, as the peer's eigh=False.
     "resident_padding": RESIDENT_PADDING,
     "refresh_groups": 1,  # Every tile's roots on the same steps, as the peer's.
+    "skip_preconditioning_dim_size_gt": None,  # Every param preconditioned, as the peer's.
 }
 
 

@@ -98,6 +98,9 @@ _NORM_EPS = 1e-25
 GRAD_UNITS = -1.0
 # The most groups of tiles refreshed on steps of their own: a tile's group is exact in bfloat16.
 MAX_GROUPS = 256
+# Params with a dim over this are trained by the graft alone (distributed Shampoo's
+# skip_preconditioning_dim_size_gt): an embedding's or an output layer's vocabulary.
+SKIP_DIM_SIZE_GT = 4096
 
 
 class ShampooParamState(NamedTuple):
@@ -297,6 +300,7 @@ class _Settings:
   root_method: str
   resident_padding: float = 0.0
   refresh_groups: int | None = None
+  skip_preconditioning_dim_size_gt: int | None = None
 
   @property
   def keeps_roots(self) -> bool:
@@ -333,8 +337,35 @@ class _Settings:
 
 
 def _blocks_per_leaf(params, settings: _Settings) -> list[ShardBlocks]:
-  """Each leaf's blocks (:func:`factor_tiling`), flattened like ``params``."""
-  return blocked.param_blocks(params, settings.layout, _tilings(params, settings))
+  """Each leaf's blocks (:func:`factor_tiling`), flattened like ``params``; a leaf
+  :func:`_preconditioned` not gets a scalar's (no factors)."""
+  leaves = jax.tree.leaves(params)
+  tilings = _tilings(params, settings)
+  blocks = blocked.param_blocks(params, settings.layout, tilings)
+  return [
+      b if _preconditioned(x.shape, t, settings.skip_preconditioning_dim_size_gt) else _bare(t)
+      for x, t, b in zip(leaves, tilings, blocks)
+  ]
+
+
+def _preconditioned(shape, tiling: Tiling, most: int | None) -> bool:
+  """Whether a param of ``shape`` gets factors: no dim (the layer axis of a stack of layers
+  aside) over ``most`` (None: no limit), as distributed Shampoo's
+  ``skip_preconditioning_dim_size_gt``.
+
+  Example:
+      >>> _preconditioned((768, 32000), factor_tiling(256), 4096)
+      False
+      >>> _preconditioned((5000, 768, 768), factor_tiling(256, scanned=True), 4096)
+      True
+  """
+  dims = shape[1:] if tiling.scanned else shape
+  return most is None or all(d <= most for d in dims)
+
+
+def _bare(tiling: Tiling) -> ShardBlocks:
+  """A scalar's blocks: no factors (the graft direction alone)."""
+  return tiling.blocks((), (), None)
 
 
 def _tilings(params, settings: _Settings) -> list[Tiling]:
@@ -421,7 +452,7 @@ def _shampoo_init(params, settings: _Settings) -> ShampooState:
   hold their members' statistics and roots."""
   leaves, treedef = jax.tree.flatten(params)
   tilings = _tilings(params, settings)
-  blocks = blocked.param_blocks(params, settings.layout, tilings)
+  blocks = _blocks_per_leaf(params, settings)
   pools = _skeletons(leaves, blocks, tilings, settings)
   held_leaves = {seat.leaf for pool in pools for seat in pool.where}
   per_param = [
@@ -461,7 +492,10 @@ def held(state: ShampooState, params, layout: ParamLayout, like) -> ShampooState
   per_param = treedef.flatten_up_to(state.per_param)
   specs = treedef.flatten_up_to(layout.specs)
   tilings = [s.stats.tiling for s in per_param]
-  blocks = [t.blocks(x.shape, spec, layout.mesh) for t, x, spec in zip(tilings, leaves, specs)]
+  blocks = [
+      t.blocks(x.shape, spec, layout.mesh) if len(s.stats) else _bare(t)  # No factors: none.
+      for t, x, spec, s in zip(tilings, leaves, specs, per_param)
+  ]
   indices = _tile_indices(blocks, tilings)
   pools = []
   for pool in like:
@@ -687,6 +721,7 @@ def scale_by_shampoo(
     root_method: str = "newton",
     resident_padding: float = 0.0,
     refresh_groups: int | None = None,
+    skip_preconditioning_dim_size_gt: int | None = SKIP_DIM_SIZE_GT,
 ) -> optax.GradientTransformation:
   """Blocked Shampoo direction, grafted and with momentum (no learning rate).
 
@@ -745,6 +780,15 @@ def scale_by_shampoo(
       every group on the step before preconditioning starts (its roots then all of the latest
       statistics). Where work is skipped under ``lax.cond`` (an accelerator) a stack of tiles
       computes the roots of the ones due alone.
+    skip_preconditioning_dim_size_gt: a param with a dim (a stack of layers' layer axis
+      aside) over this has no factors and steps along its graft direction alone, as in
+      distributed Shampoo (same name, same default); None preconditions every param. 4096:
+      an embedding's or an output layer's vocabulary dim is left to the graft. In a column
+      of the output layer whose token is rare the statistics are small, and the inverse roots
+      scale that column up to ``(lambda_max / lambda)^(1/4)`` per side where grafting rescales
+      only the param's norm: the 125m model (vocabulary 32000, one CPU device, 2 layers) went
+      from 5.50 at step 10 to 6.40 at step 12 with its 768 x 32000 output layer
+      preconditioned.
 
   Example:
       >>> tx = scale_by_shampoo(block_size=2, graft_type="sgd", update_preconditioners_freq=10)
@@ -791,6 +835,7 @@ def shampoo(
     root_method: str = "newton",
     resident_padding: float = 0.0,
     refresh_groups: int | None = None,
+    skip_preconditioning_dim_size_gt: int | None = SKIP_DIM_SIZE_GT,
 ) -> optax.GradientTransformation:
   """Shampoo with decoupled weight decay and a learning rate.
 
@@ -819,6 +864,7 @@ def shampoo(
           root_method=root_method,
           resident_padding=resident_padding,
           refresh_groups=refresh_groups,
+          skip_preconditioning_dim_size_gt=skip_preconditioning_dim_size_gt,
       ),
       learning_rate,
       weight_decay,

@@ -189,3 +189,41 @@ def test_resident_pools_take_the_same_steps_and_give_their_state_back():
   assert all(close(a, b) for a, b in zip(moved, kept))
   given = bv_optimizers.canonical_state(held, params, bv_optimizers.ParamLayout(specs, mesh))
   assert jax.tree.structure(given) == jax.tree.structure(state) and close(given, state)
+
+
+def test_params_with_a_dim_over_the_limit_step_along_the_graft_alone():
+  """A param with a dim over ``skip_preconditioning_dim_size_gt`` (an output layer's
+  vocabulary) has no factors and takes the graft's steps, as with preconditioning never
+  started; a stack of layers' layer axis does not count, and the other params' steps are
+  preconditioned as without the limit."""
+  params = {
+      "head": jnp.ones((8, 40)),
+      "w": jnp.ones((8, 16)),
+      "stack": jnp.ones((24, 4, 8)),
+  }
+  mesh = jax.sharding.AbstractMesh((1,), ("data",))
+  stacked = {"head": False, "w": False, "stack": True}
+  layout = bv_optimizers.ParamLayout(jax.tree.map(lambda _: P(), params), mesh, stacked)
+  make = lambda **kw: scale_by_shampoo(
+      block_size=8,
+      update_preconditioners_freq=2,
+      refresh_groups=1,  # Every tile on the same steps, however many precede it.
+      layout=layout,
+      **{"start_preconditioning_step": 2, **kw},
+  )
+  limited, unlimited = make(skip_preconditioning_dim_size_gt=16), make(
+      skip_preconditioning_dim_size_gt=None
+  )
+  never = make(skip_preconditioning_dim_size_gt=None, start_preconditioning_step=100)
+  states = [tx.init(params) for tx in (limited, unlimited, never)]
+  factors = [[len(s.per_param[k].stats) for k in params] for s in states[:2]]
+  assert factors == [[0, 2, 2], [2, 2, 2]]
+  for i in range(3):
+    grads = jax.tree.map(lambda x, i=i: jax.random.normal(jax.random.key(i), x.shape), params)
+    outs = []
+    for k, tx in enumerate((limited, unlimited, never)):
+      out, states[k] = jax.jit(tx.update)(grads, states[k])
+      outs.append(out)
+  np.testing.assert_allclose(outs[0]["head"], outs[2]["head"], rtol=1e-6)
+  assert float(jnp.max(jnp.abs(outs[1]["head"] - outs[2]["head"]))) > 1e-3  # Preconditioned.
+  np.testing.assert_allclose(outs[0]["w"], outs[1]["w"], atol=1e-6)  # Stacked apart.
