@@ -119,6 +119,7 @@ _REGISTRY: dict[str, _Entry] = {
     # blocks of 256,
     # Shampoo grafted on Adam after 10 graft-only steps, its step the average of its
     # momentum, each tile's roots refreshed every 10 steps (a tenth of the tiles each step),
+    # params with a dim over 4096 (a vocabulary) on Adam's direction alone,
     # SOAP's bases following its statistics continuously (power_damping).
     "kron": _Entry(kron, decays={"mu": "b1"}),
     "shampoo": _Entry(shampoo, decays={"momentum": "beta1", "graft_nu": "beta2"}),
