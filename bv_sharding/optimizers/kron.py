@@ -287,7 +287,9 @@ def _solve_along(x: jax.Array, axis: int, q: jax.Array, by_inverse: bool = False
   """Right-multiplies ``x`` by ``inv(q)`` along ``axis`` (q upper triangular).
 
   ``by_inverse`` uses :func:`triangular_inverse` instead of LAPACK, at the surrounding matmul
-  precision (the fit's ``precond_update_precision``), as psgd-jax solves.
+  precision (the fit's ``precond_update_precision``). Psgd-jax's ``solve_triangular`` runs at
+  the highest on a TPU (XLA expands it so); at TPU's "tensorfloat32" (3 bfloat16 passes) the
+  inverse of a fitted Q is within 4e-6 of its largest entry, at the highest within 2e-7.
   """
   if q.ndim == 1:
     return x / jnp.expand_dims(q, range(1, x.ndim - axis))
