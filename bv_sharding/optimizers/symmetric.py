@@ -5,11 +5,10 @@ A symmetric ``b x b`` matrix (``b`` even, ``n = b / 2``) holds ``b (b + 1) / 2``
 are laid out as a ``(b + 1) x n`` array (rows 1 to ``b``: the first ``n`` columns on and below
 the diagonal; the slots left above it, row ``r <= j`` of column ``j``: the lower triangle of the
 bottom-right ``n x n`` block, transposed), which is then stored row after row as an
-``(n + 1) x b`` array, its last ``n`` slots spare (copies of the first number). The stored
-array keeps the matrix's last dim (``b``), so the plan splits it over as many devices as the
-whole matrix's. :func:`pack` and :func:`unpack` convert on the last two dims of a stack of any
-rank, by slices, triangle masks, transposes and reshapes (no gather: an accelerator copies
-them at memory speed); unpacking gives an exactly symmetric matrix. An upper-triangular matrix is stored as its transpose's
+``(n + 1) x b`` array, its last ``n`` slots spare (copies of the first number). The stored array keeps the matrix's last dim
+(``b``), so the plan splits it over as many devices as the whole matrix's. :func:`pack` and
+:func:`unpack` convert, one gather each, on the last two dims of a stack of any rank; unpacking
+gives an exactly symmetric matrix. An upper-triangular matrix is stored as its transpose's
 lower triangle (:func:`pack_upper`, :func:`unpack_upper`). A ``b`` that is odd or below 4
 (nothing to gain) is stored whole: :func:`packs`.
 
@@ -19,6 +18,8 @@ Example:
     >>> pack(s).shape, bool((unpack(pack(s)) == s).all())
     ((3, 4), True)
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +36,27 @@ def packs(b: int) -> bool:
   return b % 2 == 0 and b >= 4
 
 
-def _mirrored(x: jax.Array) -> jax.Array:
-  """A stack of square matrices with their lower triangle (diagonal included) mirrored onto
-  the upper one.
+@functools.cache
+def _pack_index(b: int) -> np.ndarray:
+  """For each slot of the packed ``(b / 2 + 1, b)`` array, the flat index of its number in a
+  ``b x b`` matrix (module docstring); 0 for the spare slots. Unsigned, so that the gather
+  needs no negative-index fix-up."""
+  n = b // 2
+  r, j = np.indices((b + 1, n))
+  below = (r >= 1) & (r - 1 >= j)
+  rows = np.where(below, (r - 1) * b + j, (n + j) * b + n + r).ravel()
+  return np.concatenate([rows, np.zeros(n, int)]).reshape(n + 1, b).astype(np.uint32)
 
-  Example:
-      >>> _mirrored(jnp.array([[1.0, 9.0], [2.0, 3.0]])).tolist()
-      [[1.0, 2.0], [2.0, 3.0]]
-  """
-  return jnp.where(np.tri(x.shape[-1], dtype=bool), x, jnp.swapaxes(x, -1, -2))
+
+@functools.cache
+def _unpack_index(b: int) -> np.ndarray:
+  """For each entry of a ``b x b`` matrix, the flat index of its slot in the packed array:
+  entry ``(i, j)`` is read where its lower-triangle twin ``(max, min)`` is kept."""
+  n = b // 2
+  i, j = np.indices((b, b))
+  high, low = np.maximum(i, j), np.minimum(i, j)
+  index = np.where(low < n, (high + 1) * n + low, (low - n) * n + high - n)
+  return index.astype(np.uint32)
 
 
 def pack(s: jax.Array) -> jax.Array:
@@ -57,19 +70,8 @@ def pack(s: jax.Array) -> jax.Array:
   b = s.shape[-1]
   if not packs(b):
     return s
-  n, lead = b // 2, s.shape[:-2]
-  left = s[..., :n]  # Rows 1 to b of the (b + 1) x n array, where on or below the diagonal.
-  corner = jnp.swapaxes(s[..., n:, n:], -1, -2)  # Row r <= j of column j: s[n + j, n + r].
-  r, j = np.indices((n + 1, n))
-  zero = jnp.zeros((*lead, 1, n), s.dtype)
-  top = jnp.where(
-      r > j,
-      jnp.concatenate([zero, left[..., :n, :]], axis=-2),
-      jnp.concatenate([corner, zero], axis=-2),
-  )
-  spare = jnp.broadcast_to(s[..., :1, :1], (*lead, 1, n))
-  rows = jnp.concatenate([top, left[..., n:, :], spare], axis=-2)  # (b + 2) x n
-  return rows.reshape(*lead, n + 1, b)
+  flat = s.reshape(*s.shape[:-2], b * b)
+  return flat.at[..., _pack_index(b)].get(mode="promise_in_bounds")
 
 
 def unpack(packed: jax.Array) -> jax.Array:
@@ -83,13 +85,8 @@ def unpack(packed: jax.Array) -> jax.Array:
   rows, b = packed.shape[-2:]
   if not (packs(b) and rows == b // 2 + 1):
     return packed
-  n, lead = b // 2, packed.shape[:-2]
-  a = packed.reshape(*lead, b + 2, n)  # The (b + 1) x n array and its spare row.
-  below = a[..., n + 1 : b + 1, :]  # Rows n to b - 1 of the first n columns.
-  left = jnp.concatenate([_mirrored(a[..., 1 : n + 1, :]), below], axis=-2)
-  corner = _mirrored(jnp.swapaxes(a[..., :n, :], -1, -2))  # The bottom-right block.
-  right = jnp.concatenate([jnp.swapaxes(below, -1, -2), corner], axis=-2)
-  return jnp.concatenate([left, right], axis=-1)
+  flat = packed.reshape(*packed.shape[:-2], rows * b)
+  return flat.at[..., _unpack_index(b)].get(mode="promise_in_bounds")
 
 
 def pack_upper(q: jax.Array) -> jax.Array:
