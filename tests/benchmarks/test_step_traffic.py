@@ -111,11 +111,12 @@ BETWEEN_FITS = {"kron": 1.05, "shampoo": 1.09, "soap": 1.16}
 # momentum (a cond per stack, skipped once they are set; 2026-12-07): kron 2.62x (4.41x local).
 # Shampoo at update_preconditioners_freq 10, in groups of tiles (each stack's due roots computed
 # in a loop, gathered, under a cond; 2026-12-07): shampoo 2.26x (2.17x at freq 1),
-# shampoo:local 2.89x.
+# shampoo:local 2.89x. Kron's inverse unrolled (its loop's carry was copied each turn on a TPU) and
+# its balance under a cond of its own (2026-12-07): kron 2.64x.
 KERNELS = {
     "kron:local": 4.41,
     "shampoo:local": 2.89,
-    "kron": 2.62,
+    "kron": 2.64,
     "shampoo": 2.26,
     "muon": 1.64,
     "soap": 2.36,
