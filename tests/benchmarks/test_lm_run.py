@@ -7,12 +7,17 @@ import pytest
 
 from benchmarks import lm_run
 
-STEPS = "import time\nfor s in (1, 2, 3):\n  time.sleep(0.2)\n  print(f'I x metrics.py:1] step {s}/3 loss=1.0')\n"
+# 0.3 s apart, read as they come: the gap from the first to the last is 0.6 s, checked to 0.4 so
+# that a loaded host's late read of one line does not fail it.
+STEPS = (
+    "import time\nfor s in (1, 2, 3):\n  time.sleep(0.3)\n"
+    "  print(f'I x metrics.py:1] step {s}/3 loss=1.0', flush=True)\n"
+)
 
 
 def test_the_clock_runs_from_launch_to_the_first_and_last_logged_step(tmp_path):
   clock = lm_run.launch([sys.executable, "-c", STEPS], tmp_path / "log")
-  assert 0.2 <= clock["first"] < clock["last"] <= clock["wall"]
+  assert 0.3 <= clock["first"] < clock["last"] <= clock["wall"]
   assert clock["last"] - clock["first"] >= 0.4
   assert (tmp_path / "log").read_text().count(" loss=1.0") == 3
 
