@@ -339,7 +339,7 @@ class Checkpoints:
     try:
       yield
     except BaseException:
-      self.saver.pool.shutdown()
+      self.saver.shutdown()
       self.manager.close()
       raise
 

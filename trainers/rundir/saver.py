@@ -128,3 +128,7 @@ class BackgroundSaver:
     """The last save's result once it returned (None if none); raises its error."""
     pending, self.pending = self.pending, None
     return None if pending is None else pending.result()
+
+  def shutdown(self) -> None:
+    """Stops the thread once a save running has returned; nothing more can be submitted."""
+    self.pool.shutdown()
