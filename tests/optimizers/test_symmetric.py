@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from bv_sharding.optimizers import symmetric
 
@@ -21,6 +23,55 @@ def test_packing_keeps_each_number_of_the_lower_triangle_once_and_gives_the_matr
   x = jax.random.normal(jax.random.key(b), (3, 2, b, b))
   s = x + jnp.swapaxes(x, -1, -2)  # A (3, 2) grid of symmetric blocks.
   np.testing.assert_array_equal(symmetric.unpack(symmetric.pack(s)), s)
+
+
+def _gather_pack(s, b):
+  """The layout as flat indices into a ``b x b`` matrix, read by a gather: a second, independent
+  construction of the module docstring's layout."""
+  n = b // 2
+  r, j = np.indices((b + 1, n))
+  below = (r >= 1) & (r - 1 >= j)
+  rows = np.where(below, (r - 1) * b + j, (n + j) * b + n + r).ravel()
+  index = np.concatenate([rows, np.zeros(n, int)]).reshape(n + 1, b)
+  return s.reshape(*s.shape[:-2], b * b)[..., index]
+
+
+def _gather_unpack(packed, b):
+  """Entry ``(i, j)`` of the matrix read from the slot of its lower-triangle twin."""
+  n = b // 2
+  i, j = np.indices((b, b))
+  high, low = np.maximum(i, j), np.minimum(i, j)
+  index = np.where(low < n, (high + 1) * n + low, (low - n) * n + high - n)
+  return packed.reshape(*packed.shape[:-2], -1)[..., index]
+
+
+@pytest.mark.parametrize("b, lead", [(4, ()), (6, (3,)), (256, (2, 1, 3))])
+def test_packing_moves_the_same_numbers_as_a_gather_of_the_layout(b, lead):
+  x = np.asarray(jax.random.normal(jax.random.key(b), (*lead, b, b)))
+  s = x + np.swapaxes(x, -1, -2)
+  for m in (s, x):  # Only the lower triangle is read: a matrix that is not symmetric too.
+    np.testing.assert_array_equal(symmetric.pack(jnp.asarray(m)), _gather_pack(m, b))
+  packed = np.asarray(jax.random.normal(jax.random.key(1), (*lead, b // 2 + 1, b)))
+  np.testing.assert_array_equal(symmetric.unpack(jnp.asarray(packed)), _gather_unpack(packed, b))
+  np.testing.assert_array_equal(jax.jit(symmetric.unpack)(symmetric.pack(s)), s)
+
+
+def test_a_sharded_step_packs_and_unpacks_the_same_numbers_as_one_device():
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  b, stack, split = 64, P("data", None, "model"), P(None, None, ("data", "model"))
+  x = np.asarray(jax.random.normal(jax.random.key(0), (8, b, b)))
+  packed = np.asarray(jax.random.normal(jax.random.key(1), (8, b // 2 + 1, b)))
+  upper = np.swapaxes(_gather_unpack(packed, b), -1, -2) * np.tri(b, dtype=bool).T
+  cases = [
+      (symmetric.pack, x, _gather_pack(x, b)),
+      (symmetric.unpack, packed, _gather_unpack(packed, b)),
+      (symmetric.unpack_upper, packed, upper),
+  ]
+  for fn, arg, expected in cases:
+    for given, kept in [(stack, split), (split, stack)]:  # Stored split and a tile's split.
+      shard = lambda spec: NamedSharding(mesh, spec)
+      out = jax.jit(fn, out_shardings=shard(kept))(jax.device_put(arg, shard(given)))
+      np.testing.assert_array_equal(out, expected)
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 5])
