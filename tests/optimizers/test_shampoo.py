@@ -224,6 +224,7 @@ def test_params_with_a_dim_over_the_limit_step_along_the_graft_alone():
     for k, tx in enumerate((limited, unlimited, never)):
       out, states[k] = jax.jit(tx.update)(grads, states[k])
       outs.append(out)
-  np.testing.assert_allclose(outs[0]["head"], outs[2]["head"], rtol=1e-6)
+  # Two programs, each rounded its own way: the graft alike within float32 noise.
+  np.testing.assert_allclose(outs[0]["head"], outs[2]["head"], rtol=1e-5)
   assert float(jnp.max(jnp.abs(outs[1]["head"] - outs[2]["head"]))) > 1e-3  # Preconditioned.
   np.testing.assert_allclose(outs[0]["w"], outs[1]["w"], atol=1e-6)  # Stacked apart.
