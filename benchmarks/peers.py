@@ -37,6 +37,7 @@ os.environ.setdefault(*ONE_BLAS_THREAD)
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import io
 import itertools
@@ -58,6 +59,7 @@ from benchmarks.throughput import init_state
 from benchmarks.timing import WARMUP, seconds_per_step
 from bv_sharding import optimizers
 from bv_sharding.optimizers import matrix_dims
+from bv_sharding.optimizers.muon import ADAM_LEAVES
 from trainers import build, steps
 from trainers.input import batching
 from trainers.settings import cli
@@ -276,12 +278,14 @@ MUON = {
 
 def optax_muon(stacked) -> dict:
   """optax.contrib.muon's arguments: :data:`MUON`, and ours' matrices (every leaf of 2 or more
-  dims but norm scales and biases, a stacked leaf one matrix per layer)."""
+  dims but norm scales, biases and the embedding and head, a stacked leaf one matrix per
+  layer)."""
   del stacked  # matrix_dims reads each leaf's dims.
   adam = {"adam_eps_root": 0.0, "adam_weight_decay": 0.0}
   variant = {"adaptive": False, "preconditioning": "frobenius", "mu_dtype": DTYPE}
   decay = {"weight_decay": 0.0, "weight_decay_mask": None}
-  return {**MUON, **adam, **variant, **decay, "muon_weight_dimension_numbers": matrix_dims}
+  dims = functools.partial(matrix_dims, adam_leaves=ADAM_LEAVES)
+  return {**MUON, **adam, **variant, **decay, "muon_weight_dimension_numbers": dims}
 
 
 PAIRS = {
@@ -294,7 +298,7 @@ PAIRS = {
         precondition_opt,
         by_layer=True,
     ),
-    "muon": Pair("muon", MUON, optax.contrib.muon, optax_muon),
+    "muon": Pair("muon", {**MUON, "adam_leaves": ADAM_LEAVES}, optax.contrib.muon, optax_muon),
 }
 
 
