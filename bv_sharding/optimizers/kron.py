@@ -104,7 +104,7 @@ from bv_sharding.optimizers.draws import TileNormal
 from bv_sharding.optimizers.layout import ParamLayout, stacked_leaves
 from bv_sharding.optimizers.placement import Stacks, Tiling
 from bv_sharding.optimizers.pools import Resident
-from bv_sharding.optimizers.tensor_ops import gram_along, matmul_along
+from bv_sharding.optimizers.tensor_ops import gram_along
 from bv_sharding.optimizers.tiles import ShardBlocks
 
 _PRNG_SEED = 5318008  # psgd-jax's seed, kept so trajectories match it.
@@ -217,11 +217,24 @@ def scaled_at_birth(qs: list[jax.Array], x: jax.Array) -> list[jax.Array]:
   return [jnp.where(born, f.astype(q.dtype), q) for f, q in zip(fresh, qs)]
 
 
-def _apply_along(x: jax.Array, axis: int, q: jax.Array) -> jax.Array:
-  """Multiplies ``x`` by ``q`` along ``axis`` (diagonal ``q`` is elementwise)."""
+def _apply_along(x: jax.Array, axis: int, q: jax.Array, transposed: bool = False) -> jax.Array:
+  """Multiplies ``x`` by ``q`` (``q^T`` where ``transposed``) along ``axis`` (diagonal ``q`` is
+  elementwise): ``y[..i..] = q[i, j] x[..j..]``. One contraction whose operands come in the
+  order that leaves the result's dims in place on the first and the last axis, and ``q^T``
+  read by contracting ``q``'s rows: no transpose of ``q`` or of the result is materialised.
+
+  Example:
+      >>> x, q = jnp.arange(6.0).reshape(2, 3), jnp.arange(9.0).reshape(3, 3)
+      >>> [bool((y == want).all()) for y, want in (
+      ...     (_apply_along(x, 1, q), x @ q.T), (_apply_along(x, 1, q, transposed=True), x @ q))]
+      [True, True]
+  """
   if q.ndim == 1:
     return x * jnp.expand_dims(q, range(1, x.ndim - axis))
-  return matmul_along(x, axis, q)
+  contracted = 0 if transposed else 1  # The dim of q that meets x's axis.
+  if axis == 0:
+    return jnp.tensordot(q, x, axes=(contracted, 0))
+  return jnp.moveaxis(jnp.tensordot(x, q, axes=(axis, contracted)), -1, axis)
 
 
 def triangular_inverse(q: jax.Array, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
@@ -294,7 +307,7 @@ def _solve_along(x: jax.Array, axis: int, q: jax.Array, by_inverse: bool = False
   if q.ndim == 1:
     return x / jnp.expand_dims(q, range(1, x.ndim - axis))
   if by_inverse:
-    return matmul_along(x, axis, triangular_inverse(q, None).T.astype(x.dtype))
+    return _apply_along(x, axis, triangular_inverse(q, None).astype(x.dtype), transposed=True)
   moved = jnp.moveaxis(x, axis, -1)
   flat = moved.reshape(-1, moved.shape[-1]).astype(q.dtype)
   solved = jax.lax.linalg.triangular_solve(q, flat, left_side=False, lower=False)
@@ -391,7 +404,7 @@ def precondition(qs: list[jax.Array], g: jax.Array) -> jax.Array:
   out = _as_vector(g)
   for axis, q in enumerate(qs):
     q = _as_vector(q)
-    out = _apply_along(_apply_along(out, axis, q), axis, q.T)
+    out = _apply_along(_apply_along(out, axis, q), axis, q, transposed=True)
   return out.reshape(g.shape)
 
 
@@ -562,34 +575,76 @@ class _Settings:
   resident_padding: float = 0.0
 
 
-def _fit_and_precondition(qs, momentum, target, probe, do_update, do_balance, stacked, settings):
-  """One param's (or block stack's) Kron step: balance and fit the Qs on ``target``
-  with ``probe``, keep the fit where ``do_update``, precondition ``momentum``.
+def _fit_and_precondition(stored, momentum, target, probe, scalars, stacked, settings):
+  """One param's (or block stack's) Kron step: balance and fit the Qs on ``target`` plus
+  damping times ``probe``, keep the fit where ``do_update``, precondition ``momentum``:
+  ``(the Qs as stored, the direction)``.
 
-  ``stacked``: the Qs are stacks (scanned layers or blocks); ``settings``: a
-  :class:`_Settings`. Stacked Qs solve with :func:`triangular_inverse`: jaxlib spreads a
-  batched LAPACK solve over XLA's CPU thread pool and waits, which deadlocks when
-  several (simulated) devices hold the pool's threads. Stacked Qs are fitted only on update
-  steps, under ``lax.cond`` where that is safe (:func:`~bv_sharding.optimizers.gating.cond`).
+  ``stored``: the Qs as stored (a tile's triangular ones packed, :func:`_unpacked`);
+  ``scalars``: (damping, do_update, do_balance); ``stacked``: the Qs are stacks (scanned
+  layers or blocks); ``settings``: a :class:`_Settings`. Stacked Qs solve with
+  :func:`triangular_inverse`: jaxlib spreads a batched LAPACK solve over XLA's CPU thread
+  pool and waits, which deadlocks when several (simulated) devices hold the pool's threads.
+  Stacked Qs are born and fitted under ``lax.cond`` where that is safe
+  (:func:`~bv_sharding.optimizers.gating.cond`), the Qs passing through it as stored and the
+  fit's target formed inside: a step that neither sets nor fits them reads them once, to
+  precondition, and forms no target.
   """
+  damping, do_update, do_balance = scalars
   vmapped = lambda fn: jax.vmap(fn) if stacked else fn
   if settings.preconditioner_init_scale is None:  # Born Qs (zero) set from their momentum.
-    first = qs[0].reshape(qs[0].shape[0] if stacked else 1, -1)[:, 0]  # Each tile's Q[0, 0].
-    qs = gating.cond(jnp.any(first == 0), vmapped(scaled_at_birth), lambda q, _: q, qs, momentum)
+    born = lambda st, m: _repacked(vmapped(scaled_at_birth)(_unpacked(st), m), st)
+    first = _first_entries(stored[0], stacked)
+    stored = gating.cond(jnp.any(first == 0), born, lambda st, _: list(st), stored, momentum)
 
-  def fitted(qs):
+  def fitted(stored, target, probe):
+    qs = _unpacked(stored)
     start = gating.cond(do_balance, vmapped(balance_qs), list, qs)  # 1 step in 100.
     with jax.default_matmul_precision(settings.precond_update_precision):
       fit = functools.partial(update_qs, lr=settings.preconditioner_lr, solve_by_inverse=stacked)
-      return [n.astype(o.dtype) for n, o in zip(vmapped(fit)(start, target, probe), qs)]
+      new = vmapped(fit)(start, _damped(target, probe, damping), probe)
+    return _repacked([n.astype(o.dtype) for n, o in zip(new, qs)], stored)
 
   if stacked:  # Matmuls alone: under lax.cond where that is safe, as psgd-jax fits.
-    qs = gating.cond(do_update, fitted, list, qs)
+    stored = gating.cond(do_update, fitted, lambda st, *_: list(st), stored, target, probe)
   else:
-    qs = [jnp.where(do_update, n, o) for n, o in zip(fitted(qs), qs)]
+    new = fitted(stored, target, probe)
+    stored = [jnp.where(do_update, n, o) for n, o in zip(new, stored)]
   with jax.default_matmul_precision(settings.precond_grads_precision):
-    direction = vmapped(precondition)(qs, momentum)
-  return qs, direction
+    direction = vmapped(precondition)(_unpacked(stored), momentum)
+  return stored, direction
+
+
+def _unpacked(stored: list[jax.Array]) -> list[jax.Array]:
+  """Qs as stored, each triangular one of a tile's stack packed (``(n, b / 2 + 1, b)``,
+  :func:`~bv_sharding.optimizers.symmetric.pack_upper`), as matrices (the others as they are).
+
+  Example:
+      >>> stored = [symmetric.pack_upper(jnp.eye(4)[None]), jnp.ones((1, 3))]
+      >>> [q.shape for q in _unpacked(stored)]
+      [(1, 4, 4), (1, 3)]
+  """
+  return [symmetric.unpack_upper(q) if q.ndim == 3 else q for q in stored]
+
+
+def _repacked(qs: list[jax.Array], stored: list[jax.Array]) -> list[jax.Array]:
+  """``qs`` in the form of ``stored`` (:func:`_unpacked`'s inverse): packed where it is."""
+  return [q if q.shape == s.shape else symmetric.pack_upper(q) for q, s in zip(qs, stored)]
+
+
+def _first_entries(q: jax.Array, stacked: bool) -> jax.Array:
+  """Each tile's (or layer's) ``Q[0, 0]`` of a stored first Q (``(1,)`` if not ``stacked``),
+  zero where it is born: a packed stack's last slot, one of the copies of the first number
+  that :func:`~bv_sharding.optimizers.symmetric.pack` keeps there (read without unpacking).
+
+  Example:
+      >>> q = jnp.triu(jnp.arange(1.0, 17.0).reshape(4, 4))
+      >>> _first_entries(symmetric.pack_upper(q)[None], True).tolist()
+      [1.0]
+  """
+  if stacked and q.ndim == 3 and q.shape[-2] != q.shape[-1]:
+    return q[:, -1, -1]
+  return q.reshape(q.shape[0] if stacked else 1, -1)[:, 0]
 
 
 def _damped(target: jax.Array, probe: jax.Array, damping: jax.Array) -> jax.Array:
@@ -601,14 +656,13 @@ def _damped(target: jax.Array, probe: jax.Array, damping: jax.Array) -> jax.Arra
 def _fit_blocks(arrays, stacks, damping, *flags, own_target: bool, settings):
   """:func:`_fit_and_precondition` on block stacks, as
   :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it: ``arrays`` (momentum, [target,]
-  probe), ``stacks`` (the Qs) and the fit's target formed here."""
+  probe) and ``stacks`` (the Qs, a tile's triangular ones packed:
+  :func:`~bv_sharding.optimizers.symmetric.pack_upper`, ``(n, b / 2 + 1, b)``)."""
   m, *t, v = arrays
-  (stored,) = stacks  # A tile's triangular Qs packed (symmetric.pack_upper): (n, b / 2 + 1, b).
-  qs = [symmetric.unpack_upper(q) if q.ndim == 3 else q for q in stored]
-  fit = (qs, m, _damped(t[0] if own_target else m, v, damping), v)
-  new_qs, direction = _fit_and_precondition(*fit, *flags, True, settings)
-  kept = lambda new, old: new if new.shape == old.shape else symmetric.pack_upper(new)
-  return [direction], [[kept(n, s) for n, s in zip(new_qs, stored)]]
+  (stored,) = stacks
+  target = t[0] if own_target else m
+  new, direction = _fit_and_precondition(stored, m, target, v, (damping, *flags), True, settings)
+  return [direction], [new]
 
 
 def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, settings):
@@ -621,10 +675,9 @@ def _kron_leaf(qs, momentum, target, probe, scalars, blocks, stacked, fit, setti
   ``damping`` times the probe, formed where the blocks are, so that only the momentum,
   the probe and (when it is not the momentum) the target reach them.
   """
-  damping, *flags = scalars
   if blocks is None:
-    fitted = (qs, momentum, _damped(target, probe, damping), probe)
-    return _fit_and_precondition(*fitted, *flags, stacked, settings)
+    return _fit_and_precondition(qs, momentum, target, probe, scalars, stacked, settings)
+  damping, *flags = scalars
   own_target = fit.keywords["own_target"]
   arrays = [momentum, target, probe] if own_target else [momentum, probe]
   do_update = flags[0]
