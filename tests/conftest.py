@@ -109,8 +109,26 @@ def longest_first(items: list) -> list:
   return [item for tests in ordered for item in tests]
 
 
-def pytest_collection_modifyitems(items):
+def grouped(item) -> None:
+  """Tags ``item``'s node id with its ``xdist_group`` (``<id>@<group>``), which pytest-xdist's
+  ``--dist loadgroup`` scheduler reads to send a group to one worker. pytest-xdist sets that tag
+  where pytest 9.2's structured node ids no longer take it (pytest-xdist issue 1386): each
+  group's tests went to both workers, and both made the module fixture they share.
+
+  Example: ``grouped(item)`` on a worker; ``item.nodeid`` then ends in ``@layout-runs``.
+  """
+  marks = item.iter_markers("xdist_group")
+  names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+  tag = "@" + "_".join(names)
+  if names and hasattr(item, "_id") and not item.nodeid.endswith(tag):
+    item._id = type(item._id).parse(item.nodeid + tag)
+
+
+def pytest_collection_modifyitems(config, items):
   items[:] = longest_first(items)
+  if getattr(config.option, "loadgroup", False):  # A pytest-xdist worker under loadgroup.
+    for item in items:
+      grouped(item)
 
 
 def pytest_unconfigure(config):
