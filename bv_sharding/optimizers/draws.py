@@ -121,18 +121,41 @@ def pooled(
   order, padded to ``total`` with copies of the last tile's key, padding zero; ``place``
   constrains the keys and the draws to the pool's layout, so each device draws its own.
   """
+  return place(from_tables(pooled_tables(members, total, place), *pooled_like(members)))
+
+
+def pooled_tables(
+    members: Sequence[tuple[TileNormal, ShardBlocks]],
+    total: int,
+    place: Callable[[jax.Array], jax.Array],
+) -> tuple:
+  """What :func:`pooled` draws its tiles from, one row per slot (split like them, so that a
+  device draws its own slots' tiles with :func:`from_tables`, where and when it reads them):
+  their keys (placed by ``place``), extents inside their params, and whether each is turned
+  (None where none is)."""
   order = [_probe_order(probe, b) for probe, b in members]
   # Padded in the tables (constants), not in the keys: padding a split array moves its edge.
   keys = place(_tile_keys(members, order, total))
   pad = lambda x: np.pad(x, [(0, total - len(x))] + [(0, 0)] * (x.ndim - 1), mode="edge")
   valid = pad(np.concatenate([_valid(blocks) for _, blocks in members]))
-  sizes, dtype = members[0][1].sizes, members[0][0].dtype
-  drawn = _normals(keys, sizes, dtype)
   turned = pad(np.repeat([probe.turned for probe, _ in members], [len(o) for o in order]))
-  if turned.any():  # A turned tile is its own draw transposed (a draw's values fill it flat).
-    flipped = drawn.reshape(total, *sizes[::-1]).swapaxes(1, 2)
+  return keys, jnp.asarray(valid), jnp.asarray(turned) if turned.any() else None
+
+
+def from_tables(tables: tuple, sizes: tuple[int, ...], dtype) -> jax.Array:
+  """The tiles of :func:`pooled_tables`' rows ``tables`` (all of them, or a device's)."""
+  keys, valid, turned = tables
+  drawn = _normals(keys, sizes, dtype)
+  if turned is not None:  # A turned tile is its own draw transposed (a draw's values fill it flat).
+    flipped = drawn.reshape(len(keys), *sizes[::-1]).swapaxes(1, 2)
     drawn = jnp.where(turned.reshape(-1, 1, 1), flipped, drawn)
-  return place(_inside(drawn, valid))
+  return _inside(drawn, valid)
+
+
+def pooled_like(members: Sequence[tuple[TileNormal, ShardBlocks]]) -> tuple:
+  """The tile shape and dtype of the probes of ``members``: :func:`from_tables`' last
+  arguments."""
+  return members[0][1].sizes, members[0][0].dtype
 
 
 def in_shards(members: Sequence[tuple[TileNormal, ShardBlocks]], keys: jax.Array) -> jax.Array:

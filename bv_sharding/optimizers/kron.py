@@ -581,14 +581,15 @@ def _fit_and_precondition(stored, momentum, target, probe, scalars, stacked, set
   ``(the Qs as stored, the direction)``.
 
   ``stored``: the Qs as stored (a tile's triangular ones packed, :func:`_unpacked`);
+  ``probe``: an array, or a function that draws it (called in the fit alone);
   ``scalars``: (damping, do_update, do_balance); ``stacked``: the Qs are stacks (scanned
   layers or blocks); ``settings``: a :class:`_Settings`. Stacked Qs solve with
   :func:`triangular_inverse`: jaxlib spreads a batched LAPACK solve over XLA's CPU thread
   pool and waits, which deadlocks when several (simulated) devices hold the pool's threads.
   Stacked Qs are born and fitted under ``lax.cond`` where that is safe
   (:func:`~bv_sharding.optimizers.gating.cond`), the Qs passing through it as stored and the
-  fit's target formed inside: a step that neither sets nor fits them reads them once, to
-  precondition, and forms no target.
+  fit's target formed (and a probe given as a function drawn) inside: a step that neither
+  sets nor fits them reads them once, to precondition, and draws and forms nothing else.
   """
   damping, do_update, do_balance = scalars
   vmapped = lambda fn: jax.vmap(fn) if stacked else fn
@@ -597,21 +598,23 @@ def _fit_and_precondition(stored, momentum, target, probe, scalars, stacked, set
     first = _first_entries(stored[0], stacked)
     stored = gating.cond(jnp.any(first == 0), born, lambda st, _: list(st), stored, momentum)
 
-  def fitted(stored, target, probe):
-    qs = _unpacked(stored)
+  def fitted(stored, target):
+    qs, v = _unpacked(stored), probe() if callable(probe) else probe
     start = gating.cond(do_balance, vmapped(balance_qs), list, qs)  # 1 step in 100.
     with jax.default_matmul_precision(settings.precond_update_precision):
       fit = functools.partial(update_qs, lr=settings.preconditioner_lr, solve_by_inverse=stacked)
-      new = vmapped(fit)(start, _damped(target, probe, damping), probe)
-    return _repacked([n.astype(o.dtype) for n, o in zip(new, qs)], stored)
+      new = vmapped(fit)(start, _damped(target, v, damping), v)
+    new = [n.astype(o.dtype) for n, o in zip(new, qs)]
+    return _repacked(new, stored), new
 
   if stacked:  # Matmuls alone: under lax.cond where that is safe, as psgd-jax fits.
-    stored = gating.cond(do_update, fitted, lambda st, *_: list(st), stored, target, probe)
+    kept = lambda st, _: (list(st), _unpacked(st))  # Each side gives the Qs unpacked, once.
+    stored, qs = gating.cond(do_update, fitted, kept, stored, target)
   else:
-    new = fitted(stored, target, probe)
-    stored = [jnp.where(do_update, n, o) for n, o in zip(new, stored)]
+    new, _ = fitted(stored, target)
+    stored = qs = [jnp.where(do_update, n, o) for n, o in zip(new, stored)]
   with jax.default_matmul_precision(settings.precond_grads_precision):
-    direction = vmapped(precondition)(_unpacked(stored), momentum)
+    direction = vmapped(precondition)(qs, momentum)
   return stored, direction
 
 
@@ -656,7 +659,7 @@ def _damped(target: jax.Array, probe: jax.Array, damping: jax.Array) -> jax.Arra
 def _fit_blocks(arrays, stacks, damping, *flags, own_target: bool, settings):
   """:func:`_fit_and_precondition` on block stacks, as
   :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it: ``arrays`` (momentum, [target,]
-  probe) and ``stacks`` (the Qs, a tile's triangular ones packed:
+  probe: drawn where it runs, a function that draws it) and ``stacks`` (the Qs, a tile's triangular ones packed:
   :func:`~bv_sharding.optimizers.symmetric.pack_upper`, ``(n, b / 2 + 1, b)``)."""
   m, *t, v = arrays
   (stored,) = stacks

@@ -27,8 +27,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -451,6 +452,13 @@ class _Pool:
 
     return jnp.concatenate([pieces(self.ins[i]) for i in self.bundles_in[bundle]], axis=-1)
 
+  def drawing(self, j: int, tables: tuple) -> Callable[[], jax.Array]:
+    """A function that draws the tiles of probe ``j`` from a device's rows of its tables
+    (:func:`~bv_sharding.optimizers.draws.pooled_tables`): ``fn`` calls it where it reads the
+    probe, so a step that does not (Kron's between its fits) draws nothing."""
+    like = draws.pooled_like([(r.arrays[j], r.blocks) for r in self.ordered])
+    return functools.partial(draws.from_tables, tables, *like)
+
   def inner(self, bundles, probes, per_block, start, count, span, held=None) -> tuple:
     """One device's work on its ``count`` slots, the first at ``start`` in the pool's order
     (``span``: the least start and the most end any device has; past the tiles is padding),
@@ -465,7 +473,7 @@ class _Pool:
     chosen = lambda options: _chosen(kinds, options)
     got = _unbundled(self.ins, self.bundles_in, bundles)
     tiles = [
-        probes[j]
+        self.drawing(j, probes[j])
         if j in self.drawn
         else chosen([from_pieces(got[("array", j)], layout) for layout in self.kinds])
         for j in range(len(self.read_when))
@@ -589,12 +597,9 @@ def _run(pool: _Pool, rider: _Pool | None, seats: Seats) -> list[tuple[list, lis
       )
       for b, members in enumerate(pool.bundles_in)
   ]
+  # The probes' tables: each device draws its slots' tiles in the body, where its work reads them.
   probes = {
-      j: draws.pooled(
-          [(r.arrays[j], r.blocks) for r in pool.ordered],
-          total,
-          pool.hold,
-      )
+      j: draws.pooled_tables([(r.arrays[j], r.blocks) for r in pool.ordered], total, pool.hold)
       for j in pool.drawn
   }
   rider_per_block = [] if rider is None else rider.per_block

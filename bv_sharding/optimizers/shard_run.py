@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -55,6 +56,11 @@ class BlockRun(NamedTuple):
   (:func:`~bv_sharding.optimizers.pools.run_pool`; on CPU devices every step, the flag
   picking: :mod:`~bv_sharding.optimizers.gating`). Kron's fit, on its update steps, is
   one.
+
+  An array that is a :class:`~bv_sharding.optimizers.draws.TileNormal` (a probe) and that
+  the runner draws where the blocks run reaches ``fn`` as a function that draws its blocks:
+  ``fn`` calls it where it reads them, so a step that does not (Kron's between its fits, under
+  ``lax.cond``) draws nothing. Drawn elsewhere, it reaches ``fn`` as its blocks.
 
   ``turnable``: ``fn`` does the same work on a 2-D tile's transpose when each entry of
   ``stacks`` is a list of per-dim factor stacks and that list is reversed (Kron's and
@@ -124,7 +130,8 @@ def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
   run passes as the same object stays a scalar; others reach ``fn`` as one value per block.
 
   A probe that is a :class:`~bv_sharding.optimizers.draws.TileNormal` in every run is drawn
-  here, each device its own tiles (:func:`~bv_sharding.optimizers.draws.in_shards`).
+  here, each device its own tiles (:func:`~bv_sharding.optimizers.draws.in_shards`), when
+  ``fn`` calls it (see :class:`BlockRun`).
 
   Example:
       >>> mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -150,7 +157,9 @@ def run_together(runs: Sequence[BlockRun]) -> list[tuple[list[jax.Array], Any]]:
         for r, s in zip(runs, stacks)
     ]
     counts = [math.prod(r.blocks.per_shard) for r in runs]
-    drawn = lambda j: draws.in_shards([(r.arrays[j], r.blocks) for r in runs], keys)
+    drawn = lambda j: functools.partial(
+        draws.in_shards, [(r.arrays[j], r.blocks) for r in runs], keys
+    )
     values = [
         v
         if same
@@ -255,7 +264,7 @@ def _run_owned(blocks: ShardBlocks, fn: Callable, arrays, stacks, scalars):
   probes = [j for j, x in enumerate(arrays) if isinstance(x, draws.TileNormal)]
   keys = arrays[probes[0]].keys if probes else None
   owned = lambda j, x, keys: (
-      draws.in_shards([(arrays[j], blocks)], keys)
+      functools.partial(draws.in_shards, [(arrays[j], blocks)], keys)
       if j in probes
       else to_owners(blocks.split(x, local=True))
   )
