@@ -24,6 +24,8 @@ from bv_sharding.optimizers import rebirth
 from bv_sharding.optimizers.rebirth import MOVING, REFILLED, leaf_names
 from trainers.optimizers import BuiltOptimizer, make_schedule, registry
 
+# One pytest-xdist worker runs the module: it makes `runs` (ten optimizers jitted) once.
+pytestmark = pytest.mark.xdist_group("rebirth-runs")
 PARAMS = {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jnp.full(6, 0.5, jnp.float32)}
 SIGNAL = jax.tree.map(lambda p: jnp.cos(3.0 * p), PARAMS)
 SCHEDULE = {"total_steps": 40, "warmup_steps": 2}
