@@ -123,11 +123,14 @@ BETWEEN_FITS = {"kron": 1.05, "shampoo": 1.09, "soap": 1.16}
 # Shampoo at update_preconditioners_freq 10, in groups of tiles (each stack's due roots computed
 # in a loop, gathered, under a cond; 2026-12-07): shampoo 2.26x (2.17x at freq 1),
 # shampoo:local 2.89x. Kron's inverse unrolled (its loop's carry was copied each turn on a TPU) and
-# its balance under a cond of its own (2026-12-07): kron 2.64x.
+# its balance under a cond of its own (2026-12-07): kron 2.64x. Symmetric matrices packed by
+# slices and masks instead of a gather (on a TPU v5e 11x faster to pack, 3x to unpack) and Kron's
+# Qs kept packed through its conds, its probes drawn under the fit's cond (2026-12-07): kron
+# 2.79x (4.68x local).
 KERNELS = {
-    "kron:local": 4.41,
+    "kron:local": 4.68,
     "shampoo:local": 2.89,
-    "kron": 2.64,
+    "kron": 2.79,
     "shampoo": 2.26,
     "muon": 1.64,
     "soap": 2.36,
