@@ -526,20 +526,20 @@ def kill_after_checkpoint(process, run: str, step: int):
 
 @pytest.mark.timeout(600)
 def test_kill_then_resume_in_a_bucket_is_exact(emulator):
-  run, total = f"gs://{BUCKET}/run", 30
+  run, total = f"gs://{BUCKET}/run", 60
   cmd = [sys.executable, "-m", "trainers.train", f"--workdir={run}", "--config=configs/lm.py"]
-  cmd += [*quick_lm(total, 1, 1000, 1), "--config.ckpt_steps=10", "--workdir_lease=1"]
+  cmd += [*quick_lm(total, 1, 1000, 1), "--config.ckpt_steps=20", "--workdir_lease=1"]
   env = environment(**emulator)
   log = open(os.environ.get("BV_BUCKET_LOG", os.devnull), "w")
   first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-  STORED.append(kill_after_checkpoint(first, "run", 10))
+  STORED.append(kill_after_checkpoint(first, "run", 20))
   try:
     first.wait(timeout=400)
   finally:
     STORED.clear()
   assert first.returncode == -signal.SIGKILL, "the run ended first"
   killed = _steps(f"{run}/metrics.jsonl")
-  assert 10 < max(killed) < 20, "killed outside the steps after checkpoint 10"
+  assert 20 < max(killed) < 40, "killed outside the steps after checkpoint 20"
   while True:  # The killed run's lock stays until its 1 s lease lapses.
     try:
       lock.check_free(run)
