@@ -59,7 +59,6 @@ from benchmarks.throughput import init_state
 from benchmarks.timing import WARMUP, seconds_per_step
 from bv_sharding import optimizers
 from bv_sharding.optimizers import matrix_dims
-from bv_sharding.optimizers.muon import ADAM_LEAVES
 from trainers import build, steps
 from trainers.input import batching
 from trainers.settings import cli
@@ -262,6 +261,8 @@ def _distributed_shampoo_extras() -> dict:
   }
 
 
+# The leaves both sides train with Adam: the embedding and the head (ours' default).
+ADAM_LEAVES = "embed|embedding|pos_embedding|lm_head|head"
 MUON = {
     "ns_coeffs": (3.4445, -4.775, 2.0315),
     "ns_steps": 5,

@@ -126,12 +126,12 @@ BETWEEN_FITS = {"kron": 1.05, "shampoo": 1.09, "soap": 1.16}
 # its balance under a cond of its own (2026-12-07): kron 2.64x. Symmetric matrices packed by
 # slices and masks instead of a gather (on a TPU v5e 11x faster to pack, 3x to unpack) and Kron's
 # Qs kept packed through its conds, its probes drawn under the fit's cond (2026-12-07): kron
-# 2.79x (4.68x local).
+# 2.79x (4.68x local), shampoo 2.30x (2.95x local).
 KERNELS = {
     "kron:local": 4.68,
-    "shampoo:local": 2.89,
+    "shampoo:local": 2.95,
     "kron": 2.79,
-    "shampoo": 2.26,
+    "shampoo": 2.30,
     "muon": 1.64,
     "soap": 2.36,
 }
