@@ -6,7 +6,7 @@ probe: tile ``t`` of the param's tile grid (row-major over
 ``jax.random.normal(jax.random.fold_in(key, t), tile)``, zero past the param's edges, and a
 param of one tile draws ``jax.random.normal(key, shape)``, as psgd-jax does. The values depend
 on the key and the tiles alone, never on the mesh. A pool draws its members' tiles in its own
-layout, each device its own (:func:`pooled`), and so do shard-local blocks and the owners of
+layout, each device its own (:func:`pooled_tables`, :func:`from_tables`), and so do shard-local blocks and the owners of
 tiles that span shards (:func:`in_shards`): the probe never crosses the wire. Blocks computed
 on global arrays, or on a never-sharded param's dealt pieces, take it param-shaped
 (:func:`wholes`).
@@ -16,7 +16,8 @@ Example:
     >>> blocks = ShardBlocks((6, 4), (1, 1), block_size=4)  # two tiles, the second half padding
     >>> probe = TileNormal(jax.random.split(jax.random.PRNGKey(0), 1), 0, jnp.float32)
     >>> [whole] = wholes([(probe, blocks)])
-    >>> tiles = pooled([(probe, blocks)], 2, lambda x: x)
+    >>> tables = pooled_tables([(probe, blocks)], 2, lambda x: x)
+    >>> tiles = from_tables(tables, *pooled_like([(probe, blocks)]))
     >>> bool((blocks.split(whole) == tiles).all()), float(abs(tiles[1, 2:]).sum())
     (True, 0.0)
 """
@@ -112,27 +113,16 @@ def drawn_whole(runs: Sequence, keep: set[tuple[int, int]] = frozenset()) -> lis
   return [run._replace(arrays=arrays[i]) if i in arrays else run for i, run in enumerate(runs)]
 
 
-def pooled(
-    members: Sequence[tuple[TileNormal, ShardBlocks]],
-    total: int,
-    place: Callable[[jax.Array], jax.Array],
-) -> jax.Array:
-  """The tiles of ``members`` (pooled blocks of one tile shape), one after another in run
-  order, padded to ``total`` with copies of the last tile's key, padding zero; ``place``
-  constrains the keys and the draws to the pool's layout, so each device draws its own.
-  """
-  return place(from_tables(pooled_tables(members, total, place), *pooled_like(members)))
-
-
 def pooled_tables(
     members: Sequence[tuple[TileNormal, ShardBlocks]],
     total: int,
     place: Callable[[jax.Array], jax.Array],
 ) -> tuple:
-  """What :func:`pooled` draws its tiles from, one row per slot (split like them, so that a
-  device draws its own slots' tiles with :func:`from_tables`, where and when it reads them):
-  their keys (placed by ``place``), extents inside their params, and whether each is turned
-  (None where none is)."""
+  """What the tiles of ``members`` (pooled blocks of one tile shape) are drawn from, one row per
+  slot in run order, padded to ``total`` with copies of the last tile's key (padding draws
+  zero): their keys (placed by ``place``, the pool's layout, so that each device draws its own
+  slots' tiles with :func:`from_tables` where and when it reads them), extents inside their
+  params, and whether each is turned (None where none is)."""
   order = [_probe_order(probe, b) for probe, b in members]
   # Padded in the tables (constants), not in the keys: padding a split array moves its edge.
   keys = place(_tile_keys(members, order, total))

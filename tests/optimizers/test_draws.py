@@ -11,10 +11,22 @@ from jax.sharding import PartitionSpec as P
 
 import bv_sharding as bvs
 from bv_sharding.optimizers import ParamLayout, kron
-from bv_sharding.optimizers.draws import TileNormal, in_shards, pooled, wholes
+from bv_sharding.optimizers.draws import (
+    TileNormal,
+    from_tables,
+    in_shards,
+    pooled_like,
+    pooled_tables,
+    wholes,
+)
 from bv_sharding.optimizers.tiles import ShardBlocks, shard_blocks
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def pooled(members, total, place):
+  """A pool's tiles of ``members``, drawn in its layout ``place`` as the pool draws them."""
+  return place(from_tables(pooled_tables(members, total, place), *pooled_like(members)))
 
 
 def test_a_pool_draws_the_whole_probes_tiles_in_place_with_no_collective():
