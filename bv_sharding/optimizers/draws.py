@@ -6,8 +6,9 @@ probe: tile ``t`` of the param's tile grid (row-major over
 ``jax.random.normal(jax.random.fold_in(key, t), tile)``, zero past the param's edges, and a
 param of one tile draws ``jax.random.normal(key, shape)``, as psgd-jax does. The values depend
 on the key and the tiles alone, never on the mesh. A pool draws its members' tiles in its own
-layout, each device its own (:func:`pooled_tables`, :func:`from_tables`), and so do shard-local blocks and the owners of
-tiles that span shards (:func:`in_shards`): the probe never crosses the wire. Blocks computed
+layout, each device its own (:func:`pooled_tables`, :func:`from_tables`), and so do
+shard-local blocks and the owners of tiles that span shards (:func:`in_shards`): the probe
+never crosses the wire. Blocks computed
 on global arrays, or on a never-sharded param's dealt pieces, take it param-shaped
 (:func:`wholes`).
 

@@ -659,8 +659,9 @@ def _damped(target: jax.Array, probe: jax.Array, damping: jax.Array) -> jax.Arra
 def _fit_blocks(arrays, stacks, damping, *flags, own_target: bool, settings):
   """:func:`_fit_and_precondition` on block stacks, as
   :func:`~bv_sharding.optimizers.blocked.run_blocked` calls it: ``arrays`` (momentum, [target,]
-  probe: drawn where it runs, a function that draws it) and ``stacks`` (the Qs, a tile's triangular ones packed:
-  :func:`~bv_sharding.optimizers.symmetric.pack_upper`, ``(n, b / 2 + 1, b)``)."""
+  probe: drawn where it runs, a function that draws it) and ``stacks`` (the Qs, a tile's
+  triangular ones packed: :func:`~bv_sharding.optimizers.symmetric.pack_upper`,
+  ``(n, b / 2 + 1, b)``)."""
   m, *t, v = arrays
   (stored,) = stacks
   target = t[0] if own_target else m

@@ -8,9 +8,10 @@ axes, one matrix per layer), scanned or not; the rest (vectors, scalars, norm sc
 and biases of any rank) train with Adam, in :func:`muon` and in :func:`scale_by_muon`
 alike. So do the input embedding and the output head, matrices or not (``adam_leaves``,
 :data:`ADAM_LEAVES`), as Muon's authors train them. On a ViT that reads: a 4-D conv
-kernel ``(kh, kw, in, out)`` is ``kh * kw`` matrices ``(in, out)``, one per filter tap; a 3-D attention kernel ``(in, heads,
-head_dim)`` is ``in`` matrices ``(heads, head_dim)`` and ``(heads, head_dim, out)`` one
-``(head_dim, out)`` matrix per head; a scanned ``(L, m, n)`` stack one matrix per layer.
+kernel ``(kh, kw, in, out)`` is ``kh * kw`` matrices ``(in, out)``, one per filter tap; a
+3-D attention kernel ``(in, heads, head_dim)`` is ``in`` matrices ``(heads, head_dim)`` and
+``(heads, head_dim, out)`` one ``(head_dim, out)`` matrix per head; a scanned ``(L, m, n)``
+stack one matrix per layer.
 
 Newton-Schulz needs whole matrices. Without a layout every device orthogonalises
 every matrix (GSPMD gathers them). With ``layout`` (the params' specs and mesh, see
